@@ -1,0 +1,5 @@
+import sys
+
+from thinkcraft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""The engine protocol every part of thinkcraft uses to talk to a language model.
+
+A `Batch` is either texts or token ids, with an optional shared `prefix` (instructions, few-shot) kept
+apart from the per-item suffixes so that an engine can prefill the prefix once and reuse its KV across
+the batch and across calls while it is unchanged. The full input of item i is `prefix + items[i]`
+(concatenated as text, or as token ids when the batch is tokenized).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from thinkcraft.utils.errors import UserError
+
+
+class EngineError(RuntimeError):
+    """An engine call failed (after its retries, where the engine retries)."""
+
+
+class EngineCapabilityError(UserError):
+    """The engine cannot do what was asked (e.g. hidden states from an OpenAI endpoint)."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    items: Sequence[str] | Sequence[Sequence[int]]
+    """Per-item suffixes: all texts, or all token-id lists."""
+    prefix: str | Sequence[int] | None = None
+    """Shared prefix (same type as the items), prepended to every item; reused across calls."""
+
+    @property
+    def is_tokens(self) -> bool:
+        return len(self.items) > 0 and not isinstance(self.items[0], str)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends when one appears; it is not included in `text`."""
+    n: int = 1
+    """Samples per item (GRPO groups); completions come back item-major: item0×n, item1×n, ..."""
+    seed: int | None = None
+    logprobs: bool = True
+    """Return the sampled tokens' log-probabilities (under the unmodified softmax at temperature 1)."""
+    thinking_budget: int | None = None
+    """For `<think>` models: after this many thinking tokens, close the thought and ask for the answer."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Generated token ids (what training uses: never re-tokenize `text`)."""
+    text: str
+    logprobs: list[float] | None
+    """Per generated token, log π(token) of the sampling policy; None if not requested/supported."""
+    finish_reason: Literal["stop", "length", "budget"] | str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    """Full prompt (prefix + item) token ids as the engine saw them, when known."""
+    thinking_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    hidden_states: bool
+    generate: bool
+    logprobs: bool
+    prefix_reuse: bool
+    weight_update: bool = False
+    """In-process weight sharing / update (the learner can change the weights it samples with)."""
+    hidden_size: int | None = None
+    num_layers: int | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def hidden_states(
+        self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last"
+    ) -> np.ndarray:
+        """(N, H) float32 hidden states of layer `layer` (negative counts from the top) pooled over each
+        item's suffix tokens ("last" = last real token; "mean" = mean over the item's own tokens).
+        Engines that live on a GPU may return a framework tensor via `hidden_states_device` instead."""
+        ...
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Side-effect helpers shared by every loop: atomic files, metrics, timing, progress, retries, plots."""

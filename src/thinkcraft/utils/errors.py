@@ -1,0 +1,20 @@
+"""User-facing errors: the CLI prints these as one clear message (no traceback) and exits 2."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input the user can fix (config, files, missing model/engine). Message says what to change."""
+
+
+class ConfigError(UserError, ValueError):
+    """An invalid config field; raised from `__post_init__`/`validate()` before anything compiles."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"--{field.replace('_', '-')}: {message}")
+
+
+def check(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field, message)

@@ -1,0 +1,117 @@
+"""Metrics sink: append-only JSONL (always) plus optional TensorBoard and Weights & Biases.
+
+Each record is one flat dict `{"step": env_steps, "time_s": ..., "<group>/<name>": value}`; names are
+grouped as in CleanRL (`episode/…`, `losses/…`, `timing/…`, `achievements/…`). JSONL lines are
+flushed per write, so a killed run keeps every complete line; `read_metrics` skips a torn last line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+
+def _to_float(v: Any) -> float | int | None:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (int, float)):
+        return v if not (isinstance(v, float) and math.isnan(v)) else None
+    return None
+
+
+class MetricsWriter:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        filename: str = "metrics.jsonl",
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / filename
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._t0 = time.time()
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # type: ignore
+            except Exception:
+                try:
+                    from tensorboardX import SummaryWriter  # type: ignore
+                except Exception as e:  # pragma: no cover - depends on extras
+                    raise RuntimeError(
+                        "tensorboard logging needs `pip install 'thinkcraft[tensorboard]'`"
+                    ) from e
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        if wandb_project:
+            try:
+                import wandb  # type: ignore
+            except ImportError as e:
+                raise RuntimeError("W&B logging needs `pip install 'thinkcraft[wandb]'`") from e
+            self._wandb = wandb.init(project=wandb_project, name=self.run_dir.name,
+                                     config=dict(config or {}), dir=str(self.run_dir))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        rec: dict[str, Any] = {"step": int(step), "time_s": round(time.time() - self._t0, 3)}
+        for k, v in metrics.items():
+            f = _to_float(v)
+            if f is not None:
+                rec[k] = f
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k not in ("step",):
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(rec, step=int(step))
+        return rec
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl, ignoring a torn (partially written) last line."""
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def truncate_metrics(path: str | os.PathLike, max_step: int) -> None:
+    """Drop records past `max_step` (used on resume so the file matches the checkpoint)."""
+    recs = [r for r in read_metrics(path) if r.get("step", 0) <= max_step]
+    from thinkcraft.utils.io import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in recs))
+
+
+def mean_or_nan(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
