@@ -71,3 +71,44 @@ async def retry_async(
                 raise
             await asyncio.sleep(policy.delay_s(attempt, retry_after(e)))
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --- HTTP classification shared by every client (engines, label providers) -------------------------
+
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+class HTTPStatusError(RuntimeError):
+    """A non-2xx answer, with what retry logic needs. Raised by thinkcraft's HTTP clients."""
+
+    def __init__(self, status: int, body: str = "", retry_after_s: float | None = None, url: str = "") -> None:
+        self.status = status
+        self.body = body
+        self.retry_after_s = retry_after_s
+        self.url = url
+        super().__init__(f"HTTP {status} from {url}: {body[:300]}")
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """`Retry-After` header in seconds (numeric form; HTTP-date form is rare for APIs and ignored)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def is_retryable_http(e: BaseException) -> bool:
+    """Timeouts, connection errors, 429 and 5xx are retried; 4xx (bad request, 401 bad key) are not."""
+    if isinstance(e, HTTPStatusError):
+        return e.status in RETRYABLE_STATUS
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError))
+
+
+def retry_after_of(e: BaseException) -> float | None:
+    return e.retry_after_s if isinstance(e, HTTPStatusError) else None
