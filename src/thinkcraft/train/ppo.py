@@ -1,0 +1,302 @@
+"""`thinkcraft train ppo`: PPO on Craftax with Craftax_Baselines' defaults, at least as fast.
+
+Outer loop (impure, short): compile once → repeat { jitted chunk of K updates → log → checkpoint }.
+Each chunk is one XLA call with the runner state donated, so there is no host sync inside a chunk and
+the progress bar/metrics/checkpoints cost nothing on the device's critical path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from thinkcraft.utils.errors import ConfigError, UserError, check
+
+SHAPE_FIELDS = (
+    "env_name", "num_envs", "num_steps", "num_minibatches", "update_epochs", "layer_width",
+    "optimistic_reset_ratio", "total_timesteps", "lr", "anneal_lr", "compute_dtype", "seed",
+    "updates_per_chunk",
+)
+
+
+@dataclass
+class PPOConfig:
+    """PPO on Craftax. Defaults equal Craftax_Baselines `ppo.py` except total_timesteps."""
+
+    env_name: str = "Craftax-Symbolic-v1"
+    """Craftax-Symbolic-v1 | Craftax-Classic-Symbolic-v1 | Craftax-Pixels-v1 | Craftax-Classic-Pixels-v1 (aliases: craftax, craftax-classic)."""
+    total_timesteps: int = 10_000_000
+    """Environment steps in all (Baselines' runs use 1e9). Sets the number of updates and the lr schedule."""
+    num_envs: int = 1024
+    """Parallel environments."""
+    num_steps: int = 64
+    """Steps per env per update (rollout length)."""
+    lr: float = 2e-4
+    """Adam learning rate."""
+    anneal_lr: bool = True
+    """Anneal the learning rate linearly to 0 over the run."""
+    update_epochs: int = 4
+    """Passes over each rollout batch."""
+    num_minibatches: int = 8
+    """Minibatches per epoch; must divide num_envs × num_steps."""
+    gamma: float = 0.99
+    """Discount."""
+    gae_lambda: float = 0.8
+    """GAE λ."""
+    clip_eps: float = 0.2
+    """PPO ratio clip (also clips the value update)."""
+    ent_coef: float = 0.01
+    """Entropy bonus coefficient."""
+    vf_coef: float = 0.5
+    """Value loss coefficient."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    layer_width: int = 512
+    """Width of the 3 hidden layers of the actor and of the critic."""
+    optimistic_reset_ratio: int = 16
+    """Fresh worlds generated per step = num_envs / ratio (Baselines: min(16, num_envs)); 1 = a fresh world for every env every step."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Matmul dtype of the networks (parameters stay float32). float32 = Baselines."""
+    seed: int = 0
+    """Random seed (parameters, env worlds, actions)."""
+    updates_per_chunk: int = 8
+    """PPO updates per jitted call; adjusted down to a divisor of the number of updates. Larger = fewer host round trips."""
+    run_name: str | None = None
+    """Run directory name under runs_dir (default: ppo-<env>-s<seed>-<time>)."""
+    runs_dir: str = "runs"
+    """Where run directories go."""
+    resume: str | None = None
+    """Continue the run in this directory from its last checkpoint (exactly, on CPU)."""
+    overwrite: bool = False
+    """Replace an existing run directory of the same name."""
+    checkpoint_every_updates: int = 0
+    """Checkpoint every N updates (0 = only by time and at the end)."""
+    checkpoint_every_minutes: float = 10.0
+    """Checkpoint at the first chunk end after this many minutes (0 = off)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (runs/<name>/tb)."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project."""
+    plot: bool = True
+    """Write runs/<name>/curve.png at the end."""
+    stop_after_updates: int = 0
+    """Stop (with a checkpoint) after this many updates in this session, to --resume later (0 = run to the end). For time-sliced jobs."""
+
+    def __post_init__(self) -> None:
+        from thinkcraft.envs.craftax import canonical_env_name
+
+        try:
+            self.env_name = canonical_env_name(self.env_name)
+        except UserError as e:
+            raise ConfigError("env_name", str(e)) from None
+        for f in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches",
+                  "layer_width", "updates_per_chunk"):
+            check(getattr(self, f) > 0, f, f"must be > 0, got {getattr(self, f)}")
+        check(self.total_timesteps >= self.batch_size, "total_timesteps",
+              f"{self.total_timesteps} is less than one update (num_envs × num_steps = {self.batch_size})")
+        check(self.batch_size % self.num_minibatches == 0, "num_minibatches",
+              f"num_envs × num_steps = {self.batch_size} is not divisible by {self.num_minibatches} minibatches")
+        r = self.optimistic_reset_ratio
+        check(r >= 1 and self.num_envs % min(r, self.num_envs) == 0, "optimistic_reset_ratio",
+              f"{r} must be >= 1 and divide num_envs={self.num_envs}")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(0 < self.gamma <= 1, "gamma", "must be in (0, 1]")
+        check(0 <= self.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]")
+        check(self.stop_after_updates >= 0, "stop_after_updates", "must be >= 0")
+        check(self.stop_after_updates % self.chunk_updates == 0, "stop_after_updates",
+              f"must be a multiple of the chunk size ({self.chunk_updates} updates) so that the run stops at a chunk end")
+        check(self.compute_dtype in ("float32", "bfloat16"), "compute_dtype", "float32 or bfloat16")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_timesteps // self.batch_size
+
+    @property
+    def reset_ratio(self) -> int:
+        return min(self.optimistic_reset_ratio, self.num_envs)
+
+    @property
+    def chunk_updates(self) -> int:
+        """Largest divisor of num_updates that is <= updates_per_chunk (fixed chunk size = one compile)."""
+        k = min(self.updates_per_chunk, self.num_updates)
+        while self.num_updates % k:
+            k -= 1
+        return k
+
+    def hyper(self):
+        from thinkcraft.rl.ppo import PPOHyper
+
+        return PPOHyper(self.gamma, self.gae_lambda, self.clip_eps, self.ent_coef, self.vf_coef,
+                        self.update_epochs, self.num_minibatches)
+
+
+def build(cfg: PPOConfig):
+    """Env, network, optimizer and the pure init function for a config (shared by train, eval, resume)."""
+    import jax.numpy as jnp
+
+    from thinkcraft.envs.craftax import make_env
+    from thinkcraft.rl.networks import ActorCritic
+    from thinkcraft.rl.ppo import make_optimizer
+
+    env = make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio)
+    network = ActorCritic(env.num_actions, cfg.layer_width,
+                          dtype=jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32)
+    tx = make_optimizer(cfg.lr, cfg.anneal_lr, cfg.max_grad_norm, cfg.num_updates, cfg.hyper())
+    return env, network, tx
+
+
+def episode_metrics(m: dict[str, Any], achievement_names: tuple[str, ...], max_return: float) -> dict[str, float]:
+    """Turn a chunk's episode sums into means (NaN-free: absent when no episode ended in the chunk)."""
+    out: dict[str, float] = {"episode/count": float(m["_episodes"])}
+    n = float(m["_episodes"])
+    if n > 0:
+        out["episode/return"] = float(m["_return_sum"]) / n
+        out["episode/length"] = float(m["_length_sum"]) / n
+        out["episode/return_pct_max"] = 100.0 * out["episode/return"] / max_return
+        rates = np.asarray(m["_achievement_counts"]) / n
+        for name, r in zip(achievement_names, rates):
+            out[f"achievements/{name}"] = float(r)
+        out["achievements/mean_rate"] = float(rates.mean())
+    return out
+
+
+def run(cfg: PPOConfig) -> dict[str, Any]:
+    import jax
+
+    from thinkcraft.envs.craftax import achievement_names, achievement_weights
+    from thinkcraft.rl.ppo import init_runner_state, make_train_chunk
+    from thinkcraft.train.checkpoint import (
+        check_resume_compatible, latest_meta, load_checkpoint, load_config_dict, prepare_run_dir,
+        save_checkpoint, save_config,
+    )
+    from thinkcraft.utils.jaxcache import enable_compilation_cache
+    from thinkcraft.utils.metrics import MetricsWriter, truncate_metrics
+    from thinkcraft.utils.plot import plot_curves
+    from thinkcraft.utils.progress import RunProgress, console
+    from thinkcraft.utils.timing import PhaseTimer
+
+    # 1. run directory and config (all checks before anything compiles)
+    if cfg.resume:
+        run_dir = Path(cfg.resume)
+        saved = load_config_dict(run_dir)
+        cfg = check_resume_compatible(saved, cfg, SHAPE_FIELDS, PPOConfig())
+        cfg = dataclasses.replace(cfg, resume=str(run_dir), run_name=run_dir.name)
+        meta = latest_meta(run_dir)
+        if meta is None:
+            raise UserError(f"{run_dir} has no checkpoint yet; start it again with --overwrite")
+    else:
+        name = cfg.run_name or f"ppo-{cfg.env_name}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = prepare_run_dir(cfg.runs_dir, name, cfg.overwrite)
+        meta = None
+    save_config(run_dir, cfg, {"num_updates": cfg.num_updates, "chunk_updates": cfg.chunk_updates,
+                               "batch_size": cfg.batch_size})
+    enable_compilation_cache()
+
+    # 2. build and initialise (or restore)
+    env, network, tx = build(cfg)
+    init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
+    rng = jax.random.PRNGKey(cfg.seed)
+    if meta is not None:
+        template = jax.eval_shape(init, rng)
+        runner, meta = load_checkpoint(run_dir, template)
+        runner = jax.device_put(runner)
+        truncate_metrics(run_dir / "metrics.jsonl", int(meta["env_steps"]))
+        console.print(f"resuming {run_dir} at update {meta['update']} ({meta['env_steps']:,} steps)")
+    else:
+        runner = init(rng)
+    start_update = int(runner.update)
+
+    K = cfg.chunk_updates
+    chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
+    names = achievement_names(cfg.env_name)
+    max_return = float(sum(achievement_weights(cfg.env_name)))
+    timer = PhaseTimer()
+
+    # 3. compile once (AOT, timed apart from the steady-state SPS)
+    t0 = time.perf_counter()
+    compiled = chunk.lower(runner).compile()
+    compile_s = time.perf_counter() - t0
+    console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s")
+
+    writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
+                           config=dataclasses.asdict(cfg))
+    last_ckpt_time = time.time()
+    last_ckpt_update = start_update
+    update = start_update
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "compile_s": compile_s}
+
+    def checkpoint() -> None:
+        nonlocal last_ckpt_time, last_ckpt_update
+        with timer.phase("checkpoint"):
+            save_checkpoint(run_dir, runner, runner.train_state.params,
+                            {"update": update, "env_steps": update * cfg.batch_size})
+        last_ckpt_time, last_ckpt_update = time.time(), update
+
+    # Ctrl-C: finish the chunk in flight (the device cannot be interrupted mid-call anyway), then stop
+    # with the last chunk's checkpoint written.
+    stop = {"flag": False}
+    prev_handler = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):  # noqa: ANN001
+        if stop["flag"]:
+            signal.signal(signal.SIGINT, prev_handler)
+            raise KeyboardInterrupt
+        stop["flag"] = True
+        console.print("\n[yellow]Ctrl-C: stopping after this chunk and saving a checkpoint "
+                      "(press again to abort now; the previous checkpoint stays valid)[/yellow]")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with RunProgress(cfg.num_updates * cfg.batch_size, f"ppo {cfg.env_name}") as progress:
+            progress.update(update * cfg.batch_size)
+            session_end = cfg.num_updates
+            if cfg.stop_after_updates:
+                session_end = min(session_end, start_update + cfg.stop_after_updates)
+            while update < session_end and not stop["flag"]:
+                t0 = time.perf_counter()
+                runner, m = compiled(runner)
+                m = jax.device_get(m)  # the one host sync per chunk
+                chunk_s = time.perf_counter() - t0
+                timer.add("train_chunk", chunk_s)
+                update += K
+                sps = K * cfg.batch_size / chunk_s
+                rec = {k: float(v) for k, v in m.items() if not k.startswith("_")}
+                rec.update(episode_metrics(m, names, max_return))
+                rec.update({"sps": sps, "update": update, "timing/chunk_s": chunk_s,
+                            "timing/compile_s": compile_s if update == start_update + K else None})
+                writer.write(update * cfg.batch_size, {k: v for k, v in rec.items() if v is not None})
+                progress.update(update * cfg.batch_size, sps=sps, ret=rec.get("episode/return", float("nan")))
+                summary.update({k: v for k, v in rec.items() if v is not None})
+                due_u = cfg.checkpoint_every_updates and update - last_ckpt_update >= cfg.checkpoint_every_updates
+                due_t = cfg.checkpoint_every_minutes and time.time() - last_ckpt_time >= 60 * cfg.checkpoint_every_minutes
+                if due_u or due_t:
+                    checkpoint()
+        if update > last_ckpt_update or last_ckpt_update == start_update:
+            checkpoint()
+    finally:
+        signal.signal(signal.SIGINT, prev_handler)
+        writer.close()
+    if cfg.plot:
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curve.png",
+                    ["episode/return", "achievements/mean_rate", "episode/length", "sps"],
+                    title=f"PPO {cfg.env_name}")
+    summary["interrupted"] = stop["flag"]
+    summary["update"] = update
+    summary["env_steps"] = update * cfg.batch_size
+    console.print(
+        f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
+        f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
+        f"run dir {run_dir}"
+    )
+    return summary
