@@ -115,6 +115,11 @@ def scan_store(
         candidates, base, has_marker = [root], root.parent, False
     else:
         base, has_marker = root, (root / MARKER_NAME).is_file()
+        if not _is_store_dir(root):
+            raise StoreError(
+                f"{root} is not a trajectory store: no {MARKER_NAME} in it or above it and no run=* partitions "
+                "(point at the directory a TrajectoryWriter wrote)"
+            )
         candidates = []
         stale: list[Path] = []
         for dirpath, dirnames, filenames in os.walk(root):
@@ -148,10 +153,14 @@ def scan_store(
             scan.other_version.append((path, version))
             continue
         scan.files.append(StoreFile(path, md.num_rows, path.stat().st_size, prun, pstep, md))
-    if not has_marker and not scan.files and not scan.other_version and not scan.corrupt:
-        what = f"{len(scan.foreign)} Parquet files that are not thinkcraft trajectory files" if scan.foreign else "no .parquet files"
-        raise StoreError(f"{root} is not a trajectory store ({MARKER_NAME} missing, {what})")
     return scan
+
+
+def _is_store_dir(root: Path) -> bool:
+    """A store has the writer's marker file at its root; a partition directory has it above."""
+    if any((d / MARKER_NAME).is_file() for d in [root, *root.resolve().parents]):
+        return True
+    return any(p.is_dir() for p in root.glob("run=*"))  # marker lost (files copied): Hive layout still says so
 
 
 def _reason(e: BaseException) -> str:
@@ -206,11 +215,18 @@ def read_table(
         log.warning("skipping corrupt trajectory file %s (%s)", path, reason)
     requested, to_read = _needed_columns(columns, filters)
     paths = parquet_paths(to_read)
+    table = read_files(scan.files, paths, report)
+    if filters:
+        table = apply_filters(table, filters, report.filters if report is not None else None)
+    return _project(table, requested)
+
+
+def read_files(files: Sequence[StoreFile], paths: list[str], report: ReadReport | None = None) -> pa.Table:
+    """Read Parquet column paths from scanned files into one table; corrupt files are skipped and counted."""
     tables = []
-    for f in scan.files:
+    for f in files:
         try:
-            pf = pq.ParquetFile(f.path)
-            t = pf.read(columns=paths)
+            t = pq.ParquetFile(f.path, page_checksum_verification=True).read(columns=paths)
         except Exception as e:  # noqa: BLE001 - a damaged data page: skip, count, name
             _skip_corrupt(report, f.path, e)
             continue
@@ -220,12 +236,8 @@ def read_table(
             report.rows_read += t.num_rows
             report.bytes_read += _column_bytes(f.metadata, paths)
     if tables:
-        table = pa.concat_tables(tables)
-    else:
-        table = pa.Table.from_batches([], schema=_empty_schema(paths))
-    if filters:
-        table = apply_filters(table, filters, report.filters if report is not None else None)
-    return _project(table, requested)
+        return pa.concat_tables(tables)
+    return pa.Table.from_batches([], schema=_empty_schema(paths))
 
 
 def _empty_schema(paths: list[str]) -> pa.Schema:
@@ -305,7 +317,7 @@ def iter_batches(
 
     def file_batches(f: StoreFile) -> Iterator[pa.RecordBatch]:
         try:
-            pf = pq.ParquetFile(f.path)
+            pf = pq.ParquetFile(f.path, page_checksum_verification=True)
             for b in pf.iter_batches(batch_size=batch_size, columns=paths):
                 yield b
         except Exception as e:  # noqa: BLE001 - a damaged data page: skip the rest of the file, count it

@@ -169,6 +169,8 @@ class TrajectoryWriter:
                     compression=self.compression,
                     compression_level=self.compression_level,
                     row_group_size=max(len(records), 1),
+                    # page CRCs: a flipped byte in a data page is reported as corrupt, not read as data
+                    write_page_checksum=True,
                 )
         except OSError as e:
             raise StoreError(f"could not write {path}: {e}") from e
