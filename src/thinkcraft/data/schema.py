@@ -281,14 +281,14 @@ def records_to_table(records: Sequence[TrajectoryRecord], run: str = "", learner
     mds = [r.metadata for r in records]
     md = pa.StructArray.from_arrays(
         [
-            pa.array([m.env_version for m in mds], pa.string()),
-            pa.array([m.total_steps for m in mds], pa.int32()),
-            pa.array([m.total_tokens for m in mds], pa.int64()),
+            pa.array([str(m.env_version) for m in mds], pa.string()),
+            pa.array([int(m.total_steps) for m in mds], pa.int32()),
+            pa.array([int(m.total_tokens) for m in mds], pa.int64()),
             pa.array([float(m.wall_time) for m in mds], pa.float64()),
             pa.array([bool(m.truncated) for m in mds], pa.bool_()),
-            pa.array([m.env_errors for m in mds], pa.int32()),
-            pa.array([m.policy_version for m in mds], pa.int64()),
-            pa.array([m.seed for m in mds], pa.int64()),
+            pa.array([int(m.env_errors) for m in mds], pa.int32()),
+            pa.array([int(m.policy_version) for m in mds], pa.int64()),
+            pa.array([int(m.seed) for m in mds], pa.int64()),
             pa.array([json.dumps(m.extra, sort_keys=True) if m.extra else "" for m in mds], pa.string()),
         ],
         fields=list(METADATA_TYPE),
