@@ -3,8 +3,8 @@
 Each endpoint (from a TOML/JSON file) has its own key, RPM / TPM budget (token buckets: at most one
 second's worth in a burst, then the steady rate — we stay under the provider's limits, never around
 them), a concurrency cap (that many workers), and a weight. Jobs are dealt to endpoints by smooth
-weighted round-robin; an idle endpoint steals queued jobs from the others so that a slow or stopped
-endpoint does not stall the run.
+weighted round-robin, so each gets its weight's share of the work; the share of an endpoint that
+stops is taken over by the others.
 
 Failures: 401/403 stops that endpoint (its job goes back to the queue for the others); 429 pauses the
 whole endpoint for `Retry-After` (or an exponential backoff) and retries; 5xx, timeouts and connection
@@ -341,7 +341,7 @@ def _parse_answer(data: dict[str, Any], api: str, latency_s: float) -> Answer:
 
 
 class JobBoard:
-    """Per-endpoint queues dealt by smooth weighted round-robin (nginx's algorithm), with stealing."""
+    """Per-endpoint queues dealt by smooth weighted round-robin (nginx's algorithm)."""
 
     def __init__(self, endpoints: Sequence[Endpoint]) -> None:
         self.endpoints = list(endpoints)
@@ -368,12 +368,11 @@ class JobBoard:
         own = self.queues[ep.cfg.name]
         if own:
             return own.popleft()
-        # steal from the longest queue (of a stopped endpoint first: nobody else will serve it)
-        others = sorted((q for n, q in self.queues.items() if q and n != ep.cfg.name),
-                        key=len, reverse=True)
-        dead = [self.queues[e.cfg.name] for e in self.endpoints if not e.alive and self.queues[e.cfg.name]]
-        for q in dead + others:
-            return q.pop()
+        # weights fix each endpoint's share; only a stopped endpoint's share moves to the others
+        for e in self.endpoints:
+            q = self.queues[e.cfg.name]
+            if q and not e.alive:
+                return q.pop()
         return None
 
     def pending(self) -> int:

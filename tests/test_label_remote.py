@@ -1,0 +1,333 @@
+"""Remote labelling against a small in-test OpenAI-compatible server whose answers and faults we control.
+
+The server answers deterministically (so packing, re-asking and resume can be checked exactly) and
+records every request's arrival time (so rate limits can be measured). End-to-end runs against the
+real `thinkcraft serve` with the bundled model are in test_label_serve.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from thinkcraft.label.pipeline import LabelConfig, label, read_labels
+from thinkcraft.utils.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class StubState:
+    def __init__(self, **opts):
+        self.opts = {"fail_every": 0, "fail_status": 500, "retry_after": None, "api_key": None, "delay_s": 0.0,
+                     "drop_in_pack": False, "bad_single": set(), **opts}
+        self.times: list[float] = []
+        self.bodies: list[dict] = []
+        self.n = 0
+        self.lock = threading.Lock()
+
+
+def _answer_for(item_text: str) -> dict:
+    # deterministic label of one item: the schema is action:string,n:integer
+    return {"action": "noop" if "even" in item_text else "do", "n": len(item_text)}
+
+
+def make_app(state: StubState):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    import asyncio
+
+    async def chat(request):
+        body = await request.json()
+        o = state.opts
+        with state.lock:
+            state.n += 1
+            n = state.n
+            state.times.append(time.monotonic())
+            state.bodies.append(body)
+        if o["api_key"] and request.headers.get("authorization") != f"Bearer {o['api_key']}":
+            return JSONResponse({"error": "bad key"}, status_code=401)
+        if o["delay_s"]:
+            await asyncio.sleep(o["delay_s"])
+        if o["fail_every"] and n % o["fail_every"] == 0:
+            headers = {"Retry-After": str(o["retry_after"])} if o["retry_after"] is not None else {}
+            return JSONResponse({"error": "injected"}, status_code=o["fail_status"], headers=headers)
+        user = body["messages"][-1]["content"]
+        items = re.split(r"### Item \d+\n", user)
+        if len(items) > 1:  # packed request
+            answers = []
+            for i, it in enumerate(items[1:], 1):
+                if o["drop_in_pack"] and i == 2:
+                    continue  # the model "forgot" item 2
+                a = _answer_for(it.strip())
+                if o["drop_in_pack"] and i == 3:
+                    a = {"action": 5}  # malformed item 3
+                answers.append({"id": i, **a})
+            text = "```json\n" + json.dumps(answers) + "\n```"
+        else:
+            text = "bad" if user in o["bad_single"] else json.dumps(_answer_for(user))
+        usage = {"prompt_tokens": len(user) // 4 + 10, "completion_tokens": len(text) // 4,
+                 "prompt_tokens_details": {"cached_tokens": 8}}
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": text},
+                                          "finish_reason": "stop"}], "usage": usage})
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def stub():
+    """Start a stub server; yields a factory `start(**opts) -> (base_url, state)`."""
+    import uvicorn
+
+    servers = []
+
+    def start(**opts):
+        state = StubState(**opts)
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="error"))
+        th = threading.Thread(target=server.run, daemon=True)
+        th.start()
+        while not server.started:
+            time.sleep(0.01)
+        servers.append((server, th))
+        return f"http://127.0.0.1:{port}/v1", state
+
+    yield start
+    for server, th in servers:
+        server.should_exit = True
+        th.join(timeout=5)
+
+
+def write_items(path: Path, n: int, dup: int = 0) -> Path:
+    texts = [f"state {i} {'even' if i % 2 == 0 else 'odd'}" for i in range(n)] + [f"state 0 even"] * dup
+    pq.write_table(pa.table({"text": texts, "step": list(range(len(texts)))}), path)
+    return path
+
+
+def endpoints_toml(path: Path, *eps: dict) -> Path:
+    lines = []
+    for e in eps:
+        lines.append("[[endpoints]]")
+        for k, v in e.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def cfg(tmp_path, url, n=10, **kw):
+    ep = {"name": "stub", "base_url": url, "model": "stub-model", "max_attempts": 4, "timeout_s": 5.0}
+    ep.update(kw.pop("ep", {}))
+    inp = tmp_path / "items.parquet"
+    if not inp.exists():
+        write_items(inp, n, dup=kw.pop("dup", 0))
+    return LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), fields="action:string,n:integer",
+                       endpoints=str(endpoints_toml(tmp_path / "ep.toml", ep)), **kw)
+
+
+def _check_labels(out_dir, n):
+    t = read_labels(out_dir)
+    keys = t.column("key").to_pylist()
+    assert len(keys) == len(set(keys)) == n
+    for row, pj in zip(t.column("row").to_pylist(), t.column("parsed_json").to_pylist()):
+        text = f"state {row} {'even' if row % 2 == 0 else 'odd'}"
+        assert json.loads(pj) == _answer_for(text)
+    return t
+
+
+def test_remote_end_to_end_and_resume_skips_done(tmp_path, stub):
+    url, st = stub()
+    rep = label(cfg(tmp_path, url, n=12, dup=3))
+    assert rep["labelled"] == 12 and rep["duplicates_in_input"] == 3 and rep["remaining"] == 0
+    assert rep["cached_tokens"] > 0 and rep["tokens_per_s"] > 0
+    assert st.n == 12
+    # the shared prefix goes first, as the system message, identical in every request (provider caching)
+    assert len({b["messages"][0]["content"] for b in st.bodies}) == 1
+    _check_labels(tmp_path / "out", 12)
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["labelled"] == 12
+    rep2 = label(cfg(tmp_path, url, n=12))
+    assert rep2["already_done"] == 12 and rep2["labelled"] == 0 and st.n == 12
+
+
+def test_packing_and_reasking(tmp_path, stub):
+    url, st = stub(drop_in_pack=True)
+    rep = label(cfg(tmp_path, url, n=8, pack_size=4))
+    # 2 packs; in each, item 2 is missing and item 3 malformed -> 4 items re-asked alone
+    assert rep["reasked"] == 4 and st.n == 2 + 4
+    assert rep["labelled"] == 8
+    t = _check_labels(tmp_path / "out", 8)
+    assert sorted(t.column("pack_size").to_pylist()) == [1] * 4 + [4] * 4
+
+
+def test_schema_violation_is_reasked_then_reported(tmp_path, stub):
+    url, st = stub(bad_single={"state 1 odd"})
+    rep = label(cfg(tmp_path, url, n=4, schema_retries=2))
+    assert rep["labelled"] == 3 and rep["invalid"] == 1 and rep["errors"] == {"schema": 1}
+    assert rep["reasked"] == 2 and st.n == 4 + 2
+    fails = [json.loads(x) for x in (tmp_path / "out" / "failures.jsonl").read_text().splitlines()]
+    assert fails[0]["row"] == 1 and fails[0]["kind"] == "schema"
+
+
+def test_rate_limit_honoured(tmp_path, stub):
+    url, st = stub()
+    rpm = 240  # 4 requests/s, a burst of at most one second's worth
+    rep = label(cfg(tmp_path, url, n=12, ep={"rpm": rpm, "max_concurrency": 4}))
+    assert rep["labelled"] == 12
+    t = st.times
+    rate, burst = rpm / 60, max(1, rpm / 60)
+    for i in range(len(t)):
+        for j in range(i + 1, len(t)):
+            # requests in any window of length (t_j - t_i) never exceed burst + rate * window
+            assert j - i + 1 <= burst + rate * (t[j] - t[i]) + 0.5, (i, j, t[j] - t[i])
+    assert t[-1] - t[0] >= (12 - burst) / rate - 0.1
+
+
+def test_5xx_retried_and_429_retry_after(tmp_path, stub):
+    url, st = stub(fail_every=3, fail_status=500)
+    rep = label(cfg(tmp_path, url, n=9))
+    assert rep["labelled"] == 9 and rep["endpoints"]["stub"]["http_5xx"] >= 3
+    assert rep["endpoints"]["stub"]["retries"] >= 3
+    _check_labels(tmp_path / "out", 9)
+
+    url, st = stub(fail_every=4, fail_status=429, retry_after=1)
+    (tmp_path / "b").mkdir()
+    rep = label(cfg(tmp_path / "b", url, n=6, ep={"max_concurrency": 1}))
+    assert rep["labelled"] == 6 and rep["endpoints"]["stub"]["http_429"] >= 1
+    # the request after a 429 waited for Retry-After (1 s)
+    gaps = [st.times[i + 1] - st.times[i] for i in range(len(st.times) - 1)]
+    assert gaps[3] >= 0.95 and max(gaps[:3]) < 0.9
+
+
+def test_bounded_retries_then_reported(tmp_path, stub):
+    url, st = stub(fail_every=1, fail_status=503)
+    rep = label(cfg(tmp_path, url, n=2, ep={"max_attempts": 2, "max_concurrency": 1}))
+    assert rep["labelled"] == 0 and rep["failed"] == 2 and rep["errors"] == {"http_503": 2}
+    assert st.n == 4  # 2 items x 2 attempts, no more
+
+
+def test_bad_key_stops_that_endpoint_only(tmp_path, stub):
+    url_ok, st_ok = stub(api_key="right")
+    url_bad, st_bad = stub(api_key="right")
+    inp = write_items(tmp_path / "items.parquet", 10)
+    eps = endpoints_toml(
+        tmp_path / "ep.toml",
+        {"name": "good", "base_url": url_ok, "model": "m", "api_key": "right", "weight": 1},
+        {"name": "bad", "base_url": url_bad, "model": "m", "api_key": "wrong", "weight": 3},
+    )
+    rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), fields="action:string,n:integer",
+                            endpoints=str(eps)))
+    assert rep["labelled"] == 10
+    assert "401" in rep["endpoints"]["bad"]["stopped"] and rep["endpoints"]["good"]["stopped"] is None
+    assert st_bad.n <= 4  # one request per worker at most, then stopped
+    _check_labels(tmp_path / "out", 10)
+
+
+def test_all_endpoints_down_is_a_clear_error(tmp_path, stub):
+    url, _ = stub(api_key="right")
+    with pytest.raises(UserError, match="every endpoint stopped.*401"):
+        label(cfg(tmp_path, url, n=3, ep={"api_key": "wrong"}))
+    dead = f"http://127.0.0.1:{_free_port()}/v1"
+    (tmp_path / "x").mkdir()
+    with pytest.raises(UserError, match="unreachable"):
+        label(cfg(tmp_path / "x", dead, n=2, ep={"max_attempts": 2, "max_concurrency": 1}))
+    rep = json.loads((tmp_path / "x" / "out" / "report.json").read_text())
+    assert rep["errors"]["not_sent"] == 2 and rep["endpoints"]["stub"]["connect_errors"] == 2
+
+
+def test_weights_share_the_work(tmp_path, stub):
+    url_a, st_a = stub()
+    url_b, st_b = stub()
+    inp = write_items(tmp_path / "items.parquet", 40)
+    eps = endpoints_toml(tmp_path / "ep.toml",
+                         {"name": "a", "base_url": url_a, "model": "m", "weight": 3, "max_concurrency": 2},
+                         {"name": "b", "base_url": url_b, "model": "m", "weight": 1, "max_concurrency": 2})
+    rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), endpoints=str(eps)))
+    assert rep["labelled"] == 40
+    assert (st_a.n, st_b.n) == (30, 10)
+
+
+def test_bad_inputs(tmp_path, stub):
+    url, _ = stub()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="no rows"):
+        label(LabelConfig(input=str(empty), out_dir=str(tmp_path / "o"),
+                          endpoints=str(endpoints_toml(tmp_path / "e.toml", {"base_url": url, "model": "m"}))))
+    j = tmp_path / "items.jsonl"
+    j.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    with pytest.raises(UserError, match="columns \\['nope'\\]"):
+        label(LabelConfig(input=str(j), out_dir=str(tmp_path / "o"), item="{nope}",
+                          endpoints=str(tmp_path / "e.toml")))
+    bad = endpoints_toml(tmp_path / "bad.toml", {"base_url": url, "model": "m", "api_key_env": "NO_SUCH_KEY_VAR"})
+    with pytest.raises(UserError, match="NO_SUCH_KEY_VAR"):
+        label(LabelConfig(input=str(j), out_dir=str(tmp_path / "o"), endpoints=str(bad)))
+    rep = label(LabelConfig(input=str(j), out_dir=str(tmp_path / "o"), endpoints=str(tmp_path / "e.toml")))
+    assert rep["labelled"] == 2  # JSONL with a prompt column, free-text output
+
+
+def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, stub):
+    url, st = stub(delay_s=0.05)
+    n = 60
+    c = cfg(tmp_path, url, n=n, ep={"max_concurrency": 2})
+    args = ["label", "--input", c.input, "--out-dir", c.out_dir, "--fields", c.fields, "--endpoints", c.endpoints,
+            "--shard-items", "25"]
+    code = f"import sys; from thinkcraft.cli import main; sys.exit(main({args!r}))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    journal = Path(c.out_dir) / "journal.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline:  # kill once some shards and some journal lines exist
+        shards = list((Path(c.out_dir) / "shards").glob("part-*.parquet"))
+        if shards and journal.exists() and journal.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    sent_before = st.n
+    assert 28 <= sent_before < 50
+    rep = label(c)
+    assert rep["recovered_from_journal"] >= 1
+    # only requests in flight at the kill are repeated (2 workers -> at most 2)
+    assert rep["already_done"] + rep["labelled"] == n
+    assert st.n - sent_before == rep["labelled"] and rep["already_done"] >= sent_before - 2
+    _check_labels(c.out_dir, n)
+
+
+def test_ctrl_c_keeps_finished_items(tmp_path, stub):
+    url, st = stub(delay_s=0.05)
+    n = 40
+    c = cfg(tmp_path, url, n=n, ep={"max_concurrency": 1})
+    args = ["label", "--input", c.input, "--out-dir", c.out_dir, "--fields", c.fields, "--endpoints", c.endpoints]
+    code = f"import sys; from thinkcraft.cli import main; sys.exit(main({args!r}))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    while st.n < 10:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    t = read_labels(c.out_dir)  # flushed to shards on the way out: no journal left to recover
+    assert not (Path(c.out_dir) / "journal.jsonl").exists()
+    assert t.num_rows >= 9
+    rep = label(c)
+    assert rep["already_done"] == t.num_rows and rep["already_done"] + rep["labelled"] == n
+    _check_labels(c.out_dir, n)
