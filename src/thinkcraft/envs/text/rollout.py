@@ -1,0 +1,75 @@
+"""Random rollouts for prompt work, tests and benchmarks (not a training path).
+
+Two jitted functions per (env, batch size): a vmapped reset that can start envs on a chosen floor
+(Craftax only: the player is put on that floor's up ladder, as `descend` does), and a vmapped
+auto-resetting step. States are collected every `every` steps by a short Python loop, so the
+compiled code is one env step, not a long scan.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thinkcraft.envs.text.names import ACTION_NAMES, check_env_kind
+
+# canonical craftax env id per env kind (symbolic: the states are the same for pixels)
+ENV_ID = {"craftax": "Craftax-Symbolic-v1", "craftax-classic": "Craftax-Classic-Symbolic-v1"}
+
+
+@functools.lru_cache(maxsize=None)
+def _env_fns(kind: str):
+    from craftax.craftax_env import make_craftax_env_from_name
+
+    env = make_craftax_env_from_name(ENV_ID[kind], auto_reset=True)
+    params = env.default_params
+
+    @jax.jit
+    def reset(keys: jax.Array, floors: jax.Array) -> Any:
+        _, states = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
+        if kind != "craftax":
+            return states
+        pos = jnp.take_along_axis(states.up_ladders, floors[:, None, None], axis=1)[:, 0]
+        on_floor = (floors > 0)[:, None]
+        return states.replace(
+            player_level=floors.astype(states.player_level.dtype),
+            player_position=jnp.where(on_floor, pos, states.player_position).astype(states.player_position.dtype),
+        )
+
+    @jax.jit
+    def step(keys: jax.Array, states: Any, actions: jax.Array) -> Any:
+        _, states, _, done, _ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, states, actions, params)
+        return states, done
+
+    return reset, step
+
+
+def random_rollout(
+    env: str,
+    num_envs: int,
+    num_steps: int,
+    seed: int = 0,
+    every: int = 1,
+    floors: Sequence[int] | None = None,
+) -> Iterator[tuple[int, Any]]:
+    """Yield (step, batched states) at step 0 and every `every` steps of uniformly random play."""
+    kind = check_env_kind(env)
+    reset, step = _env_fns(kind)
+    floors_a = jnp.asarray(np.zeros(num_envs, np.int32) if floors is None else np.asarray(floors, np.int32))
+    if floors_a.shape != (num_envs,):
+        raise ValueError(f"floors needs {num_envs} entries, got {floors_a.shape}")
+    key = jax.random.PRNGKey(seed)
+    key, sub = jax.random.split(key)
+    states = reset(jax.random.split(sub, num_envs), floors_a)
+    yield 0, states
+    num_actions = len(ACTION_NAMES[kind])
+    for t in range(1, num_steps + 1):
+        key, k_act, k_step = jax.random.split(key, 3)
+        actions = jax.random.randint(k_act, (num_envs,), 0, num_actions)
+        states, _ = step(jax.random.split(k_step, num_envs), states, actions)
+        if t % every == 0:
+            yield t, states
