@@ -10,6 +10,7 @@ from thinkcraft.llm.protocol import (  # noqa: F401
     Capabilities,
     Completion,
     Engine,
+    EngineCapabilityError,
     EngineError,
     SamplingParams,
 )

@@ -64,9 +64,14 @@ class Completion:
     logprobs: list[float] | None
     """Per generated token, log π(token) of the sampling policy; None if not requested/supported."""
     finish_reason: Literal["stop", "length", "budget"] | str
+    """"stop": EOS or a stop string; "length": max_new_tokens reached; "budget": the thought was cut by
+    the thinking budget and the answer then ended normally."""
     prompt_token_ids: list[int] = field(default_factory=list)
     """Full prompt (prefix + item) token ids as the engine saw them, when known."""
     thinking_tokens: int = 0
+    forced_token_indices: list[int] = field(default_factory=list)
+    """Indices into `token_ids` of tokens the engine inserted rather than sampled (the thinking-budget
+    close); learners should mask them out of the policy loss. Their logprobs are the model's."""
 
 
 @dataclass(frozen=True)

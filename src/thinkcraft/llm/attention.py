@@ -1,0 +1,147 @@
+"""Shared-prefix ("cascade") attention: the suffix queries of a whole batch read one copy of the prefix KV.
+
+When every item of a batch starts with the same prefix (instructions, few-shot), item i's suffix
+queries attend to [prefix keys | own suffix keys]. Softmax over a concatenation splits exactly into two
+softmaxes merged by their log-sum-exp (the FlashAttention / FlashInfer "cascade" identity):
+
+    o = σ(lse_p - lse_s) · o_p + σ(lse_s - lse_p) · o_s
+
+with (o_p, lse_p) the attention over the prefix only and (o_s, lse_s) the causal attention over the
+item's own suffix. The prefix part is one non-causal attention of ALL suffix queries of the batch
+(B·S rows, and the G query heads of a GQA group folded into rows as well) against the single prefix KV
+of shape (1, Hkv, P, d): the prefix is read once per layer instead of B times, and never copied B
+times (what `DynamicCache.batch_repeat_interleave` does, the memory wall at large batches).
+
+Pure functions over tensors in the (batch, heads, seq, head_dim) layout, tested equal to plain attention
+over the concatenated sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def attention_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention returning (out (B,H,Sq,d) in q.dtype, lse (B,H,Sq) float32); q, k, v same heads.
+    Computed in float32, in query chunks so that the score matrix stays small."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    sq, sk = q.shape[-2], k.shape[-2]
+    kf, vf = k.float(), v.float()
+    # ~64M score elements per chunk
+    rows = max(1, (1 << 26) // max(1, q.shape[0] * q.shape[1] * sk))
+    for a in range(0, sq, rows):
+        b = min(sq, a + rows)
+        s = torch.matmul(q[..., a:b, :].float(), kf.transpose(-1, -2)) * scale
+        if causal:
+            # queries aligned to the end of the keys (sq == sk in our use: top-left == bottom-right)
+            qi = torch.arange(a, b, device=q.device)[:, None] + (sk - sq)
+            ki = torch.arange(sk, device=q.device)[None, :]
+            s = s.masked_fill(ki > qi, float("-inf"))
+        l_ = torch.logsumexp(s, dim=-1)
+        out[..., a:b, :] = torch.matmul(torch.exp(s - l_[..., None]), vf).to(q.dtype)
+        lse[..., a:b] = l_
+    return out, lse
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp, through torch's fused kernels where available (the flash kernel
+    on CUDA for bf16/fp16, the CPU flash kernel on CPU), else `attention_lse_reference`."""
+    try:
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            return r[0], r[1]
+        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return r[0], r[1]
+    except (RuntimeError, AttributeError, NotImplementedError) as e:  # unsupported shape/dtype/build
+        key = f"{q.device.type}:{q.dtype}:{type(e).__name__}"
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("fused attention with LSE unavailable (%s); using the slower reference", e)
+    return attention_lse_reference(q, k, v, causal, scale)
+
+
+def merge_attention(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Combine attention over two disjoint key sets by their log-sum-exps (float32 maths)."""
+    w_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]
+    return (o_b.float() + w_a * (o_a.float() - o_b.float())).to(o_a.dtype)
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    scale: float | None = None,
+    lse_fn=attention_lse,  # noqa: ANN001 - swapped for the reference in tests
+) -> torch.Tensor:
+    """Attention of suffix queries over [shared prefix | causal own suffix].
+
+    q: (B, H, S, d); k, v: (B, Hkv, S, d) suffix keys/values (RoPE already applied at positions P..P+S-1);
+    prefix_k, prefix_v: (1, Hkv, P, d). Returns (B, H, S, d). Right-padded suffixes are exact for every
+    real token (causality keeps pads after them out of view).
+    """
+    b, h, s, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    # Prefix part: fold batch, suffix positions and the GQA group into one long query axis per KV head,
+    # so one kernel call reads the prefix KV once: (1, Hkv, G*B*S, d) x (1, Hkv, P, d).
+    qs = q.reshape(b, hkv, g, s, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g * b * s, d)
+    o_p, lse_p = lse_fn(qs, prefix_k, prefix_v, False, scale)
+    o_p = o_p.reshape(hkv, g, b, s, d).permute(2, 0, 1, 3, 4).reshape(b, h, s, d)
+    lse_p = lse_p.reshape(hkv, g, b, s).permute(2, 0, 1, 3).reshape(b, h, s)
+    # Suffix part: causal over the item's own tokens (short; GQA heads expanded).
+    if g > 1:
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+    o_s, lse_s = lse_fn(q, k, v, True, scale)
+    return merge_attention(o_p, lse_p, o_s, lse_s)
+
+
+# --- hook into transformers' attention interface ------------------------------------------------------
+
+CASCADE_ATTN = "thinkcraft_cascade"
+PREFIX_KV_KWARG = "thinkcraft_prefix_kv"
+
+
+def cascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
+    """transformers attention function (same signature as `sdpa_attention_forward`): uses the prefix KV
+    list passed as `thinkcraft_prefix_kv=[(k, v) per layer]` through the model's forward kwargs."""
+    prefix_kv = kwargs.get(PREFIX_KV_KWARG)
+    if prefix_kv is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    pk, pv = prefix_kv[module.layer_idx]
+    out = shared_prefix_attention(query, key, value, pk, pv, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_cascade_attention() -> str:
+    """Register the cascade attention with transformers (idempotent); returns its name. The masking
+    registry gets the sdpa mask function so that model code asking for a mask under this name works."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CASCADE_ATTN, cascade_attention_forward)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(CASCADE_ATTN, sdpa_mask)
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+    return CASCADE_ATTN

@@ -1,0 +1,334 @@
+"""HTTP clients for remote engines (async httpx, bounded retries with backoff), each also an `Engine`.
+
+- `SGLangClient` / `SGLangEngine` (`sglang+http://host:port`): `/generate` for generation (token ids and
+  logprobs) and hidden states (`return_hidden_states`; the server must run with
+  `--enable-return-hidden-states`; SGLang returns the last layer only).
+- `OpenAIClient` / `OpenAIEngine` (`openai+http://host:port/v1`): any OpenAI-compatible endpoint (vLLM's
+  server, `thinkcraft serve`, hosted providers); generation only.
+
+Timeouts, connection errors, 429 (honouring `Retry-After`) and 5xx are retried with exponential backoff
+(`thinkcraft.utils.retry`), up to `RetryPolicy.max_attempts`; other 4xx (e.g. 401) fail at once. Every
+failure ends as an `EngineError` whose message says what was tried and what to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Literal, Sequence, TypeVar
+
+import numpy as np
+
+from thinkcraft.llm.protocol import (
+    Batch,
+    Capabilities,
+    Completion,
+    EngineCapabilityError,
+    EngineError,
+    SamplingParams,
+)
+from thinkcraft.utils.retry import (
+    HTTPStatusError,
+    RetryError,
+    RetryPolicy,
+    is_retryable_http,
+    parse_retry_after,
+    retry_after_of,
+    retry_async,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    timeout_s: float = 120.0
+    """Per-request timeout (generation can be slow)."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """Bounded retries with backoff on timeouts, connection errors, 429 and 5xx."""
+    api_key: str | None = None
+    """Bearer token (default: $OPENAI_API_KEY for OpenAI endpoints, none for SGLang)."""
+    max_concurrency: int = 32
+    """Requests in flight at once from one engine call."""
+
+
+class _HTTP:
+    """One base URL, JSON POST/GET with retries; an httpx.AsyncClient per event loop."""
+
+    def __init__(self, base_url: str, options: HTTPOptions) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.options = options
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.options.api_key:
+            h["Authorization"] = f"Bearer {self.options.api_key}"
+        return h
+
+    async def request(self, method: str, path: str, payload: dict | None = None) -> Any:
+        import httpx
+
+        url = self.base_url + path
+
+        async def once(client: httpx.AsyncClient) -> Any:
+            r = await client.request(method, url, json=payload, headers=self._headers())
+            if r.status_code >= 400:
+                raise HTTPStatusError(r.status_code, r.text, parse_retry_after(r.headers.get("retry-after")), url)
+            return r.json()
+
+        async with httpx.AsyncClient(timeout=self.options.timeout_s) as client:
+            try:
+                return await retry_async(
+                    lambda: once(client), self.options.retry, is_retryable_http, what=f"{method} {url}",
+                    retry_after=retry_after_of,
+                )
+            except RetryError as e:
+                cause = e.__cause__
+                hint = (
+                    "is the server running and reachable? (try `thinkcraft serve --port ...` locally)"
+                    if not isinstance(cause, HTTPStatusError) else "the server keeps failing"
+                )
+                raise EngineError(
+                    f"{method} {url} failed after {self.options.retry.max_attempts} attempts "
+                    f"({type(cause).__name__}: {cause}); {hint}"
+                ) from e
+            except HTTPStatusError as e:
+                hint = " (check the API key)" if e.status in (401, 403) else ""
+                raise EngineError(f"{method} {url}: HTTP {e.status}{hint}: {e.body[:300]}") from e
+
+    async def post(self, path: str, payload: dict) -> Any:
+        return await self.request("POST", path, payload)
+
+    async def get(self, path: str) -> Any:
+        return await self.request("GET", path)
+
+
+def run_sync(coro: Awaitable[T]) -> T:
+    """Run a coroutine from sync code, also when an event loop is already running in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["v"] = asyncio.run(coro)  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
+
+
+async def _gather_bounded(coros: Sequence[Awaitable[T]], limit: int) -> list[T]:
+    sem = asyncio.Semaphore(max(1, limit))
+
+    async def one(c: Awaitable[T]) -> T:
+        async with sem:
+            return await c
+
+    return list(await asyncio.gather(*(one(c) for c in coros)))
+
+
+def _prompts(batch: Batch) -> list[str] | list[list[int]]:
+    """Full prompts: prefix + item (text or token ids)."""
+    if batch.is_tokens:
+        pre = list(batch.prefix) if batch.prefix is not None else []
+        return [pre + list(it) for it in batch.items]
+    pre = batch.prefix or ""
+    if not isinstance(pre, str):
+        raise EngineCapabilityError("a text batch needs a text prefix")
+    return [pre + it for it in batch.items]  # type: ignore[operator]
+
+
+def _finish(reason: Any) -> str:
+    if isinstance(reason, dict):
+        reason = reason.get("type")
+    return "length" if reason == "length" else "stop"
+
+
+# --- SGLang --------------------------------------------------------------------------------------------
+
+
+class SGLangClient:
+    """Async client for an SGLang server's native `/generate`."""
+
+    def __init__(self, base_url: str, options: HTTPOptions = HTTPOptions()) -> None:
+        self.http = _HTTP(base_url, options)
+
+    @staticmethod
+    def _sampling(sp: SamplingParams, n: int | None = None) -> dict:
+        d: dict[str, Any] = {
+            "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+            "n": sp.n if n is None else n,
+        }
+        if sp.stop:
+            d["stop"] = list(sp.stop)
+        if sp.seed is not None:
+            d["sampling_seed"] = sp.seed
+        if sp.thinking_budget is not None:
+            d["thinking_budget"] = sp.thinking_budget
+        return d
+
+    async def generate_raw(self, payload: dict) -> Any:
+        return await self.http.post("/generate", payload)
+
+    def _completion(self, out: dict, prompt: Any) -> Completion:
+        meta = out.get("meta_info", {})
+        lps = meta.get("output_token_logprobs")
+        return Completion(
+            token_ids=list(out.get("output_ids") or []),
+            text=out.get("text", ""),
+            logprobs=[float(x[0]) for x in lps] if lps else None,
+            finish_reason=_finish(meta.get("finish_reason")),
+            prompt_token_ids=list(prompt) if prompt and not isinstance(prompt, str) else [],
+        )
+
+    async def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
+        prompts = _prompts(batch)
+        key = "input_ids" if batch.is_tokens else "text"
+
+        async def one(p: Any) -> list[Completion]:
+            outs = await self.generate_raw({key: p, "sampling_params": self._sampling(sampling), "return_logprob": sampling.logprobs})
+            outs = outs if isinstance(outs, list) else [outs]
+            return [self._completion(o, p) for o in outs]
+
+        if sampling.n == 1:  # one batched request
+            outs = await self.generate_raw({key: prompts, "sampling_params": self._sampling(sampling), "return_logprob": sampling.logprobs})
+            outs = outs if isinstance(outs, list) else [outs]
+            return [self._completion(o, p) for o, p in zip(outs, prompts)]
+        # n > 1: one request per item keeps the item-major order unambiguous
+        groups = await _gather_bounded([one(p) for p in prompts], self.http.options.max_concurrency)
+        return [c for g in groups for c in g]
+
+    async def hidden_states(self, batch: Batch, layer: int = -1, pooling: str = "last") -> np.ndarray:
+        if layer != -1:
+            raise EngineCapabilityError("SGLang returns the last layer's hidden states only (layer=-1)")
+        prompts = _prompts(batch)
+        key = "input_ids" if batch.is_tokens else "text"
+        pre_len = len(batch.prefix) if batch.is_tokens and batch.prefix is not None else 0
+        outs = await self.generate_raw({
+            key: prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_hidden_states": True,
+        })
+        outs = outs if isinstance(outs, list) else [outs]
+        rows = []
+        for o in outs:
+            hs = o.get("meta_info", {}).get("hidden_states")
+            if not hs:
+                raise EngineError("the server returned no hidden states (start SGLang with --enable-return-hidden-states)")
+            prefill = np.asarray(hs[0], dtype=np.float32)
+            prefill = prefill[None, :] if prefill.ndim == 1 else prefill
+            # "mean" over the item's own tokens when they are known (token batches), else the whole prompt
+            rows.append(prefill[-1] if pooling == "last" else prefill[pre_len:].mean(0))
+        return np.stack(rows)
+
+
+class SGLangEngine:
+    """`sglang+http://host:port` as an Engine (sync wrapper over SGLangClient)."""
+
+    def __init__(self, base_url: str, options: HTTPOptions | None = None, **http: Any) -> None:
+        self.client = SGLangClient(base_url, options or HTTPOptions(**http))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(hidden_states=True, generate=True, logprobs=True, prefix_reuse=True)
+
+    def hidden_states(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> np.ndarray:
+        return run_sync(self.client.hidden_states(batch, layer, pooling))
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
+        return run_sync(self.client.generate(batch, sampling))
+
+    def close(self) -> None:
+        pass
+
+
+# --- OpenAI-compatible ------------------------------------------------------------------------------------
+
+
+class OpenAIClient:
+    """Async client for an OpenAI-compatible API (`base_url` ends in /v1)."""
+
+    def __init__(self, base_url: str, model: str | None = None, options: HTTPOptions | None = None) -> None:
+        options = options or HTTPOptions()
+        if options.api_key is None and os.environ.get("OPENAI_API_KEY"):
+            options = HTTPOptions(options.timeout_s, options.retry, os.environ["OPENAI_API_KEY"], options.max_concurrency)
+        self.http = _HTTP(base_url, options)
+        self.model = model
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            data = await self.http.get("/models")
+            models = data.get("data") or []
+            if not models:
+                raise EngineError(f"{self.http.base_url}/models lists no model; pass model=")
+            self.model = models[0]["id"]
+        return self.model
+
+    @staticmethod
+    def _params(sp: SamplingParams) -> dict:
+        d: dict[str, Any] = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "n": sp.n}
+        if sp.stop:
+            d["stop"] = list(sp.stop)
+        if sp.seed is not None:
+            d["seed"] = sp.seed
+        return d
+
+    async def completions(self, prompt: str | list[int], **params: Any) -> dict:
+        return await self.http.post("/completions", {"model": await self.model_name(), "prompt": prompt, **params})
+
+    async def chat(self, messages: list[dict[str, str]], **params: Any) -> dict:
+        return await self.http.post("/chat/completions", {"model": await self.model_name(), "messages": messages, **params})
+
+    async def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
+        """One /completions request per item (n samples each), bounded concurrency. Token ids come
+        back where the server supports `return_token_ids` (vLLM, thinkcraft serve), else empty."""
+        params = self._params(sampling)
+        if sampling.logprobs:
+            params["logprobs"] = 1
+        params["return_token_ids"] = True
+
+        async def one(p: Any) -> list[Completion]:
+            data = await self.completions(p, **params)
+            out = []
+            for ch in sorted(data.get("choices", []), key=lambda c: c.get("index", 0)):
+                lp = (ch.get("logprobs") or {}).get("token_logprobs")
+                out.append(Completion(
+                    token_ids=list(ch.get("token_ids") or []), text=ch.get("text", ""),
+                    logprobs=[float(x) for x in lp] if lp is not None else None,
+                    finish_reason=_finish(ch.get("finish_reason")),
+                    prompt_token_ids=list(ch.get("prompt_token_ids") or (p if not isinstance(p, str) else [])),
+                ))
+            return out
+
+        groups = await _gather_bounded([one(p) for p in _prompts(batch)], self.http.options.max_concurrency)
+        return [c for g in groups for c in g]
+
+
+class OpenAIEngine:
+    """`openai+http://host:port/v1` as an Engine (generation only)."""
+
+    def __init__(self, base_url: str, model: str | None = None, options: HTTPOptions | None = None, **http: Any) -> None:
+        self.client = OpenAIClient(base_url, model, options or HTTPOptions(**http))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(hidden_states=False, generate=True, logprobs=True, prefix_reuse=False)
+
+    def hidden_states(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> np.ndarray:
+        raise EngineCapabilityError(
+            "OpenAI-compatible endpoints do not return hidden states; use hf:<model>, vllm:<model> or sglang+http://..."
+        )
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
+        return run_sync(self.client.generate(batch, sampling))
+
+    def close(self) -> None:
+        pass

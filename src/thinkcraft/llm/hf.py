@@ -1,0 +1,563 @@
+"""`hf` engine: transformers in-process (bf16 on GPU, fp32 on CPU).
+
+Hidden states: batched with right padding and a last-real-token gather, any layer (0 = embeddings,
+L or -1 = final-normed output, what the LM head reads), "last" or "mean" pooling over the item's own
+tokens. With a shared prefix, the prefix is prefilled once (batch 1) and its per-layer KV kept while it
+is unchanged; the suffixes then run through the decoder layers with cascade attention
+(`attention.shared_prefix_attention`) that reads that one copy of the prefix KV. The plain path
+(prefix + item as one sequence, HF forward) is kept as the reference and is tested allclose.
+
+Generation: own decode loop over the HF model (token-in/token-out) with temperature / top-p, stop
+strings, max tokens, n samples per item, sampled-token logprobs (unmodified softmax), seeds, and a
+thinking budget for `<think>` models (after B thinking tokens the thought is closed with
+`thinking_close_text` and the model answers). KV cache: dynamic, or static (preallocated, fixed
+shapes) with optional `torch.compile` of the decode step (CUDA graphs) for speed on GPU.
+
+Works on any Llama/Qwen-style decoder (embed_tokens, layers, norm, rotary_emb), including a PEFT
+(LoRA) wrapped model shared with a learner: `HFEngine.from_model(model, tokenizer)` copies nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Sequence
+
+import numpy as np
+import torch
+
+from thinkcraft.llm.attention import PREFIX_KV_KWARG, register_cascade_attention
+from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
+from thinkcraft.utils.errors import UserError
+
+log = logging.getLogger(__name__)
+
+Pooling = Literal["last", "mean"]
+
+
+@dataclass
+class _SeqState:
+    """Per-sequence decode bookkeeping (host side)."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    forced: list[int] = field(default_factory=list)
+    """Indices (into `tokens`) of tokens the engine forced (thinking-budget close), not sampled."""
+    queue: list[int] = field(default_factory=list)
+    in_think: bool = False
+    thinking_tokens: int = 0
+    think_truncated: bool = False
+    done: bool = False
+    finish: str = "length"
+    stop_at: int | None = None
+    """Character index in the decoded text where a stop string starts."""
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM under a PEFT wrapper (LoRA layers are injected in place, so it includes them)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _decoder_of(lm: torch.nn.Module) -> torch.nn.Module:
+    dec = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if dec is None or not hasattr(dec, name):
+            raise UserError(
+                f"the hf engine supports Llama/Qwen-style decoders (embed_tokens, layers, norm, rotary_emb); "
+                f"{type(lm).__name__} has no `{name}`"
+            )
+    return dec
+
+
+class HFEngine:
+    """In-process transformers engine (see module docstring)."""
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_batch_tokens: int | None = None,
+        max_batch_size: int = 1024,
+        prefix_reuse: bool = True,
+        prefix_cache_size: int = 4,
+        kv_cache: Literal["dynamic", "static"] = "dynamic",
+        compile_decode: bool = False,
+        thinking_close_text: str = "\n</think>\n\n",
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from thinkcraft.llm.models import resolve_model
+
+        path = resolve_model(model)
+        dev = torch.device(device) if device is not None else _default_device()
+        if dtype is None:
+            dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        else:
+            dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        tok = AutoTokenizer.from_pretrained(str(path))
+        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+        lm.to(dev).eval()
+        lm.requires_grad_(False)
+        self._setup(
+            lm, tok, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, prefix_reuse=prefix_reuse,
+            prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
+            thinking_close_text=thinking_close_text, weight_update=False,
+        )
+        self.model_path = path
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any, **options: Any) -> "HFEngine":
+        """Wrap an existing (possibly PEFT-wrapped, possibly training) model without copying weights:
+        the engine samples with whatever weights the model holds at call time."""
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, weight_update=True, **options)
+        self.model_path = None
+        return self
+
+    def _setup(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_batch_tokens: int | None = None,
+        max_batch_size: int = 1024,
+        prefix_reuse: bool = True,
+        prefix_cache_size: int = 4,
+        kv_cache: str = "dynamic",
+        compile_decode: bool = False,
+        thinking_close_text: str = "\n</think>\n\n",
+        weight_update: bool = False,
+    ) -> None:
+        if kv_cache not in ("dynamic", "static"):
+            raise UserError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self._lm = _unwrap(model)
+        self._dec = _decoder_of(self._lm)
+        p = next(self._lm.parameters())
+        self.device = p.device
+        self.dtype = p.dtype
+        cfg = self._lm.config.get_text_config() if hasattr(self._lm.config, "get_text_config") else self._lm.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.max_batch_tokens = max_batch_tokens or (65536 if self.device.type == "cuda" else 8192)
+        self.max_batch_size = max_batch_size
+        self.prefix_reuse = prefix_reuse
+        self._prefix_cache: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._prefix_cache_size = prefix_cache_size
+        self.kv_cache = kv_cache
+        self.compile_decode = compile_decode
+        self._compiled_forward = None
+        self.thinking_close_text = thinking_close_text
+        self._weight_update = weight_update
+        params = inspect.signature(type(self._dec).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cascade_name = register_cascade_attention()
+        # pad with the pad token if there is one, else EOS (pads are never attended nor gathered)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.eos_ids = self._eos_ids()
+        vocab = tokenizer.get_vocab()
+        self.think_open_id = vocab.get("<think>")
+        self.think_close_id = vocab.get("</think>")
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self._lm, "generation_config", None), self._lm.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # --- protocol -------------------------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            hidden_states=True, generate=True, logprobs=True, prefix_reuse=True,
+            weight_update=self._weight_update, hidden_size=self.hidden_size, num_layers=self.num_layers,
+        )
+
+    def close(self) -> None:
+        self._prefix_cache.clear()
+        self._compiled_forward = None
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forget cached prefix KV (call after changing the weights the engine reads)."""
+        self._prefix_cache.clear()
+
+    # --- tokenization -----------------------------------------------------------------------------------
+
+    def _encode(self, text: str, first: bool) -> list[int]:
+        # Add BOS etc. only at the very start of a sequence, and not when a chat template already did.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        special = first and not (bos and text.startswith(bos))
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def tokenize_batch(self, batch: Batch) -> tuple[list[int], list[list[int]]]:
+        """(prefix ids, item ids). Texts: prefix and items are tokenized separately and concatenated as
+        token ids (so the prefix KV is reusable); the first piece gets the tokenizer's special tokens."""
+        if len(batch) == 0:
+            return [], []
+        if batch.is_tokens:
+            prefix = [int(t) for t in batch.prefix] if batch.prefix is not None else []
+            items = [[int(t) for t in it] for it in batch.items]
+        else:
+            if batch.prefix is not None and not isinstance(batch.prefix, str):
+                raise UserError("a text batch needs a text prefix (got token ids)")
+            prefix = self._encode(batch.prefix, first=True) if batch.prefix else []
+            items = [self._encode(t, first=not prefix) for t in batch.items]
+        return prefix, items
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False, **kwargs: Any
+    ) -> str | list[int]:
+        """The tokenizer's chat template (kwargs such as `enable_thinking=` pass through to it)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise UserError("this tokenizer has no chat template; pass raw prompts instead")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        return self._encode(text, first=True) if tokenize else text
+
+    # --- hidden states ------------------------------------------------------------------------------------
+
+    def _layer_index(self, layer: int) -> int:
+        n = self.num_layers
+        if not -(n + 1) <= layer <= n:
+            raise UserError(f"layer {layer} out of range for a {n}-layer model (use 0..{n} or -1..-{n + 1})")
+        return layer if layer >= 0 else n + 1 + layer
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        """No grad, eval mode (LoRA dropout off) for the call; the learner's mode is restored after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            if was_training:
+                self.model.train()
+
+    @contextlib.contextmanager
+    def _attn_impl(self, name: str) -> Iterator[None]:
+        """Temporarily switch the attention function of every attention module's config."""
+        configs = {id(m.config): m.config for m in self._dec.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")}
+        attr = "_attn_implementation_internal" if hasattr(self._dec.config, "_attn_implementation_internal") else "_attn_implementation"
+        old = {k: getattr(c, attr) for k, c in configs.items()}
+        try:
+            for c in configs.values():
+                object.__setattr__(c, attr, name)
+            yield
+        finally:
+            for k, c in configs.items():
+                object.__setattr__(c, attr, old[k])
+
+    def hidden_states(self, batch: Batch, layer: int = -1, pooling: Pooling = "last") -> np.ndarray:
+        return self.hidden_states_torch(batch, layer, pooling).cpu().numpy()
+
+    def hidden_states_torch(
+        self,
+        batch: Batch,
+        layer: int = -1,
+        pooling: Pooling = "last",
+        prefix_reuse: bool | None = None,
+        padding_side: Literal["left", "right"] = "right",
+    ) -> torch.Tensor:
+        """(N, H) float32 tensor on the model's device (hand to JAX with `dlpack.torch_to_jax`).
+        `prefix_reuse=False` forces the plain path (prefix + item as one sequence) - the reference."""
+        if pooling not in ("last", "mean"):
+            raise UserError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        idx = self._layer_index(layer)
+        prefix, items = self.tokenize_batch(batch)
+        if not items:
+            return torch.zeros((0, self.hidden_size), dtype=torch.float32, device=self.device)
+        if any(len(it) == 0 for it in items) and (pooling == "mean" or not prefix):
+            raise UserError("every item needs at least one token (empty item in the batch)")
+        reuse = self.prefix_reuse if prefix_reuse is None else prefix_reuse
+        out = torch.empty((len(items), self.hidden_size), dtype=torch.float32, device=self.device)
+        with self._inference():
+            if reuse and prefix and all(len(it) > 0 for it in items):
+                kv = self._prefix_kv(prefix)
+                for rows in self._chunks([len(it) for it in items]):
+                    out[rows] = self._pooled_cascade([items[i] for i in rows], len(prefix), kv, idx, pooling)
+            else:
+                seqs = [prefix + it for it in items]
+                for rows in self._chunks([len(s) for s in seqs]):
+                    out[rows] = self._pooled_plain(
+                        [seqs[i] for i in rows], [len(items[i]) for i in rows], idx, pooling, padding_side
+                    )
+        return out
+
+    def token_hidden_states(self, token_ids: Sequence[int], layer: int = -1) -> torch.Tensor:
+        """(T, H) float32 per-token hidden states of one sequence (what SGLang's /generate returns)."""
+        idx = self._layer_index(layer)
+        with self._inference():
+            ids, mask = self._pad([list(token_ids)], "right")
+            return self._run_decoder(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), idx)[0].float()
+
+    def _chunks(self, lengths: Sequence[int]) -> Iterator[torch.Tensor]:
+        """Row index groups, sorted by length (less padding), each ≤ max_batch_tokens padded tokens."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        group: list[int] = []
+        longest = 0
+        for i in order:
+            longest_new = max(longest, lengths[i])
+            if group and (longest_new * (len(group) + 1) > self.max_batch_tokens or len(group) >= self.max_batch_size):
+                yield torch.tensor(group, device=self.device)
+                group, longest_new = [], lengths[i]
+            group.append(i)
+            longest = longest_new
+        if group:
+            yield torch.tensor(group, device=self.device)
+
+    def _pad(self, seqs: Sequence[Sequence[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        t = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), t), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), t), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            if side == "right":
+                ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+                mask[i, : len(s)] = 1
+            else:
+                ids[i, t - len(s) :] = torch.tensor(s, dtype=torch.long)
+                mask[i, t - len(s) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @staticmethod
+    def _pool(h: torch.Tensor, start: torch.Tensor, end: torch.Tensor, pooling: str) -> torch.Tensor:
+        """Pool h (B, T, H) over positions [start, end) per row: the last one, or the mean."""
+        rows = torch.arange(h.shape[0], device=h.device)
+        if pooling == "last":
+            return h[rows, end - 1].float()
+        pos = torch.arange(h.shape[1], device=h.device)[None, :]
+        w = ((pos >= start[:, None]) & (pos < end[:, None])).to(torch.float32)
+        return torch.einsum("bt,bth->bh", w, h.float()) / w.sum(1, keepdim=True)
+
+    def _pooled_plain(
+        self, seqs: list[list[int]], item_lens: list[int], idx: int, pooling: str, side: str
+    ) -> torch.Tensor:
+        ids, mask = self._pad(seqs, side)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        h = self._run_decoder(ids, mask, pos, idx)
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)
+        ilens = torch.tensor(item_lens, device=self.device)
+        t = ids.shape[1]
+        end = lens if side == "right" else torch.full_like(lens, t)
+        start = end - ilens
+        return self._pool(h, start, end, pooling)
+
+    def _run_decoder(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, idx: int) -> torch.Tensor:
+        want_all = idx != self.num_layers
+        out = self._dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=want_all)
+        return out.hidden_states[idx] if want_all else out.last_hidden_state
+
+    def _prefix_kv(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) of the prefix, (1, Hkv, P, d) each, RoPE'd at positions 0..P-1; cached."""
+        key = tuple(prefix)
+        if key in self._prefix_cache:
+            self._prefix_cache.move_to_end(key)
+            return self._prefix_cache[key]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self._lm.config)
+        ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
+        self._dec(input_ids=ids, use_cache=True, **{self._cache_kw: cache})
+        if hasattr(cache, "layers"):
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
+        else:  # transformers 4.x
+            kv = list(zip(cache.key_cache, cache.value_cache))
+        self._prefix_cache[key] = kv
+        while len(self._prefix_cache) > self._prefix_cache_size:
+            self._prefix_cache.popitem(last=False)
+        return kv
+
+    def _pooled_cascade(
+        self, items: list[list[int]], p: int, kv: list, idx: int, pooling: str
+    ) -> torch.Tensor:
+        ids, _ = self._pad(items, "right")
+        b, s = ids.shape
+        dec = self._dec
+        h = dec.embed_tokens(ids)
+        if idx > 0:
+            pos = (p + torch.arange(s, device=self.device))[None, :].expand(b, s)
+            pe = dec.rotary_emb(h, pos)
+            with self._attn_impl(self._cascade_name):
+                for layer in dec.layers[: min(idx, self.num_layers)]:
+                    o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **{PREFIX_KV_KWARG: kv})
+                    h = o[0] if isinstance(o, tuple) else o
+            if idx == self.num_layers:
+                h = dec.norm(h)
+        end = torch.tensor([len(it) for it in items], device=self.device)
+        return self._pool(h, torch.zeros_like(end), end, pooling)
+
+    # --- generation -----------------------------------------------------------------------------------------
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
+        """Completions item-major (item0 × n, item1 × n, ...). Prompt = prefix + item token ids."""
+        if sampling.n < 1 or sampling.max_new_tokens < 1:
+            raise UserError("sampling.n and sampling.max_new_tokens must be ≥ 1")
+        if sampling.thinking_budget is not None and (self.think_open_id is None or self.think_close_id is None):
+            raise EngineCapabilityError("thinking_budget needs a model whose tokenizer has <think> and </think> tokens")
+        prefix, items = self.tokenize_batch(batch)
+        prompts = [prefix + it for it in items for _ in range(sampling.n)]
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("every prompt needs at least one token")
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(int(sampling.seed))
+        out: list[Completion] = []
+        with self._inference():
+            for a in range(0, len(prompts), self.max_batch_size):
+                out.extend(self._generate_chunk(prompts[a : a + self.max_batch_size], sampling, gen))
+        return out
+
+    def _model_forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, decode: bool) -> torch.Tensor:
+        kwargs = {self._cache_kw: cache}
+        fwd = self._lm.forward
+        if decode and self.compile_decode:
+            if self._compiled_forward is None:
+                self._compiled_forward = torch.compile(self._lm.forward, mode="reduce-overhead", fullgraph=False)
+            fwd = self._compiled_forward
+        out = fwd(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _choose(
+        self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token (B,), full log-softmax (B, V)) — logprobs are under the unmodified softmax."""
+        logp = torch.log_softmax(logits, dim=-1)
+        if sampling.temperature <= 0:
+            return logits.argmax(-1), logp
+        z = logits / sampling.temperature
+        if sampling.top_p < 1.0:
+            z = top_p_filter(z, sampling.top_p)
+        probs = torch.softmax(z, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1), logp
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator | None) -> list[Completion]:
+        from transformers import DynamicCache, StaticCache
+
+        b = len(prompts)
+        ids, mask = self._pad(prompts, "left")
+        t = ids.shape[1]
+        states = [_SeqState(prompt=p) for p in prompts]
+        budget = sampling.thinking_budget
+        close_ids = self._encode(self.thinking_close_text, first=False) if budget is not None else []
+        if budget is not None:
+            for st in states:
+                st.in_think = _last_index(st.prompt, self.think_open_id) > _last_index(st.prompt, self.think_close_id)
+        max_stop = max((len(s) for s in sampling.stop), default=0)
+        total = t + sampling.max_new_tokens
+        if self.kv_cache == "static":
+            cache = StaticCache(config=self._lm.config, max_cache_len=total)
+            # Fixed-shape mask over the whole cache: left pads 0, everything else 1 (causality hides the
+            # future), so the decode step's inputs never change shape (CUDA-graph friendly).
+            full_mask = torch.ones((b, total), dtype=torch.long, device=self.device)
+            full_mask[:, :t] = mask
+            step_mask = lambda n: full_mask  # noqa: E731
+        else:
+            cache = DynamicCache(config=self._lm.config)
+            full_mask = torch.cat([mask, torch.ones((b, sampling.max_new_tokens), dtype=torch.long, device=self.device)], 1)
+            step_mask = lambda n: full_mask[:, :n]  # noqa: E731
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._model_forward(ids, step_mask(t), pos, cache, decode=False)
+        next_pos = pos[:, -1:] + 1
+        for step in range(sampling.max_new_tokens):
+            tok, logp = self._choose(logits, sampling, gen)
+            # forced tokens (thinking-budget close) replace the sampled ones
+            for i, st in enumerate(states):
+                if st.done:
+                    tok[i] = self.pad_id
+                    continue
+                if budget is not None and st.in_think and not st.queue and st.thinking_tokens >= budget:
+                    st.queue = list(close_ids)
+                    st.in_think = False
+                    st.think_truncated = True
+                if st.queue:
+                    tok[i] = st.queue.pop(0)
+                    st.forced.append(len(st.tokens))
+            tok_host = tok.tolist()
+            lp_host = logp.gather(1, tok[:, None]).squeeze(1).tolist() if sampling.logprobs else None
+            for i, st in enumerate(states):
+                if st.done:
+                    continue
+                x = tok_host[i]
+                forced = bool(st.forced) and st.forced[-1] == len(st.tokens)
+                st.tokens.append(x)
+                if lp_host is not None:
+                    st.logprobs.append(lp_host[i])
+                if budget is not None and not forced:
+                    if x == self.think_open_id:
+                        st.in_think = True
+                    elif x == self.think_close_id:
+                        st.in_think = False
+                    elif st.in_think:
+                        st.thinking_tokens += 1
+                if x in self.eos_ids and not st.queue:
+                    st.done, st.finish = True, "stop"
+                elif max_stop and not st.queue:
+                    tail = self.tokenizer.decode(st.tokens[-(max_stop + 1) :], skip_special_tokens=True)
+                    if any(s in tail for s in sampling.stop):
+                        st.done, st.finish = True, "stop"
+            if all(st.done for st in states) or step == sampling.max_new_tokens - 1:
+                break
+            n = t + step + 1
+            logits = self._model_forward(tok[:, None], step_mask(n + 1), next_pos, cache, decode=True)
+            next_pos = next_pos + 1
+        return [self._finish(st, sampling) for st in states]
+
+    def _finish(self, st: _SeqState, sampling: SamplingParams) -> Completion:
+        text = self.tokenizer.decode(st.tokens, skip_special_tokens=True)
+        cut = [text.find(s) for s in sampling.stop if s and s in text]
+        if cut:
+            text = text[: min(cut)]
+        finish = st.finish
+        if finish != "length" and st.think_truncated:
+            finish = "budget"
+        return Completion(
+            token_ids=list(st.tokens),
+            text=text,
+            logprobs=list(st.logprobs) if sampling.logprobs else None,
+            finish_reason=finish,
+            prompt_token_ids=list(st.prompt),
+            thinking_tokens=st.thinking_tokens,
+            forced_token_indices=list(st.forced),
+        )
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of tokens whose probability reaches top_p (the most
+    likely token is always kept); the rest get -inf."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    drop_sorted = before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _last_index(seq: Sequence[int], x: int | None) -> int:
+    if x is None:
+        return -1
+    for i in range(len(seq) - 1, -1, -1):
+        if seq[i] == x:
+            return i
+    return -1
