@@ -1,0 +1,302 @@
+"""hf engine on tiny random-weight models (fast): cascade prefix reuse = plain path, padding invariance,
+generation (greedy determinism, static = dynamic cache, logprobs = a forward pass, stop strings, thinking
+budget, n/seed), PEFT-wrapped models, DLPack round trip, engine specs and serving options."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from thinkcraft.llm.attention import (
+    attention_lse,
+    attention_lse_reference,
+    merge_attention,
+    shared_prefix_attention,
+)
+from thinkcraft.llm.hf import HFEngine, top_p_filter
+from thinkcraft.llm.protocol import Batch, EngineCapabilityError, SamplingParams
+from thinkcraft.llm.testing import tiny_llama
+from thinkcraft.utils.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    return tiny_llama(thinking=True)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny) -> HFEngine:
+    return HFEngine.from_model(*tiny)
+
+
+# --- attention maths -----------------------------------------------------------------------------------
+
+
+def _full_attention(q, k, v, pk, pv):  # noqa: ANN001, ANN202
+    """Reference: plain SDPA over [prefix | causal suffix] with the prefix copied per item."""
+    b, h, s, _ = q.shape
+    g = h // k.shape[1]
+    kk = torch.cat([pk.expand(b, -1, -1, -1), k], 2).repeat_interleave(g, 1)
+    vv = torch.cat([pv.expand(b, -1, -1, -1), v], 2).repeat_interleave(g, 1)
+    p = pk.shape[2]
+    mask = torch.ones(s, p + s, dtype=torch.bool)
+    mask[:, p:] = torch.ones(s, s).tril().bool()
+    return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_shared_prefix_attention_equals_full_attention(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(0)
+    b, s, p, d = 3, 5, 7, 16
+    q = torch.randn(b, heads, s, d)
+    k, v = torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
+    pk, pv = torch.randn(1, kv_heads, p, d), torch.randn(1, kv_heads, p, d)
+    ref = _full_attention(q, k, v, pk, pv)
+    for fn in (attention_lse, attention_lse_reference):
+        out = shared_prefix_attention(q, k, v, pk, pv, lse_fn=fn)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_lse_equals_reference_and_merge_is_exact() -> None:
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)
+    for causal in (False, True):
+        o1, l1 = attention_lse(q, k, v, causal, 0.3)
+        o2, l2 = attention_lse_reference(q, k, v, causal, 0.3)
+        torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+    # merging attention over two halves of the keys = attention over all keys
+    k2, v2 = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
+    oa, la = attention_lse_reference(q, k, v, False, 0.3)
+    ob, lb = attention_lse_reference(q, k2, v2, False, 0.3)
+    oall, _ = attention_lse_reference(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), False, 0.3)
+    torch.testing.assert_close(merge_attention(oa, la, ob, lb), oall, atol=1e-5, rtol=1e-5)
+
+
+def test_top_p_filter_keeps_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(top_p_filter(logits, 0.75))
+    assert kept.tolist() == [[True, True, False, False]]
+    assert torch.isfinite(top_p_filter(logits, 1e-6)).sum() == 1  # the top token always survives
+
+
+# --- hidden states ---------------------------------------------------------------------------------------
+
+PREFIX = [1, 20, 21, 22, 23, 24, 25, 26, 27]
+ITEMS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [30]]
+
+
+_ARCH_MODELS: dict[str, tuple] = {}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("layer", [-1, 1, 0])
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_prefix_reuse_equals_no_reuse(arch: str, layer: int, pooling: str) -> None:
+    if arch not in _ARCH_MODELS:
+        _ARCH_MODELS[arch] = tiny_llama(arch=arch)
+    eng = HFEngine.from_model(*_ARCH_MODELS[arch])
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    ref = eng.hidden_states_torch(b, layer, pooling, prefix_reuse=False)
+    got = eng.hidden_states_torch(b, layer, pooling, prefix_reuse=True)
+    assert got.shape == (len(ITEMS), eng.hidden_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    # second call reuses the cached prefix KV and still agrees
+    assert len(eng._prefix_cache) == 1
+    torch.testing.assert_close(eng.hidden_states_torch(b, layer, pooling), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_prefix_reuse_in_small_chunks_and_cache_bound(eng: HFEngine) -> None:
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    ref = eng.hidden_states(b)
+    old = eng.max_batch_tokens
+    eng.max_batch_tokens = 8  # forces several chunks, sorted by length then unsorted
+    try:
+        torch.testing.assert_close(torch.from_numpy(eng.hidden_states(b)), torch.from_numpy(ref), atol=1e-5, rtol=1e-4)
+    finally:
+        eng.max_batch_tokens = old
+    for i in range(6):
+        eng.hidden_states(Batch(items=ITEMS[:1], prefix=PREFIX + [40 + i]))
+    assert len(eng._prefix_cache) <= eng._prefix_cache_size
+
+
+def test_left_right_padding_and_batching_invariance(eng: HFEngine) -> None:
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    right = eng.hidden_states_torch(b, prefix_reuse=False, padding_side="right")
+    left = eng.hidden_states_torch(b, prefix_reuse=False, padding_side="left")
+    torch.testing.assert_close(left, right, atol=1e-5, rtol=1e-4)
+    one_by_one = torch.cat([eng.hidden_states_torch(Batch(items=[it], prefix=PREFIX), prefix_reuse=False) for it in ITEMS])
+    torch.testing.assert_close(one_by_one, right, atol=1e-5, rtol=1e-4)
+
+
+def test_layers_match_hf_output_hidden_states(tiny) -> None:
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok)
+    seq = PREFIX + ITEMS[0]
+    with torch.no_grad():
+        hs = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    for layer in (0, 1, 2, -1, -3):
+        got = eng.hidden_states_torch(Batch(items=[ITEMS[0]], prefix=PREFIX), layer=layer)
+        torch.testing.assert_close(got[0], hs[layer][0, -1], atol=1e-5, rtol=1e-4)
+    with pytest.raises(UserError, match="layer 7 out of range"):
+        eng.hidden_states(Batch(items=[[1, 2]]), layer=7)
+
+
+def test_text_batch_tokenizes_prefix_and_items_apart(eng: HFEngine) -> None:
+    b = Batch(items=["a tree", "some water"], prefix="You see:")
+    prefix, items = eng.tokenize_batch(b)
+    assert prefix == eng.tokenizer("You see:")["input_ids"]
+    ids = Batch(items=items, prefix=prefix)
+    np.testing.assert_allclose(eng.hidden_states(b), eng.hidden_states(ids), atol=1e-6)
+    assert eng.hidden_states(Batch(items=[])).shape == (0, eng.hidden_size)
+
+
+# --- generation -------------------------------------------------------------------------------------------
+
+PROMPTS = [[1, 50, 51, 52, 53, 54], [1, 60, 61], [1, 70, 71, 72, 73, 74, 75, 76, 77]]
+
+
+def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:  # noqa: ANN001
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return lp[pos, torch.tensor(tokens)].numpy()
+
+
+def test_greedy_is_deterministic_batch_invariant_and_logprobs_match_forward(eng: HFEngine, tiny) -> None:
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    a = eng.generate(Batch(items=PROMPTS), sp)
+    b = eng.generate(Batch(items=PROMPTS), sp)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    singles = [eng.generate(Batch(items=[p]), sp)[0] for p in PROMPTS]
+    assert [c.token_ids for c in a] == [c.token_ids for c in singles]  # left padding does not change greedy
+    for c, p in zip(a, PROMPTS):
+        assert c.prompt_token_ids == p and len(c.token_ids) == len(c.logprobs)
+        np.testing.assert_allclose(c.logprobs, _forward_logprobs(tiny[0], p, c.token_ids), atol=1e-4)
+        assert c.text == eng.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert c.finish_reason in ("stop", "length")
+
+
+def test_static_cache_equals_dynamic_cache(tiny) -> None:
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    dyn = HFEngine.from_model(*tiny).generate(Batch(items=PROMPTS), sp)
+    sta = HFEngine.from_model(*tiny, kv_cache="static").generate(Batch(items=PROMPTS), sp)
+    assert [c.token_ids for c in dyn] == [c.token_ids for c in sta]
+    for d, s in zip(dyn, sta):
+        np.testing.assert_allclose(d.logprobs, s.logprobs, atol=1e-4)
+
+
+def test_sampling_n_seed_and_logprobs(eng: HFEngine, tiny) -> None:
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, n=3, seed=7)
+    a = eng.generate(Batch(items=PROMPTS[:2]), sp)
+    b = eng.generate(Batch(items=PROMPTS[:2]), sp)
+    assert len(a) == 6 and [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.prompt_token_ids for c in a] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3  # item-major
+    assert len({tuple(c.token_ids) for c in a[:3]}) > 1  # samples differ within a group
+    for c in a[:3]:  # logprobs are under the unmodified model, not the tempered/top-p one
+        np.testing.assert_allclose(c.logprobs, _forward_logprobs(tiny[0], c.prompt_token_ids, c.token_ids), atol=1e-4)
+    no_lp = eng.generate(Batch(items=PROMPTS[:1]), SamplingParams(max_new_tokens=3, logprobs=False, seed=1))
+    assert no_lp[0].logprobs is None
+
+
+def test_stop_strings_cut_text_and_end_generation(eng: HFEngine) -> None:
+    full = eng.generate(Batch(items=PROMPTS[:1]), SamplingParams(max_new_tokens=12, temperature=0.0))[0]
+    assert len(full.text) > 6, full.text
+    stop = full.text[3:6]
+    cut = eng.generate(Batch(items=PROMPTS[:1]), SamplingParams(max_new_tokens=12, temperature=0.0, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
+    assert stop in eng.tokenizer.decode(cut.token_ids, skip_special_tokens=True)
+
+
+def test_thinking_budget(eng: HFEngine) -> None:
+    tok = eng.tokenizer
+    prompt = tok("Question: what next?<think>", add_special_tokens=False)["input_ids"]
+    assert prompt[-1] == eng.think_open_id
+    for budget in (0, 4):
+        c = eng.generate(Batch(items=[prompt]), SamplingParams(max_new_tokens=16, temperature=0.0, thinking_budget=budget))[0]
+        close = eng._encode(eng.thinking_close_text, first=False)
+        assert c.thinking_tokens == budget
+        assert c.token_ids[budget : budget + len(close)] == close  # the thought is closed right at the budget
+        assert c.forced_token_indices == list(range(budget, budget + len(close)))
+        assert c.token_ids.count(eng.think_close_id) >= 1
+        assert c.finish_reason in ("budget", "length")
+    # a budget larger than the generation never forces anything
+    c = eng.generate(Batch(items=[prompt]), SamplingParams(max_new_tokens=5, temperature=0.0, thinking_budget=100))[0]
+    assert c.forced_token_indices == [] and c.finish_reason == "length"
+    plain = HFEngine.from_model(*tiny_llama(thinking=False))
+    with pytest.raises(EngineCapabilityError, match="<think>"):
+        plain.generate(Batch(items=[prompt[:3]]), SamplingParams(max_new_tokens=2, thinking_budget=3))
+
+
+def test_peft_wrapped_model_generates_and_keeps_training_mode(tiny) -> None:
+    peft = pytest.importorskip("peft")
+    model, tok = tiny_llama(seed=3)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # make the adapter matter
+    lora.train()
+    eng = HFEngine.from_model(lora, tok)
+    assert eng.capabilities.weight_update
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0)
+    a = eng.generate(Batch(items=PROMPTS[:2]), sp)
+    assert lora.training  # restored
+    assert [c.token_ids for c in a] == [c.token_ids for c in eng.generate(Batch(items=PROMPTS[:2]), sp)]
+    lora.eval()
+    np.testing.assert_allclose(a[0].logprobs, _forward_logprobs(lora, PROMPTS[0], a[0].token_ids), atol=1e-4)
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    torch.testing.assert_close(eng.hidden_states_torch(b), eng.hidden_states_torch(b, prefix_reuse=False), atol=1e-5, rtol=1e-4)
+
+
+# --- DLPack, specs, options ---------------------------------------------------------------------------------
+
+
+def test_dlpack_round_trip(eng: HFEngine) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    from thinkcraft.llm.dlpack import jax_to_torch, torch_to_jax
+
+    h = eng.hidden_states_torch(Batch(items=ITEMS, prefix=PREFIX))
+    x = torch_to_jax(h)
+    assert x.shape == tuple(h.shape) and x.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(x), h.numpy())
+    back = jax_to_torch(x * 2)
+    torch.testing.assert_close(back, h * 2)
+    bf = torch_to_jax(h.bfloat16())
+    assert bf.dtype == jnp.bfloat16 and jax_to_torch(bf).dtype == torch.bfloat16
+    assert torch_to_jax(h.T).shape == (h.shape[1], h.shape[0])  # non-contiguous input
+
+
+def test_engine_specs_and_options() -> None:
+    from thinkcraft.llm import make_engine
+    from thinkcraft.llm.clients import OpenAIEngine, SGLangEngine
+    from thinkcraft.llm.options import ServingOptions, sglang_server_args, vllm_llm_kwargs, vllm_serve_args
+
+    assert isinstance(make_engine("sglang+http://127.0.0.1:1"), SGLangEngine)
+    oa = make_engine("openai+http://127.0.0.1:1/v1", model="m")
+    assert isinstance(oa, OpenAIEngine) and not oa.capabilities.hidden_states
+    with pytest.raises(EngineCapabilityError):
+        oa.hidden_states(Batch(items=["x"]))
+    with pytest.raises(UserError, match="expected one of"):
+        make_engine("llama:foo")
+    with pytest.raises(UserError, match="not found"):
+        make_engine("hf:/nonexistent/model")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match="pip install"):
+            make_engine("vllm:/some/model")
+    o = ServingOptions(speculative_model="/draft", speculative_num_tokens=4, quantization="fp8", memory_fraction=0.5, tensor_parallel=2)
+    kw = vllm_llm_kwargs("/m", o)
+    assert kw["speculative_config"] == {"method": "eagle3", "model": "/draft", "num_speculative_tokens": 4}
+    assert kw["quantization"] == "fp8" and kw["gpu_memory_utilization"] == 0.5 and kw["tensor_parallel_size"] == 2
+    assert "--enable-prefix-caching" in vllm_serve_args("/m", o)
+    sg = sglang_server_args("/m", o)
+    assert sg[sg.index("--speculative-algorithm") + 1] == "EAGLE3" and "--enable-return-hidden-states" in sg
+    assert sg[sg.index("--mem-fraction-static") + 1] == "0.5" and sg[sg.index("--tp-size") + 1] == "2"
+    with pytest.raises(UserError, match="quantization"):
+        ServingOptions(quantization="int3")
