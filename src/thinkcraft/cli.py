@@ -73,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg_cls = getattr(mod, cfg_name)
     prog = "thinkcraft " + " ".join(words)
     try:
-        cfg = tyro.cli(cfg_cls, args=rest, prog=prog, description=help_)
+        try:
+            cfg = tyro.cli(cfg_cls, args=rest, prog=prog, description=help_)
+        except SystemExit as e:  # tyro printed the parse/validation error (or --help) itself
+            return int(e.code or 0)
         result = getattr(mod, fn_name)(cfg)
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

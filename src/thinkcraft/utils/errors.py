@@ -7,7 +7,7 @@ class UserError(Exception):
     """Bad input the user can fix (config, files, missing model/engine). Message says what to change."""
 
 
-class ConfigError(UserError, ValueError):
+class ConfigError(UserError):
     """An invalid config field; raised from `__post_init__`/`validate()` before anything compiles."""
 
     def __init__(self, field: str, message: str) -> None:

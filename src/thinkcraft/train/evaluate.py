@@ -1,0 +1,142 @@
+"""`thinkcraft eval <run_dir>`: run a trained policy for M episodes; report return and achievements."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tyro
+
+from thinkcraft.utils.errors import UserError, check
+
+
+@dataclass
+class EvalConfig:
+    run_dir: tyro.conf.Positional[str]
+    """A run directory written by `thinkcraft train ppo`."""
+    episodes: int = 32
+    """Episodes to evaluate (the first M that finish)."""
+    num_envs: int = 32
+    """Parallel environments."""
+    greedy: bool = False
+    """Take the most likely action instead of sampling."""
+    seed: int = 12345
+    """Seed of the evaluation worlds and action sampling."""
+    steps_per_call: int = 256
+    """Env steps per jitted call (progress granularity)."""
+    max_steps_per_env: int = 100_000
+    """Give up after this many steps per env (Craftax episodes end by 10,000 steps)."""
+    out: str | None = None
+    """Where to write the JSON report (default: <run_dir>/eval.json)."""
+
+    def __post_init__(self) -> None:
+        check(self.episodes > 0, "episodes", "must be > 0")
+        check(self.num_envs > 0, "num_envs", "must be > 0")
+        check(self.steps_per_call > 0, "steps_per_call", "must be > 0")
+
+
+def load_ppo_policy(run_dir: str | Path, num_envs: int):
+    """(env, network, params, train config) of a `train ppo` run; env uses exact resets (ratio 1)."""
+    import jax
+
+    from thinkcraft.train.checkpoint import load_config_dict, load_params
+    from thinkcraft.train.ppo import PPOConfig, build
+
+    saved = load_config_dict(run_dir)
+    known = {f.name for f in dataclasses.fields(PPOConfig)}
+    cfg = PPOConfig(**{k: v for k, v in saved.items() if k in known})
+    cfg = dataclasses.replace(cfg, num_envs=num_envs, optimistic_reset_ratio=1,
+                              total_timesteps=max(cfg.total_timesteps, num_envs * cfg.num_steps),
+                              num_minibatches=1, stop_after_updates=0)
+    env, network, _ = build(cfg)
+    template = network.init(jax.random.PRNGKey(0), np.zeros((1, env.obs_dim), np.float32))
+    params = load_params(run_dir, template)
+    return env, network, params, cfg
+
+
+def run(cfg: EvalConfig) -> dict[str, Any]:
+    import jax
+
+    from thinkcraft.envs.craftax import achievement_names, achievement_weights
+    from thinkcraft.utils.jaxcache import enable_compilation_cache
+    from thinkcraft.utils.progress import RunProgress, console
+
+    run_dir = Path(cfg.run_dir)
+    if not (run_dir / "config.json").exists():
+        raise UserError(f"{run_dir} is not a run directory (no config.json)")
+    enable_compilation_cache()
+    env, network, params, tcfg = load_ppo_policy(run_dir, cfg.num_envs)
+
+    def step(carry, _):
+        env_state, obs, rng = carry
+        rng, k_act, k_env = jax.random.split(rng, 3)
+        pi, _ = network.apply(params, obs)
+        action = pi.mode() if cfg.greedy else pi.sample(seed=k_act)
+        obs, env_state, _, _, info = env.step(k_env, env_state, action)
+        return (env_state, obs, rng), info
+
+    @jax.jit
+    def play(carry):
+        return jax.lax.scan(step, carry, None, cfg.steps_per_call)
+
+    rng = jax.random.PRNGKey(cfg.seed)
+    rng, k = jax.random.split(rng)
+    obs, env_state = env.reset(k)
+    carry = (env_state, obs, rng)
+    returns: list[float] = []
+    lengths: list[int] = []
+    achievements: list[np.ndarray] = []
+    t0 = time.perf_counter()
+    steps = 0
+    with RunProgress(cfg.episodes, f"eval {run_dir.name}", unit="episodes") as progress:
+        while len(returns) < cfg.episodes:
+            if steps >= cfg.max_steps_per_env:
+                raise UserError(f"only {len(returns)} episodes finished in {steps} steps per env")
+            carry, info = play(carry)
+            info = jax.device_get(info)
+            steps += cfg.steps_per_call
+            t_idx, e_idx = np.nonzero(info.done)
+            order = np.lexsort((e_idx, t_idx))  # time order, then env index
+            for t, e in zip(t_idx[order], e_idx[order]):
+                returns.append(float(info.episode_return[t, e]))
+                lengths.append(int(info.episode_length[t, e]))
+                achievements.append(info.achievements[t, e])
+            progress.update(min(len(returns), cfg.episodes))
+    returns, lengths = returns[: cfg.episodes], lengths[: cfg.episodes]
+    ach = np.stack(achievements[: cfg.episodes]).astype(np.float64)
+    names = achievement_names(tcfg.env_name)
+    max_return = sum(achievement_weights(tcfg.env_name))
+    report = {
+        "run_dir": str(run_dir),
+        "env_name": tcfg.env_name,
+        "episodes": cfg.episodes,
+        "greedy": cfg.greedy,
+        "return_mean": float(np.mean(returns)),
+        "return_std": float(np.std(returns)),
+        "return_pct_max": float(100 * np.mean(returns) / max_return),
+        "length_mean": float(np.mean(lengths)),
+        "achievement_rates": {n: float(r) for n, r in zip(names, ach.mean(0))},
+        "seconds": time.perf_counter() - t0,
+    }
+    from rich.table import Table
+
+    table = Table(title=f"{run_dir.name}: {cfg.episodes} episodes ({'greedy' if cfg.greedy else 'sampled'})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("return", f"{report['return_mean']:.2f} ± {report['return_std']:.2f}")
+    table.add_row("% of max return", f"{report['return_pct_max']:.2f}")
+    table.add_row("length", f"{report['length_mean']:.1f}")
+    for n, r in report["achievement_rates"].items():
+        if r > 0:
+            table.add_row(f"achievement {n}", f"{100 * r:.1f}%")
+    console.print(table)
+    out = Path(cfg.out) if cfg.out else run_dir / "eval.json"
+    from thinkcraft.utils.io import atomic_write_json
+
+    atomic_write_json(out, report)
+    return report
