@@ -300,3 +300,19 @@ def test_engine_specs_and_options() -> None:
     assert sg[sg.index("--mem-fraction-static") + 1] == "0.5" and sg[sg.index("--tp-size") + 1] == "2"
     with pytest.raises(UserError, match="quantization"):
         ServingOptions(quantization="int3")
+
+
+def test_eos_ends_each_sequence_on_device_and_host_paths(tiny) -> None:
+    eng = HFEngine.from_model(*tiny)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    full = eng.generate(Batch(items=PROMPTS), sp)
+    eos = full[0].token_ids[2]
+    eng.eos_ids = {eos}  # pretend this token is EOS: row 0 must end right after it
+    for params in (sp, SamplingParams(max_new_tokens=8, temperature=0.0, stop=("\x00never",))):  # device / host loop
+        got = eng.generate(Batch(items=PROMPTS), params)
+        for f, g in zip(full, got):
+            n = next((j + 1 for j, x in enumerate(f.token_ids) if x == eos), len(f.token_ids))
+            assert g.token_ids == f.token_ids[:n]
+            assert g.finish_reason == ("stop" if n < len(f.token_ids) or f.token_ids[n - 1] == eos else "length")
+            assert len(g.logprobs) == n
+            np.testing.assert_allclose(g.logprobs, f.logprobs[:n], atol=1e-5)

@@ -75,9 +75,10 @@ def attention_lse(
 def merge_attention(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> torch.Tensor:
-    """Combine attention over two disjoint key sets by their log-sum-exps (float32 maths)."""
-    w_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]
-    return (o_b.float() + w_a * (o_a.float() - o_b.float())).to(o_a.dtype)
+    """Combine attention over two disjoint key sets by their log-sum-exps."""
+    # weight of part a = exp(lse_a) / (exp(lse_a) + exp(lse_b)); one fused lerp over the big tensors
+    w_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None].to(o_a.dtype)
+    return torch.lerp(o_b, o_a, w_a)
 
 
 def shared_prefix_attention(

@@ -456,73 +456,111 @@ class HFEngine:
         from transformers import DynamicCache, StaticCache
 
         b = len(prompts)
+        new = sampling.max_new_tokens
         ids, mask = self._pad(prompts, "left")
         t = ids.shape[1]
         states = [_SeqState(prompt=p) for p in prompts]
         budget = sampling.thinking_budget
+        # Stop strings and the thinking budget need per-sequence host logic every step; without them the
+        # loop stays on the device (no per-step sync, EOS handled by a mask) so the GPU can run ahead.
+        host = budget is not None or bool(sampling.stop)
         close_ids = self._encode(self.thinking_close_text, first=False) if budget is not None else []
         if budget is not None:
             for st in states:
                 st.in_think = _last_index(st.prompt, self.think_open_id) > _last_index(st.prompt, self.think_close_id)
         max_stop = max((len(s) for s in sampling.stop), default=0)
-        total = t + sampling.max_new_tokens
+        total = t + new
+        full_mask = torch.ones((b, total), dtype=torch.long, device=self.device)
+        full_mask[:, :t] = mask
         if self.kv_cache == "static":
             cache = StaticCache(config=self._lm.config, max_cache_len=total)
             # Fixed-shape mask over the whole cache: left pads 0, everything else 1 (causality hides the
             # future), so the decode step's inputs never change shape (CUDA-graph friendly).
-            full_mask = torch.ones((b, total), dtype=torch.long, device=self.device)
-            full_mask[:, :t] = mask
             step_mask = lambda n: full_mask  # noqa: E731
         else:
             cache = DynamicCache(config=self._lm.config)
-            full_mask = torch.cat([mask, torch.ones((b, sampling.max_new_tokens), dtype=torch.long, device=self.device)], 1)
             step_mask = lambda n: full_mask[:, :n]  # noqa: E731
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._model_forward(ids, step_mask(t), pos, cache, decode=False)
         next_pos = pos[:, -1:] + 1
-        for step in range(sampling.max_new_tokens):
+        toks = torch.full((b, new), self.pad_id, dtype=torch.long, device=self.device)
+        lps = torch.zeros((b, new), dtype=torch.float32, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        eos = torch.tensor(sorted(self.eos_ids) or [-1], device=self.device)
+        steps = 0
+        for step in range(new):
             tok, logp = self._choose(logits, sampling, gen)
-            # forced tokens (thinking-budget close) replace the sampled ones
-            for i, st in enumerate(states):
-                if st.done:
-                    tok[i] = self.pad_id
-                    continue
-                if budget is not None and st.in_think and not st.queue and st.thinking_tokens >= budget:
-                    st.queue = list(close_ids)
-                    st.in_think = False
-                    st.think_truncated = True
-                if st.queue:
-                    tok[i] = st.queue.pop(0)
-                    st.forced.append(len(st.tokens))
-            tok_host = tok.tolist()
-            lp_host = logp.gather(1, tok[:, None]).squeeze(1).tolist() if sampling.logprobs else None
-            for i, st in enumerate(states):
-                if st.done:
-                    continue
-                x = tok_host[i]
-                forced = bool(st.forced) and st.forced[-1] == len(st.tokens)
-                st.tokens.append(x)
-                if lp_host is not None:
-                    st.logprobs.append(lp_host[i])
-                if budget is not None and not forced:
-                    if x == self.think_open_id:
-                        st.in_think = True
-                    elif x == self.think_close_id:
-                        st.in_think = False
-                    elif st.in_think:
-                        st.thinking_tokens += 1
-                if x in self.eos_ids and not st.queue:
-                    st.done, st.finish = True, "stop"
-                elif max_stop and not st.queue:
-                    tail = self.tokenizer.decode(st.tokens[-(max_stop + 1) :], skip_special_tokens=True)
-                    if any(s in tail for s in sampling.stop):
-                        st.done, st.finish = True, "stop"
-            if all(st.done for st in states) or step == sampling.max_new_tokens - 1:
+            if host:
+                self._host_step(states, tok, budget, close_ids)
+            else:
+                tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            toks[:, step] = tok
+            if sampling.logprobs:
+                lps[:, step] = logp.gather(1, tok[:, None]).squeeze(1)
+            steps = step + 1
+            if host:
+                self._host_after(states, tok.tolist(), budget, sampling.stop, max_stop)
+                if all(st.done for st in states):
+                    break
+            else:
+                done = done | torch.isin(tok, eos)
+                if step % 16 == 15 and bool(done.all()):
+                    break
+            if step == new - 1:
                 break
-            n = t + step + 1
-            logits = self._model_forward(tok[:, None], step_mask(n + 1), next_pos, cache, decode=True)
+            # the cache holds t + step tokens; this step adds one
+            logits = self._model_forward(tok[:, None], step_mask(t + step + 1), next_pos, cache, decode=True)
             next_pos = next_pos + 1
+        toks_host = toks[:, :steps].tolist()
+        lps_host = lps[:, :steps].tolist() if sampling.logprobs else None
+        for i, st in enumerate(states):
+            if host:
+                n = len(st.tokens)
+            else:
+                row = toks_host[i]
+                n = next((j + 1 for j, x in enumerate(row) if x in self.eos_ids), len(row))
+                st.tokens = row[:n]
+                st.finish = "stop" if n < len(row) or (row and row[n - 1] in self.eos_ids) else "length"
+            st.logprobs = lps_host[i][:n] if lps_host is not None else []
         return [self._finish(st, sampling) for st in states]
+
+    def _host_step(self, states: list[_SeqState], tok: torch.Tensor, budget: int | None, close_ids: list[int]) -> None:
+        """Before a step's tokens are recorded: pad finished rows, force the thinking-close tokens."""
+        for i, st in enumerate(states):
+            if st.done:
+                tok[i] = self.pad_id
+                continue
+            if budget is not None and st.in_think and not st.queue and st.thinking_tokens >= budget:
+                st.queue = list(close_ids)
+                st.in_think = False
+                st.think_truncated = True
+            if st.queue:
+                tok[i] = st.queue.pop(0)
+                st.forced.append(len(st.tokens))
+
+    def _host_after(
+        self, states: list[_SeqState], tok_host: list[int], budget: int | None, stop: Sequence[str], max_stop: int
+    ) -> None:
+        """After a step: record tokens, count thinking tokens, detect EOS and stop strings."""
+        for i, st in enumerate(states):
+            if st.done:
+                continue
+            x = tok_host[i]
+            forced = bool(st.forced) and st.forced[-1] == len(st.tokens)
+            st.tokens.append(x)
+            if budget is not None and not forced:
+                if x == self.think_open_id:
+                    st.in_think = True
+                elif x == self.think_close_id:
+                    st.in_think = False
+                elif st.in_think:
+                    st.thinking_tokens += 1
+            if x in self.eos_ids and not st.queue:
+                st.done, st.finish = True, "stop"
+            elif max_stop and not st.queue:
+                tail = self.tokenizer.decode(st.tokens[-(max_stop + 1) :], skip_special_tokens=True)
+                if any(s in tail for s in stop):
+                    st.done, st.finish = True, "stop"
 
     def _finish(self, st: _SeqState, sampling: SamplingParams) -> Completion:
         text = self.tokenizer.decode(st.tokens, skip_special_tokens=True)
