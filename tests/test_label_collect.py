@@ -1,0 +1,53 @@
+"""`thinkcraft collect` (a tiny Craftax-Classic rollout) feeding `thinkcraft label`."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from thinkcraft.cli import main
+from thinkcraft.label.collect import CollectConfig
+from thinkcraft.utils.errors import ConfigError
+
+from test_label_remote import endpoints_toml, stub  # noqa: F401 - stub is a fixture
+
+
+def test_collect_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="pixel"):
+        CollectConfig(env_name="Craftax-Pixels-v1")
+    with pytest.raises(ConfigError, match="policy"):
+        CollectConfig(policy="sac")
+    with pytest.raises(ConfigError, match="not a `train ppo` run dir"):
+        CollectConfig(policy=f"ppo:{tmp_path}")
+
+
+@pytest.mark.slow
+def test_collect_then_label(tmp_path, stub):
+    out = tmp_path / "states"
+    # Classic: a ~1 min compile on a 2-core CPU (Craftax-Symbolic takes several)
+    args = ["collect", "--out", str(out), "--env-name", "Craftax-Classic-Symbolic-v1", "--num-envs", "2",
+            "--num-steps", "6", "--steps-per-call", "3", "--every", "2", "--seed", "3"]
+    assert main(args) == 0
+    t = pq.read_table(out)  # the folder reads as one dataset (the report is `_collect.json`)
+    assert t.num_rows == 2 * 3  # steps 0, 2, 4 of 2 envs
+    assert t.column("step").to_pylist() == [0, 0, 2, 2, 4, 4]
+    assert t.column("env_index").to_pylist() == [0, 1] * 3
+    assert set(t.column("env").to_pylist()) == {"Craftax-Classic-Symbolic-v1"}
+    rows = t.to_pylist()
+    for r in rows:
+        assert len(r["obs"]) == 1345  # Classic symbolic observation
+        assert r["craftax_text"].startswith("Map:") and "health" in r["compact_text"]
+        assert len(r["compact_text"]) < len(r["craftax_text"])
+    # step 0 of each env is a fresh world: full vitals
+    assert "health 9" in rows[0]["compact_text"]
+    assert json.loads((out / "_collect.json").read_text())["rows"] == 6
+    assert main(args) == 2  # refuses to mix two rollouts in one folder
+
+    # the collected folder is a label input as is (compact_text column picked by default)
+    url, st = stub()
+    eps = endpoints_toml(tmp_path / "ep.toml", {"name": "s", "base_url": url, "model": "m"})
+    assert main(["label", "--input", str(out), "--out-dir", str(tmp_path / "lab"), "--endpoints", str(eps),
+                 "--fields", "action:string,n:integer"]) == 0
+    # identical states (e.g. a step that changed nothing in view) are one item: labelled once
+    assert st.n == len({r["compact_text"] for r in rows})
+    assert st.bodies[0]["messages"][1]["content"] == rows[0]["compact_text"]
