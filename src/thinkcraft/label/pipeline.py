@@ -16,7 +16,7 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import pyarrow as pa
 
@@ -45,8 +45,9 @@ class LabelConfig:
     """JSON output fields, e.g. `action:string,subgoal:string,confidence:number` (default: free text)."""
     schema: str | None = None
     """Path to a JSON-Schema (object) the JSON output must satisfy; alternative to --fields."""
-    engine: str = "hf:default"
-    """Local engine spec (`hf:default`, `hf:<path>`, `vllm:<path>`); unused when --endpoints is given."""
+    engine: str = "auto:default"
+    """Local engine spec: `auto:<model>` (vLLM offline when installed and a GPU is present, else hf),
+    `hf:<model>`, `vllm:<path>`; <model> is `default` (bundled) or a local folder. Unused with --endpoints."""
     endpoints: str | None = None
     """TOML/JSON file of OpenAI-compatible endpoints (keys, RPM/TPM/concurrency, weights): label remotely."""
     batch_size: int = 64
@@ -334,13 +335,27 @@ async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template:
 # --- command --------------------------------------------------------------------------------------
 
 
+def resolve_engine_spec(spec: str) -> str:
+    """`auto:<model>` -> `vllm:<folder>` when vLLM is installed and CUDA is present, else `hf:<model>`."""
+    if not spec.startswith("auto:"):
+        return spec
+    import importlib.util
+
+    model = spec[len("auto:"):] or "default"
+    if importlib.util.find_spec("vllm") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            from thinkcraft.llm.models import resolve_model
+
+            return f"vllm:{resolve_model(model)}"
+    return f"hf:{model}"
+
+
 def make_local_engine(spec: str) -> Any:
-    try:
-        from thinkcraft.llm import make_engine  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("local engines are not available in this install (thinkcraft.llm.make_engine missing); "
-                        "use --endpoints with a running `thinkcraft serve`") from None
-    return make_engine(spec)
+    from thinkcraft.llm import make_engine
+
+    return make_engine(resolve_engine_spec(spec))
 
 
 def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = None) -> dict[str, Any]:
@@ -354,12 +369,13 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
     ep_file = load_endpoints(cfg.endpoints) if cfg.endpoints else None  # config errors before any work
     table = read_input(cfg.input)
     template = build_template(cfg, table.column_names)
-    model = ep_file.model if ep_file else (model_name or cfg.engine)
+    # keys name the model, not the backend: hf and vllm runs of one model share their labels
+    model = ep_file.model if ep_file else (model_name or _model_of(cfg.engine))
     items, n_dup = prepare_items(table, template, model)
 
     report: dict[str, Any] = {
         "input": str(cfg.input), "out_dir": str(out_dir), "model": model,
-        "engine": f"endpoints:{cfg.endpoints}" if ep_file else (model_name or cfg.engine),
+        "engine": f"endpoints:{cfg.endpoints}" if ep_file else (model_name or resolve_engine_spec(cfg.engine)),
         "template_digest": template.digest(), "items_in_input": table.num_rows,
         "duplicates_in_input": n_dup, "unique_items": len(items),
     }
@@ -407,6 +423,11 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
     if eps and not any(e.alive for e in eps) and report["remaining"] > 0:
         raise all_stopped_error(eps, report["remaining"])
     return report
+
+
+def _model_of(spec: str) -> str:
+    """`hf:default` / `auto:default` / `vllm:/m/x` -> the model part (greedy answers depend on it alone)."""
+    return spec.split(":", 1)[1] if ":" in spec and not spec.startswith(("openai+", "sglang+")) else spec
 
 
 def _tracker_report(tr: Tracker, eps: Sequence[Any]) -> dict[str, Any]:

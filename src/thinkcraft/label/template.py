@@ -173,7 +173,8 @@ class Template:
         """The prefix plus the output-shape line: what every single-item request starts with."""
         if not self.output.is_json:
             return self.prefix
-        return f"{self.prefix}\nAnswer with only a JSON object of the form {self.output.describe()}.\n"
+        sep = "" if not self.prefix or self.prefix.endswith("\n") else "\n"
+        return f"{self.prefix}{sep}Answer with only a JSON object of the form {self.output.describe()}.\n"
 
     def render_item(self, row: Mapping[str, Any]) -> str:
         try:
