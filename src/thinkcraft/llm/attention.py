@@ -57,19 +57,33 @@ def attention_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp, through torch's fused kernels where available (the flash kernel
     on CUDA for bf16/fp16, the CPU flash kernel on CPU), else `attention_lse_reference`."""
-    try:
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
-            r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-            return r[0], r[1]
-        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if q.is_cuda:
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and "cuda:flash" not in _warned:
+            try:
+                r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+                return r[0], r[1]
+            except (RuntimeError, AttributeError, NotImplementedError) as e:
+                _warn_once("cuda:flash", e)
+        if "cuda:efficient" not in _warned:
+            try:  # memory-efficient kernel; its LSE may be padded along the query axis
+                r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+                return r[0], r[1][..., : q.shape[-2]]
+            except (RuntimeError, AttributeError, NotImplementedError) as e:
+                _warn_once("cuda:efficient", e)
+    elif q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and "cpu:flash" not in _warned:
+        try:
             r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return r[0], r[1]
-    except (RuntimeError, AttributeError, NotImplementedError) as e:  # unsupported shape/dtype/build
-        key = f"{q.device.type}:{q.dtype}:{type(e).__name__}"
-        if key not in _warned:
-            _warned.add(key)
-            log.warning("fused attention with LSE unavailable (%s); using the slower reference", e)
+        except (RuntimeError, AttributeError, NotImplementedError) as e:
+            _warn_once("cpu:flash", e)
     return attention_lse_reference(q, k, v, causal, scale)
+
+
+def _warn_once(key: str, e: BaseException) -> None:
+    """Remember a kernel that failed (not tried again) and say so once: the fallback is slower."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("fused attention with LSE (%s) unavailable: %s; falling back", key, e)
 
 
 def merge_attention(

@@ -1,0 +1,321 @@
+"""hf engine benchmark: shared-prefix hidden states and generation decode speed.
+
+    .venv/bin/python bench/engine.py            # GPU: Qwen3-4B-shaped model, random bf16 weights
+    .venv/bin/python bench/engine.py --quick    # CPU smoke run (tiny shapes, seconds)
+
+Model: Qwen3-4B's shape built from its config with random weights (36 layers, hidden 2560, 32/8 heads of
+128, MLP 9728, vocab 151936, tied embeddings); timing does not depend on the values.
+
+Hidden states (items = 800-token shared prefix + 100-150-token suffix, last-token pooling, last layer):
+  raw            the suffixes alone (no prefix at all): the prefill speed to compare against
+  no_reuse       prefix + suffix as one 900-950-token sequence per item (the plain HF path)
+  reuse_first    cascade attention, first call (includes the batch-1 prefix prefill)
+  reuse          cascade attention, steady (prefix KV cached across calls)
+  repeat_kv      plain HF reuse: prefix KV repeated over the batch (`DynamicCache.batch_repeat_interleave`)
+                 - the calibration row of ANCHORS.md (72% of raw, out of memory at 512 items)
+Goal: reuse suffix tok/s >= 90% of raw, at 128 and 1024 items. Each reuse row also records the max
+|reuse - no_reuse| over the first items (bf16), a correctness check on the real kernels.
+
+Generation (300-token prompts, 128 new tokens, greedy, no EOS): decode_tok_per_s = batch x 128 / wall s
+of the whole generate call (prefill included), at batch 128 and 512:
+  hf_generate        transformers `model.generate` (dynamic cache): the reference, same run
+  engine_dynamic     our loop, dynamic cache
+  engine_static      our loop, static cache
+  engine_compiled    our loop, static cache + torch.compile(mode="reduce-overhead") decode step (CUDA only)
+Goal: decode >= 3x hf_generate.
+
+Prints a table and writes bench/results/engine.json (rows with kind, batch, prefix_tokens, suffix_tokens,
+seconds, suffix_tok_per_s, decode_tok_per_s, card, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from thinkcraft.llm.hf import HFEngine  # noqa: E402
+from thinkcraft.llm.protocol import Batch, SamplingParams  # noqa: E402
+from thinkcraft.llm.testing import qwen3_4b_config  # noqa: E402
+
+
+class BenchTokenizer:
+    """Just enough tokenizer for token-id batches on a random-weight model (no EOS, empty text)."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    bos_token = None
+    chat_template = None
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def build_model(quick: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    over: dict[str, Any] = {}
+    if quick:
+        over = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, vocab_size=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = qwen3_4b_config(**over)
+    cfg.eos_token_id = None  # generation runs to max_new_tokens in every variant
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval().requires_grad_(False)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
+
+
+def repeat_kv_fn(eng: HFEngine, prefix: list[int], items: list[list[int]]) -> Callable[[], torch.Tensor]:
+    """ANCHORS' calibration: the prefix KV prefilled once and repeated over the batch (outside the timed
+    call); each call forwards the suffixes with the plain HF path against it, gathers each last real
+    token, and crops the cache back to the prefix."""
+    from transformers import DynamicCache
+
+    dev = eng.device
+    with torch.no_grad():
+        cache = DynamicCache(config=eng._lm.config)
+        eng._dec(input_ids=torch.tensor([prefix], device=dev), use_cache=True, **{eng._cache_kw: cache})
+        cache.batch_repeat_interleave(len(items))
+    ids, mask = eng._pad(items, "right")
+    p = len(prefix)
+    full_mask = torch.cat([torch.ones((len(items), p), dtype=mask.dtype, device=dev), mask], 1)
+    pos = (p + torch.arange(ids.shape[1], device=dev))[None, :].expand_as(ids)
+    rows = torch.arange(len(items), device=dev)
+
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            out = eng._dec(input_ids=ids, attention_mask=full_mask, position_ids=pos, use_cache=True, **{eng._cache_kw: cache})
+            h = out.last_hidden_state[rows, mask.sum(1) - 1].float()
+            cache.crop(-ids.shape[1])
+        return h
+
+    return call
+
+
+def bench_hidden(eng: HFEngine, args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
+    rng = np.random.default_rng(0)
+    vocab = eng._lm.config.vocab_size
+    prefix = rng.integers(10, vocab, args.prefix_tokens).tolist()
+    lo, hi = args.suffix_tokens
+    for n in args.hidden_batches:
+        items = [rng.integers(10, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+        suffix_tokens = sum(len(it) for it in items)
+        base = dict(batch=n, prefix_tokens=args.prefix_tokens, suffix_tokens=suffix_tokens)
+
+        def record(kind: str, seconds: float, **extra: Any) -> None:
+            rows.append(dict(kind=kind, **base, seconds=round(seconds, 4),
+                             suffix_tok_per_s=round(suffix_tokens / seconds, 1), decode_tok_per_s=None,
+                             peak_gb=peak_gb(device), **extra))
+            print(f"  hidden {kind:<12} n={n:<5} {seconds:8.3f} s  {suffix_tokens / seconds:>10,.0f} suffix tok/s", flush=True)
+
+        plain_b = Batch(items=items)
+        with_prefix = Batch(items=items, prefix=prefix)
+        variants: list[tuple[str, Callable[[], Any]]] = [
+            ("raw", lambda: eng.hidden_states_torch(plain_b, prefix_reuse=False)),
+            ("no_reuse", lambda: eng.hidden_states_torch(with_prefix, prefix_reuse=False)),
+        ]
+        for kind, fn in variants:
+            free(device)
+            try:
+                timed(fn, device) if args.warmup else None
+                s, _ = timed(fn, device)
+                record(kind, s)
+            except torch.OutOfMemoryError:
+                rows.append(dict(kind=kind, **base, seconds=None, error="out of memory"))
+                print(f"  hidden {kind:<12} n={n:<5} out of memory", flush=True)
+        # cascade reuse: first call (prefix prefill included), then steady
+        free(device)
+        eng.invalidate_prefix_cache()
+        if args.warmup:  # kernels/autotune warm on another prefix, so "first" measures the prefix cost only
+            eng.hidden_states_torch(Batch(items=items, prefix=prefix[:-1] + [prefix[-1] + 1]))
+            eng.invalidate_prefix_cache()
+        s_first, _ = timed(lambda: eng.hidden_states_torch(with_prefix, prefix_reuse=True), device)
+        s, got = timed(lambda: eng.hidden_states_torch(with_prefix, prefix_reuse=True), device)
+        k = min(16, n)
+        ref = eng.hidden_states_torch(Batch(items=items[:k], prefix=prefix), prefix_reuse=False)
+        diff = float((got[:k] - ref).abs().max())
+        scale = float(ref.abs().max())
+        record("reuse_first", s_first)
+        record("reuse", s, max_abs_diff_vs_no_reuse=round(diff, 5), max_abs_ref=round(scale, 3))
+        # ANCHORS' calibration: plain HF reuse with repeated KV
+        free(device)
+        try:
+            fn = repeat_kv_fn(eng, prefix, items)
+            timed(fn, device) if args.warmup else None
+            s, _ = timed(fn, device)
+            record("repeat_kv", s)
+        except torch.OutOfMemoryError:
+            rows.append(dict(kind="repeat_kv", **base, seconds=None, error="out of memory"))
+            print(f"  hidden repeat_kv    n={n:<5} out of memory", flush=True)
+        free(device)
+
+
+def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
+    rng = np.random.default_rng(1)
+    vocab = model.config.vocab_size
+    new = args.new_tokens
+    tok = BenchTokenizer()
+    engines = {
+        "engine_dynamic": HFEngine.from_model(model, tok, kv_cache="dynamic", max_batch_size=4096),
+        "engine_static": HFEngine.from_model(model, tok, kv_cache="static", max_batch_size=4096),
+    }
+    if device.type == "cuda" and not args.no_compile:
+        engines["engine_compiled"] = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True, max_batch_size=4096)
+    for b in args.decode_batches:
+        prompts = rng.integers(10, vocab, (b, args.prompt_tokens))
+        base = dict(batch=b, prefix_tokens=0, suffix_tokens=int(prompts.size))
+
+        def record(kind: str, seconds: float, **extra: Any) -> None:
+            rows.append(dict(kind=kind, **base, seconds=round(seconds, 4), suffix_tok_per_s=None,
+                             decode_tok_per_s=round(b * new / seconds, 1), new_tokens=new,
+                             peak_gb=peak_gb(device), **extra))
+            print(f"  decode {kind:<16} b={b:<5} {seconds:8.3f} s  {b * new / seconds:>10,.0f} decode tok/s", flush=True)
+
+        ids = torch.tensor(prompts, device=device)
+
+        def hf_generate() -> torch.Tensor:
+            with torch.no_grad():
+                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+        free(device)
+        try:
+            if args.warmup:
+                timed(hf_generate, device)
+            s, out = timed(hf_generate, device)
+            assert out.shape[1] == args.prompt_tokens + new
+            record("hf_generate", s)
+        except torch.OutOfMemoryError:
+            rows.append(dict(kind="hf_generate", **base, seconds=None, error="out of memory"))
+        sp = SamplingParams(max_new_tokens=new, temperature=0.0, logprobs=True)
+        batch = Batch(items=prompts.tolist())
+        ref_tokens = None
+        for kind, eng in engines.items():
+            free(device)
+            try:
+                if args.warmup or kind == "engine_compiled":  # compile / CUDA-graph capture excluded
+                    t_warm, _ = timed(lambda: eng.generate(batch, sp), device)
+                    if kind == "engine_compiled":
+                        print(f"  decode {kind:<16} b={b:<5} first call (compile) {t_warm:.1f} s", flush=True)
+                s, cs = timed(lambda: eng.generate(batch, sp), device)
+                assert all(len(c.token_ids) == new for c in cs)
+                same = None
+                if ref_tokens is None:
+                    ref_tokens = [c.token_ids for c in cs[:8]]
+                else:  # bf16 greedy can flip near-ties between kernels; report agreement, do not fail
+                    same = float(np.mean([a == c.token_ids for a, c in zip(ref_tokens, cs[:8])]))
+                record(kind, s, **({} if same is None else {"same_tokens_as_dynamic": same}))
+            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                msg = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
+                rows.append(dict(kind=kind, **base, seconds=None, error=msg[:500]))
+                print(f"  decode {kind:<16} b={b:<5} FAILED: {msg[:200]}", flush=True)
+                if not isinstance(e, torch.OutOfMemoryError):
+                    traceback.print_exc()
+        free(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes for a CPU smoke run")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
+    ap.add_argument("--skip-hidden", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile decode variant")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="engine chunk size for hidden states")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        args.hidden_batches, args.prefix_tokens, args.suffix_tokens = [8, 32], 64, (10, 15)
+        args.decode_batches, args.prompt_tokens, args.new_tokens = [4, 8], 30, 8
+    else:
+        args.hidden_batches, args.prefix_tokens, args.suffix_tokens = [128, 1024], 800, (100, 150)
+        args.decode_batches, args.prompt_tokens, args.new_tokens = [128, 512], 300, 128
+    args.warmup = True
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"bench/engine.py on {card} ({'quick' if args.quick else 'full'}), torch {torch.__version__}", flush=True)
+    t0 = time.time()
+    model = build_model(args.quick, device, dtype)
+    print(f"  model built in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params", flush=True)
+    rows: list[dict] = []
+    if not args.skip_hidden:
+        eng = HFEngine.from_model(model, BenchTokenizer(), max_batch_tokens=args.max_batch_tokens)
+        bench_hidden(eng, args, device, rows)
+    if not args.skip_decode:
+        bench_decode(model, args, device, rows)
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    for r in rows:
+        r.update(card=card, date=date, quick=args.quick)
+    summary = summarise(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from thinkcraft.utils.io import atomic_write_json
+
+    atomic_write_json(out, {"rows": rows, "summary": summary, "card": card, "date": date, "quick": args.quick,
+                            "torch": torch.__version__})
+    print("\nsummary:")
+    for k, v in summary.items():
+        print(f"  {k}: {v}")
+    print(f"wrote {out}")
+    return 0
+
+
+def summarise(rows: list[dict]) -> dict[str, Any]:
+    """Goal ratios: reuse / raw suffix tok/s per batch; best engine decode / hf_generate per batch."""
+    out: dict[str, Any] = {}
+    by = {(r["kind"], r["batch"]): r for r in rows if r.get("seconds")}
+    for (kind, b), r in by.items():
+        if kind == "reuse" and ("raw", b) in by:
+            out[f"reuse_vs_raw_prefill@{b}"] = round(r["suffix_tok_per_s"] / by[("raw", b)]["suffix_tok_per_s"], 3)
+        if kind == "hf_generate":
+            best = max((by[(k, b)]["decode_tok_per_s"], k) for k in ("engine_dynamic", "engine_static", "engine_compiled") if (k, b) in by) if any((k, b) in by for k in ("engine_dynamic", "engine_static", "engine_compiled")) else None
+            if best:
+                out[f"decode_vs_hf_generate@{b}"] = {"ratio": round(best[0] / r["decode_tok_per_s"], 2), "best": best[1]}
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
