@@ -169,3 +169,13 @@ def test_make_text_env_errors():
         make_text_env("gsm8k")
     with pytest.raises(UserError, match="unknown text env"):
         make_text_env("chess")
+
+
+def test_rule_reward_lenient_takes_the_last_number():
+    p = Problem("q", "7")
+    strict, lenient = RuleReward(format_weight=0.1), RuleReward(format_weight=0.1, lenient=True)
+    texts = ["14 - 7 = 7.", "#### 8 but really 7", "no numbers"]
+    assert [o.reward for o in strict([p] * 3, texts)] == pytest.approx([0.0, 0.1, 0.0])
+    out = lenient([p] * 3, texts)
+    assert [o.reward for o in out] == pytest.approx([1.0, 0.1, 0.0])  # a #### line wins over later numbers
+    assert [o.format_ok for o in out] == [False, True, False]

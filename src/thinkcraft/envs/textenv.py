@@ -144,7 +144,12 @@ class CraftaxTextEnv:
         self._env = make_craftax_env_from_name(env_name, auto_reset=False)
         self._params = self._env.default_params
         self._noop = int(self._text.parse_action("noop", config.env_kind) or 0)
-        self.system_prompt = self._text.action_prompt(config.env_kind)
+        game = "Craftax-Classic" if config.env_kind == "craftax-classic" else "Craftax"
+        self.system_prompt = (
+            f"You play {game}, a 2D survival and crafting game. Each turn you see the text observation; "
+            "think briefly, then choose one action.\n" + self._text.COMPACT_FORMAT_DOC + "\n"
+            + self._text.action_prompt(config.env_kind)
+        )
         env, params = self._env, self._params
         self._reset = jax.jit(jax.vmap(lambda k: env.reset(k, params)))
         self._step = jax.jit(jax.vmap(lambda k, s, a: env.step(k, s, a, params)))
@@ -170,7 +175,7 @@ class CraftaxTextEnv:
         return self._render(list(range(n)))
 
     def _render(self, idx: list[int]) -> list[str]:
-        texts = self._text.render_states(self._state, fmt="compact", env_kind=self.config.env_kind)
+        texts = self._text.render_states(self._state, fmt="compact")
         return [texts[i] for i in idx]
 
     def active_indices(self) -> list[int]:

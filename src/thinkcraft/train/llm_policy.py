@@ -77,6 +77,8 @@ class LLMPolicyConfig:
     """Judge engine: 'self' (the policy's own weights, adapter off) or a local HF folder."""
     answer_weight: float = 1.0
     """Reward for a correct final answer."""
+    lenient_answer: bool = False
+    """Rule reward: without a `####` line, grade the last number in the text (denser signal for small models)."""
     format_weight: float = 0.1
     """Reward for a parsable `#### <number>` line (a learning signal before answers are right)."""
     finetune: Literal["lora", "full"] = "lora"
@@ -540,7 +542,7 @@ class Learner:
                                 rows.rewards[sl], v_star[sl], cfg.apo_beta2)
                 weight = n_seq / total_seqs
                 loss = st.loss * weight
-                stats["losses/loss"] += float(st.loss) * weight
+                stats["losses/loss"] += float(st.loss.detach()) * weight
                 stats["apo/log_ratio"] = stats.get("apo/log_ratio", 0.0) + float(st.log_ratio_mean) * weight
             else:
                 ref = self.ref_token_logprobs(ids, attn) if cfg.kl_coef > 0 else None
@@ -549,7 +551,7 @@ class Learner:
                                        ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
                 weight = (n_tok / total_tokens) if cfg.loss_agg == "token-mean" else (n_seq / total_seqs)
                 loss = st.loss * weight
-                stats["losses/loss"] += float(st.loss) * weight
+                stats["losses/loss"] += float(st.loss.detach()) * weight
                 stats["losses/pg"] += float(st.pg_loss) * weight
                 stats["losses/kl"] += float(st.kl) * weight
                 stats["losses/clip_frac"] += float(st.clip_frac) * weight
@@ -657,7 +659,8 @@ def make_env_and_reward(cfg: LLMPolicyConfig, judge_engine_factory=None):
             reward_fn = JudgeReward(engine, answer_weight=cfg.answer_weight, format_weight=cfg.format_weight,
                                     format_prompt=fmt)
         else:
-            reward_fn = RuleReward(answer_weight=cfg.answer_weight, format_weight=cfg.format_weight)
+            reward_fn = RuleReward(answer_weight=cfg.answer_weight, format_weight=cfg.format_weight,
+                                   lenient=cfg.lenient_answer)
     return make_text_env(cfg.env, reward_fn=reward_fn, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path,
                          max_steps=cfg.max_turns, format_penalty=cfg.format_penalty)
 

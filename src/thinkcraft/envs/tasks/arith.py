@@ -17,7 +17,8 @@ _ITEMS = ("apples", "marbles", "coins", "books", "stickers", "pencils", "shells"
 
 INSTRUCTIONS = (
     "Solve the math problem. Think step by step, briefly. "
-    "Write the final answer on the last line in the form '#### <number>'."
+    "Write the final answer on the last line in the form '#### <number>'.\n"
+    "Example: 'Mia has 3 pens. She gets 2 more. How many pens does Mia have now?' -> '3 + 2 = 5\n#### 5'"
 )
 
 

@@ -21,6 +21,15 @@ def extract_hash_answer(text: str) -> str | None:
     return found[-1].replace(",", "")
 
 
+_NUMBER_RE = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in the text (commas removed): a lenient fallback for models that skip the format."""
+    found = _NUMBER_RE.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
 def normalize_number(s: str) -> str | None:
     """Canonical decimal string ("1,000.50" -> "1000.5", "7.0" -> "7"); None if not a number."""
     try:
@@ -42,11 +51,16 @@ def numbers_equal(a: str | None, b: str | None) -> bool:
 
 
 class RuleReward:
-    """reward = answer_weight · [answer == gold] + format_weight · [a `#### <number>` line is present]."""
+    """reward = answer_weight · [answer == gold] + format_weight · [a `#### <number>` line is present].
 
-    def __init__(self, answer_weight: float = 1.0, format_weight: float = 0.0) -> None:
+    `lenient`: without a `####` line, the last number in the text is taken as the answer (a denser signal
+    for small models; the format bonus still rewards the strict form).
+    """
+
+    def __init__(self, answer_weight: float = 1.0, format_weight: float = 0.0, lenient: bool = False) -> None:
         self.answer_weight = answer_weight
         self.format_weight = format_weight
+        self.lenient = lenient
         self._n = 0
         self._n_format = 0
 
@@ -55,6 +69,8 @@ class RuleReward:
         for p, c in zip(problems, completions, strict=True):
             pred = extract_hash_answer(c)
             ok = pred is not None
+            if pred is None and self.lenient:
+                pred = extract_last_number(c)
             correct = numbers_equal(pred, p.answer)
             r = self.answer_weight * float(correct) + self.format_weight * float(ok)
             out.append(RewardResult(reward=r, correct=correct, format_ok=ok, predicted=pred))
