@@ -331,3 +331,28 @@ def test_ctrl_c_keeps_finished_items(tmp_path, stub):
     rep = label(c)
     assert rep["already_done"] == t.num_rows and rep["already_done"] + rep["labelled"] == n
     _check_labels(c.out_dir, n)
+
+
+def test_timeouts_bounded_and_reported(tmp_path, stub):
+    url, st = stub(delay_s=0.6)
+    rep = label(cfg(tmp_path, url, n=1, ep={"timeout_s": 0.2, "max_attempts": 2, "max_concurrency": 1}))
+    assert rep["failed"] == 1 and rep["errors"] == {"timeout": 1}
+    assert rep["endpoints"]["stub"]["timeouts"] == 2 and st.n == 2
+
+
+def test_template_file_and_schema_file(tmp_path, stub):
+    url, st = stub()
+    inp = tmp_path / "items.jsonl"
+    inp.write_text('{"obs": "state 0 even", "t": 1}\n{"obs": "state 1 odd", "t": 2}\n')
+    tpl = tmp_path / "t.toml"
+    tpl.write_text('prefix = "You play Craftax.\\n"\nitem = "{obs}"\nfields = "action:string,n:integer"\n')
+    eps = endpoints_toml(tmp_path / "ep.toml", {"name": "stub", "base_url": url, "model": "m"})
+    rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "o"), template=str(tpl), endpoints=str(eps)))
+    assert rep["labelled"] == 2 and st.bodies[0]["messages"][0]["content"].startswith("You play Craftax.\nAnswer")
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["action"],
+                                  "properties": {"action": {"type": "string", "enum": ["noop"]}}}))
+    rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "o2"), item="{obs}", schema=str(schema),
+                            endpoints=str(eps), schema_retries=0))
+    # the stub answers "do" for odd states: not in the enum -> invalid, reported
+    assert rep["labelled"] == 1 and rep["invalid"] == 1
