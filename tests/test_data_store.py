@@ -295,6 +295,15 @@ def test_not_a_store(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(StoreError, match="not a trajectory store"):
         read_trajectories(tmp_path)
+    (tmp_path / "other.parquet").write_bytes(b"")
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(StoreError, match="not a thinkcraft trajectory file"):
+        read_trajectories(tmp_path / "other.parquet")
+    with pytest.raises(StoreError, match="not a trajectory store"):
+        read_trajectories(tmp_path / "notes.txt")
+    from thinkcraft.utils.errors import UserError
+
+    assert issubclass(StoreError, UserError)  # the CLI prints it as one line, exit 2
     with pytest.raises(StoreError, match="unknown column"):
         with TrajectoryWriter(tmp_path / "s") as w:
             w.add(make_record(0))

@@ -112,6 +112,8 @@ def scan_store(
     if not root.exists():
         raise StoreError(f"{root}: no such file or directory")
     if root.is_file():
+        if root.suffix != ".parquet":
+            raise StoreError(f"{root} is not a trajectory store (a directory) nor one of its .parquet files")
         candidates, base, has_marker = [root], root.parent, False
     else:
         base, has_marker = root, (root / MARKER_NAME).is_file()
@@ -153,6 +155,8 @@ def scan_store(
             scan.other_version.append((path, version))
             continue
         scan.files.append(StoreFile(path, md.num_rows, path.stat().st_size, prun, pstep, md))
+    if root.is_file() and scan.foreign:
+        raise StoreError(f"{root} is a Parquet file but not a thinkcraft trajectory file (no {META_KIND_KEY.decode()} metadata)")
     return scan
 
 
