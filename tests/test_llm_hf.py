@@ -316,3 +316,16 @@ def test_eos_ends_each_sequence_on_device_and_host_paths(tiny) -> None:
             assert g.finish_reason == ("stop" if n < len(f.token_ids) or f.token_ids[n - 1] == eos else "length")
             assert len(g.logprobs) == n
             np.testing.assert_allclose(g.logprobs, f.logprobs[:n], atol=1e-5)
+
+
+def test_prefix_cache_follows_in_place_weight_updates() -> None:
+    model, tok = tiny_llama(seed=5)
+    eng = HFEngine.from_model(model, tok)
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    before = eng.hidden_states_torch(b)
+    with torch.no_grad():  # what an optimizer step does: in-place updates
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    after = eng.hidden_states_torch(b)
+    assert not torch.allclose(before, after, atol=1e-4)
+    torch.testing.assert_close(after, eng.hidden_states_torch(b, prefix_reuse=False), atol=1e-5, rtol=1e-4)

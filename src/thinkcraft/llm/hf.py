@@ -160,6 +160,7 @@ class HFEngine:
         self.kv_cache = kv_cache
         self.compile_decode = compile_decode
         self._compiled_forward = None
+        self._static_cache: tuple[tuple[int, int], Any] | None = None
         self.thinking_close_text = thinking_close_text
         self._weight_update = weight_update
         params = inspect.signature(type(self._dec).forward).parameters
@@ -196,6 +197,7 @@ class HFEngine:
     def close(self) -> None:
         self._prefix_cache.clear()
         self._compiled_forward = None
+        self._static_cache = None
 
     def invalidate_prefix_cache(self) -> None:
         """Forget cached prefix KV (call after changing the weights the engine reads)."""
@@ -368,9 +370,16 @@ class HFEngine:
         out = self._dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=want_all)
         return out.hidden_states[idx] if want_all else out.last_hidden_state
 
+    def _weights_version(self) -> int:
+        """Changes whenever a parameter is modified in place (optimizer steps, load_state_dict), so a
+        learner-shared model never reads prefix KV computed with older weights. Frozen engines: 0."""
+        if not self._weight_update:
+            return 0
+        return sum(p._version for p in self._lm.parameters())
+
     def _prefix_kv(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (k, v) of the prefix, (1, Hkv, P, d) each, RoPE'd at positions 0..P-1; cached."""
-        key = tuple(prefix)
+        key = (self._weights_version(), *prefix)
         if key in self._prefix_cache:
             self._prefix_cache.move_to_end(key)
             return self._prefix_cache[key]
@@ -473,7 +482,15 @@ class HFEngine:
         full_mask = torch.ones((b, total), dtype=torch.long, device=self.device)
         full_mask[:, :t] = mask
         if self.kv_cache == "static":
-            cache = StaticCache(config=self._lm.config, max_cache_len=total)
+            if self.compile_decode and self._static_cache is not None and self._static_cache[0] == (b, total):
+                # Same buffers as last call: the compiled step's CUDA graphs stay valid (a new cache
+                # would mean new static addresses and a re-capture).
+                cache = self._static_cache[1]
+                cache.reset()
+            else:
+                cache = StaticCache(config=self._lm.config, max_cache_len=total)
+                if self.compile_decode:
+                    self._static_cache = ((b, total), cache)
             # Fixed-shape mask over the whole cache: left pads 0, everything else 1 (causality hides the
             # future), so the decode step's inputs never change shape (CUDA-graph friendly).
             step_mask = lambda n: full_mask  # noqa: E731
