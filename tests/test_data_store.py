@@ -91,6 +91,17 @@ def test_round_trip_nested_records(tmp_path):
     assert set(table.column("run").to_pylist()) == {"rt"} and set(table.column("learner_step").to_pylist()) == {5}
 
 
+def test_torch_tensors_are_accepted(tmp_path):
+    torch = pytest.importorskip("torch")
+    turn = Turn(act="do", prompt_token_ids=torch.arange(5, dtype=torch.int64), response_token_ids=torch.tensor([7, 8]),
+                logprobs=torch.tensor([-0.5, -0.25]), loss_mask=torch.tensor([True, False]))
+    with TrajectoryWriter(tmp_path) as w:
+        w.add(TrajectoryRecord.build("t", [turn], trajectory_id="x"))
+    back = read_trajectories(tmp_path)[0].turns[0]
+    assert back.prompt_token_ids.tolist() == [0, 1, 2, 3, 4] and back.loss_mask.tolist() == [1, 0]
+    assert back.logprobs.tolist() == [-0.5, -0.25]
+
+
 def test_partitions_and_selection(tmp_path):
     with TrajectoryWriter(tmp_path, run="a", max_per_file=100) as w:
         for i in range(6):

@@ -249,7 +249,10 @@ def parquet_paths(columns: Iterable[str]) -> list[str]:
 
 
 def _list_array(seqs: list, value_type: pa.DataType, dtype: type) -> pa.Array:
-    """A list<value_type> array from per-row sequences; numpy rows are concatenated without Python loops."""
+    """A list<value_type> array from per-row sequences; numpy rows are concatenated without Python loops.
+
+    Rows may be lists, tuples, numpy arrays or anything `np.asarray` takes (e.g. CPU torch tensors)."""
+    seqs = [s if isinstance(s, (np.ndarray, list, tuple)) else np.asarray(s, dtype=dtype) for s in seqs]
     if seqs and all(isinstance(s, np.ndarray) for s in seqs):
         lengths = np.fromiter((s.shape[0] for s in seqs), dtype=np.int64, count=len(seqs))
         offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
