@@ -16,8 +16,10 @@ Hidden states (items = 800-token shared prefix + 100-150-token suffix, last-toke
 Goal: reuse suffix tok/s >= 90% of raw, at 128 and 1024 items. Each reuse row also records the max
 |reuse - no_reuse| over the first items (bf16), a correctness check on the real kernels.
 
-Generation (300-token prompts, 128 new tokens, greedy, no EOS): decode_tok_per_s = batch x 128 / wall s
-of the whole generate call (prefill included), at batch 128 and 512:
+Generation (300-token prompts, 128 new tokens, greedy, no EOS), at batch 128 and 512:
+decode_tok_per_s = batch x 128 / (wall s of the generate call - its prefill s), e2e_tok_per_s = batch x 128 /
+wall s (prefill included); the prefill end is marked by a device sync at the first logits processor
+call (hf) / after the prompt forward (engine):
   hf_generate        transformers `model.generate` (dynamic cache): the reference, same run
   engine_dynamic     our loop, dynamic cache
   engine_static      our loop, static cache
@@ -207,26 +209,42 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
         prompts = rng.integers(10, vocab, (b, args.prompt_tokens))
         base = dict(batch=b, prefix_tokens=0, suffix_tokens=int(prompts.size))
 
-        def record(kind: str, seconds: float, **extra: Any) -> None:
+        def record(kind: str, seconds: float, prefill_s: float, **extra: Any) -> None:
+            decode_s = seconds - prefill_s
             rows.append(dict(kind=kind, **base, seconds=round(seconds, 4), suffix_tok_per_s=None,
-                             decode_tok_per_s=round(b * new / seconds, 1), new_tokens=new,
-                             peak_gb=peak_gb(device), **extra))
-            print(f"  decode {kind:<16} b={b:<5} {seconds:8.3f} s  {b * new / seconds:>10,.0f} decode tok/s", flush=True)
+                             decode_tok_per_s=round(b * new / decode_s, 1), e2e_tok_per_s=round(b * new / seconds, 1),
+                             prefill_s=round(prefill_s, 4), new_tokens=new, peak_gb=peak_gb(device), **extra))
+            print(f"  decode {kind:<16} b={b:<5} {seconds:8.3f} s (prefill {prefill_s:6.3f} s)  "
+                  f"{b * new / decode_s:>10,.0f} decode tok/s  {b * new / seconds:>10,.0f} end-to-end", flush=True)
 
         ids = torch.tensor(prompts, device=device)
+        first_logits_at: list[float] = []
+
+        def mark_first(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            # called once per step after the forward: the first call marks the end of the prefill
+            if not first_logits_at:
+                sync(device)
+                first_logits_at.append(time.perf_counter())
+            return scores
 
         def hf_generate() -> torch.Tensor:
+            from transformers import LogitsProcessorList
+
+            first_logits_at.clear()
             with torch.no_grad():
                 return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False, pad_token_id=0)
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                      logits_processor=LogitsProcessorList([mark_first]))
 
         free(device)
         try:
             if args.warmup:
                 timed(hf_generate, device)
+            sync(device)
+            t_start = time.perf_counter()
             s, out = timed(hf_generate, device)
             assert out.shape[1] == args.prompt_tokens + new
-            record("hf_generate", s)
+            record("hf_generate", s, first_logits_at[0] - t_start)
         except torch.OutOfMemoryError:
             rows.append(dict(kind="hf_generate", **base, seconds=None, error="out of memory"))
         sp = SamplingParams(max_new_tokens=new, temperature=0.0, logprobs=True)
@@ -246,7 +264,7 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
                     ref_tokens = [c.token_ids for c in cs[:8]]
                 else:  # bf16 greedy can flip near-ties between kernels; report agreement, do not fail
                     same = float(np.mean([a == c.token_ids for a, c in zip(ref_tokens, cs[:8])]))
-                record(kind, s, **({} if same is None else {"same_tokens_as_dynamic": same}))
+                record(kind, s, eng.last_generate_timing["prefill_s"], **({} if same is None else {"same_tokens_as_dynamic": same}))
             except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
                 msg = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
                 rows.append(dict(kind=kind, **base, seconds=None, error=msg[:500]))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Sequence
@@ -161,6 +162,8 @@ class HFEngine:
         self.compile_decode = compile_decode
         self._compiled_forward = None
         self._static_cache: tuple[tuple[int, int], Any] | None = None
+        self.last_generate_timing: dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+        """Phase times of the last `generate` call (prefill = prompt forward; decode = the token loop)."""
         self.thinking_close_text = thinking_close_text
         self._weight_update = weight_update
         params = inspect.signature(type(self._dec).forward).parameters
@@ -433,6 +436,7 @@ class HFEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(sampling.seed))
         out: list[Completion] = []
+        self.last_generate_timing = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         with self._inference():
             for a in range(0, len(prompts), self.max_batch_size):
                 out.extend(self._generate_chunk(prompts[a : a + self.max_batch_size], sampling, gen))
@@ -460,6 +464,12 @@ class HFEngine:
             z = top_p_filter(z, sampling.top_p)
         probs = torch.softmax(z, dim=-1)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1), logp
+
+    def _clock(self) -> float:
+        """Wall time after the device finished its queued work (one sync per phase, not per step)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator | None) -> list[Completion]:
         from transformers import DynamicCache, StaticCache
@@ -498,7 +508,9 @@ class HFEngine:
             cache = DynamicCache(config=self._lm.config)
             step_mask = lambda n: full_mask[:, :n]  # noqa: E731
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        t0 = self._clock()
         logits = self._model_forward(ids, step_mask(t), pos, cache, decode=False)
+        t1 = self._clock()
         next_pos = pos[:, -1:] + 1
         toks = torch.full((b, new), self.pad_id, dtype=torch.long, device=self.device)
         lps = torch.zeros((b, new), dtype=torch.float32, device=self.device)
@@ -529,6 +541,11 @@ class HFEngine:
             logits = self._model_forward(tok[:, None], step_mask(t + step + 1), next_pos, cache, decode=True)
             next_pos = next_pos + 1
         toks_host = toks[:, :steps].tolist()
+        t2 = self._clock()
+        timing = self.last_generate_timing
+        timing["prefill_s"] += t1 - t0
+        timing["decode_s"] += t2 - t1
+        timing["decode_steps"] += steps
         lps_host = lps[:, :steps].tolist() if sampling.logprobs else None
         for i, st in enumerate(states):
             if host:
