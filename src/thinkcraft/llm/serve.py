@@ -46,6 +46,10 @@ class ServeConfig:
     """torch device (default: cuda if available, else cpu)."""
     dtype: str | None = None
     """torch dtype name (default: bfloat16 on GPU, float32 on CPU)."""
+    kv_cache: str = "dynamic"
+    """Generation KV cache: "dynamic", or "static" (preallocated; with --compile-decode, CUDA graphs)."""
+    compile_decode: bool = False
+    """torch.compile the decode step (GPU; first request per batch shape compiles for ~1 min)."""
     served_model_name: str | None = None
     """Model name reported by /v1/models (default: the --model value)."""
     api_key: str | None = None
@@ -72,6 +76,7 @@ class ServeConfig:
         check(self.fail_status in (429, 500, 502, 503), "fail_status", "must be one of 429, 500, 502, 503")
         check(self.delay_ms >= 0 and self.fail_retry_after_s >= 0, "delay_ms", "delays must be ≥ 0")
         check(self.max_new_tokens_limit >= 1, "max_new_tokens_limit", "must be ≥ 1")
+        check(self.kv_cache in ("dynamic", "static"), "kv_cache", "must be 'dynamic' or 'static'")
 
 
 @dataclass(frozen=True)
@@ -300,7 +305,10 @@ def run(config: ServeConfig) -> int:
 
     from thinkcraft.llm.hf import HFEngine
 
-    engine = HFEngine(config.model, device=config.device, dtype=config.dtype)
+    engine = HFEngine(
+        config.model, device=config.device, dtype=config.dtype, kv_cache=config.kv_cache,  # type: ignore[arg-type]
+        compile_decode=config.compile_decode,
+    )
     faults = FaultConfig(config.fail_every, config.fail_rate, config.fail_status, config.fail_retry_after_s, config.delay_ms)
     app = make_app(engine, config.served_model_name or config.model, config.api_key, faults, config.max_new_tokens_limit)
     print(f"thinkcraft serve: {config.model} on http://{config.host}:{config.port} "
