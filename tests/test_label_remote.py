@@ -127,7 +127,11 @@ def endpoints_toml(path: Path, *eps: dict) -> Path:
     for e in eps:
         lines.append("[[endpoints]]")
         for k, v in e.items():
-            lines.append(f"{k} = {json.dumps(v)}")
+            if isinstance(v, dict):  # TOML inline table
+                v_s = "{" + ", ".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items()) + "}"
+            else:
+                v_s = json.dumps(v)
+            lines.append(f"{k} = {v_s}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -160,6 +164,7 @@ def test_remote_end_to_end_and_resume_skips_done(tmp_path, stub):
     assert st.n == 12
     # the shared prefix goes first, as the system message, identical in every request (provider caching)
     assert len({b["messages"][0]["content"] for b in st.bodies}) == 1
+    assert st.bodies[0]["model"] == "stub-model" and st.bodies[0]["temperature"] == 0.0
     _check_labels(tmp_path / "out", 12)
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["labelled"] == 12
@@ -195,9 +200,10 @@ def test_rate_limit_honoured(tmp_path, stub):
     rate, burst = rpm / 60, max(1, rpm / 60)
     for i in range(len(t)):
         for j in range(i + 1, len(t)):
-            # requests in any window of length (t_j - t_i) never exceed burst + rate * window
-            assert j - i + 1 <= burst + rate * (t[j] - t[i]) + 0.5, (i, j, t[j] - t[i])
-    assert t[-1] - t[0] >= (12 - burst) / rate - 0.1
+            # requests in any window of length (t_j - t_i) never exceed burst + rate * window (+1: these are
+            # arrival times at the server, and one request's connection setup can delay its arrival)
+            assert j - i + 1 <= burst + rate * (t[j] - t[i]) + 1, (i, j, t[j] - t[i])
+    assert t[-1] - t[0] >= (12 - burst - 1) / rate - 0.1
 
 
 def test_5xx_retried_and_429_retry_after(tmp_path, stub):
@@ -303,7 +309,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, stub):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     sent_before = st.n
-    assert 28 <= sent_before < 50
+    assert 25 <= sent_before < n
     rep = label(c)
     assert rep["recovered_from_journal"] >= 1
     # only requests in flight at the kill are repeated (2 workers -> at most 2)
@@ -349,6 +355,13 @@ def test_template_file_and_schema_file(tmp_path, stub):
     eps = endpoints_toml(tmp_path / "ep.toml", {"name": "stub", "base_url": url, "model": "m"})
     rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "o"), template=str(tpl), endpoints=str(eps)))
     assert rep["labelled"] == 2 and st.bodies[0]["messages"][0]["content"].startswith("You play Craftax.\nAnswer")
+    # explicit provider caching marks the shared prefix; extra_body fields are passed through
+    eps2 = endpoints_toml(tmp_path / "ep2.toml", {"name": "stub", "base_url": url, "model": "m", "cache_control": True,
+                                                  "extra_body": {"prompt_cache_key": "craftax"}})
+    label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "o3"), template=str(tpl), endpoints=str(eps2)))
+    sys_msg = st.bodies[-1]["messages"][0]["content"]
+    assert sys_msg[0]["cache_control"] == {"type": "ephemeral"} and sys_msg[0]["text"].startswith("You play")
+    assert st.bodies[-1]["prompt_cache_key"] == "craftax"
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps({"type": "object", "required": ["action"],
                                   "properties": {"action": {"type": "string", "enum": ["noop"]}}}))

@@ -30,7 +30,7 @@ from thinkcraft.utils.retry import HTTPStatusError, RetryPolicy, is_retryable_ht
 
 _ENDPOINT_KEYS = {
     "name", "base_url", "model", "api_key", "api_key_env", "rpm", "tpm", "max_concurrency", "weight",
-    "timeout_s", "max_attempts", "api", "extra_body",
+    "timeout_s", "max_attempts", "api", "extra_body", "cache_control",
 }
 
 
@@ -55,6 +55,10 @@ class EndpointConfig:
     """`chat` (/chat/completions, prefix as system message) or `completions` (/completions, prefix+item)."""
     extra_body: dict[str, Any] = field(default_factory=dict)
     """Provider-specific request fields, e.g. `{prompt_cache_key = "craftax-v1"}` for OpenAI prompt caching."""
+    cache_control: bool = False
+    """Mark the shared prefix `cache_control: ephemeral` (Anthropic-style explicit caching, as accepted by
+    OpenRouter and Anthropic's OpenAI-compatible API). OpenAI, vLLM and SGLang cache a repeated prefix
+    by themselves: the prefix is always sent first, byte-identical, for that reason."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def load_endpoints(path: str | os.PathLike) -> EndpointsFile:
             rpm=e.get("rpm"), tpm=e.get("tpm"), max_concurrency=int(e.get("max_concurrency", 4)),
             weight=float(e.get("weight", 1.0)), timeout_s=float(e.get("timeout_s", 120.0)),
             max_attempts=int(e.get("max_attempts", 4)), api=e.get("api", "chat"),
-            extra_body=dict(e.get("extra_body", {})),
+            extra_body=dict(e.get("extra_body", {})), cache_control=bool(e.get("cache_control", False)),
         )
         if ep.api not in ("chat", "completions"):
             raise ConfigError("endpoints", f"{where}: api must be 'chat' or 'completions', not {ep.api!r}")
@@ -247,7 +251,10 @@ class Endpoint:
         body: dict[str, Any] = {"model": self.cfg.model, **self.sampling, "max_tokens": max_tokens,
                                 **self.cfg.extra_body}
         if self.cfg.api == "chat":
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+            content: Any = system
+            if self.cfg.cache_control:
+                content = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+            msgs = ([{"role": "system", "content": content}] if system else []) + [{"role": "user", "content": user}]
             return self.cfg.base_url + "/chat/completions", {**body, "messages": msgs}
         return self.cfg.base_url + "/completions", {**body, "prompt": system + user}
 
