@@ -175,6 +175,30 @@ def test_api_key_timeouts_and_bad_requests(local: HFEngine) -> None:
         srv.stop()
 
 
+def test_concurrent_requests_are_micro_batched(local: HFEngine) -> None:
+    import asyncio
+
+    prompts = ["a b", "The tree is", "water", "Craft a pickaxe now", "x", "zombie"]
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    want = [c.token_ids for c in local.generate(Batch(items=prompts), sp)]
+    app = make_app(local, "tiny", batch_window_ms=200)
+    srv = ThreadServer(app)
+    try:
+        client = OpenAIClient(srv.url + "/v1", model="tiny", options=HTTPOptions(retry=FAST))
+
+        async def all_at_once() -> list[dict]:
+            return await asyncio.gather(*(
+                client.completions(p, max_tokens=4, temperature=0, return_token_ids=True) for p in prompts
+            ))
+
+        outs = run_sync(all_at_once())
+        assert [o["choices"][0]["token_ids"] for o in outs] == want
+        assert [o["usage"]["prompt_tokens"] for o in outs] == [len(local.tokenize_batch(Batch(items=[p]))[1][0]) for p in prompts]
+        assert app.state.batcher.engine_calls < len(prompts)
+    finally:
+        srv.stop()
+
+
 def test_serve_config_validation() -> None:
     with pytest.raises(ConfigError, match="--fail-status"):
         ServeConfig(fail_status=404)

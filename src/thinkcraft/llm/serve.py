@@ -50,6 +50,8 @@ class ServeConfig:
     """Generation KV cache: "dynamic", or "static" (preallocated; with --compile-decode, CUDA graphs)."""
     compile_decode: bool = False
     """torch.compile the decode step (GPU; first request per batch shape compiles for ~1 min)."""
+    batch_window_ms: float = 5.0
+    """Requests arriving within this window with the same sampling parameters share one engine call (0 = off)."""
     served_model_name: str | None = None
     """Model name reported by /v1/models (default: the --model value)."""
     api_key: str | None = None
@@ -75,6 +77,7 @@ class ServeConfig:
         check(0.0 <= self.fail_rate <= 1.0, "fail_rate", f"must be in [0, 1], got {self.fail_rate}")
         check(self.fail_status in (429, 500, 502, 503), "fail_status", "must be one of 429, 500, 502, 503")
         check(self.delay_ms >= 0 and self.fail_retry_after_s >= 0, "delay_ms", "delays must be ≥ 0")
+        check(self.batch_window_ms >= 0, "batch_window_ms", "must be ≥ 0")
         check(self.max_new_tokens_limit >= 1, "max_new_tokens_limit", "must be ≥ 1")
         check(self.kv_cache in ("dynamic", "static"), "kv_cache", "must be 'dynamic' or 'static'")
 
@@ -88,12 +91,73 @@ class FaultConfig:
     delay_ms: float = 0.0
 
 
+class MicroBatcher:
+    """Merges generate requests that arrive within `window_ms` of each other and share sampling
+    parameters into one engine call (one padded batch on the accelerator instead of many small ones).
+    Completions go back to each request in order; an engine error fails every request of its group."""
+
+    def __init__(self, run: Any, window_ms: float = 5.0, max_items: int = 256) -> None:
+        self.run = run  # async (Batch, SamplingParams) -> list[Completion]
+        self.window_s = window_ms / 1000.0
+        self.max_items = max_items
+        self.queue: asyncio.Queue | None = None
+        self.worker: asyncio.Task | None = None
+        self.engine_calls = 0
+
+    async def generate(self, batch: Batch, sp: SamplingParams) -> list[Completion]:
+        # seeded requests run alone: grouping depends on arrival timing and would change their samples
+        if self.window_s <= 0 or batch.prefix is not None or sp.seed is not None:
+            self.engine_calls += 1
+            return await self.run(batch, sp)
+        if self.worker is None or self.worker.done():
+            self.queue = asyncio.Queue()
+            self.worker = asyncio.get_running_loop().create_task(self._work())
+        fut = asyncio.get_running_loop().create_future()
+        await self.queue.put((batch, sp, fut))
+        return await fut
+
+    async def _work(self) -> None:
+        assert self.queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            pending = [await self.queue.get()]
+            deadline = loop.time() + self.window_s
+            while sum(len(b) * sp.n for b, sp, _ in pending) < self.max_items:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    pending.append(await asyncio.wait_for(self.queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            groups: dict[tuple, list] = {}
+            for req in pending:
+                groups.setdefault((req[1], req[0].is_tokens), []).append(req)
+            for (sp, _), reqs in groups.items():
+                items = [it for b, _, _ in reqs for it in b.items]
+                try:
+                    self.engine_calls += 1
+                    cs = await self.run(Batch(items=items), sp)
+                except Exception as e:  # noqa: BLE001 - handed to each waiting request
+                    for _, _, fut in reqs:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                at = 0
+                for b, _, fut in reqs:
+                    k = len(b) * sp.n
+                    if not fut.done():
+                        fut.set_result(cs[at : at + k])
+                    at += k
+
+
 def make_app(
     engine: Engine,
     model_name: str = "thinkcraft",
     api_key: str | None = None,
     faults: FaultConfig = FaultConfig(),
     max_new_tokens_limit: int = 4096,
+    batch_window_ms: float = 5.0,
 ) -> Any:
     """A Starlette app serving `engine` (an HFEngine, or any Engine for generation-only routes)."""
     from starlette.applications import Starlette
@@ -129,6 +193,8 @@ def make_app(
                 return fn(*args)
 
         return await asyncio.to_thread(locked)
+
+    batcher = MicroBatcher(lambda b, sp: call(engine.generate, b, sp), batch_window_ms)
 
     def sampling_from(body: dict, max_key: str) -> SamplingParams:
         stop = body.get("stop") or ()
@@ -206,7 +272,7 @@ def make_app(
     async def completions(request: Request) -> Any:
         body = await json_body(request)
         sp = sampling_from(body, "max_tokens")
-        cs: list[Completion] = await call(engine.generate, as_batch(body.get("prompt")), sp)
+        cs: list[Completion] = await batcher.generate(as_batch(body.get("prompt")), sp)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
         choices = []
         for i, c in enumerate(cs):
@@ -232,7 +298,7 @@ def make_app(
         if templ is None:
             raise UserError("this engine has no chat template")
         prompt = templ(messages, add_generation_prompt=True, tokenize=True, **(body.get("chat_template_kwargs") or {}))
-        cs = await call(engine.generate, Batch(items=[prompt]), sp)
+        cs = await batcher.generate(Batch(items=[prompt]), sp)
         choices = []
         for i, c in enumerate(cs):
             ch: dict[str, Any] = {
@@ -267,7 +333,7 @@ def make_app(
         else:
             raise UserError("/generate needs `text` or `input_ids`")
         sp = sampling_from(dict(body.get("sampling_params") or {}), "max_new_tokens")
-        cs = await call(engine.generate, batch, sp)
+        cs = await batcher.generate(batch, sp)
         hidden: list[Any] | None = None
         if body.get("return_hidden_states"):
             per_token = getattr(engine, "token_hidden_states", None)
@@ -297,7 +363,9 @@ def make_app(
         Route("/v1/chat/completions", handler(chat), methods=["POST"]),
         Route("/generate", handler(generate), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    app.state.batcher = batcher
+    return app
 
 
 def run(config: ServeConfig) -> int:
@@ -310,7 +378,8 @@ def run(config: ServeConfig) -> int:
         compile_decode=config.compile_decode,
     )
     faults = FaultConfig(config.fail_every, config.fail_rate, config.fail_status, config.fail_retry_after_s, config.delay_ms)
-    app = make_app(engine, config.served_model_name or config.model, config.api_key, faults, config.max_new_tokens_limit)
+    app = make_app(engine, config.served_model_name or config.model, config.api_key, faults, config.max_new_tokens_limit,
+                   config.batch_window_ms)
     print(f"thinkcraft serve: {config.model} on http://{config.host}:{config.port} "
           f"(OpenAI /v1/completions, /v1/chat/completions; SGLang /generate)", flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
