@@ -172,20 +172,20 @@ def _lora(run_dir):
 @pytest.mark.slow
 def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch):
     _patch_reward(monkeypatch)
-    straight = _cfg(tmp_path / "a", steps=3, checkpoint_every=0)
+    straight = _cfg(tmp_path / "a", steps=2, checkpoint_every=0)
     LP.run(straight)
-    LP.run(_cfg(tmp_path / "b", steps=2, checkpoint_every=1))
+    LP.run(_cfg(tmp_path / "b", steps=1, checkpoint_every=1))
     with pytest.raises(UserError, match="--resume"):
-        LP.run(_cfg(tmp_path / "b", steps=3))
-    LP.run(_cfg(tmp_path / "b", steps=3, resume=True))
+        LP.run(_cfg(tmp_path / "b", steps=2))
+    LP.run(_cfg(tmp_path / "b", steps=2, resume=True))
     step_a, wa = _lora(straight.run_dir)
     step_b, wb = _lora(tmp_path / "b" / "run")
-    assert step_a == step_b == 3
+    assert step_a == step_b == 2
     assert any(v.abs().sum() > 0 for n, v in wa.items() if "lora_B" in n)  # LoRA moved (B starts at 0)
     for n in wa:
         assert torch.allclose(wa[n], wb[n], atol=1e-6), n
     recs = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert [r["step"] for r in recs] == [1, 2]
     for k in ("reward/mean", "format/invalid_rate", "timing/generate", "timing/train", "perf/samples_per_s",
               "perf/tokens_per_s"):
         assert k in recs[-1]
@@ -193,8 +193,8 @@ def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch
     from thinkcraft.data.schema import table_to_records
 
     records = table_to_records(read_table(tmp_path / "b" / "run" / "trajectories"))
-    assert len(records) == 3 * 2 * 3
-    assert sorted({r.metadata.policy_version for r in records}) == [0, 1, 2]
+    assert len(records) == 2 * 2 * 3
+    assert sorted({r.metadata.policy_version for r in records}) == [0, 1]
     t = records[0].turns[0]
     assert len(t.response_token_ids) == len(t.logprobs) == len(t.loss_mask) > 0 and len(t.prompt_token_ids) > 0
 

@@ -693,7 +693,8 @@ def _prompt_corpus(cfg: LLMPolicyConfig, env) -> list[str]:
     """Texts to train a BPE on for random-weight models: instructions, problems and expected answers."""
     texts = [env.system_prompt] * 10
     if hasattr(env, "task"):
-        for s in range(2000):
+        num_problems = 200 if cfg.model == "random:tiny" else 2000  # tiny is for tests: keep BPE training short
+        for s in range(num_problems):
             p = env.task.problem(s)
             texts += [p.question, f"{p.question}\n#### {p.answer}"]
     else:
@@ -746,6 +747,8 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
     corpus = _prompt_corpus(cfg, env) if cfg.model.startswith("random:") else []
     model, tok = load_policy(cfg, corpus, device, base_dtype)
     holder["tokenizer"] = tok
+    if cfg.thinking_budget is not None and not {"<think>", "</think>"} <= set(tok.get_vocab()):
+        raise ConfigError("thinking_budget", f"{cfg.model} has no <think>/</think> tokens; drop --thinking-budget")
     engine = make_engine(model, tok, cfg)
     check_engine_for_algo(engine.capabilities, cfg.algo)
     if holder.get("judge_self"):
@@ -786,7 +789,6 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
 
     metrics = MetricsWriter(run_dir)
     last: dict[str, Any] = {}
-    rng = random.Random(cfg.seed * 7919 + start_step)
     try:
         with RunProgress(cfg.steps, "llm-policy", log_every_s=cfg.log_every_s) as progress:
             for step in range(start_step, cfg.steps):
@@ -794,6 +796,7 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
                 t_step = time.perf_counter()
                 # 1-2. rollout (generate + env)
                 if cfg.algo == "apo":
+                    rng = random.Random(cfg.seed * 1_000_003 + step)  # per step: a resumed run draws the same
                     pool_seeds = sorted(v_star_table)
                     seeds = [pool_seeds[rng.randrange(len(pool_seeds))] for _ in range(cfg.prompts_per_step)]
                 else:
@@ -893,8 +896,9 @@ class _LazyEngine:
 
 
 def _seed_of(cfg: LLMPolicyConfig, step: int, i: int) -> int:
-    """Problem seed of prompt i at step `step` (step 0 = the A*-PO pool): distinct across steps and runs."""
-    return (cfg.seed * 1_000_003 + step * cfg.prompts_per_step + i) % (2**31 - 1) if step else (cfg.seed * 1_000_003 + 10**9 + i) % (2**31 - 1)
+    """Problem seed of prompt i at learner step `step` >= 1; step 0 is the A*-PO pool (a disjoint range)."""
+    base = cfg.seed * 1_000_003 + (10**9 if step == 0 else step * cfg.prompts_per_step)
+    return (base + i) % (2**31 - 1)
 
 
 def _run_name(run_dir: Path) -> str:

@@ -1,0 +1,31 @@
+"""The craftax text env: reset/step/termination/truncation, action parsing with invalid counting."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # compiles a Craftax-Classic reset/step (~1 min on a 2-core CPU)
+
+
+def test_craftax_classic_text_env_reset_step_truncate():
+    from thinkcraft.envs.textenv import CraftaxTextConfig, CraftaxTextEnv, TextEnv
+
+    env = CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", max_steps=3, format_penalty=0.5))
+    assert isinstance(env, TextEnv)
+    assert "Action:" in env.system_prompt and "Observation format" in env.system_prompt
+    obs = env.reset([1, 1, 2])
+    assert len(obs) == 3 and obs[0] == obs[1] and all(len(o) > 20 for o in obs)
+    res = env.step(["Action: do", "I am not sure", "Action: 2"])
+    assert [i["invalid"] for i in res.infos] == [False, True, False]
+    assert res.infos[1]["action"] == 0  # invalid -> noop played
+    assert res.rewards[1] == pytest.approx(res.infos[1]["env_reward"] - 0.5)
+    assert not res.terminated.any() and not res.truncated.any()
+    assert env.active_indices() == [0, 1, 2]
+    env.step(["Action: noop"] * 3)
+    res = env.step(["Action: noop"] * 3)
+    assert res.truncated.all() and res.observations == ["", "", ""]  # the step cap ends every episode
+    assert env.active_indices() == []
+    c = env.counters()
+    assert c["format/invalid"] == 1 and c["format/answers"] == 9
+    # a new reset starts fresh episodes
+    assert len(env.reset([3, 4])) == 2 and env.active_indices() == [0, 1]
+    assert np.isfinite(res.rewards).all()
