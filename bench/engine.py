@@ -24,6 +24,7 @@ call (hf) / after the prompt forward (engine):
   engine_dynamic     our loop, dynamic cache
   engine_static      our loop, static cache
   engine_compiled    our loop, static cache + torch.compile(mode="reduce-overhead") decode step (CUDA only)
+  hf_generate_static, hf_continuous_batching   more transformers references (CUDA only; prefill included)
 Goal: decode >= 3x hf_generate.
 
 Prints a table and writes bench/results/engine.json (rows with kind, batch, prefix_tokens, suffix_tokens,
@@ -271,7 +272,42 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
                 print(f"  decode {kind:<16} b={b:<5} FAILED: {msg[:200]}", flush=True)
                 if not isinstance(e, torch.OutOfMemoryError):
                     traceback.print_exc()
+        # last: a failure inside third-party graph capture must not cost the rows above
+        if device.type == "cuda" and not args.no_compile:
+            extra_refs(model, ids, new, device, record, rows, base)
         free(device)
+
+
+def extra_refs(model: torch.nn.Module, ids: torch.Tensor, new: int, device: torch.device,
+               record: Callable[..., None], rows: list[dict], base: dict) -> None:
+    """More transformers references on CUDA (wall time incl. prefill, reported with prefill_s=0):
+    `generate` with a static cache (transformers auto-compiles its decode step), and continuous
+    batching (`generate_batch`, paged attention). Failures are recorded, not raised."""
+    from transformers import GenerationConfig
+
+    def static() -> Any:
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, pad_token_id=0, cache_implementation="static")
+
+    def continuous() -> Any:
+        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            out = model.generate_batch(inputs=ids.tolist(), generation_config=cfg)
+        n = sum(len(o.generated_tokens) for o in out.values())
+        assert n == ids.shape[0] * new, f"continuous batching generated {n} tokens, expected {ids.shape[0] * new}"
+        return out
+
+    for kind, fn in (("hf_generate_static", static), ("hf_continuous_batching", continuous)):
+        free(device)
+        try:
+            t_warm, _ = timed(fn, device)
+            s, _ = timed(fn, device)
+            record(kind, s, 0.0, first_call_s=round(t_warm, 2), note="prefill included in decode_tok_per_s")
+        except Exception as e:  # noqa: BLE001
+            msg = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
+            rows.append(dict(kind=kind, **base, seconds=None, error=msg[:500]))
+            print(f"  decode {kind:<16} b={base['batch']:<5} FAILED: {msg[:200]}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
