@@ -334,22 +334,29 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     model = build_model(args.quick, device, dtype)
     print(f"  model built in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params", flush=True)
-    rows: list[dict] = []
+    from thinkcraft.utils.io import atomic_write_json
+
+    out = Path(args.out)
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+    class Rows(list):
+        """Rows saved to the JSON on every append: a crash late in the run keeps what was measured."""
+
+        def append(self, r: dict) -> None:
+            r.update(card=card, date=date, quick=args.quick)
+            super().append(r)
+            atomic_write_json(out, {"rows": list(self), "summary": summarise(self), "card": card, "date": date,
+                                    "quick": args.quick, "torch": torch.__version__, "complete": False})
+
+    rows = Rows()
     if not args.skip_hidden:
         eng = HFEngine.from_model(model, BenchTokenizer(), max_batch_tokens=args.max_batch_tokens)
         bench_hidden(eng, args, device, rows)
     if not args.skip_decode:
         bench_decode(model, args, device, rows)
-    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    for r in rows:
-        r.update(card=card, date=date, quick=args.quick)
     summary = summarise(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from thinkcraft.utils.io import atomic_write_json
-
-    atomic_write_json(out, {"rows": rows, "summary": summary, "card": card, "date": date, "quick": args.quick,
-                            "torch": torch.__version__})
+    atomic_write_json(out, {"rows": list(rows), "summary": summary, "card": card, "date": date, "quick": args.quick,
+                            "torch": torch.__version__, "complete": True})
     print("\nsummary:")
     for k, v in summary.items():
         print(f"  {k}: {v}")

@@ -31,3 +31,4 @@ def test_engine_bench_quick_writes_rows(tmp_path: Path) -> None:
             assert r["max_abs_diff_vs_no_reuse"] < 1e-3 * max(1.0, r["max_abs_ref"])
     assert any(k.startswith("reuse_vs_raw_prefill@") for k in data["summary"])
     assert any(k.startswith("decode_vs_hf_generate@") for k in data["summary"])
+    assert data["complete"] is True

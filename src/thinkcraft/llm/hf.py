@@ -158,7 +158,8 @@ class HFEngine:
         self.prefix_reuse = prefix_reuse
         self._prefix_cache: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self._prefix_cache_size = prefix_cache_size
-        self.kv_cache = kv_cache
+        # a compiled decode step needs fixed shapes: it always runs on the static cache
+        self.kv_cache = "static" if compile_decode else kv_cache
         self.compile_decode = compile_decode
         self._compiled_forward = None
         self._static_cache: tuple[tuple[int, int], Any] | None = None
