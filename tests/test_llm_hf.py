@@ -343,3 +343,18 @@ def test_dlpack_zero_copy_on_gpu() -> None:
     assert shares_memory(t, x)
     back = jax_to_torch(x)
     assert back.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
+def test_generation_with_reused_prefix_equals_concatenated_prompts(tiny, kv_cache: str) -> None:
+    reuse = HFEngine.from_model(*tiny, kv_cache=kv_cache)
+    plain = HFEngine.from_model(*tiny, kv_cache=kv_cache, prefix_reuse=False)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, n=2)
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    got, want = reuse.generate(b, sp), plain.generate(b, sp)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.prompt_token_ids for c in got] == [PREFIX + it for it in ITEMS for _ in range(2)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+        np.testing.assert_allclose(g.logprobs, _forward_logprobs(tiny[0], g.prompt_token_ids, g.token_ids), atol=1e-4)
+    assert len(reuse._prefix_cache) == 1

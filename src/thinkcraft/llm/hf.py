@@ -436,11 +436,14 @@ class HFEngine:
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(sampling.seed))
+        # A shared prefix is prefilled once (batch 1, cached like the hidden-states prefix KV) and copied
+        # into each row's cache; only the suffixes are prefilled per row.
+        prefix_len = len(prefix) if self.prefix_reuse and prefix and all(len(it) > 0 for it in items) else 0
         out: list[Completion] = []
         self.last_generate_timing = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         with self._inference():
             for a in range(0, len(prompts), self.max_batch_size):
-                out.extend(self._generate_chunk(prompts[a : a + self.max_batch_size], sampling, gen))
+                out.extend(self._generate_chunk(prompts[a : a + self.max_batch_size], sampling, gen, prefix_len))
         return out
 
     def _model_forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, decode: bool) -> torch.Tensor:
@@ -472,13 +475,22 @@ class HFEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator | None) -> list[Completion]:
+    def _generate_chunk(
+        self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator | None, prefix_len: int = 0
+    ) -> list[Completion]:
+        """Decode one batch. Row layout: [left pads][prompt], or with a reused prefix of `prefix_len`
+        tokens [prefix][pads][suffix] (pads masked, positions contiguous over real tokens either way)."""
         from transformers import DynamicCache, StaticCache
 
         b = len(prompts)
         new = sampling.max_new_tokens
-        ids, mask = self._pad(prompts, "left")
-        t = ids.shape[1]
+        p = prefix_len
+        if p:
+            ids, smask = self._pad([q[p:] for q in prompts], "left")
+            mask = torch.cat([torch.ones((b, p), dtype=torch.long, device=self.device), smask], 1)
+        else:
+            ids, mask = self._pad(prompts, "left")
+        t = mask.shape[1]
         states = [_SeqState(prompt=p) for p in prompts]
         budget = sampling.thinking_budget
         # Stop strings and the thinking budget need per-sequence host logic every step; without them the
@@ -508,8 +520,11 @@ class HFEngine:
         else:
             cache = DynamicCache(config=self._lm.config)
             step_mask = lambda n: full_mask[:, :n]  # noqa: E731
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, p:]
         t0 = self._clock()
+        if p:
+            for i, (pk, pv) in enumerate(self._prefix_kv(prompts[0][:p])):
+                cache.update(pk.expand(b, -1, -1, -1).contiguous(), pv.expand(b, -1, -1, -1).contiguous(), i)
         logits = self._model_forward(ids, step_mask(t), pos, cache, decode=False)
         t1 = self._clock()
         next_pos = pos[:, -1:] + 1
