@@ -1,0 +1,63 @@
+"""Shared helpers for benchmark scripts: card/machine names, dates, JSON result files."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def card() -> str:
+    """GPU name if one is visible (JAX or torch), else 'cpu (<n> cores)'."""
+    try:
+        import jax
+
+        d = jax.devices()[0]
+        if d.platform == "gpu":
+            return d.device_kind
+    except Exception:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def write_records(path: str | os.PathLike, records: Iterable[dict[str, Any]], merge_keys: tuple[str, ...] = ()) -> Path:
+    """Write a JSON list. With merge_keys, keep old records whose key tuple is not re-measured now."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = list(records)
+    if merge_keys and path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = []
+        new_keys = {tuple(r.get(k) for k in merge_keys) for r in records}
+        records = [r for r in old if tuple(r.get(k) for k in merge_keys) not in new_keys] + records
+    path.write_text(json.dumps(records, indent=2) + "\n")
+    return path
+
+
+def print_table(records: list[dict[str, Any]], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in records:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return "" if v is None else str(v)
