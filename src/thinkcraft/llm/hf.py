@@ -11,7 +11,9 @@ Generation: own decode loop over the HF model (token-in/token-out) with temperat
 strings, max tokens, n samples per item, sampled-token logprobs (unmodified softmax), seeds, and a
 thinking budget for `<think>` models (after B thinking tokens the thought is closed with
 `thinking_close_text` and the model answers). KV cache: dynamic, or static (preallocated, fixed
-shapes) with optional `torch.compile` of the decode step (CUDA graphs) for speed on GPU.
+shapes) with optional `torch.compile` of the decode step (CUDA graphs) for speed on GPU. A shared
+prefix is prefilled once (batch 1, cached) and its KV copied into every row's cache; rows are laid out
+[prefix][pads][suffix] with contiguous positions, so results equal the concatenated prompts.
 
 Works on any Llama/Qwen-style decoder (embed_tokens, layers, norm, rotary_emb), including a PEFT
 (LoRA) wrapped model shared with a learner: `HFEngine.from_model(model, tokenizer)` copies nothing.
@@ -535,8 +537,10 @@ class HFEngine:
         steps = 0
         for step in range(new):
             tok, logp = self._choose(logits, sampling, gen)
-            if host:
-                self._host_step(states, tok, budget, close_ids)
+            if host:  # one device->host copy per step, edited on the host, copied back
+                tok_list = tok.tolist()
+                self._host_step(states, tok_list, budget, close_ids)
+                tok = torch.tensor(tok_list, dtype=torch.long, device=self.device)
             else:
                 tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             toks[:, step] = tok
@@ -544,7 +548,7 @@ class HFEngine:
                 lps[:, step] = logp.gather(1, tok[:, None]).squeeze(1)
             steps = step + 1
             if host:
-                self._host_after(states, tok.tolist(), budget, sampling.stop, max_stop)
+                self._host_after(states, tok_list, budget, sampling.stop, max_stop)
                 if all(st.done for st in states):
                     break
             else:
@@ -574,7 +578,7 @@ class HFEngine:
             st.logprobs = lps_host[i][:n] if lps_host is not None else []
         return [self._finish(st, sampling) for st in states]
 
-    def _host_step(self, states: list[_SeqState], tok: torch.Tensor, budget: int | None, close_ids: list[int]) -> None:
+    def _host_step(self, states: list[_SeqState], tok: list[int], budget: int | None, close_ids: list[int]) -> None:
         """Before a step's tokens are recorded: pad finished rows, force the thinking-close tokens."""
         for i, st in enumerate(states):
             if st.done:
