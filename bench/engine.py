@@ -172,7 +172,7 @@ def bench_hidden(eng: HFEngine, args: argparse.Namespace, device: torch.device, 
         free(device)
         eng.invalidate_prefix_cache()
         if args.warmup:  # kernels/autotune warm on another prefix, so "first" measures the prefix cost only
-            eng.hidden_states_torch(Batch(items=items, prefix=prefix[:-1] + [prefix[-1] + 1]))
+            eng.hidden_states_torch(Batch(items=items, prefix=prefix[:-1] + [prefix[-1] - 1]))
             eng.invalidate_prefix_cache()
         s_first, _ = timed(lambda: eng.hidden_states_torch(with_prefix, prefix_reuse=True), device)
         s, got = timed(lambda: eng.hidden_states_torch(with_prefix, prefix_reuse=True), device)
@@ -275,6 +275,11 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
         # last: a failure inside third-party graph capture must not cost the rows above
         if device.type == "cuda" and not args.no_compile:
             extra_refs(model, ids, new, device, record, rows, base)
+        # drop caches kept for CUDA-graph reuse (ours and transformers') before the next batch size
+        for eng in engines.values():
+            eng._static_cache = None
+        if getattr(model, "_cache", None) is not None:
+            model._cache = None
         free(device)
 
 
