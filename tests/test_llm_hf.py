@@ -358,3 +358,18 @@ def test_generation_with_reused_prefix_equals_concatenated_prompts(tiny, kv_cach
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
         np.testing.assert_allclose(g.logprobs, _forward_logprobs(tiny[0], g.prompt_token_ids, g.token_ids), atol=1e-4)
     assert len(reuse._prefix_cache) == 1
+
+
+def test_failed_conversion_leaves_nothing_behind(tmp_path) -> None:  # noqa: ANN001
+    from thinkcraft.llm.models import convert_gguf, resolve_model
+
+    bogus = tmp_path / "broken.gguf"
+    bogus.write_bytes(b"not a gguf file")
+    target = tmp_path / "cache" / "broken"
+    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF parser raises
+        convert_gguf(bogus, target)
+    assert not target.exists() and list((tmp_path / "cache").iterdir()) == []
+    folder = tmp_path / "not_a_model"
+    folder.mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        resolve_model(str(folder))

@@ -173,7 +173,7 @@ class SGLangClient:
             d["stop"] = list(sp.stop)
         if sp.seed is not None:
             d["sampling_seed"] = sp.seed
-        if sp.thinking_budget is not None:
+        if sp.thinking_budget is not None:  # extension honoured by `thinkcraft serve`; SGLang may reject it
             d["thinking_budget"] = sp.thinking_budget
         return d
 
@@ -279,6 +279,8 @@ class OpenAIClient:
             d["stop"] = list(sp.stop)
         if sp.seed is not None:
             d["seed"] = sp.seed
+        if sp.thinking_budget is not None:  # extension honoured by `thinkcraft serve`; others may reject it
+            d["thinking_budget"] = sp.thinking_budget
         return d
 
     async def completions(self, prompt: str | list[int], **params: Any) -> dict:
