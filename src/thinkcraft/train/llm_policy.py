@@ -73,8 +73,9 @@ class LLMPolicyConfig:
     """gsm8k: local JSONL/Parquet in the GSM8K layout (question, answer ending in '#### <n>')."""
     reward: Literal["rule", "judge"] = "rule"
     """arith/gsm8k reward: rule (`#### <number>` exact match) or judge (an LLM compares gold and answer)."""
-    judge_model: str = "self"
-    """Judge engine: 'self' (the policy's own weights, adapter off) or a local HF folder."""
+    judge_engine: str = "self"
+    """Judge engine: 'self' (the policy's weights with the LoRA adapter off) or any engine spec
+    (hf:<path-or-default>, vllm:<path>, sglang+http://host:port, openai+http://host:port/v1)."""
     answer_weight: float = 1.0
     """Reward for a correct final answer."""
     lenient_answer: bool = False
@@ -727,21 +728,20 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
     holder: dict[str, Any] = {}
 
     def judge_factory():
-        if cfg.judge_model != "self":
-            from thinkcraft.llm.hf import HFEngine
+        msgs = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+        if cfg.judge_engine != "self":
+            from thinkcraft.llm import make_engine as make_engine_from_spec
 
-            eng = HFEngine(cfg.judge_model, device=device)
-            jtok = eng.tokenizer
-        else:
-            holder["judge_self"] = True
-            eng, jtok = None, None  # filled once the policy exists
-        tok_holder = holder
+            eng = make_engine_from_spec(cfg.judge_engine)
+            if hasattr(eng, "apply_chat_template"):  # in-process engines: their own chat template
+                return eng, lambda text: eng.apply_chat_template(msgs(text))
+            return eng, None  # HTTP engines receive the plain prompt
+        holder["judge_self"] = True  # bound once the policy exists
 
         def fmt(text: str) -> str:
-            t = jtok or tok_holder["tokenizer"]
-            return t.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            return holder["tokenizer"].apply_chat_template(msgs(text), add_generation_prompt=True, tokenize=False)
 
-        return (eng if eng is not None else _LazyEngine(holder)), fmt
+        return _LazyEngine(holder), fmt
 
     env = make_env_and_reward(cfg, judge_factory)
     corpus = _prompt_corpus(cfg, env) if cfg.model.startswith("random:") else []
