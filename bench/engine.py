@@ -228,19 +228,19 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
                 first_logits_at.append(time.perf_counter())
             return scores
 
-        def hf_generate() -> torch.Tensor:
+        def hf_generate(k: int = new) -> torch.Tensor:
             from transformers import LogitsProcessorList
 
             first_logits_at.clear()
             with torch.no_grad():
-                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False, pad_token_id=0,
+                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                      min_new_tokens=k, do_sample=False, pad_token_id=0,
                                       logits_processor=LogitsProcessorList([mark_first]))
 
         free(device)
         try:
-            if args.warmup:
-                timed(hf_generate, device)
+            if args.warmup:  # a short run warms kernels and the allocator at this batch size
+                timed(lambda: hf_generate(4), device)
             sync(device)
             t_start = time.perf_counter()
             s, out = timed(hf_generate, device)
@@ -254,10 +254,11 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
         for kind, eng in engines.items():
             free(device)
             try:
-                if args.warmup or kind == "engine_compiled":  # compile / CUDA-graph capture excluded
+                if kind == "engine_compiled":  # compile + CUDA-graph capture need the exact shapes; excluded
                     t_warm, _ = timed(lambda: eng.generate(batch, sp), device)
-                    if kind == "engine_compiled":
-                        print(f"  decode {kind:<16} b={b:<5} first call (compile) {t_warm:.1f} s", flush=True)
+                    print(f"  decode {kind:<16} b={b:<5} first call (compile) {t_warm:.1f} s", flush=True)
+                elif args.warmup:
+                    timed(lambda: eng.generate(batch, SamplingParams(max_new_tokens=4, temperature=0.0)), device)
                 s, cs = timed(lambda: eng.generate(batch, sp), device)
                 assert all(len(c.token_ids) == new for c in cs)
                 same = None
@@ -324,9 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile decode variant")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="engine chunk size for hidden states")
+    ap.add_argument("--hidden-batches", type=int, nargs="+", default=None, help="override the hidden-state batch sizes")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=None, help="override the decode batch sizes")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep rows of an existing --out file unless re-measured (run the parts in separate commands)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden_override, decode_override = args.hidden_batches, args.decode_batches
     if args.quick:
         args.hidden_batches, args.prefix_tokens, args.suffix_tokens = [8, 32], 64, (10, 15)
         args.decode_batches, args.prompt_tokens, args.new_tokens = [4, 8], 30, 8
@@ -334,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden_batches, args.prefix_tokens, args.suffix_tokens = [128, 1024], 800, (100, 150)
         args.decode_batches, args.prompt_tokens, args.new_tokens = [128, 512], 300, 128
     args.warmup = True
+    args.hidden_batches = hidden_override or args.hidden_batches
+    args.decode_batches = decode_override or args.decode_batches
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"bench/engine.py on {card} ({'quick' if args.quick else 'full'}), torch {torch.__version__}", flush=True)
     t0 = time.time()
@@ -350,17 +358,24 @@ def main(argv: list[str] | None = None) -> int:
         def append(self, r: dict) -> None:
             r.update(card=card, date=date, quick=args.quick)
             super().append(r)
-            atomic_write_json(out, {"rows": list(self), "summary": summarise(self), "card": card, "date": date,
+            atomic_write_json(out, {"rows": merged(self), "summary": summarise(merged(self)), "card": card, "date": date,
                                     "quick": args.quick, "torch": torch.__version__, "complete": False})
 
+    def merged(new_rows: list[dict]) -> list[dict]:
+        fresh = {(r["kind"], r["batch"]) for r in new_rows}
+        return [r for r in previous if (r["kind"], r["batch"]) not in fresh] + list(new_rows)
+
     rows = Rows()
+    previous: list[dict] = []
+    if args.merge and out.is_file():
+        previous = json.loads(out.read_text()).get("rows", [])
     if not args.skip_hidden:
         eng = HFEngine.from_model(model, BenchTokenizer(), max_batch_tokens=args.max_batch_tokens)
         bench_hidden(eng, args, device, rows)
     if not args.skip_decode:
         bench_decode(model, args, device, rows)
-    summary = summarise(rows)
-    atomic_write_json(out, {"rows": list(rows), "summary": summary, "card": card, "date": date, "quick": args.quick,
+    summary = summarise(merged(rows))
+    atomic_write_json(out, {"rows": merged(rows), "summary": summary, "card": card, "date": date, "quick": args.quick,
                             "torch": torch.__version__, "complete": True})
     print("\nsummary:")
     for k, v in summary.items():
