@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/engine.py            # GPU: Qwen3-4B-shaped model, random bf16 weights
     .venv/bin/python bench/engine.py --quick    # CPU smoke run (tiny shapes, seconds)
+    # under a per-command time limit, run the parts separately into one JSON:
+    .venv/bin/python bench/engine.py --skip-decode
+    .venv/bin/python bench/engine.py --skip-hidden --merge          # or --decode-batches 128, then 512
 
 Model: Qwen3-4B's shape built from its config with random weights (36 layers, hidden 2560, 32/8 heads of
 128, MLP 9728, vocab 151936, tied embeddings); timing does not depend on the values.
