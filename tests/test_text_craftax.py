@@ -177,6 +177,47 @@ def test_compact_goldens(rollout_states):
     assert render(sem, "craftax") == [render_craftax_text(dark)]
 
 
+def _reference_compact_map(sem, i: int) -> list[str]:
+    """The compact map lines of env i, tile by tile in plain Python (the vectorised renderer's reference)."""
+    from thinkcraft.envs.text.names import BLOCK_NAMES, ITEM_NAMES, MOB_NAMES
+    from thinkcraft.envs.text.render import _BACKGROUND, COMPACT_MAX_TILES
+
+    rows, cols = sem.block.shape[1:]
+    found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for r in range(rows):
+        for c in range(cols):
+            if not sem.light[i, r, c]:
+                continue
+            dr, dc = r - rows // 2, c - cols // 2
+            key = (abs(dr) + abs(dc), r * cols + c, dr, dc)
+            mob, item, block = int(sem.mob[i, r, c]), int(sem.item[i, r, c]), int(sem.block[i, r, c])
+            if mob >= 0:
+                found.setdefault((0, mob), []).append(key)
+            if item > 0:
+                found.setdefault((1, item), []).append(key)
+            if BLOCK_NAMES["craftax"][block] not in _BACKGROUND["craftax"]:
+                found.setdefault((2, block), []).append(key)
+    lines = []
+    for (group, thing), keys in sorted(found.items()):
+        names = (MOB_NAMES["craftax"], ITEM_NAMES, BLOCK_NAMES["craftax"])[group]
+        name = names[thing].lower()
+        keys.sort()
+        line = name.replace("_", " ") + (f" x{len(keys)}" if len(keys) > COMPACT_MAX_TILES else "")
+        for _, _, dr, dc in keys[:COMPACT_MAX_TILES]:
+            line += f" ({dr:+d},{dc:+d})".replace("+0", "0")
+        lines.append(line)
+    return lines
+
+
+@pytest.mark.slow
+def test_compact_map_matches_per_tile_reference(rollout_states):
+    for states in rollout_states[::3]:
+        sem = jax.device_get(extract(states))
+        for i, text in enumerate(render(sem, "compact")):
+            ours = text.split("\n")[1 : 1 + len(_reference_compact_map(sem, i))]
+            assert ours == _reference_compact_map(sem, i), text
+
+
 @pytest.mark.slow
 def test_compact_is_short(rollout_states):
     texts = [t for states in rollout_states for t in render(jax.device_get(extract(states)), "compact")]

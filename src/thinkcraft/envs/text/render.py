@@ -27,12 +27,14 @@ FORMATS: tuple[str, ...] = ("compact", "craftax")
 COMPACT_MAX_TILES = 3
 
 COMPACT_FORMAT_DOC = (
-    "Observation format. Positions are (row, col) offsets from you, you are at (0,0): row -1 is one "
+    "Observation format. Positions are (row, col) offsets from you; you are at (0,0). Row -1 is one "
     "tile north (up), row +1 south (down), col -1 west (left), col +1 east (right). Each map line "
     "`name (r,c) ...` lists the nearest tiles of that kind in view, nearest first (at most "
-    f"{COMPACT_MAX_TILES}); `name x7 ...` means 7 in view. Walkable ground (grass, sand, path) "
-    "is not listed. `facing` is the tile you act on with `do` or place things on. "
-    "Inventory lists only what you have; vitals are out of 9."
+    f"{COMPACT_MAX_TILES}); `name x7 ...` means 7 of them are in view. Creatures come first, then "
+    "items, then blocks. Walkable ground (grass, sand, path) is not listed; `dark tiles` cannot be "
+    "seen. The first line gives the floor, the daylight (surface only) and the tile you face, which "
+    "`do` acts on and placing puts things on. Inventory lists only what you have. Health, food, drink "
+    "and energy go up to 9; at 0 food, drink or energy you lose health."
 )
 
 
@@ -405,6 +407,7 @@ def _render_compact(sem: Semantic, kind: str) -> list[str]:
     flag_text = {
         "is_sleeping": ", sleeping", "is_resting": ", resting", "learned_fireball": ", knows fireball",
         "learned_iceball": ", knows iceball", "ladder_open": ", ladder open",
+        "boss_vulnerable": ", boss vulnerable",
     }  # fmt: skip
     flag_names = N.FLAG_FIELDS[kind]
     for k, name in enumerate(flag_names):
@@ -412,5 +415,7 @@ def _render_compact(sem: Semantic, kind: str) -> list[str]:
             mask = sem.flags[:, k].astype(bool)
             if name == "ladder_open":  # the overworld's ladder is always open: say it below ground only
                 mask = mask & (sem.floor > 0)
+            if name == "boss_vulnerable":  # only the last floor has the boss
+                mask = mask & (sem.floor == len(N.FLOOR_NAMES) - 1)
             p.dense(30_100 + k, np.full((n, 1), flag_text[name], dtype=object), mask[:, None])
     return p.join()
