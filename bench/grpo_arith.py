@@ -45,6 +45,7 @@ def _args(argv=None):
     p.add_argument("--finetune", choices=["lora", "full"], default=None,
                    help="default: full for --model-shape (as TRL's reference), lora otherwise")
     p.add_argument("--format-weight", type=float, default=0.1)
+    p.add_argument("--lenient-answer", action="store_true", help="grade the last number when there is no #### line")
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--kv-cache", choices=["dynamic", "static"], default="dynamic")
     p.add_argument("--compile-decode", action="store_true")
@@ -70,7 +71,7 @@ def _config(a, run_dir: str):
     return LLMPolicyConfig(
         env="arith", algo="grpo", model=model, run_dir=run_dir, steps=a.steps, prompts_per_step=a.prompts,
         group_size=a.samples, max_new_tokens=a.max_new_tokens, difficulty=a.difficulty, lr=a.lr,
-        finetune=a.finetune, format_weight=a.format_weight, micro_batch_size=a.micro_batch_size,
+        finetune=a.finetune, format_weight=a.format_weight, lenient_answer=a.lenient_answer, micro_batch_size=a.micro_batch_size,
         kv_cache=a.kv_cache, compile_decode=a.compile_decode, seed=a.seed, checkpoint_every=0,
         store=True, plot=True, kl_coef=0.0, log_every_s=0.0,
     )
@@ -141,7 +142,7 @@ def run_trl(a) -> tuple[dict, list[dict], Path | None]:
         rows.append({"prompt": [{"role": "system", "content": task.instructions},
                                 {"role": "user", "content": p.question}], "answer": p.answer})
     ds = Dataset.from_list(rows)
-    rule = RuleReward(format_weight=a.format_weight)
+    rule = RuleReward(format_weight=a.format_weight, lenient=a.lenient_answer)
 
     def reward_fn(completions, answer, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]

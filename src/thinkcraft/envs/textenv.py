@@ -128,6 +128,11 @@ class CraftaxTextEnv:
     """
 
     def __init__(self, config: CraftaxTextConfig = CraftaxTextConfig()) -> None:
+        import os
+
+        # JAX shares the GPU with the torch policy: it must not grab 75% of the memory up front
+        # (only effective before JAX's first computation in this process)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         import jax
 
         from craftax.craftax_env import make_craftax_env_from_name

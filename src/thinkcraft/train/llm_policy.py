@@ -56,7 +56,8 @@ class LLMPolicyConfig:
     max_new_tokens: int = 128
     """Generated tokens per turn at most."""
     temperature: float = 1.0
-    """Sampling temperature (the losses use logprobs at the same temperature)."""
+    """Sampling temperature. Engine and learner logprobs are both at temperature 1 (the engine protocol's
+    convention), so ratios compare like with like; T != 1 samples from a sharpened/flattened policy."""
     top_p: float = 1.0
     """Nucleus sampling."""
     thinking_budget: int | None = None
@@ -234,17 +235,10 @@ def random_model(shape: str, tokenizer, seed: int = 0):
 
 
 def resolve_model_path(spec: str) -> Path:
-    """'default' -> the bundled model folder (thinkcraft.llm.models); otherwise a local folder."""
-    if spec == "default":
-        try:
-            from thinkcraft.llm.models import resolve_model
-        except ImportError as e:
-            raise UserError("the bundled default model needs thinkcraft.llm.models (not installed)") from e
-        return Path(resolve_model("default"))
-    p = Path(spec).expanduser()
-    if not (p / "config.json").exists():
-        raise UserError(f"--model {spec}: not a local HF model folder (no config.json); no model is downloaded")
-    return p
+    """'default' (the bundled model, converted once), a .gguf file or a local HF folder; never downloads."""
+    from thinkcraft.llm.models import resolve_model
+
+    return Path(resolve_model(spec))
 
 
 def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype):
