@@ -51,3 +51,26 @@ def test_collect_then_label(tmp_path, stub):
     # identical states (e.g. a step that changed nothing in view) are one item: labelled once
     assert st.n == len({r["compact_text"] for r in rows})
     assert st.bodies[0]["messages"][1]["content"] == rows[0]["compact_text"]
+
+
+def test_ppo_policy_loads_from_a_run_dir(tmp_path):
+    """`--policy ppo:<run_dir>` loads the checkpoint's network and samples actions (no env compile here)."""
+    import flax.serialization
+    import jax
+    import numpy as np
+
+    from thinkcraft.label.collect import _make_policy
+    from thinkcraft.train.checkpoint import save_config
+    from thinkcraft.train.ppo import PPOConfig, build
+
+    pcfg = PPOConfig(env_name="Craftax-Classic-Symbolic-v1", num_envs=4, layer_width=32)
+    env, network, _ = build(pcfg)
+    params = network.init(jax.random.PRNGKey(0), np.zeros((1, env.obs_dim), np.float32))
+    save_config(tmp_path, pcfg)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "params.msgpack").write_bytes(flax.serialization.to_bytes(params))
+    cfg = CollectConfig(policy=f"ppo:{tmp_path}", num_envs=2)
+    venv, act, name = _make_policy(cfg)
+    assert name == "Craftax-Classic-Symbolic-v1" and venv.num_envs == 2
+    a = np.asarray(act(np.zeros((2, venv.obs_dim), np.float32), jax.random.PRNGKey(1)))
+    assert a.shape == (2,) and ((0 <= a) & (a < venv.num_actions)).all()
