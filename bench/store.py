@@ -167,7 +167,7 @@ def build_material(args) -> Material:
             num_envs, num_steps = len(obs_text), len(obs_text[0])
             partial = Material(obs_text, obs_ids, head_ids, sep_ids, tail_ids, [], [], {})
             picks = rng.choice(num_envs * num_steps, size=args.num_completions, replace=False)
-            prompts = [prompt_ids(partial, int(i) // num_steps, int(i) % num_steps, args.history).tolist() for i in picks]
+            prompts = [prompt_ids(partial, int(i) // num_steps, int(i) % num_steps, args.gen_history).tolist() for i in picks]
             print(f"generating {len(prompts)} completions of <= {args.max_new_tokens} tokens ...", flush=True)
             t1 = time.perf_counter()
             outs = engine.generate(
@@ -180,7 +180,8 @@ def build_material(args) -> Material:
                 completions.append((c.text, np.asarray(c.token_ids, dtype=np.int32), lp))
             ntok = sum(len(c[1]) for c in completions)
             gen_how = (f"{len(completions)} completions of SmolLM2-135M (thinkcraft.llm.hf.HFEngine, temperature 1, "
-                       f"<= {args.max_new_tokens} new tokens; {ntok} tokens in {t_gen:.1f} s)")
+                       f"<= {args.max_new_tokens} new tokens, prompts with {args.gen_history} earlier observations; "
+                       f"{ntok} tokens in {t_gen:.1f} s)")
         except ImportError as e:
             gen_how = f"none (thinkcraft.llm.hf unavailable: {e})"
     if not completions:
@@ -194,7 +195,6 @@ def build_material(args) -> Material:
                         f"random actions), rendered by {render_how}; rollout+render {t_roll:.1f} s",
         "tokenizer": tok_how,
         "obs_tokens_mean": float(np.mean([len(x) for x in ids])),
-        "prompt": f"chat template + the last {args.history} observations and the current one",
         "obs_chars_mean": float(np.mean([len(t) for t in flat])),
         "responses": gen_how,
         "response_tokens_mean": float(np.mean([len(c[1]) for c in completions])),
@@ -212,7 +212,7 @@ def cached_material(args) -> Material:
     if not args.material_cache:
         return build_material(args)
     key = hashlib.sha1(repr((args.env, args.num_envs, args.num_rollout_steps, args.num_completions,
-                             args.max_new_tokens, args.history, args.seed, 2)).encode()).hexdigest()[:12]
+                             args.max_new_tokens, args.gen_history, args.seed, 2)).encode()).hexdigest()[:12]
     path = Path(args.material_cache) / f"material-{key}.pkl"
     if path.exists():
         with open(path, "rb") as fh:
@@ -339,7 +339,8 @@ def main() -> None:
     ap.add_argument("--env", default="craftax", help="craftax or craftax-classic")
     ap.add_argument("--num-envs", type=int, default=32)
     ap.add_argument("--num-rollout-steps", type=int, default=320, help="states per env (distinct within a file)")
-    ap.add_argument("--history", type=int, default=2, help="earlier observations in each prompt")
+    ap.add_argument("--history", type=int, default=3, help="earlier observations in each stored prompt")
+    ap.add_argument("--gen-history", type=int, default=2, help="earlier observations in the prompts sampled from")
     ap.add_argument("--num-completions", type=int, default=12, help="completions generated, reused across turns")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--material-cache", default=str(ROOT / ".cache" / "bench_store"),
@@ -359,6 +360,8 @@ def main() -> None:
     from thinkcraft.utils.io import atomic_write_json
 
     mat = cached_material(args)
+    mat.notes["prompt"] = f"chat template + the last {args.history} observations and the current one"
+    mat.notes["distinct_observations"] = len({t for env in mat.obs_text for t in env})
     print(json.dumps(mat.notes, indent=2))
     records, comp_idx = make_records(mat, args.num_trajectories, args.num_turns, args.seed, args.history)
     n = len(records)
