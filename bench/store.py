@@ -348,8 +348,10 @@ def main() -> None:
     ap.add_argument("--max-per-file", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the store and JSONL go (default: a temp dir, deleted)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "store.json"))
+    ap.add_argument("--out", default=None, help="JSON results (default bench/results/store.json; store_quick.json with --quick)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "bench" / "results" / ("store_quick.json" if args.quick else "store.json"))
     if args.quick:
         args.num_trajectories = min(args.num_trajectories, 500)
         args.num_envs, args.num_rollout_steps = 32, 24
