@@ -73,6 +73,8 @@ class TrajectoryWriter:
         self.compression = compression
         self.compression_level = compression_level
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0  # files being written outside the lock; close() waits for them
         self._buffers: dict[int, list[TrajectoryRecord]] = {}
         self._first_add_s: dict[int, float] = {}
         self._closed = False
@@ -102,11 +104,12 @@ class TrajectoryWriter:
             if len(buf) >= self.max_per_file:
                 full = self._buffers.pop(learner_step)
                 self._first_add_s.pop(learner_step, None)
+                self._inflight += 1
             if self._timer is None:
                 self._timer = threading.Thread(target=self._timer_loop, name="TrajectoryWriter-timer", daemon=True)
                 self._timer.start()
         if full is not None:
-            self._write(full, learner_step)
+            self._write_tracked(full, learner_step)
 
     def add_many(self, records: list[TrajectoryRecord], learner_step: int = 0) -> None:
         for r in records:
@@ -127,6 +130,9 @@ class TrajectoryWriter:
         if self._timer is not None:
             self._timer.join()
         self._flush_where(lambda step, t0: True)
+        with self._idle:  # producers may still be writing the files they filled
+            while self._inflight:
+                self._idle.wait()
         self._raise_pending()
 
     def __enter__(self) -> "TrajectoryWriter":
@@ -143,9 +149,24 @@ class TrajectoryWriter:
             batches = [(s, self._buffers.pop(s)) for s in due]
             for s in due:
                 self._first_add_s.pop(s, None)
-        for step, recs in batches:
-            if recs:
-                self._write(recs, step)
+            self._inflight += len(batches)
+        first_error: BaseException | None = None
+        for step, recs in batches:  # write every partition even if one fails (each decrements _inflight)
+            try:
+                self._write_tracked(recs, step)
+            except BaseException as e:  # noqa: BLE001
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+    def _write_tracked(self, records: list[TrajectoryRecord], learner_step: int) -> None:
+        try:
+            if records:
+                self._write(records, learner_step)
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
 
     def _timer_loop(self) -> None:
         period = min(1.0, self.max_seconds / 4)
