@@ -361,3 +361,21 @@ def test_corrupt_files_are_skipped_counted_named(tmp_path, caplog):
     report2 = ReadReport()
     streamed = [r.trajectory_id for b in iter_batches(tmp_path, batch_size=10, report=report2) for r in b]
     assert streamed == ["traj-0004", "traj-0005"] and len(report2.corrupt) == 2
+
+
+def test_write_failure_is_a_store_error_and_close_does_not_hang(tmp_path, monkeypatch):
+    import thinkcraft.data.writer as writer_mod
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    w = TrajectoryWriter(tmp_path, run="e", max_per_file=2)
+    monkeypatch.setattr(writer_mod.pq, "write_table", disk_full)
+    w.add(make_record(0))
+    with pytest.raises(StoreError, match="No space left"):
+        w.add(make_record(1))  # fills the buffer: this producer writes the file
+    w.add(make_record(2), learner_step=1)
+    w.add(make_record(3), learner_step=2)
+    with pytest.raises(StoreError, match="No space left"):
+        w.close()  # both partitions are attempted; the first failure is raised, nothing hangs
+    assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.rglob(".tmp-*"))
