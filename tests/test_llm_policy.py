@@ -243,3 +243,8 @@ def test_judge_reward_with_garbage_verdicts_never_crashes(tmp_path):
     last = LP.run(cfg)
     assert last["judge/calls"] == 2 and last["judge/unparsed"] >= 1 and last["judge/unparsed_rate"] > 0
     assert last["reward/mean"] <= 0.5  # an unparsable verdict scores 0
+
+
+def test_split_think():
+    assert LP._split_think("<think>hmm 3+4</think>\n#### 7") == ("hmm 3+4", "#### 7")
+    assert LP._split_think("#### 7") == ("", "#### 7")

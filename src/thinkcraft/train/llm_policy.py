@@ -612,11 +612,19 @@ def load_checkpoint(path: Path, learner: Learner) -> tuple[int, dict[str, Any]]:
 # ============================================================================================ records
 
 
+def _split_think(text: str) -> tuple[str, str]:
+    """(thought, answer) of a `<think>` model's reply; ("", text) when there is no closed thought."""
+    head, sep, tail = text.partition("</think>")
+    if not sep:
+        return "", text
+    return head.replace("<think>", "").strip(), tail.strip()
+
+
 def episode_record(e: Episode, env_name: str, policy_version: int, extra: dict[str, Any]):
     from thinkcraft.data.schema import TrajectoryMetadata, TrajectoryRecord, Turn
 
     turns = [
-        Turn(act=t.text, obs=t.obs, reward=t.reward, done=(k == len(e.turns) - 1),
+        Turn(think=_split_think(t.text)[0], act=_split_think(t.text)[1], obs=t.obs, reward=t.reward, done=(k == len(e.turns) - 1),
              prompt_token_ids=np.asarray(t.prompt_ids, dtype=np.int32),
              response_token_ids=np.asarray(t.completion_ids, dtype=np.int32),
              logprobs=np.asarray(t.logprobs, dtype=np.float32),
