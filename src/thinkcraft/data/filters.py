@@ -84,10 +84,16 @@ def apply_filters(data: T, filters: Sequence[Filter], report: FilterReport | Non
                 report.add(f.name, table, d)
             table = table.filter(pa.array(d.keep)) if not d.keep.all() else table
         return table  # type: ignore[return-value]
-    from thinkcraft.data.schema import records_to_table
+    from thinkcraft.data.schema import TrajectoryRecord, Turn, records_to_table
 
     records = list(data)  # type: ignore[call-overload]
-    table = records_to_table(records).select(["task_id", "trajectory_id", "total_reward", "turns", "metadata"])
+    # filters read no token columns: convert light copies (text, rewards, metadata) only
+    light = [
+        TrajectoryRecord(r.task_id, r.trajectory_id, [Turn(t.think, t.act, t.obs, t.reward, t.done) for t in r.turns],
+                         r.total_reward, r.metadata)
+        for r in records
+    ]
+    table = records_to_table(light).select(["task_id", "trajectory_id", "total_reward", "turns", "metadata"])
     idx = np.arange(len(records))
     for f in filters:
         d = f(table)
