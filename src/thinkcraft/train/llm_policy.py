@@ -17,9 +17,6 @@ next rollout is on-policy with `policy_version = step`.
 from __future__ import annotations
 
 import copy
-import json
-import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
