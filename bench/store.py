@@ -380,7 +380,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with TrajectoryWriter(store, run="bench", max_per_file=args.max_per_file) as w:
             for k, r in enumerate(records):
-                w.add(r, learner_step=k // 1000)
+                w.add(r, learner_step=r.metadata.policy_version + 1)  # one step of policy lag
         t_write = time.perf_counter() - t0
         parquet_bytes = dir_bytes(store, "*.parquet")
 
