@@ -232,7 +232,7 @@ class _Pieces:
 
     def join(self) -> list[str]:
         env, order, text = (np.concatenate(x) for x in (self.env, self.order, self.text))
-        idx = np.lexsort((order, env))
+        idx = np.argsort(env * (1 << 20) + order, kind="stable")  # orders are < 2**20
         bounds = np.searchsorted(env[idx], np.arange(self.num_envs + 1)).tolist()
         text_l = text[idx].tolist()
         return ["".join(text_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -356,7 +356,7 @@ def _render_compact(sem: Semantic, kind: str) -> list[str]:
         n_things = len(tb["thing"])
         dist = tb["dist_key"][j]
         group = e * n_things + th
-        order = np.lexsort((dist, group))
+        order = np.argsort(group * 1024 + dist, kind="stable")  # dist_key < 1024 for both views
         group, j, e, th = group[order], j[order], e[order], th[order]
         starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
         counts = np.diff(np.r_[starts, group.size])
