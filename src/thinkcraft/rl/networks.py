@@ -51,3 +51,28 @@ class ActorCritic(nn.Module):
         logits = MLP(self.layer_width, self.num_layers, self.action_dim, 0.01, self.activation, self.dtype)(obs)
         value = MLP(self.layer_width, self.num_layers, 1, 1.0, self.activation, self.dtype)(obs)
         return Categorical(logits.astype(jnp.float32)), value[..., 0].astype(jnp.float32)
+
+
+class ActorCriticAug(nn.Module):
+    """ActorCritic whose input also holds a (normalised) LLM hidden state, its age and a validity flag.
+
+    The hidden state (H ≈ 576–2560) is projected to `hidden_proj_dim` (tanh) once and concatenated to the
+    symbolic observation, the age and the flag, feeding the same actor and critic MLPs as ActorCritic.
+    An invalid hidden state (its episode ended) is zeroed before the projection."""
+
+    action_dim: int
+    layer_width: int = 512
+    num_layers: int = 3
+    hidden_proj_dim: int = 64
+    activation: str = "tanh"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x) -> tuple[Categorical, jax.Array]:  # x: rl.hidden.AugInput
+        h = x.hidden * x.valid[..., None]
+        z = nn.tanh(nn.Dense(self.hidden_proj_dim, kernel_init=orthogonal(1.0), bias_init=constant(0.0),
+                             dtype=self.dtype, name="hidden_proj")(h))
+        feats = jnp.concatenate([x.obs, z, x.age[..., None], x.valid[..., None]], axis=-1)
+        logits = MLP(self.layer_width, self.num_layers, self.action_dim, 0.01, self.activation, self.dtype)(feats)
+        value = MLP(self.layer_width, self.num_layers, 1, 1.0, self.activation, self.dtype)(feats)
+        return Categorical(logits.astype(jnp.float32)), value[..., 0].astype(jnp.float32)

@@ -7,12 +7,8 @@ the progress bar/metrics/checkpoints cost nothing on the device's critical path.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -176,127 +172,61 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     from thinkcraft.envs.craftax import achievement_names, achievement_weights
     from thinkcraft.rl.ppo import init_runner_state, make_train_chunk
-    from thinkcraft.train.checkpoint import (
-        check_resume_compatible, latest_meta, load_checkpoint, load_config_dict, prepare_run_dir,
-        save_checkpoint, save_config,
-    )
+    from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.jaxcache import enable_compilation_cache
-    from thinkcraft.utils.metrics import MetricsWriter, truncate_metrics
-    from thinkcraft.utils.plot import plot_curves
-    from thinkcraft.utils.progress import RunProgress, console
-    from thinkcraft.utils.timing import PhaseTimer
+    from thinkcraft.utils.progress import console
 
-    # 1. run directory and config (all checks before anything compiles)
-    if cfg.resume:
-        run_dir = Path(cfg.resume)
-        saved = load_config_dict(run_dir)
-        cfg = check_resume_compatible(saved, cfg, SHAPE_FIELDS, PPOConfig())
-        cfg = dataclasses.replace(cfg, resume=str(run_dir), run_name=run_dir.name)
-        meta = latest_meta(run_dir)
-        if meta is None:
-            raise UserError(f"{run_dir} has no checkpoint yet; start it again with --overwrite")
-    else:
-        name = cfg.run_name or f"ppo-{cfg.env_name}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = prepare_run_dir(cfg.runs_dir, name, cfg.overwrite)
-        meta = None
-    save_config(run_dir, cfg, {"num_updates": cfg.num_updates, "chunk_updates": cfg.chunk_updates,
-                               "batch_size": cfg.batch_size})
+    session = TrainSession(cfg, "ppo", shape_fields=SHAPE_FIELDS, defaults=PPOConfig(),
+                           total_steps=cfg.num_updates * cfg.batch_size, title=f"PPO {cfg.env_name}")
+    cfg = session.cfg
+    session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
     enable_compilation_cache()
 
-    # 2. build and initialise (or restore)
+    # 1. build and initialise (or restore)
     env, network, tx = build(cfg)
     init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
     rng = jax.random.PRNGKey(cfg.seed)
-    if meta is not None:
-        template = jax.eval_shape(init, rng)
-        runner, meta = load_checkpoint(run_dir, template)
-        runner = jax.device_put(runner)
-        truncate_metrics(run_dir / "metrics.jsonl", int(meta["env_steps"]))
-        console.print(f"resuming {run_dir} at update {meta['update']} ({meta['env_steps']:,} steps)")
-    else:
-        runner = init(rng)
+    runner = session.restore(jax.eval_shape(init, rng)) if session.resuming else init(rng)
     start_update = int(runner.update)
 
     K = cfg.chunk_updates
     chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
     names = achievement_names(cfg.env_name)
     max_return = float(sum(achievement_weights(cfg.env_name)))
-    timer = PhaseTimer()
 
-    # 3. compile once (AOT, timed apart from the steady-state SPS)
+    # 2. compile once (AOT, timed apart from the steady-state SPS)
     t0 = time.perf_counter()
     compiled = chunk.lower(runner).compile()
     compile_s = time.perf_counter() - t0
     console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s")
+    session.summary["compile_s"] = compile_s
 
-    writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
-                           config=dataclasses.asdict(cfg))
-    last_ckpt_time = time.time()
-    last_ckpt_update = start_update
+    # 3. chunks: one device call each (runner donated), one host sync for the metrics
+    end_update = cfg.num_updates
+    if cfg.stop_after_updates:
+        end_update = min(end_update, start_update + cfg.stop_after_updates)
     update = start_update
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "compile_s": compile_s}
-
-    def checkpoint() -> None:
-        nonlocal last_ckpt_time, last_ckpt_update
-        with timer.phase("checkpoint"):
-            save_checkpoint(run_dir, runner, runner.train_state.params,
-                            {"update": update, "env_steps": update * cfg.batch_size})
-        last_ckpt_time, last_ckpt_update = time.time(), update
-
-    # Ctrl-C: finish the chunk in flight (the device cannot be interrupted mid-call anyway), then stop
-    # with the last chunk's checkpoint written.
-    stop = {"flag": False}
-    prev_handler = signal.getsignal(signal.SIGINT)
-
-    def on_sigint(signum, frame):  # noqa: ANN001
-        if stop["flag"]:
-            signal.signal(signal.SIGINT, prev_handler)
-            raise KeyboardInterrupt
-        stop["flag"] = True
-        console.print("\n[yellow]Ctrl-C: stopping after this chunk and saving a checkpoint "
-                      "(press again to abort now; the previous checkpoint stays valid)[/yellow]")
-
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        with RunProgress(cfg.num_updates * cfg.batch_size, f"ppo {cfg.env_name}") as progress:
-            progress.update(update * cfg.batch_size)
-            session_end = cfg.num_updates
-            if cfg.stop_after_updates:
-                session_end = min(session_end, start_update + cfg.stop_after_updates)
-            while update < session_end and not stop["flag"]:
-                t0 = time.perf_counter()
-                runner, m = compiled(runner)
-                m = jax.device_get(m)  # the one host sync per chunk
-                chunk_s = time.perf_counter() - t0
-                timer.add("train_chunk", chunk_s)
-                update += K
-                sps = K * cfg.batch_size / chunk_s
-                rec = {k: float(v) for k, v in m.items() if not k.startswith("_")}
-                rec.update(episode_metrics(m, names, max_return))
-                rec.update({"sps": sps, "update": update, "timing/chunk_s": chunk_s,
-                            "timing/compile_s": compile_s if update == start_update + K else None})
-                writer.write(update * cfg.batch_size, {k: v for k, v in rec.items() if v is not None})
-                progress.update(update * cfg.batch_size, sps=sps, ret=rec.get("episode/return", float("nan")))
-                summary.update({k: v for k, v in rec.items() if v is not None})
-                due_u = cfg.checkpoint_every_updates and update - last_ckpt_update >= cfg.checkpoint_every_updates
-                due_t = cfg.checkpoint_every_minutes and time.time() - last_ckpt_time >= 60 * cfg.checkpoint_every_minutes
-                if due_u or due_t:
-                    checkpoint()
-        if update > last_ckpt_update or last_ckpt_update == start_update:
-            checkpoint()
-    finally:
-        signal.signal(signal.SIGINT, prev_handler)
-        writer.close()
-    if cfg.plot:
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curve.png",
-                    ["episode/return", "achievements/mean_rate", "episode/length", "sps"],
-                    title=f"PPO {cfg.env_name}")
-    summary["interrupted"] = stop["flag"]
-    summary["update"] = update
-    summary["env_steps"] = update * cfg.batch_size
+    with session:
+        session.start(update)
+        while session.running(update, end_update):
+            t0 = time.perf_counter()
+            runner, m = compiled(runner)
+            m = jax.device_get(m)
+            chunk_s = time.perf_counter() - t0
+            update += K
+            sps = K * cfg.batch_size / chunk_s
+            rec = {k: float(v) for k, v in m.items() if not k.startswith("_")}
+            rec.update(episode_metrics(m, names, max_return))
+            rec.update({"sps": sps, "timing/chunk_s": chunk_s,
+                        "timing/compile_s": compile_s if update == start_update + K else None})
+            session.log(update, update * cfg.batch_size, rec, sps=sps, ret=rec.get("episode/return", float("nan")))
+            session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params)
+        session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params, force=True)
+    summary = session.summary
+    summary.update({"update": update, "env_steps": update * cfg.batch_size})
     console.print(
         f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
         f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
-        f"run dir {run_dir}"
+        f"run dir {session.run_dir}"
     )
     return summary

@@ -1,0 +1,159 @@
+"""ppo-hidden throughput: env steps/s of `train ppo-hidden` at several refresh intervals, with and without
+overlap, next to plain PPO at the same shape — all in one run.
+
+    python bench/ppo_hidden_sps.py                      # GPU: Qwen3-4B-shaped random-weight LLM, Craftax-Symbolic
+    python bench/ppo_hidden_sps.py --quick              # CPU smoke run: tiny random LLM, Craftax-Classic
+
+The LLM is built from Qwen3-4B's config with random weights (timing does not depend on the values), bf16,
+wrapped by the hf engine (shared-prefix reuse on). Texts are tokenized with the bundled SmolLM2 tokenizer
+(Qwen's own tokenizer is not available offline; BPE token counts are of the same order).
+For each (num_envs, skip_n, overlap) the script runs `train ppo-hidden` for a few updates and reports
+the median over the updates after the first (which compiles). It also measures the engine's raw prefill
+rate on the same texts, which gives the LLM-bound limit `prefill_tok_per_s / suffix_tokens` SPS at skip_n=1.
+Writes bench/results/ppo_hidden_sps.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import card, print_table, today, write_records  # noqa: E402
+
+
+def build_engine(quick: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.testing import bundled_tokenizer, qwen3_4b_config, tiny_llama
+
+    if quick:
+        model, tok = tiny_llama()
+        return HFEngine.from_model(model, tok), "tiny-llama (random)"
+    tok = bundled_tokenizer()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(qwen3_4b_config(), dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    return HFEngine.from_model(model, tok), "Qwen3-4B shape (random, bf16)"
+
+
+def prefill_rate(engine, env_name: str, num_envs: int) -> tuple[float, float]:
+    """(suffix tokens per env, raw prefill tokens/s) on real compact texts of `num_envs` fresh envs, no prefix."""
+    import jax
+    import torch
+
+    from thinkcraft.envs.craftax import make_env
+    from thinkcraft.envs.text import render_states
+    from thinkcraft.llm.protocol import Batch
+
+    env = make_env(env_name, num_envs, 1)
+    _, state = jax.jit(env.reset)(jax.random.PRNGKey(0))
+    texts = render_states(state, "compact")
+    _, items = engine.tokenize_batch(Batch(texts))
+    n_tok = sum(len(i) for i in items)
+    engine.hidden_states_torch(Batch(items))  # warm-up
+    times = []
+    for _ in range(5):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.hidden_states_torch(Batch(items))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return n_tok / num_envs, n_tok / statistics.median(times)
+
+
+def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, overlap: bool, updates: int,
+            runs_dir: str, plain: bool = False) -> dict:
+    from thinkcraft.train.ppo import PPOConfig
+    from thinkcraft.train.ppo import run as run_ppo
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden import run as run_hidden
+
+    common = dict(env_name=env_name, num_envs=num_envs, num_steps=num_steps, total_timesteps=updates * num_envs * num_steps,
+                  runs_dir=runs_dir, overwrite=True, plot=False, checkpoint_every_minutes=0.0,
+                  optimistic_reset_ratio=min(16, num_envs))
+    name = f"n{num_envs}-s{skip_n}-o{int(overlap)}-p{int(plain)}"
+    if plain:
+        run_ppo(PPOConfig(**common, run_name=name, updates_per_chunk=1))
+    else:
+        run_hidden(PPOHiddenConfig(**common, run_name=name, skip_n=skip_n, overlap=overlap, updates_per_chunk=1), engine=engine)
+    recs = [json.loads(l) for l in (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()]
+    steady = recs[1:] if len(recs) > 1 else recs  # the first update compiles
+
+    def med(k):
+        vals = [r[k] for r in steady if k in r]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "system": "ppo" if plain else "ppo-hidden", "num_envs": num_envs, "num_steps": num_steps,
+        "skip_n": "never" if (plain or skip_n == 0) else skip_n, "overlap": overlap,
+        "sps_steady": med("sps"), "t_llm_s": med("timing/llm"), "t_env_s": med("timing/env_policy"),
+        "t_render_s": med("timing/render"), "t_update_s": med("timing/update"),
+        "llm_share": med("llm/share"), "prompt_suffix_tokens": med("llm/prompt_suffix_tokens"),
+        "updates_measured": len(steady),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--num-envs", type=int, nargs="+", default=[128])
+    ap.add_argument("--skip-n", type=int, nargs="+", default=[0, 100, 25, 5, 1], help="0 = never")
+    ap.add_argument("--overlap", choices=["off", "on", "both"], default="both")
+    ap.add_argument("--num-steps", type=int, default=100)
+    ap.add_argument("--updates", type=int, default=4, help="updates per config (the first is not timed)")
+    ap.add_argument("--updates-skip1", type=int, default=3, help="updates for skip_n=1 (slow)")
+    ap.add_argument("--env", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
+    args = ap.parse_args()
+
+    from thinkcraft.utils.jaxcache import enable_compilation_cache
+
+    enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/thinkcraft-jax-cache"))
+    env_name = args.env or ("Craftax-Classic-Symbolic-v1" if args.quick else "Craftax-Symbolic-v1")
+    if args.quick:
+        args.num_envs, args.num_steps, args.updates, args.updates_skip1 = [4], 8, 2, 2
+        args.skip_n = [0, 8, 4]
+    engine, model_desc = build_engine(args.quick)
+    runs_dir = tempfile.mkdtemp(prefix="tc-bench-")
+    records: list[dict] = []
+    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    for n in args.num_envs:
+        tokens, rate = prefill_rate(engine, env_name, n)
+        print(f"[{n} envs] compact suffix {tokens:.1f} tokens/env, raw prefill {rate:,.0f} tok/s "
+              f"→ LLM-bound limit at skip_n=1: {rate / tokens:,.0f} SPS", flush=True)
+        base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
+        records.append(base)
+        for s in args.skip_n:
+            for ov in ([False] if s == 0 else overlaps):
+                u = args.updates_skip1 if s == 1 else args.updates
+                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir)
+                if s == 1:
+                    r["llm_bound_sps"] = rate / tokens
+                    r["ratio_to_llm_bound"] = r["sps_steady"] / r["llm_bound_sps"]
+                records.append(r)
+                print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s"])
+        for r in records:
+            r.setdefault("prefill_tok_per_s", rate)
+            r.setdefault("ratio_to_plain_ppo", r["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
+            r.update({"env": env_name, "llm": model_desc, "card": card(), "date": today()})
+        write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "card"))
+    print()
+    print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
+                          "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""`thinkcraft train ppo-hidden`: PPO on Craftax whose policy also reads a frozen LLM's hidden state of the
+text observation, refreshed every `skip_n` env steps.
+
+One PPO update of `num_steps` steps per env is a sequence of windows; at each refresh point:
+
+    1. render      extract semantic arrays of every env on the device (jit) → host → compact text (numpy)
+    2. llm         engine.hidden_states(shared instruction prefix + per-env text) — the prefix KV is
+                   prefilled once and reused; only the per-env suffix is computed → DLPack → JAX (N, H)
+    3. norm        running mean/variance update and z-normalisation (rl.hidden)
+    4. env_policy  lax.scan of the window's env+policy steps (jit)
+and after the last window:
+    5. update      the same GAE + PPO update as plain PPO (rl.ppo.ppo_update)
+
+Refresh rule: `skip_n` must divide `num_steps` (windows of skip_n steps inside each update) or be a
+multiple of it (one refresh every skip_n/num_steps updates). `skip_n = 0` means "never": the plain PPO
+path (`train ppo`) runs, no LLM is loaded.
+
+`--overlap`: the LLM call for the next refresh runs while the current window's env+policy scan runs
+(JAX dispatch is asynchronous; torch's kernels run beside XLA's). The policy then sees hidden states one
+refresh interval old (age starts at skip_n instead of 0; envs whose episode ended since the snapshot get
+valid = 0). It pays only when the LLM and the env step do not saturate the device on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from thinkcraft.train.ppo import SHAPE_FIELDS as PPO_SHAPE_FIELDS
+from thinkcraft.train.ppo import PPOConfig
+from thinkcraft.utils.errors import ConfigError, UserError, check
+
+SHAPE_FIELDS = PPO_SHAPE_FIELDS + ("skip_n", "hidden_proj_dim", "layer", "pooling", "text_format", "overlap")
+
+DEFAULT_INSTRUCTIONS = (
+    "You are an expert player of Craftax, a 2D open-world survival game. Below is the current game state. "
+    "Think about what matters most for survival and progress.\n"
+)
+
+
+@dataclass
+class PPOHiddenConfig(PPOConfig):
+    """PPO whose policy also reads a frozen LLM's hidden state of the text observation."""
+
+    env_name: str = "Craftax-Classic-Symbolic-v1"
+    """Craftax-Symbolic-v1 | Craftax-Classic-Symbolic-v1 (aliases: craftax, craftax-classic)."""
+    num_envs: int = 128
+    """Parallel environments (each gets an LLM call per refresh)."""
+    num_steps: int = 100
+    """Steps per env per update; skip_n must divide it or be a multiple of it."""
+    skip_n: int = 25
+    """Refresh the hidden states every skip_n env steps (0 = never: plain PPO, no LLM)."""
+    engine: str = "hf:default"
+    """Engine spec: hf:<path-or-default>, vllm:<path>, sglang+http://host:port."""
+    engine_device: str | None = None
+    """Device for an in-process hf engine (default: cuda if available, else cpu)."""
+    engine_max_batch_tokens: int | None = None
+    """Tokens per engine forward chunk (default: the engine's own)."""
+    layer: int = -1
+    """Which hidden layer to read (-1 = last, final-normed; 0 = embeddings)."""
+    pooling: Literal["last", "mean"] = "last"
+    """Pool the per-env text's tokens: last real token, or mean."""
+    text_format: Literal["compact", "craftax"] = "compact"
+    """Text rendering of the observation fed to the LLM."""
+    instructions: str = DEFAULT_INSTRUCTIONS
+    """Shared prompt prefix before every env's text (prefilled once; the format description is appended)."""
+    hidden_proj_dim: int = 64
+    """Width of the learned projection of the hidden state into the policy."""
+    overlap: bool = False
+    """Compute the next refresh's hidden states while the current window runs (one refresh interval stale)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.skip_n >= 0, "skip_n", "must be >= 0 (0 = never)")
+        if self.skip_n > 0:
+            T, S = self.num_steps, self.skip_n
+            if T % S and S % T:
+                divs = [d for d in range(1, T + 1) if T % d == 0]
+                near = sorted(set(divs + [T * 2, T * 4]), key=lambda d: abs(d - S))[:3]
+                raise ConfigError("skip_n", f"{S} must divide num_steps={T} or be a multiple of it "
+                                  f"(refreshes happen at window boundaries); nearest valid: {near}, "
+                                  f"or change --num-steps")
+        check(self.hidden_proj_dim > 0, "hidden_proj_dim", "must be > 0")
+        if "Pixels" in self.env_name:
+            raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
+
+    @property
+    def window_steps(self) -> int:
+        return min(self.skip_n, self.num_steps)
+
+    @property
+    def windows_per_update(self) -> int:
+        return self.num_steps // self.window_steps
+
+    @property
+    def updates_per_refresh(self) -> int:
+        return max(1, self.skip_n // self.num_steps)
+
+    def ppo_config(self) -> PPOConfig:
+        known = {f.name for f in dataclasses.fields(PPOConfig)}
+        return PPOConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in known})
+
+
+class HiddenRunner(NamedTuple):
+    runner: Any  # rl.ppo.RunnerState (its rollout.aux is an rl.hidden.HiddenAux)
+    norm: Any  # rl.hidden.RunningNorm
+    done_since_snapshot: Any  # (N,) bool, for --overlap: episodes ended since the pending snapshot
+
+
+class _Pending(NamedTuple):
+    hidden: Any  # (N, H) raw hidden states of a snapshot taken at a refresh point
+    suffix_tokens: float
+
+
+def _make_prompt_prefix(cfg: PPOHiddenConfig) -> str:
+    from thinkcraft.envs.text import COMPACT_FORMAT_DOC
+
+    doc = COMPACT_FORMAT_DOC.strip() + "\n" if cfg.text_format == "compact" else ""
+    return cfg.instructions + doc + "Observation:\n"
+
+
+def _engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
+    if not (cfg.engine == "hf" or cfg.engine.startswith("hf:")):
+        return {}
+    opts: dict[str, Any] = {}
+    if cfg.engine_device:
+        opts["device"] = cfg.engine_device
+    if cfg.engine_max_batch_tokens:
+        opts["max_batch_tokens"] = cfg.engine_max_batch_tokens
+    return opts
+
+
+class HiddenStateSource:
+    """Phase 1+2: env states → text → LLM hidden states (N, H) as a JAX array. Times its two phases."""
+
+    def __init__(self, engine: Any, cfg: PPOHiddenConfig, env_kind: str, timer: Any) -> None:
+        from thinkcraft.llm.protocol import Batch
+
+        self.engine = engine
+        self.cfg = cfg
+        self.env_kind = env_kind
+        self.timer = timer
+        self.prefix = _make_prompt_prefix(cfg)
+        self._Batch = Batch
+        self._prefix_ids: list[int] | None = None
+
+    def texts(self, env_state: Any) -> list[str]:
+        import jax
+
+        from thinkcraft.envs.text import extract, render
+
+        with self.timer.phase("render"):
+            sem = jax.device_get(extract(env_state))
+            return render(sem, fmt=self.cfg.text_format, env_kind=self.env_kind)
+
+    def hidden(self, texts: list[str]) -> _Pending:
+        import jax.numpy as jnp
+
+        from thinkcraft.llm.dlpack import torch_to_jax
+
+        with self.timer.phase("llm"):
+            eng = self.engine
+            try:
+                if hasattr(eng, "tokenize_batch") and hasattr(eng, "hidden_states_torch"):
+                    prefix_ids, items = eng.tokenize_batch(self._Batch(texts, prefix=self.prefix))
+                    h = eng.hidden_states_torch(self._Batch(items, prefix=prefix_ids), self.cfg.layer, self.cfg.pooling)
+                    n_tok = float(np.mean([len(i) for i in items]))
+                    return _Pending(torch_to_jax(h), n_tok)
+                h = eng.hidden_states(self._Batch(texts, prefix=self.prefix), self.cfg.layer, self.cfg.pooling)
+                return _Pending(jnp.asarray(h, jnp.float32), float("nan"))
+            except UserError:
+                raise
+            except Exception as e:  # engine failures after the engine's own retries
+                raise EngineFailed(str(e)) from e
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
+    """Train. `engine` (optional) is an already-built Engine to use instead of `cfg.engine` (benchmarks,
+    notebooks); it is not closed at the end."""
+    if cfg.skip_n == 0:
+        # "never": exactly the plain PPO path (same kernels, same speed, no LLM)
+        from thinkcraft.train.ppo import run as run_ppo
+
+        return run_ppo(dataclasses.replace(cfg.ppo_config(), run_name=cfg.run_name or
+                                           f"ppo-hidden-never-{cfg.env_name}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    # JAX must not grab most of the GPU: torch (the LLM) shares it
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+
+    from thinkcraft.envs.craftax import achievement_names, achievement_weights, env_kind
+    from thinkcraft.llm import make_engine
+    from thinkcraft.rl.hidden import (
+        AugInput, HiddenAux, RunningNorm, aux_after_step, empty_aux, make_policy_input, refresh,
+    )
+    from thinkcraft.rl.networks import ActorCriticAug
+    from thinkcraft.rl.ppo import EpisodeStats, init_runner_state, make_rollout, ppo_update
+    from thinkcraft.train.ppo import build, episode_metrics
+    from thinkcraft.train.session import TrainSession
+    from thinkcraft.utils.jaxcache import enable_compilation_cache
+    from thinkcraft.utils.progress import console
+
+    session = TrainSession(cfg, "ppo-hidden", shape_fields=SHAPE_FIELDS, defaults=PPOHiddenConfig(),
+                           total_steps=cfg.num_updates * cfg.batch_size,
+                           title=f"PPO+LLM {cfg.env_name} skip_n={cfg.skip_n}",
+                           plot_keys=("episode/return", "achievements/mean_rate", "sps", "llm/share"))
+    cfg = session.cfg
+
+    # 1. the engine first: hidden-state support and size are checked before anything compiles
+    own_engine = engine is None
+    if own_engine:
+        engine = make_engine(cfg.engine, **_engine_options(cfg))
+    caps = engine.capabilities
+    if not caps.hidden_states:
+        raise UserError(f"engine {cfg.engine!r} cannot return hidden states; use hf:<model> or sglang+http://...")
+    H = caps.hidden_size
+    if H is None:
+        raise UserError(f"engine {cfg.engine!r} does not report its hidden size")
+    if session.resuming and session.saved_derived.get("hidden_size") not in (None, H):
+        raise UserError(f"hidden size mismatch: the checkpoint was trained with hidden size "
+                        f"{session.saved_derived['hidden_size']}, engine {cfg.engine!r} gives {H}")
+    session.save_config(num_updates=cfg.num_updates, batch_size=cfg.batch_size, hidden_size=H,
+                        windows_per_update=cfg.windows_per_update, updates_per_refresh=cfg.updates_per_refresh)
+    enable_compilation_cache()
+
+    # 2. env, network, optimizer, state
+    env, _, tx = build(cfg.ppo_config())
+    network = ActorCriticAug(env.num_actions, cfg.layer_width, hidden_proj_dim=cfg.hidden_proj_dim,
+                             dtype=jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32)
+    N, W, S = cfg.num_envs, cfg.windows_per_update, cfg.window_steps
+    policy_input = make_policy_input(float(cfg.skip_n))
+    sample = AugInput(jnp.zeros((1, env.obs_dim)), jnp.zeros((1, H)), jnp.zeros((1,)), jnp.zeros((1,)))
+
+    def init(rng):
+        runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H), sample_input=sample)
+        return HiddenRunner(runner, RunningNorm.create(H), jnp.zeros((N,), bool))
+
+    rng = jax.random.PRNGKey(cfg.seed)
+    state = session.restore(jax.eval_shape(init, rng)) if session.resuming else jax.jit(init)(rng)
+    start_update = int(state.runner.update)
+
+    # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update)
+    rollout = make_rollout(env, network.apply, S, policy_input, aux_after_step)
+    hp = cfg.hyper()
+
+    @jax.jit
+    def install(state: HiddenRunner, hidden: jax.Array, age: jax.Array, valid: jax.Array) -> HiddenRunner:
+        norm, aux = refresh(state.norm, hidden, jnp.full((N,), age, jnp.int32), valid)
+        r = state.runner
+        return HiddenRunner(r._replace(rollout=r.rollout._replace(aux=aux)), norm, jnp.zeros((N,), bool))
+
+    @jax.jit
+    def window(state: HiddenRunner):
+        r = state.runner
+        rs, traj, stats = rollout(r.train_state.params, r.rollout)
+        info = {"age": traj.obs.age.mean() * cfg.skip_n, "valid": traj.obs.valid.mean()}
+        done_any = state.done_since_snapshot | traj.done.any(0)
+        return HiddenRunner(r._replace(rollout=rs), state.norm, done_any), traj, stats, info
+
+    def _update(state: HiddenRunner, trajs: tuple):
+        r = state.runner
+        traj = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trajs)
+        ts = r.train_state
+        _, last_value = network.apply(ts.params, policy_input(r.rollout.obs, r.rollout.aux))
+        rng, k = jax.random.split(r.rollout.rng)
+        ts, metrics = ppo_update(ts, traj, last_value, k, hp)
+        r = r._replace(train_state=ts, rollout=r.rollout._replace(rng=rng), update=r.update + 1)
+        return state._replace(runner=r), metrics
+
+    update_fn = jax.jit(_update, donate_argnums=0)
+
+    src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer)
+    names = achievement_names(cfg.env_name)
+    max_return = float(sum(achievement_weights(cfg.env_name)))
+    end_update = cfg.num_updates
+    if cfg.stop_after_updates:
+        end_update = min(end_update, start_update + cfg.stop_after_updates)
+    update = start_update
+    pending: _Pending | None = None
+    timer = session.timer
+    console.print(f"ppo-hidden: {N} envs, {W} window(s) of {S} steps per update, refresh every {cfg.skip_n} steps, "
+                  f"engine {cfg.engine} (hidden size {H}){', overlap' if cfg.overlap else ''}")
+
+    def refresh_now(state: HiddenRunner) -> tuple[HiddenRunner, float]:
+        """Synchronous refresh: hidden states of the current observations, age 0."""
+        p = src.hidden(src.texts(state.runner.rollout.env_state))
+        with timer.phase("norm"):
+            state = install(state, p.hidden, 0, jnp.ones((N,), bool))
+        return state, p.suffix_tokens
+
+    try:
+        with session:
+            session.start(update)
+            while session.running(update, end_update):
+                t_update0 = time.perf_counter()
+                timer.reset()
+                trajs, stats_sum, infos, tokens = [], None, [], []
+                refresh_update = (update % cfg.updates_per_refresh) == 0
+                for w in range(W):
+                    if refresh_update:
+                        if not cfg.overlap:
+                            state, n_tok = refresh_now(state)
+                            tokens.append(n_tok)
+                        else:
+                            texts = src.texts(state.runner.rollout.env_state)  # snapshot of this refresh point
+                            if pending is None:
+                                p = src.hidden(texts)
+                                with timer.phase("norm"):
+                                    state = install(state, p.hidden, 0, jnp.ones((N,), bool))
+                                pending, texts = p, None
+                            else:
+                                with timer.phase("norm"):
+                                    state = install(state, pending.hidden, cfg.skip_n, ~state.done_since_snapshot)
+                    t0 = time.perf_counter()
+                    state, traj, stats, info = window(state)  # asynchronous dispatch
+                    if refresh_update and cfg.overlap and texts is not None:
+                        pending = src.hidden(texts)  # runs beside the window on the device
+                        tokens.append(pending.suffix_tokens)
+                    elif refresh_update and cfg.overlap:
+                        tokens.append(pending.suffix_tokens)
+                    jax.block_until_ready(state.runner.rollout.obs)
+                    timer.add("env_policy", time.perf_counter() - t0)
+                    trajs.append(traj)
+                    infos.append(info)
+                    stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
+                with timer.phase("update"):
+                    state, metrics = update_fn(state, tuple(trajs))
+                    metrics = jax.device_get(metrics)
+                update += 1
+                wall = time.perf_counter() - t_update0
+                sps = cfg.batch_size / wall
+                stats_h = jax.device_get(stats_sum)
+                infos = jax.device_get(infos)
+                rec = {k: float(v) for k, v in metrics.items()}
+                rec.update(episode_metrics({"_episodes": stats_h.count, "_return_sum": stats_h.return_sum,
+                                            "_length_sum": stats_h.length_sum,
+                                            "_achievement_counts": stats_h.achievement_counts}, names, max_return))
+                rec.update(timer.metrics())
+                rec.update({
+                    "sps": sps, "timing/update_wall": wall,
+                    "llm/share": timer.seconds("llm") / wall,
+                    "llm/refreshes": len(tokens),
+                    "llm/prompt_suffix_tokens": float(np.nanmean(tokens)) if tokens and not np.isnan(tokens).all() else None,
+                    "hidden/age_mean": float(np.mean([i["age"] for i in infos])),
+                    "hidden/valid_frac": float(np.mean([i["valid"] for i in infos])),
+                    "hidden/norm_count": float(state.norm.count),
+                })
+                session.log(update, update * cfg.batch_size, rec, sps=sps, llm=f"{100 * rec['llm/share']:.0f}%",
+                            ret=rec.get("episode/return", float("nan")))
+                session.maybe_checkpoint(update, update * cfg.batch_size, state, state.runner.train_state.params)
+            session.maybe_checkpoint(update, update * cfg.batch_size, state, state.runner.train_state.params, force=True)
+    except EngineFailed as e:
+        raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
+                        f"continue with --resume {session.run_dir}") from None
+    finally:
+        if own_engine:
+            engine.close()
+    summary = session.summary
+    summary.update({"update": update, "env_steps": update * cfg.batch_size, "hidden_size": H})
+    console.print(f"done: {update:,} updates, {update * cfg.batch_size:,} steps; return "
+                  f"{summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
+                  f"LLM share {100 * summary.get('llm/share', 0):.0f}%; run dir {session.run_dir}")
+    return summary

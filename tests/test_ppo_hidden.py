@@ -1,0 +1,116 @@
+"""ppo-hidden: the augmented network, hidden-state bookkeeping, and `train ppo-hidden` end to end."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from thinkcraft.cli import main
+from thinkcraft.rl.hidden import AugInput, HiddenAux, RunningNorm, aux_after_step, make_policy_input, refresh
+from thinkcraft.rl.networks import ActorCriticAug
+
+
+def test_hidden_state_reaches_the_policy():
+    net = ActorCriticAug(action_dim=5, layer_width=16, hidden_proj_dim=4)
+    rng = np.random.default_rng(0)
+    x = AugInput(jnp.asarray(rng.normal(size=(6, 10)), jnp.float32), jnp.asarray(rng.normal(size=(6, 12)), jnp.float32),
+                 jnp.zeros(6), jnp.ones(6))
+    params = net.init(jax.random.PRNGKey(0), x)
+
+    def loss(p, x):
+        pi, v = net.apply(p, x)
+        return (pi.log_prob(jnp.arange(6) % 5) + v).sum()
+
+    g = jax.grad(loss)(params, x)["params"]["hidden_proj"]["kernel"]
+    assert float(jnp.abs(g).sum()) > 0
+    # an invalid hidden state (its episode ended) does not reach the policy at all
+    g_masked = jax.grad(loss)(params, x._replace(valid=jnp.zeros(6)))["params"]["hidden_proj"]["kernel"]
+    assert float(jnp.abs(g_masked).sum()) == 0
+    # ... and changing it changes nothing
+    pi_a, _ = net.apply(params, x._replace(valid=jnp.zeros(6)))
+    pi_b, _ = net.apply(params, x._replace(valid=jnp.zeros(6), hidden=x.hidden * 3 + 1))
+    np.testing.assert_array_equal(np.asarray(pi_a.logits), np.asarray(pi_b.logits))
+
+
+def test_running_norm_matches_numpy_over_batches():
+    rng = np.random.default_rng(1)
+    batches = [rng.normal(loc=3.0, scale=s, size=(n, 5)).astype(np.float32) for n, s in [(7, 1.0), (3, 5.0), (20, 0.5)]]
+    norm = RunningNorm.create(5)
+    for b in batches:
+        norm = norm.update(jnp.asarray(b))
+    allx = np.concatenate(batches)
+    np.testing.assert_allclose(float(norm.count), len(allx))
+    np.testing.assert_allclose(np.asarray(norm.mean), allx.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(norm.var), allx.var(0), rtol=1e-4)
+    z = np.asarray(norm.normalize(jnp.asarray(allx)))
+    np.testing.assert_allclose(z.mean(0), 0, atol=1e-4)
+    np.testing.assert_allclose(z.std(0), 1, atol=1e-3)
+
+
+def test_reset_inside_a_window_masks_the_hidden_state_and_ages_it():
+    norm, aux = refresh(RunningNorm.create(3), jnp.ones((4, 3)), jnp.zeros(4, jnp.int32), jnp.ones(4, bool))
+    assert aux.valid.all() and (aux.age == 0).all()
+    aux = aux_after_step(aux, jnp.array([False, True, False, False]))
+    aux = aux_after_step(aux, jnp.array([False, False, False, True]))
+    np.testing.assert_array_equal(np.asarray(aux.age), [2, 2, 2, 2])
+    np.testing.assert_array_equal(np.asarray(aux.valid), [True, False, True, False])
+    x = make_policy_input(4.0)(jnp.zeros((4, 2)), aux)
+    np.testing.assert_allclose(np.asarray(x.age), 0.5)
+    np.testing.assert_array_equal(np.asarray(x.valid), [1, 0, 1, 0])
+    # a refresh makes every env valid again, at the given age
+    _, aux = refresh(norm, jnp.ones((4, 3)), jnp.full((4,), 7), jnp.ones(4, bool))
+    assert aux.valid.all() and (aux.age == 7).all()
+
+
+def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
+    assert main(["train", "ppo-hidden", "--num-steps", "64", "--skip-n", "25"]) == 2
+    err = capsys.readouterr().err
+    assert "must divide num_steps=64" in err and "nearest valid" in err
+    # an engine that cannot give hidden states (OpenAI-compatible endpoints generate only)
+    assert main(["train", "ppo-hidden", "--engine", "openai+http://127.0.0.1:9/v1", "--runs-dir", "/tmp/tc-none",
+                 "--overwrite", "--run-name", "x"]) == 2
+    assert "cannot return hidden states" in capsys.readouterr().err
+
+
+TINY = ["--env-name", "craftax-classic", "--num-envs", "8", "--num-steps", "16", "--layer-width", "64",
+        "--total-timesteps", "512", "--updates-per-chunk", "2", "--optimistic-reset-ratio", "4", "--no-plot"]
+
+
+@pytest.mark.slow
+def test_skip_n_never_is_plain_ppo_bit_for_bit(tmp_path):
+    runs = str(tmp_path)
+    assert main(["train", "ppo", *TINY, "--runs-dir", runs, "--run-name", "plain"]) == 0
+    assert main(["train", "ppo-hidden", *TINY, "--skip-n", "0", "--runs-dir", runs, "--run-name", "never"]) == 0
+    import flax.serialization
+
+    a = flax.serialization.msgpack_restore((tmp_path / "plain/checkpoint/params.msgpack").read_bytes())
+    b = flax.serialization.msgpack_restore((tmp_path / "never/checkpoint/params.msgpack").read_bytes())
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.slow
+def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path):
+    args = ["train", "ppo-hidden", "--env-name", "craftax-classic", "--num-envs", "2", "--num-steps", "8",
+            "--skip-n", "4", "--layer-width", "32", "--hidden-proj-dim", "8", "--num-minibatches", "2",
+            "--optimistic-reset-ratio", "1", "--total-timesteps", "32", "--layer", "2",
+            "--runs-dir", str(tmp_path), "--run-name", "h"]
+    assert main(args) == 0
+    recs = [json.loads(l) for l in (tmp_path / "h/metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    last = recs[-1]
+    for k in ("timing/render", "timing/llm", "timing/env_policy", "timing/update", "sps", "llm/share",
+              "hidden/age_mean", "hidden/valid_frac", "llm/prompt_suffix_tokens"):
+        assert k in last, k
+    assert last["llm/refreshes"] == 2  # two windows of 4 steps per 8-step update
+    assert last["hidden/norm_count"] == 2 * 2 * 2  # 2 updates × 2 refreshes × 2 envs
+    assert 0 < last["llm/share"] < 1
+    cfg = json.loads((tmp_path / "h/config.json").read_text())
+    assert cfg["_derived"]["hidden_size"] == 576
+    assert (tmp_path / "h/curve.png").exists()
+    # overlap mode runs too (hidden states one refresh old: age starts at skip_n)
+    assert main(args[:-2] + ["--run-name", "o", "--overlap"]) == 0
+    last_o = json.loads((tmp_path / "o/metrics.jsonl").read_text().splitlines()[-1])
+    assert last_o["hidden/age_mean"] > last["hidden/age_mean"]
