@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from common import card, print_table, today, write_records  # noqa: E402
 
-from thinkcraft.envs.text import extract, render  # noqa: E402
+from thinkcraft.envs.text import CompactTokenRenderer, extract, render  # noqa: E402
 from thinkcraft.envs.text.rollout import random_rollout  # noqa: E402
 from thinkcraft.utils.jaxcache import enable_compilation_cache  # noqa: E402
 
@@ -146,6 +146,10 @@ def main() -> None:
                     texts = render(sem, fmt, env_kind=kind)
                     tok_ms, _ = _time_ms(lambda: tok(texts, add_special_tokens=False), max(3, reps // 4))
                     rec["tokenize_ms"] = round(tok_ms, 3)
+                    if fmt == "compact":  # pieces pre-tokenized: text -> ids without the tokenizer
+                        token_renderer = CompactTokenRenderer(tok)
+                        ids_ms, _ = _time_ms(lambda: token_renderer.render(sem, env_kind=kind), reps)
+                        rec["token_ids_ms"] = round(ids_ms, 3)
                 if tok is not None and n == max(sizes):
                     counts = np.array([len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]])
                     rec["tokens"] = {
@@ -158,6 +162,7 @@ def main() -> None:
                       f"  get {get_ms:6.2f} ms" + (f"  tokens {rec['tokens']}" if "tokens" in rec else ""),
                       flush=True)  # fmt: skip
     cols = ["env", "format", "num_envs", "ms_per_batch", "ms_per_batch_min", "extract_ms", "device_get_ms", "tokenize_ms",
+            "token_ids_ms",
             "craftax_s_per_state",
             "speedup_vs_craftax"]  # fmt: skip
     print_table(records, cols)

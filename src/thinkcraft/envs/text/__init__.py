@@ -16,7 +16,7 @@ import jax
 
 from thinkcraft.envs.text.actions import action_names, action_prompt, parse_action
 from thinkcraft.envs.text.names import ENV_KINDS, check_env_kind
-from thinkcraft.envs.text.render import COMPACT_FORMAT_DOC, FORMATS, check_format, render
+from thinkcraft.envs.text.render import COMPACT_FORMAT_DOC, FORMATS, CompactTokenRenderer, check_format, render
 from thinkcraft.envs.text.semantic import Semantic, env_kind_of, extract, unwrap
 
 
@@ -29,6 +29,7 @@ def render_states(states: Any, fmt: str = "compact", batched: bool = True) -> li
 
 __all__ = [
     "COMPACT_FORMAT_DOC",
+    "CompactTokenRenderer",
     "ENV_KINDS",
     "FORMATS",
     "Semantic",

@@ -230,11 +230,15 @@ class _Pieces:
         e, j = np.nonzero(np.asarray(mask).reshape(text.shape))
         self.add(e, order0 + j, text[e, j])
 
-    def join(self) -> list[str]:
+    def ordered(self) -> tuple[list[str], list[int]]:
+        """All pieces in output order, and the bounds of each env's run in that list."""
         env, order, text = (np.concatenate(x) for x in (self.env, self.order, self.text))
         idx = np.argsort(env * (1 << 20) + order, kind="stable")  # orders are < 2**20
         bounds = np.searchsorted(env[idx], np.arange(self.num_envs + 1)).tolist()
-        text_l = text[idx].tolist()
+        return text[idx].tolist(), bounds
+
+    def join(self) -> list[str]:
+        text_l, bounds = self.ordered()
         return ["".join(text_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
@@ -254,8 +258,8 @@ def _compact_tables(kind: str) -> dict[str, Any]:
     things = mobs + items + blocks  # thing id = mob | n_mobs + item | n_mobs + n_items + block
     bg = np.zeros(len(N.BLOCK_NAMES[kind]), bool)
     bg[[N.BLOCK_NAMES[kind].index(b) for b in _BACKGROUND[kind]]] = True
-    facing_name = ["darkness"] + [
-        (mobs[m] if m >= 0 else items[i] if i > 0 else blocks[b])
+    facing_name = [" darkness"] + [
+        " " + (mobs[m] if m >= 0 else items[i] if i > 0 else blocks[b])
         for m in range(-1, len(mobs)) for i in range(len(items)) for b in range(len(blocks))
     ]  # fmt: skip  -- indexed by _tile_code
     inv_fields = N.INVENTORY_FIELDS[kind]
@@ -273,7 +277,7 @@ def _compact_tables(kind: str) -> dict[str, Any]:
         "n_items": len(items),
         "bg": bg,
         "facing": np.array(facing_name, dtype=object),
-        "inv_first": inv,
+        "inv_first": np.array([[" " + s if s else s for s in row] for row in inv], dtype=object),
         "inv_rest": np.array([[", " + s if s else s for s in row] for row in inv], dtype=object),
         "num": np.array([str(v) for v in range(_MAX_VALUE)], dtype=object),
         "centre": (rows // 2) * cols + cols // 2,
@@ -313,6 +317,10 @@ def _light_word(light: np.ndarray) -> np.ndarray:
 
 
 def _render_compact(sem: Semantic, kind: str) -> list[str]:
+    return _compact_pieces(sem, kind).join()
+
+
+def _compact_pieces(sem: Semantic, kind: str) -> _Pieces:
     tb = _compact_tables(kind)
     n = sem.block.shape[0]
     p = _Pieces(n)
@@ -337,7 +345,7 @@ def _render_compact(sem: Semantic, kind: str) -> list[str]:
     dr = np.array([x[0] for x in N.DIRECTION_DELTAS])[d]
     dc = np.array([x[1] for x in N.DIRECTION_DELTAS])[d]
     facing_t = tb["centre"] + dr * tb["cols"] + dc
-    compass = np.array([f", facing {c}: " for c in N.COMPASS], dtype=object)
+    compass = np.array([f", facing {c}:" for c in N.COMPASS], dtype=object)
     p.dense(2, compass[d])
     p.dense(3, tb["facing"][code[np.arange(n), facing_t]])
 
@@ -376,13 +384,15 @@ def _render_compact(sem: Semantic, kind: str) -> list[str]:
     present = inv > 0
     first = present & (np.cumsum(present, 1) == 1)
     pieces = np.where(first, tb["inv_first"][k_idx, inv], tb["inv_rest"][k_idx, inv])
-    p.dense(20_000, np.full((n, 1), "\ninventory: ", dtype=object))
+    p.dense(20_000, np.full((n, 1), "\ninventory:", dtype=object))
     # column k at order 20_001 + 2k; an enchantment right after its item at 20_002 + 2k
     e, j = np.nonzero(present)
     p.add(e, 20_001 + 2 * j, pieces[e, j])
-    p.dense(20_100, np.full((n, 1), "nothing", dtype=object), ~present.any(1, keepdims=True))
+    p.dense(20_100, np.full((n, 1), " nothing", dtype=object), ~present.any(1, keepdims=True))
     if kind == "craftax":
-        ench_name = np.array(["", " (fire)", " (ice)"], dtype=object)
+        # " of fire", not " (fire)": a piece ending in punctuation would merge with the next ","
+        # in GPT-2 style pre-tokenizers, and CompactTokenRenderer relies on piece boundaries
+        ench_name = np.array(["", " of fire", " of ice"], dtype=object)
         ench = np.clip(sem.enchant.astype(np.int64), 0, 2)
         fields = N.INVENTORY_FIELDS["craftax"]
         for e_col, field in enumerate(N.ENCHANT_FIELDS):
@@ -418,4 +428,34 @@ def _render_compact(sem: Semantic, kind: str) -> list[str]:
             if name == "boss_vulnerable":  # only the last floor has the boss
                 mask = mask & (sem.floor == len(N.FLOOR_NAMES) - 1)
             p.dense(30_100 + k, np.full((n, 1), flag_text[name], dtype=object), mask[:, None])
-    return p.join()
+    return p
+
+
+class CompactTokenRenderer:
+    """Compact text straight to token ids: every piece is tokenized once and cached, and an env's ids
+    are the concatenation of its pieces' ids.
+
+    Equal to `tokenizer(text, add_special_tokens=False)` for byte-level BPE tokenizers with the GPT-2
+    pre-tokenizer (SmolLM2, Qwen, Llama 3 style): no compact piece ends with a space, so every piece
+    boundary is a pre-token boundary and BPE never merges across it. The tests check the equality.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._ids: dict[str, list[int]] = {}
+
+    def _lookup(self, pieces: list[str]) -> list[list[int]]:
+        new = [p for p in set(pieces) if p not in self._ids]
+        if new:
+            for p, ids in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]):
+                self._ids[p] = list(ids)
+        ids = self._ids
+        return [ids[p] for p in pieces]
+
+    def render(self, sem: Semantic, env_kind: str | None = None) -> list[list[int]]:
+        found = kind_of_semantic(sem)
+        if env_kind is not None and N.check_env_kind(env_kind) != found:
+            raise UserError(f"render(env_kind={env_kind!r}) got the semantics of a {found!r} state")
+        pieces, bounds = _compact_pieces(_as_numpy(sem), found).ordered()
+        piece_ids = self._lookup(pieces)
+        return [[t for ids in piece_ids[a:b] for t in ids] for a, b in zip(bounds[:-1], bounds[1:])]
