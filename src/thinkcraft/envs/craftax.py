@@ -115,7 +115,9 @@ class VecEnv:
 
     def _reset_batch(self, rng: jax.Array, n: int) -> tuple[jax.Array, Any]:
         obs, st = jax.vmap(self.base.reset_env, in_axes=(0, None))(jax.random.split(rng, n), self.params)
-        return obs.reshape(n, -1), st
+        # craftax's world generation leaves some leaves weakly typed; after one step they are strong. Make
+        # them strong now so a jitted function sees one type signature (no second compile after update 1).
+        return obs.reshape(n, -1), jax.tree.map(lambda x: x.astype(x.dtype), st)
 
     def reset(self, rng: jax.Array) -> tuple[jax.Array, VecEnvState]:
         obs, env_state = self._reset_batch(rng, self.num_envs)
