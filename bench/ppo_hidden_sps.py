@@ -75,7 +75,7 @@ def prefill_rate(engine, env_name: str, num_envs: int) -> tuple[float, float]:
 
 
 def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, overlap: bool, updates: int,
-            runs_dir: str, plain: bool = False) -> dict:
+            runs_dir: str, plain: bool = False, layer: int = -1) -> dict:
     from thinkcraft.train.ppo import PPOConfig
     from thinkcraft.train.ppo import run as run_ppo
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig
@@ -88,7 +88,8 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
     if plain:
         run_ppo(PPOConfig(**common, run_name=name, updates_per_chunk=1))
     else:
-        run_hidden(PPOHiddenConfig(**common, run_name=name, skip_n=skip_n, overlap=overlap, updates_per_chunk=1), engine=engine)
+        run_hidden(PPOHiddenConfig(**common, run_name=name, skip_n=skip_n, overlap=overlap, updates_per_chunk=1,
+                                   layer=layer), engine=engine)
     recs = [json.loads(l) for l in (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()]
     steady = recs[1:] if len(recs) > 1 else recs  # the first update compiles
 
@@ -100,7 +101,8 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
         "system": "ppo" if plain else "ppo-hidden", "num_envs": num_envs, "num_steps": num_steps,
         "skip_n": "never" if (plain or skip_n == 0) else skip_n, "overlap": overlap,
         "sps_steady": med("sps"), "t_llm_s": med("timing/llm"), "t_env_s": med("timing/env_policy"),
-        "t_render_s": med("timing/render"), "t_update_s": med("timing/update"),
+        "t_render_s": med("timing/render"), "t_update_s": med("timing/update"), "t_norm_s": med("timing/norm"),
+        "t_other_s": med("timing/other"), "update_wall_s": med("timing/update_wall"),
         "llm_share": med("llm/share"), "prompt_suffix_tokens": med("llm/prompt_suffix_tokens"),
         "updates_measured": len(steady),
     }
@@ -116,6 +118,8 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=4, help="updates per config (the first is not timed)")
     ap.add_argument("--updates-skip1", type=int, default=3, help="updates for skip_n=1 (slow)")
     ap.add_argument("--env", default=None)
+    ap.add_argument("--layer", type=int, default=-1, help="LLM layer read (-1 = last; a middle layer costs less)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain PPO reference run")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
     args = ap.parse_args()
 
@@ -134,22 +138,25 @@ def main() -> None:
         tokens, rate = prefill_rate(engine, env_name, n)
         print(f"[{n} envs] compact suffix {tokens:.1f} tokens/env, raw prefill {rate:,.0f} tok/s "
               f"→ LLM-bound limit at skip_n=1: {rate / tokens:,.0f} SPS", flush=True)
-        base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
-        records.append(base)
+        base = {"sps_steady": None}
+        if not args.no_plain:
+            base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
+            records.append(base)
         for s in args.skip_n:
             for ov in ([False] if s == 0 else overlaps):
                 u = args.updates_skip1 if s == 1 else args.updates
-                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir)
+                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer)
                 if s == 1:
                     r["llm_bound_sps"] = rate / tokens
                     r["ratio_to_llm_bound"] = r["sps_steady"] / r["llm_bound_sps"]
                 records.append(r)
-                print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s"])
-        for r in records:
-            r.setdefault("prefill_tok_per_s", rate)
-            r.setdefault("ratio_to_plain_ppo", r["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
-            r.update({"env": env_name, "llm": model_desc, "card": card(), "date": today()})
-        write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "card"))
+                print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s",
+                                           "t_render_s", "t_update_s", "t_other_s"])
+                for x in records:  # saved after every config: a time limit keeps what was measured
+                    x.setdefault("prefill_tok_per_s", rate)
+                    x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
+                    x.update({"env": env_name, "llm": model_desc, "layer": args.layer, "card": card(), "date": today()})
+                write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
                           "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])

@@ -345,6 +345,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                                             "_length_sum": stats_h.length_sum,
                                             "_achievement_counts": stats_h.achievement_counts}, names, max_return))
                 rec.update(timer.metrics())
+                rec["timing/other"] = wall - timer.total()
                 rec.update({
                     "sps": sps, "timing/update_wall": wall,
                     "llm/share": timer.seconds("llm") / wall,
