@@ -48,6 +48,13 @@ class ActorCritic(nn.Module):
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
+        if self.dtype == jnp.bfloat16:
+            # bf16 tensor-core GEMMs want the contraction dim a multiple of 8/16; Craftax's 8,268 is not.
+            # Zero columns change nothing but the first layer's (unused) extra rows.
+            obs = obs.astype(jnp.bfloat16)
+            pad = (-obs.shape[-1]) % 16
+            if pad:
+                obs = jnp.pad(obs, [(0, 0)] * (obs.ndim - 1) + [(0, pad)])
         logits = MLP(self.layer_width, self.num_layers, self.action_dim, 0.01, self.activation, self.dtype)(obs)
         value = MLP(self.layer_width, self.num_layers, 1, 1.0, self.activation, self.dtype)(obs)
         return Categorical(logits.astype(jnp.float32)), value[..., 0].astype(jnp.float32)
