@@ -27,6 +27,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
 
 
+def time_env_only(step_fn, reset_carry, num_steps: int, repeats: int) -> tuple[float, float]:
+    """(first call s, median steady s) of a jitted scan of `num_steps` random-action env steps.
+
+    A second warm-up call runs before timing: a reset state's weak-typed leaves become strong-typed after
+    one call, which retraces once (timing that call would count a compile as steady time)."""
+    import jax
+
+    @jax.jit
+    def env_only(carry):
+        return jax.lax.scan(step_fn, carry, None, num_steps)[0]
+
+    t0 = time.perf_counter()
+    carry = jax.block_until_ready(env_only(reset_carry))
+    first = time.perf_counter() - t0
+    carry = jax.block_until_ready(env_only(carry))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(env_only(carry))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
 def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, dtype: str) -> list[dict]:
     import jax
 
@@ -63,27 +86,10 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
         obs, state, r, d, info = env.step(k, state, a)
         return (state, obs, rng), None
 
-    @jax.jit
-    def env_only(carry):
-        return jax.lax.scan(env_step, carry, None, updates * cfg.num_steps)[0]
-
     obs, state = jax.jit(env.reset)(jax.random.PRNGKey(1))
-    carry = (state, obs, jax.random.PRNGKey(2))
-    t0 = time.perf_counter()
-    carry = env_only(carry)
-    jax.block_until_ready(carry)
-    first = time.perf_counter() - t0
-    # a second warm-up call: the reset state's weak-typed leaves become strong-typed after one call,
-    # which retraces once (timing that call would count a compile as steady time)
-    carry = jax.block_until_ready(env_only(carry))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        carry = env_only(carry)
-        jax.block_until_ready(carry)
-        times.append(time.perf_counter() - t0)
+    first, steady = time_env_only(env_step, (state, obs, jax.random.PRNGKey(2)), updates * cfg.num_steps, repeats)
     recs.append({"system": "thinkcraft-env", "env": env_name, "num_envs": num_envs,
-                 "sps_steady": steps / statistics.median(times), "first_call_s": first, "steps_per_call": steps})
+                 "sps_steady": steps / steady, "first_call_s": first, "steps_per_call": steps})
     return recs
 
 
@@ -160,27 +166,10 @@ def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: i
         obs, state, r, d, info = env.step(k, state, a, params)
         return (state, obs, rng), None
 
-    @jax.jit
-    def env_only(carry):
-        return jax.lax.scan(env_step, carry, None, updates * 64)[0]
-
     obs, state = env.reset(jax.random.PRNGKey(1), params)
-    carry = (state, obs, jax.random.PRNGKey(2))
-    t0 = time.perf_counter()
-    carry = env_only(carry)
-    jax.block_until_ready(carry)
-    first = time.perf_counter() - t0
-    # a second warm-up call: the reset state's weak-typed leaves become strong-typed after one call,
-    # which retraces once (timing that call would count a compile as steady time)
-    carry = jax.block_until_ready(env_only(carry))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        carry = env_only(carry)
-        jax.block_until_ready(carry)
-        times.append(time.perf_counter() - t0)
+    first, steady = time_env_only(env_step, (state, obs, jax.random.PRNGKey(2)), updates * 64, repeats)
     recs.append({"system": "baselines-env", "env": env_name, "num_envs": num_envs,
-                 "sps_steady": steps / statistics.median(times), "first_call_s": first, "steps_per_call": steps})
+                 "sps_steady": steps / steady, "first_call_s": first, "steps_per_call": steps})
     return recs
 
 
