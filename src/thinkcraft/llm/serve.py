@@ -269,6 +269,19 @@ def make_app(
             return Batch(items=prompt)
         raise UserError("prompt must be a string, a list of token ids, or a list of either")
 
+    def with_token_ids(ch: dict[str, Any], c: Any, body: dict) -> dict[str, Any]:
+        """thinkcraft's extension: the sampled and prompt token ids (token-in/token-out training)."""
+        if body.get("return_token_ids"):
+            ch["token_ids"] = c.token_ids
+            ch["prompt_token_ids"] = c.prompt_token_ids
+        return ch
+
+    def openai_response(id_prefix: str, obj: str, choices: list, cs: list, n: int) -> Any:
+        return JSONResponse({
+            "id": f"{id_prefix}-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()),
+            "model": model_name, "choices": choices, "usage": usage(cs, n),
+        })
+
     async def completions(request: Request) -> Any:
         body = await json_body(request)
         sp = sampling_from(body, "max_tokens")
@@ -279,14 +292,8 @@ def make_app(
             ch: dict[str, Any] = {"index": i, "text": c.text, "finish_reason": finish_openai(c), "logprobs": None}
             if want_lp and c.logprobs is not None:
                 ch["logprobs"] = {"tokens": token_strs(c.token_ids), "token_logprobs": c.logprobs, "top_logprobs": None}
-            if body.get("return_token_ids"):
-                ch["token_ids"] = c.token_ids
-                ch["prompt_token_ids"] = c.prompt_token_ids
-            choices.append(ch)
-        return JSONResponse({
-            "id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "usage": usage(cs, sp.n),
-        })
+            choices.append(with_token_ids(ch, c, body))
+        return openai_response("cmpl", "text_completion", choices, cs, sp.n)
 
     async def chat(request: Request) -> Any:
         body = await json_body(request)
@@ -310,14 +317,8 @@ def make_app(
                     {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
                     for s, lp in zip(token_strs(c.token_ids), c.logprobs)
                 ]}
-            if body.get("return_token_ids"):
-                ch["token_ids"] = c.token_ids
-                ch["prompt_token_ids"] = c.prompt_token_ids
-            choices.append(ch)
-        return JSONResponse({
-            "id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "usage": usage(cs, sp.n),
-        })
+            choices.append(with_token_ids(ch, c, body))
+        return openai_response("chatcmpl", "chat.completion", choices, cs, sp.n)
 
     async def generate(request: Request) -> Any:
         body = await json_body(request)

@@ -203,7 +203,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         AugInput, HiddenAux, RunningNorm, aux_after_step, empty_aux, make_policy_input, refresh,
     )
     from thinkcraft.rl.networks import ActorCriticAug
-    from thinkcraft.rl.ppo import EpisodeStats, init_runner_state, make_rollout, ppo_update
+    from thinkcraft.rl.ppo import episode_sums, init_runner_state, make_rollout, ppo_update
     from thinkcraft.train.ppo import build, episode_metrics
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.jaxcache import enable_compilation_cache
@@ -341,9 +341,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 stats_h = jax.device_get(stats_sum)
                 infos = jax.device_get(infos)
                 rec = {k: float(v) for k, v in metrics.items()}
-                rec.update(episode_metrics({"_episodes": stats_h.count, "_return_sum": stats_h.return_sum,
-                                            "_length_sum": stats_h.length_sum,
-                                            "_achievement_counts": stats_h.achievement_counts}, names, max_return))
+                rec.update(episode_metrics(episode_sums(stats_h), names, max_return))
                 rec.update(timer.metrics())
                 rec["timing/other"] = wall - timer.total()
                 rec.update({
