@@ -10,7 +10,8 @@ Model: Qwen3-4B's shape built from its config with random weights (36 layers, hi
 128, MLP 9728, vocab 151936, tied embeddings); timing does not depend on the values.
 
 Hidden states (items = 800-token shared prefix + 100-150-token suffix, last-token pooling, last layer):
-  raw            the suffixes alone (no prefix at all): the prefill speed to compare against
+  raw_hf         the suffixes alone through the eager HF decoder forward (ANCHORS' "raw prefill")
+  raw            the suffixes alone (no prefix at all) through the engine (compiled layers on CUDA)
   no_reuse       prefix + suffix as one 900-950-token sequence per item (the plain HF path)
   reuse_first    cascade attention, first call (includes the batch-1 prefix prefill)
   reuse          cascade attention, steady (prefix KV cached across calls)
@@ -158,7 +159,14 @@ def bench_hidden(eng: HFEngine, args: argparse.Namespace, device: torch.device, 
 
         plain_b = Batch(items=items)
         with_prefix = Batch(items=items, prefix=prefix)
+        hf_ids, hf_mask = eng._pad(items, "right")
+
+        def raw_hf() -> torch.Tensor:  # ANCHORS' raw prefill: the eager HF decoder forward, nothing else
+            with torch.no_grad():
+                return eng._dec(input_ids=hf_ids, attention_mask=hf_mask, use_cache=False).last_hidden_state[:, -1]
+
         variants: list[tuple[str, Callable[[], Any]]] = [
+            ("raw_hf", raw_hf),
             ("raw", lambda: eng.hidden_states_torch(plain_b, prefix_reuse=False)),
             ("no_reuse", lambda: eng.hidden_states_torch(with_prefix, prefix_reuse=False)),
         ]
@@ -394,6 +402,8 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     for (kind, b), r in by.items():
         if kind == "reuse" and ("raw", b) in by:
             out[f"reuse_vs_raw_prefill@{b}"] = round(r["suffix_tok_per_s"] / by[("raw", b)]["suffix_tok_per_s"], 3)
+        if kind == "reuse" and ("raw_hf", b) in by:
+            out[f"reuse_vs_raw_hf_prefill@{b}"] = round(r["suffix_tok_per_s"] / by[("raw_hf", b)]["suffix_tok_per_s"], 3)
         if kind == "hf_generate":
             best = max((by[(k, b)]["decode_tok_per_s"], k) for k in ("engine_dynamic", "engine_static", "engine_compiled") if (k, b) in by) if any((k, b) in by for k in ("engine_dynamic", "engine_static", "engine_compiled")) else None
             if best:

@@ -373,3 +373,25 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path) -> None:  # noqa: ANN
     folder.mkdir()
     with pytest.raises(UserError, match="no config.json"):
         resolve_model(str(folder))
+
+
+def test_compiled_prefill_equals_eager_one_graph_for_all_layers() -> None:
+    """compile_prefill (the GPU default for frozen engines) gives the eager hidden states, with and without
+    a shared prefix, at several batch shapes, and compiles one graph per path - not one per layer/shape."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model, tok = tiny_llama(arch="qwen3", num_hidden_layers=4)
+    ref = HFEngine.from_model(model, tok, compile_prefill=False)
+    eng = HFEngine.from_model(model, tok, compile_prefill=True)
+    prefix = "You are a helpful agent reading game states.\n"
+    items = ["tree (1,2) stone (3,4)", "water", "cow (0,1) zombie (2,2) x3 inventory wood 2"]
+    graphs0 = dynamo_utils.counters["stats"]["unique_graphs"]
+    for batch in (items, items[:2], items * 3):
+        for kw in ({"prefix": prefix}, {}):
+            for layer in (-1, 2):
+                a = eng.hidden_states_torch(Batch(batch, **kw), layer=layer)
+                b = ref.hidden_states_torch(Batch(batch, **kw), layer=layer)
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if eng._layer_fn is not None and eng._layer_fn._failed:
+        pytest.skip("torch.compile cannot build here (no C++ compiler?); eager fallback checked only")
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs0 <= 2

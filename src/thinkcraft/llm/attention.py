@@ -136,13 +136,18 @@ PREFIX_KV_KWARG = "thinkcraft_prefix_kv"
 
 def cascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
     """transformers attention function (same signature as `sdpa_attention_forward`): uses the prefix KV
-    list passed as `thinkcraft_prefix_kv=[(k, v) per layer]` through the model's forward kwargs."""
-    prefix_kv = kwargs.get(PREFIX_KV_KWARG)
+    passed through the forward kwargs as `thinkcraft_prefix_kv=` either this layer's `(k, v)` (called layer
+    by layer: nothing layer-specific is read, so a compiled layer serves them all) or the whole model's
+    `[(k, v) per layer]`. Without it: plain sdpa (causal when there is no mask)."""
+    prefix_kv = kwargs.pop(PREFIX_KV_KWARG, None)
     if prefix_kv is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    pk, pv = prefix_kv[module.layer_idx]
+    if isinstance(prefix_kv, tuple) and len(prefix_kv) == 2 and isinstance(prefix_kv[0], torch.Tensor):
+        pk, pv = prefix_kv
+    else:
+        pk, pv = prefix_kv[module.layer_idx]
     out = shared_prefix_attention(query, key, value, pk, pv, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

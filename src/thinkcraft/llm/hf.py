@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 Pooling = Literal["last", "mean"]
 
+_STATIC_PROMPT_BUCKET = 64
+"""Static-cache prompt widths are rounded up to a multiple of this (fixed shapes across calls)."""
+
 
 @dataclass
 class _SeqState:
@@ -98,6 +101,7 @@ class HFEngine:
         compile_decode: bool = False,
         thinking_close_text: str = "\n</think>\n\n",
         attn_implementation: str = "sdpa",
+        compile_prefill: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,7 +120,7 @@ class HFEngine:
         self._setup(
             lm, tok, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, prefix_reuse=prefix_reuse,
             prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
-            thinking_close_text=thinking_close_text, weight_update=False,
+            thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
         )
         self.model_path = path
 
@@ -142,6 +146,7 @@ class HFEngine:
         compile_decode: bool = False,
         thinking_close_text: str = "\n</think>\n\n",
         weight_update: bool = False,
+        compile_prefill: bool | None = None,
     ) -> None:
         if kv_cache not in ("dynamic", "static"):
             raise UserError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
@@ -169,6 +174,15 @@ class HFEngine:
         """Phase times of the last `generate` call (prefill = prompt forward; decode = the token loop)."""
         self.thinking_close_text = thinking_close_text
         self._weight_update = weight_update
+        # Hidden-state prefill through torch.compile'd decoder layers (one compiled graph shared by every
+        # layer, dynamic batch/length): fuses the norms, RoPE, SiLU and the cascade merge that otherwise
+        # cost as much GPU time as the matmuls. Default: on for a frozen model (no parameter requires grad)
+        # on CUDA; off for a model being trained (its compiled graphs would guard on changing weights).
+        if compile_prefill is None:
+            frozen = not any(q.requires_grad for q in self._lm.parameters())
+            compile_prefill = self.device.type == "cuda" and frozen
+        self.compile_prefill = compile_prefill
+        self._layer_fn: Any = None
         params = inspect.signature(type(self._dec).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cascade_name = register_cascade_attention()
@@ -262,6 +276,30 @@ class HFEngine:
         finally:
             if was_training:
                 self.model.train()
+
+    @contextlib.contextmanager
+    def _autocast_embeddings(self) -> Iterator[None]:
+        """Under autocast with higher-precision weights (full fine-tuning keeps fp32 master weights), cast
+        the token embeddings to the autocast dtype for the call. Otherwise the residual stream stays fp32,
+        RoPE'd keys come out fp32 while values come out of autocast's matmuls in bf16, and a static KV
+        cache (one dtype) cannot hold both. The hook is registered once and reads a flag, so that a
+        compiled decode step sees the same module hooks on every call (no recompiles)."""
+        kind = self.device.type
+        dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if dt is None or self.dtype == dt:
+            yield
+            return
+        if getattr(self, "_embed_hook", None) is None:
+            def cast(_m, _i, out):  # noqa: ANN001, ANN202
+                return out if self._embed_cast is None else out.to(self._embed_cast)
+
+            self._embed_cast = None
+            self._embed_hook = self._dec.embed_tokens.register_forward_hook(cast)
+        self._embed_cast = dt
+        try:
+            yield
+        finally:
+            self._embed_cast = None
 
     @contextlib.contextmanager
     def _attn_impl(self, name: str) -> Iterator[None]:
@@ -361,20 +399,48 @@ class HFEngine:
     def _pooled_plain(
         self, seqs: list[list[int]], item_lens: list[int], idx: int, pooling: str, side: str
     ) -> torch.Tensor:
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)
+        ilens = torch.tensor(item_lens, device=self.device)
+        if side == "right":
+            # Right padding + causal attention is exact for every real token (pads come after them):
+            # no mask needed, so the same (compiled) layer loop as the cascade path runs it.
+            ids, _ = self._pad(seqs, "right")
+            h = self._layers(ids, torch.zeros_like(lens[:1]), idx, None)
+            return self._pool(h, lens - ilens, lens, pooling)
         ids, mask = self._pad(seqs, side)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         h = self._run_decoder(ids, mask, pos, idx)
-        lens = torch.tensor([len(s) for s in seqs], device=self.device)
-        ilens = torch.tensor(item_lens, device=self.device)
-        t = ids.shape[1]
-        end = lens if side == "right" else torch.full_like(lens, t)
-        start = end - ilens
-        return self._pool(h, start, end, pooling)
+        end = torch.full_like(lens, ids.shape[1])
+        return self._pool(h, end - ilens, end, pooling)
 
     def _run_decoder(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, idx: int) -> torch.Tensor:
         want_all = idx != self.num_layers
         out = self._dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=want_all)
         return out.hidden_states[idx] if want_all else out.last_hidden_state
+
+    def _layers(self, ids: torch.Tensor, start: torch.Tensor, idx: int, kv: list | None) -> torch.Tensor:
+        """Hidden states after `idx` layers (idx = num_layers: after the final norm) of right-padded rows
+        whose positions start at `start` (the prefix length), causal within the rows; with `kv` each layer
+        also attends to the shared prefix KV (cascade attention)."""
+        b, s = ids.shape
+        dec = self._dec
+        h = dec.embed_tokens(ids)
+        if idx == 0:
+            return h
+        pos = (start + torch.arange(s, device=self.device))[None, :].expand(b, s)
+        pe = dec.rotary_emb(h, pos)
+        fn = self._layer_callable()
+        with self._attn_impl(self._cascade_name):
+            for i, layer in enumerate(dec.layers[: min(idx, self.num_layers)]):
+                h = fn(layer, h, pos, pe, kv[i] if kv is not None else None)
+        return dec.norm(h) if idx == self.num_layers else h
+
+    def _layer_callable(self) -> Any:
+        if not self.compile_prefill:
+            return _call_layer
+        if self._layer_fn is None:
+            self._layer_fn = _CompiledLayer()
+        return self._layer_fn
 
     def _weights_version(self) -> int:
         """Changes whenever a parameter is modified in place (optimizer steps, load_state_dict), so a
@@ -407,18 +473,7 @@ class HFEngine:
         self, items: list[list[int]], p: int, kv: list, idx: int, pooling: str
     ) -> torch.Tensor:
         ids, _ = self._pad(items, "right")
-        b, s = ids.shape
-        dec = self._dec
-        h = dec.embed_tokens(ids)
-        if idx > 0:
-            pos = (p + torch.arange(s, device=self.device))[None, :].expand(b, s)
-            pe = dec.rotary_emb(h, pos)
-            with self._attn_impl(self._cascade_name):
-                for layer in dec.layers[: min(idx, self.num_layers)]:
-                    o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **{PREFIX_KV_KWARG: kv})
-                    h = o[0] if isinstance(o, tuple) else o
-            if idx == self.num_layers:
-                h = dec.norm(h)
+        h = self._layers(ids, torch.tensor([p], device=self.device), idx, kv)
         end = torch.tensor([len(it) for it in items], device=self.device)
         return self._pool(h, torch.zeros_like(end), end, pooling)
 
@@ -443,7 +498,7 @@ class HFEngine:
         prefix_len = len(prefix) if self.prefix_reuse and prefix and all(len(it) > 0 for it in items) else 0
         out: list[Completion] = []
         self.last_generate_timing = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
-        with self._inference():
+        with self._inference(), self._autocast_embeddings():
             for a in range(0, len(prompts), self.max_batch_size):
                 out.extend(self._generate_chunk(prompts[a : a + self.max_batch_size], sampling, gen, prefix_len))
         return out
@@ -492,6 +547,14 @@ class HFEngine:
             mask = torch.cat([torch.ones((b, p), dtype=torch.long, device=self.device), smask], 1)
         else:
             ids, mask = self._pad(prompts, "left")
+        if self.kv_cache == "static":
+            # Round the prompt width up (extra left pads, masked) so that batches of slightly different
+            # prompt lengths share one static cache shape: no recompile / CUDA-graph re-capture per call.
+            extra = (-mask.shape[1]) % _STATIC_PROMPT_BUCKET
+            if extra:
+                ids = torch.cat([torch.full((b, extra), self.pad_id, dtype=ids.dtype, device=ids.device), ids], 1)
+                zeros = torch.zeros((b, extra), dtype=mask.dtype, device=mask.device)
+                mask = torch.cat([mask[:, :p], zeros, mask[:, p:]], 1)
         t = mask.shape[1]
         states = [_SeqState(prompt=p) for p in prompts]
         budget = sampling.thinking_budget
@@ -633,6 +696,32 @@ class HFEngine:
             thinking_tokens=st.thinking_tokens,
             forced_token_indices=list(st.forced),
         )
+
+
+def _call_layer(layer: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor, pe: Any, prefix_kv: Any) -> torch.Tensor:
+    """One decoder layer, no mask (causal), optionally attending to a shared prefix's (k, v)."""
+    extra = {PREFIX_KV_KWARG: prefix_kv} if prefix_kv is not None else {}
+    o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **extra)
+    return o[0] if isinstance(o, tuple) else o
+
+
+class _CompiledLayer:
+    """`_call_layer` through torch.compile (dynamic shapes; the layer's weights are graph inputs, so one
+    compiled graph serves every layer). Falls back to eager, once and with a warning, if compiling fails
+    (no Triton / no C++ compiler)."""
+
+    def __init__(self) -> None:
+        self._fn: Any = torch.compile(_call_layer, dynamic=True)
+        self._failed = False
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if not self._failed:
+            try:
+                return self._fn(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
+                self._failed = True
+                logging.getLogger(__name__).warning("compiled prefill unavailable (%s); running eager", e)
+        return _call_layer(*args)
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
