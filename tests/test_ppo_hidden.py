@@ -114,3 +114,28 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path):
     assert main(args[:-2] + ["--run-name", "o", "--overlap"]) == 0
     last_o = json.loads((tmp_path / "o/metrics.jsonl").read_text().splitlines()[-1])
     assert last_o["hidden/age_mean"] > last["hidden/age_mean"]
+
+
+def test_refresh_token_path_equals_tokenizing_the_rendered_text():
+    """The refresh path renders compact observations straight to token ids; the LLM must see exactly the
+    ids of tokenizing the rendered text (and the same hidden states)."""
+    from thinkcraft.envs.craftax import make_env
+    from thinkcraft.envs.text import extract, render
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.llm.testing import tiny_llama
+    from thinkcraft.train.ppo_hidden import HiddenStateSource, PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.utils.timing import PhaseTimer
+
+    env = make_env("Craftax-Classic-Symbolic-v1", 4, 1)
+    _, state = jax.jit(env.reset)(jax.random.PRNGKey(3))
+    engine = HFEngine.from_model(*tiny_llama())
+    cfg = PPOHiddenConfig(num_envs=4)
+    src = HiddenStateSource(engine, cfg, "craftax-classic", PhaseTimer())
+    ids = src.texts(state.env_state)
+    texts = render(jax.device_get(extract(state.env_state)), fmt="compact", env_kind="craftax-classic")
+    _, want = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(cfg)))
+    assert ids == want
+    got = np.asarray(src.hidden(ids).hidden)
+    ref = engine.hidden_states(Batch(texts, prefix=_make_prompt_prefix(cfg)))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

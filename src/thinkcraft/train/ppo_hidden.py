@@ -148,17 +148,28 @@ class HiddenStateSource:
         self.prefix = _make_prompt_prefix(cfg)
         self._Batch = Batch
         self._prefix_ids: list[int] | None = None
+        self._token_renderer: Any = None
 
-    def texts(self, env_state: Any) -> list[str]:
+    def texts(self, env_state: Any) -> list[str] | list[list[int]]:
+        """The envs' observations as text, or - compact format with an in-process engine - straight as
+        token ids (CompactTokenRenderer: each piece tokenized once, equal to tokenizing the text)."""
         import jax
 
-        from thinkcraft.envs.text import extract, render
+        from thinkcraft.envs.text import CompactTokenRenderer, extract, render
 
         with self.timer.phase("render"):
             sem = jax.device_get(extract(env_state))
+            if self.cfg.text_format == "compact" and self._token_path():
+                if self._token_renderer is None:
+                    self._token_renderer = CompactTokenRenderer(self.engine.tokenizer)
+                return self._token_renderer.render(sem, env_kind=self.env_kind)
             return render(sem, fmt=self.cfg.text_format, env_kind=self.env_kind)
 
-    def hidden(self, texts: list[str]) -> _Pending:
+    def _token_path(self) -> bool:
+        eng = self.engine
+        return all(hasattr(eng, a) for a in ("tokenize_batch", "hidden_states_torch", "tokenizer"))
+
+    def hidden(self, texts: list[str] | list[list[int]]) -> _Pending:
         import jax.numpy as jnp
 
         from thinkcraft.llm.dlpack import torch_to_jax
@@ -166,9 +177,14 @@ class HiddenStateSource:
         with self.timer.phase("llm"):
             eng = self.engine
             try:
-                if hasattr(eng, "tokenize_batch") and hasattr(eng, "hidden_states_torch"):
-                    prefix_ids, items = eng.tokenize_batch(self._Batch(texts, prefix=self.prefix))
-                    h = eng.hidden_states_torch(self._Batch(items, prefix=prefix_ids), self.cfg.layer, self.cfg.pooling)
+                if self._token_path():
+                    if self._prefix_ids is None:
+                        self._prefix_ids, _ = eng.tokenize_batch(self._Batch([""], prefix=self.prefix))
+                    if texts and isinstance(texts[0], str):
+                        _, items = eng.tokenize_batch(self._Batch(texts, prefix=self.prefix))
+                    else:
+                        items = texts
+                    h = eng.hidden_states_torch(self._Batch(items, prefix=self._prefix_ids), self.cfg.layer, self.cfg.pooling)
                     n_tok = float(np.mean([len(i) for i in items]))
                     return _Pending(torch_to_jax(h), n_tok)
                 h = eng.hidden_states(self._Batch(texts, prefix=self.prefix), self.cfg.layer, self.cfg.pooling)
