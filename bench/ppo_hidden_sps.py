@@ -105,6 +105,8 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
         "t_other_s": med("timing/other"), "update_wall_s": med("timing/update_wall"),
         "llm_share": med("llm/share"), "prompt_suffix_tokens": med("llm/prompt_suffix_tokens"),
         "updates_measured": len(steady),
+        "sps_per_update": [round(r["sps"], 1) for r in recs],  # the first one includes compiles
+        "t_env_per_update": [round(r["timing/env_policy"], 4) for r in recs if "timing/env_policy" in r],
     }
 
 
