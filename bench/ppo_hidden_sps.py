@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
 
 
-def build_engine(quick: bool):
+def build_engine(quick: bool, device: str = "cuda"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +41,7 @@ def build_engine(quick: bool):
         return HFEngine.from_model(model, tok), "tiny-llama (random)"
     tok = bundled_tokenizer()
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(qwen3_4b_config(), dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     return HFEngine.from_model(model, tok), "Qwen3-4B shape (random, bf16)"
@@ -102,7 +102,7 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
         "skip_n": "never" if (plain or skip_n == 0) else skip_n, "overlap": overlap,
         "sps_steady": med("sps"), "t_llm_s": med("timing/llm"), "t_env_s": med("timing/env_policy"),
         "t_render_s": med("timing/render"), "t_update_s": med("timing/update"), "t_norm_s": med("timing/norm"),
-        "t_other_s": med("timing/other"), "update_wall_s": med("timing/update_wall"),
+        "t_other_s": med("timing/other"), "update_wall_s": med("timing/update_wall"), "t_llm_wait_s": med("timing/llm_wait"),
         "llm_share": med("llm/share"), "prompt_suffix_tokens": med("llm/prompt_suffix_tokens"),
         "updates_measured": len(steady),
         "sps_per_update": [round(r["sps"], 1) for r in recs],  # the first one includes compiles
@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--env", default=None)
     ap.add_argument("--layer", type=int, default=-1, help="LLM layer read (-1 = last; a middle layer costs less)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain PPO reference run")
+    ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
     args = ap.parse_args()
 
@@ -132,7 +133,9 @@ def main() -> None:
     if args.quick:
         args.num_envs, args.num_steps, args.updates, args.updates_skip1 = [4], 8, 2, 2
         args.skip_n = [0, 8, 4]
-    engine, model_desc = build_engine(args.quick)
+    engine, model_desc = build_engine(args.quick, args.llm_device)
+    if args.llm_device not in ("cuda", "cuda:0"):
+        model_desc += f" on {args.llm_device}"
     runs_dir = tempfile.mkdtemp(prefix="tc-bench-")
     records: list[dict] = []
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
@@ -149,7 +152,8 @@ def main() -> None:
                 u = args.updates_skip1 if s == 1 else args.updates
                 r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer)
                 if s == 1:
-                    r["llm_bound_sps"] = rate / tokens
+                    # the limit of the definition: prefill rate / suffix tokens per env of the run's own texts
+                    r["llm_bound_sps"] = rate / (r["prompt_suffix_tokens"] or tokens)
                     r["ratio_to_llm_bound"] = r["sps_steady"] / r["llm_bound_sps"]
                 records.append(r)
                 print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s",
@@ -157,8 +161,9 @@ def main() -> None:
                 for x in records:  # saved after every config: a time limit keeps what was measured
                     x.setdefault("prefill_tok_per_s", rate)
                     x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
-                    x.update({"env": env_name, "llm": model_desc, "layer": args.layer, "card": card(), "date": today()})
-                write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card"))
+                    x.update({"env": env_name, "llm": model_desc, "layer": args.layer, "card": card(), "date": today(),
+                              "llm_device": args.llm_device})
+                write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card", "llm_device"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
                           "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])

@@ -15,10 +15,15 @@ Refresh rule: `skip_n` must divide `num_steps` (windows of skip_n steps inside e
 multiple of it (one refresh every skip_n/num_steps updates). `skip_n = 0` means "never": the plain PPO
 path (`train ppo`) runs, no LLM is loaded.
 
-`--overlap`: the LLM call for the next refresh runs while the current window's env+policy scan runs
-(JAX dispatch is asynchronous; torch's kernels run beside XLA's). The policy then sees hidden states one
-refresh interval old (age starts at skip_n instead of 0; envs whose episode ended since the snapshot get
-valid = 0). It pays only when the LLM and the env step do not saturate the device on their own.
+`--overlap`: the LLM call for a refresh point's snapshot runs in a worker thread while the following
+window's env+policy scan runs (the jitted scan holds the calling thread until it finishes - XLA drives its
+loop from the host - but releases the GIL, so a second thread is what lets the two run together). The
+policy then sees hidden states one refresh interval old (age starts at skip_n instead of 0; envs whose
+episode ended since the snapshot get valid = 0). `timing/llm` is then the worker's time (overlapping
+`timing/env_policy`); `timing/llm_wait` is what the loop actually waited for it.
+It pays when the LLM runs on other hardware (`--engine-device cuda:1`, an SGLang server); on the same GPU
+the LLM's matmuls and the env's many small kernels contend for the SMs and the two times nearly add up
+(bench/overlap_probe.py measures this).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -72,7 +78,8 @@ class PPOHiddenConfig(PPOConfig):
     hidden_proj_dim: int = 64
     """Width of the learned projection of the hidden state into the policy."""
     overlap: bool = False
-    """Compute the next refresh's hidden states while the current window runs (one refresh interval stale)."""
+    """Compute the next refresh's hidden states while the current window runs (one refresh interval stale).
+    Pays with the LLM on another GPU (--engine-device cuda:1) or a server; on the same GPU it does not."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -165,6 +172,14 @@ class HiddenStateSource:
                 return self._token_renderer.render(sem, env_kind=self.env_kind)
             return render(sem, fmt=self.cfg.text_format, env_kind=self.env_kind)
 
+    @staticmethod
+    def _to_policy_device(x: Any) -> Any:
+        """The LLM may live on another GPU (--engine-device cuda:1): move its output to the policy's."""
+        import jax
+
+        target = jax.devices()[0]
+        return x if x.devices() == {target} else jax.device_put(x, target)
+
     def _token_path(self) -> bool:
         eng = self.engine
         return all(hasattr(eng, a) for a in ("tokenize_batch", "hidden_states_torch", "tokenizer"))
@@ -186,7 +201,7 @@ class HiddenStateSource:
                         items = texts
                     h = eng.hidden_states_torch(self._Batch(items, prefix=self._prefix_ids), self.cfg.layer, self.cfg.pooling)
                     n_tok = float(np.mean([len(i) for i in items]))
-                    return _Pending(torch_to_jax(h), n_tok)
+                    return _Pending(self._to_policy_device(torch_to_jax(h)), n_tok)
                 h = eng.hidden_states(self._Batch(texts, prefix=self.prefix), self.cfg.layer, self.cfg.pooling)
                 return _Pending(jnp.asarray(h, jnp.float32), float("nan"))
             except UserError:
@@ -302,6 +317,8 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         end_update = min(end_update, start_update + cfg.stop_after_updates)
     update = start_update
     pending: _Pending | None = None
+    future: Any = None
+    executor = ThreadPoolExecutor(1, thread_name_prefix="llm") if cfg.overlap else None
     timer = session.timer
     console.print(f"ppo-hidden: {N} envs, {W} window(s) of {S} steps per update, refresh every {cfg.skip_n} steps, "
                   f"engine {cfg.engine} (hidden size {H}){', overlap' if cfg.overlap else ''}")
@@ -328,21 +345,22 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                             tokens.append(n_tok)
                         else:
                             texts = src.texts(state.runner.rollout.env_state)  # snapshot of this refresh point
-                            if pending is None:
-                                p = src.hidden(texts)
+                            if pending is None:  # the very first refresh: synchronous, age 0
+                                pending = src.hidden(texts)
                                 with timer.phase("norm"):
-                                    state = install(state, p.hidden, 0, jnp.ones((N,), bool))
-                                pending, texts = p, None
-                            else:
+                                    state = install(state, pending.hidden, 0, jnp.ones((N,), bool))
+                            else:  # the previous snapshot's hidden states, one refresh interval old
+                                if future is not None:
+                                    with timer.phase("llm_wait"):
+                                        pending = future.result()
                                 with timer.phase("norm"):
                                     state = install(state, pending.hidden, cfg.skip_n, ~state.done_since_snapshot)
+                                # this snapshot's LLM call runs in a worker thread while the window runs (the
+                                # jitted scan holds the calling thread until it is done; JAX releases the GIL)
+                                future = executor.submit(src.hidden, texts)
+                            tokens.append(pending.suffix_tokens)
                     t0 = time.perf_counter()
-                    state, traj, stats, info = window(state)  # asynchronous dispatch
-                    if refresh_update and cfg.overlap and texts is not None:
-                        pending = src.hidden(texts)  # runs beside the window on the device
-                        tokens.append(pending.suffix_tokens)
-                    elif refresh_update and cfg.overlap:
-                        tokens.append(pending.suffix_tokens)
+                    state, traj, stats, info = window(state)
                     jax.block_until_ready(state.runner.rollout.obs)
                     timer.add("env_policy", time.perf_counter() - t0)
                     trajs.append(traj)
@@ -377,6 +395,8 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
                         f"continue with --resume {session.run_dir}") from None
     finally:
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
         if own_engine:
             engine.close()
     summary = session.summary
