@@ -173,11 +173,16 @@ class HiddenStateSource:
             return render(sem, fmt=self.cfg.text_format, env_kind=self.env_kind)
 
     @staticmethod
-    def _to_policy_device(x: Any) -> Any:
-        """The LLM may live on another GPU (--engine-device cuda:1): move its output to the policy's."""
+    def _policy_device() -> Any:
         import jax
 
-        target = jax.devices()[0]
+        return jax.devices()[0]
+
+    def _to_policy_device(self, x: Any) -> Any:
+        """The LLM may live on another device (--engine-device cuda:1): the policy reads it on its own."""
+        import jax
+
+        target = self._policy_device()
         return x if x.devices() == {target} else jax.device_put(x, target)
 
     def _token_path(self) -> bool:
@@ -201,6 +206,9 @@ class HiddenStateSource:
                         items = texts
                     h = eng.hidden_states_torch(self._Batch(items, prefix=self._prefix_ids), self.cfg.layer, self.cfg.pooling)
                     n_tok = float(np.mean([len(i) for i in items]))
+                    target = self._policy_device()
+                    if h.device.type == "cuda" and target.platform == "gpu" and h.device.index != target.local_hardware_id:
+                        h = h.to(f"cuda:{target.local_hardware_id}")  # LLM on another GPU: a 1 MB peer copy
                     return _Pending(self._to_policy_device(torch_to_jax(h)), n_tok)
                 h = eng.hidden_states(self._Batch(texts, prefix=self.prefix), self.cfg.layer, self.cfg.pooling)
                 return _Pending(jnp.asarray(h, jnp.float32), float("nan"))
