@@ -50,7 +50,8 @@ def test_collect_then_label(tmp_path, stub):
                  "--fields", "action:string,n:integer"]) == 0
     # identical states (e.g. a step that changed nothing in view) are one item: labelled once
     assert st.n == len({r["compact_text"] for r in rows})
-    assert st.bodies[0]["messages"][1]["content"] == rows[0]["compact_text"]
+    # requests run concurrently: any order
+    assert rows[0]["compact_text"] in [b["messages"][1]["content"] for b in st.bodies]
 
 
 def test_ppo_policy_loads_from_a_run_dir(tmp_path):

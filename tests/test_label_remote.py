@@ -319,8 +319,9 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, stub):
 
 
 def test_ctrl_c_keeps_finished_items(tmp_path, stub):
-    url, st = stub(delay_s=0.05)
-    n = 40
+    # ~5 s of work left after the interrupt point, so that a loaded machine cannot finish before SIGINT lands
+    url, st = stub(delay_s=0.1)
+    n = 60
     c = cfg(tmp_path, url, n=n, ep={"max_concurrency": 1})
     args = ["label", "--input", c.input, "--out-dir", c.out_dir, "--fields", c.fields, "--endpoints", c.endpoints]
     code = f"import sys; from thinkcraft.cli import main; sys.exit(main({args!r}))"
