@@ -1,6 +1,7 @@
 """Engines by spec string:
 
-    hf:<path-or-default>          in-process transformers (options: device=, dtype=, max_batch_tokens=, ...)
+    hf:<path-or-default>          in-process transformers (options: device=, dtype=, max_batch_tokens=,
+                                  kv_cache=, compile_decode=, compile_prefill=, prefix_reuse=, ...)
     vllm:<path>                   vLLM in-process (optional extra; options: ServingOptions fields)
     sglang+http://host:port       SGLang server (options: HTTPOptions fields)
     openai+http://host:port/v1    any OpenAI-compatible endpoint, generation only (options: model=, HTTPOptions fields)
