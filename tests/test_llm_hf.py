@@ -395,3 +395,28 @@ def test_compiled_prefill_equals_eager_one_graph_for_all_layers() -> None:
     if eng._layer_fn is not None and eng._layer_fn._failed:
         pytest.skip("torch.compile cannot build here (no C++ compiler?); eager fallback checked only")
     assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs0 <= 2
+
+
+def test_gqa_decode_attention_equals_expanded_sdpa_and_is_used_by_generate(tiny, monkeypatch) -> None:
+    """One-token decode attention with folded GQA heads (no repeat_kv copy) equals sdpa over expanded
+    heads with the same padding mask, and `generate` goes through it."""
+    import thinkcraft.llm.attention as A
+
+    torch.manual_seed(0)
+    b, h, hkv, t, d = 3, 8, 2, 11, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    mask[0, ..., :4] = False  # left pads of row 0
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(A.gqa_decode_attention(q, k, v, mask, 0.25), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(A.gqa_decode_attention(q, k, v, None, 0.25),
+                               torch.nn.functional.scaled_dot_product_attention(
+                                   q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), scale=0.25),
+                               atol=1e-5, rtol=1e-5)
+    calls = []
+    real = A.gqa_decode_attention
+    monkeypatch.setattr(A, "gqa_decode_attention", lambda *a: calls.append(1) or real(*a))
+    HFEngine.from_model(*tiny).generate(Batch(items=["hi", "a longer prompt here"]),
+                                        SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert calls  # tiny model: 4 query / 2 KV heads

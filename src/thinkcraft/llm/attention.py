@@ -165,3 +165,53 @@ def register_cascade_attention() -> str:
     except ImportError:  # pragma: no cover - older transformers
         pass
     return CASCADE_ATTN
+
+
+# --- decode (one query token) without copying the KV cache ------------------------------------------------
+
+DECODE_ATTN = "thinkcraft_decode"
+
+
+def gqa_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention of ONE query position per row over the cache, GQA heads folded (no `repeat_kv`).
+
+    query (B, H, 1, d); key, value (B, Hkv, T, d); mask None, bool (B or 1, 1, 1, T) with True = attend,
+    or additive float. Returns (B, H, 1, d). Each key/value byte is read once: at large decode batches
+    the step is bound by reading the cache, and the 4x expanded copy `repeat_kv` makes before sdpa
+    (whenever there is a padding mask) is what made a batch-512 decode slow."""
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, h // hkv, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # (B, Hkv, G, T)
+    if mask is not None:
+        m = mask[..., -1:, :]  # (B|1, 1, 1, T) broadcasts over (Hkv, G)
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, h, 1, d)
+
+
+def decode_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
+    """transformers attention function: `gqa_decode_attention` for one-token steps, sdpa otherwise."""
+    if query.shape[2] != 1 or dropout or key.shape[1] == query.shape[1]:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = gqa_decode_attention(query, key, value, attention_mask, scale)
+    return out.transpose(1, 2), None
+
+
+def register_decode_attention() -> str:
+    """Register the decode attention with transformers (idempotent; sdpa's mask function); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTN, decode_attention_forward)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTN, sdpa_mask)
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+    return DECODE_ATTN

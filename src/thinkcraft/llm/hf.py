@@ -32,7 +32,7 @@ from typing import Any, Iterator, Literal, Sequence
 import numpy as np
 import torch
 
-from thinkcraft.llm.attention import PREFIX_KV_KWARG, register_cascade_attention
+from thinkcraft.llm.attention import PREFIX_KV_KWARG, register_cascade_attention, register_decode_attention
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
 from thinkcraft.utils.errors import UserError
 
@@ -186,6 +186,7 @@ class HFEngine:
         params = inspect.signature(type(self._dec).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cascade_name = register_cascade_attention()
+        self._decode_name = register_decode_attention()
         # pad with the pad token if there is one, else EOS (pads are never attended nor gathered)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.eos_ids = self._eos_ids()
@@ -498,7 +499,8 @@ class HFEngine:
         prefix_len = len(prefix) if self.prefix_reuse and prefix and all(len(it) > 0 for it in items) else 0
         out: list[Completion] = []
         self.last_generate_timing = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
-        with self._inference(), self._autocast_embeddings():
+        # decode steps read the KV cache once, GQA heads folded (sdpa would copy it 4x for the padding mask)
+        with self._inference(), self._autocast_embeddings(), self._attn_impl(self._decode_name):
             for a in range(0, len(prompts), self.max_batch_size):
                 out.extend(self._generate_chunk(prompts[a : a + self.max_batch_size], sampling, gen, prefix_len))
         return out
