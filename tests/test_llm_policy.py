@@ -161,7 +161,9 @@ class _ParityReward:
 
 
 def _patch_reward(monkeypatch):
-    monkeypatch.setattr(LP, "make_env_and_reward", lambda cfg, f=None: TaskEnv(ArithTask(1), _ParityReward()))
+    import thinkcraft.train.llm_policy.loop as loop  # where run() looks it up
+
+    monkeypatch.setattr(loop, "make_env_and_reward", lambda cfg, f=None: TaskEnv(ArithTask(1), _ParityReward()))
 
 
 def _lora(run_dir):

@@ -1,0 +1,37 @@
+"""`thinkcraft train llm-policy`: the language model itself is the policy, trained online from env reward.
+
+One synchronous step (each phase timed, `timing/<phase>`):
+
+    1. generate  prompts (chat template, last K turns of history) -> engine.generate (G samples per seed);
+                 token ids + sampled-token logprobs kept (token in, token out: never re-tokenized)
+    2. env       parse/grade the completions -> per-turn rewards (multi-turn envs loop 1-2 until done)
+    3. store     every episode -> trajectory store (token ids, logprobs, masks, rewards, policy_version)
+    4. train     returns -> advantages (GRPO / RLOO / REINFORCE) or A*-PO targets -> token loss on generated
+                 tokens only, micro-batched with gradient accumulation
+    5. log/ckpt  metrics, progress, PNG curve; checkpoint (adapter/weights, optimizer, step, RNG)
+
+The learner owns the torch model; the sampler reads the same parameters (no copy), so after step 4 the
+next rollout is on-policy with `policy_version = step`.
+"""
+
+from thinkcraft.train.llm_policy.config import ALGOS_NEEDING_LOGPROBS, Algo, EnvName, LLMPolicyConfig
+from thinkcraft.train.llm_policy.learner import (
+    Learner, TrainRows, build_rows, load_checkpoint, row_scores_and_groups, save_checkpoint,
+)
+from thinkcraft.train.llm_policy.loop import run
+from thinkcraft.train.llm_policy.model import (
+    CHATML_TEMPLATE, check_engine_for_algo, load_policy, make_engine, random_model, resolve_model_path,
+    train_bpe_tokenizer,
+)
+from thinkcraft.train.llm_policy.rollout import (
+    Episode, TurnSample, _prompt_corpus, _seed_of, _split_think, build_messages, encode_prompt,
+    episode_record, make_env_and_reward, rollout,
+)
+
+__all__ = [
+    "ALGOS_NEEDING_LOGPROBS", "Algo", "CHATML_TEMPLATE", "EnvName", "Episode", "LLMPolicyConfig", "Learner",
+    "TrainRows", "TurnSample", "build_messages", "build_rows", "check_engine_for_algo", "encode_prompt",
+    "episode_record", "load_checkpoint", "load_policy", "make_engine", "make_env_and_reward", "random_model",
+    "resolve_model_path", "rollout", "row_scores_and_groups", "run", "save_checkpoint", "train_bpe_tokenizer",
+    "_prompt_corpus", "_seed_of", "_split_think",  # used by bench/grpo_arith.py (TRL at the same prompts) and tests
+]

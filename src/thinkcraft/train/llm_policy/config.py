@@ -1,0 +1,171 @@
+"""The one documented config of `thinkcraft train llm-policy` (validated before anything loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+from thinkcraft.utils.errors import check
+
+
+Algo = Literal["grpo", "rloo", "reinforce", "apo"]
+EnvName = Literal["arith", "gsm8k", "craftax", "craftax-classic"]
+ALGOS_NEEDING_LOGPROBS = ("grpo", "rloo", "reinforce")
+
+@dataclass
+class LLMPolicyConfig:
+    env: EnvName = "arith"
+    """Text environment: arith (generated word problems), gsm8k (local file), craftax, craftax-classic."""
+    algo: Algo = "grpo"
+    """grpo (group-normalised advantages, clipped ratio), rloo (leave-one-out baseline), reinforce (running-mean
+    baseline), apo (A*-PO: offline V* from reference samples, then one sample per prompt)."""
+    model: str = "default"
+    """'default' (bundled SmolLM2-135M-Instruct), a local HF folder, or random:<shape> (random weights with a
+    byte-level BPE trained on the env's prompts; shapes: tiny, qwen2.5-0.5b) for speed measurements."""
+    run_dir: str = "runs/llm-policy"
+    """Metrics, checkpoints, curve PNG and the trajectory store go here."""
+    steps: int = 30
+    """Learner steps (one batch of prompts each)."""
+    prompts_per_step: int = 8
+    """Distinct prompts/seeds per step."""
+    group_size: int = 4
+    """Samples per prompt (G). A*-PO uses 1 online sample per prompt regardless."""
+    max_new_tokens: int = 128
+    """Generated tokens per turn at most."""
+    temperature: float = 1.0
+    """Sampling temperature. Engine and learner logprobs are both at temperature 1 (the engine protocol's
+    convention), so ratios compare like with like; T != 1 samples from a sharpened/flattened policy."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    thinking_budget: int | None = None
+    """For <think> models: close the thought after this many tokens (forced tokens are not trained)."""
+    history_turns: int = 2
+    """Multi-turn envs: how many past (observation, action) turns the prompt shows."""
+    max_turns: int = 8
+    """Craftax: decisions per episode (the episode step cap)."""
+    format_penalty: float = 0.0
+    """Craftax: reward subtracted when the action cannot be parsed (a no-op is played)."""
+    difficulty: int = 1
+    """arith: difficulty level 1..6."""
+    gsm8k_path: str | None = None
+    """gsm8k: local JSONL/Parquet in the GSM8K layout (question, answer ending in '#### <n>')."""
+    reward: Literal["rule", "judge"] = "rule"
+    """arith/gsm8k reward: rule (`#### <number>` exact match) or judge (an LLM compares gold and answer)."""
+    judge_engine: str = "self"
+    """Judge engine: 'self' (the policy's weights with the LoRA adapter off) or any engine spec
+    (hf:<path-or-default>, vllm:<path>, sglang+http://host:port, openai+http://host:port/v1)."""
+    answer_weight: float = 1.0
+    """Reward for a correct final answer."""
+    lenient_answer: bool = False
+    """Rule reward: without a `####` line, grade the last number in the text (denser signal for small models)."""
+    format_weight: float = 0.1
+    """Reward for a parsable `#### <number>` line (a learning signal before answers are right)."""
+    finetune: Literal["lora", "full"] = "lora"
+    """LoRA adapters through PEFT (default) or full fine-tuning."""
+    lora_rank: int = 16
+    """LoRA rank r."""
+    lora_alpha: float = 32.0
+    """LoRA scaling alpha."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (0 = off)."""
+    micro_batch_size: int = 8
+    """Rows (turns) per forward/backward; gradients accumulate over the batch."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the reference (initial) policy; 0 = none (as DAPO/Dr. GRPO)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "seq-mean-token-mean"
+    """How token losses are averaged (GRPO's per-sequence mean, or every token equal)."""
+    scale_adv_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    gamma: float = 1.0
+    """Multi-turn discount for returns-to-go."""
+    baseline_momentum: float = 0.9
+    """REINFORCE: EMA momentum of the reward baseline."""
+    apo_ref_samples: int = 8
+    """A*-PO: reference samples per prompt for the offline V* estimate."""
+    apo_beta1: float = 0.5
+    """A*-PO: V* = β1 log mean exp(r/β1)."""
+    apo_beta2: float = 1e-3
+    """A*-PO: regression weight of log πθ/πref."""
+    apo_pool_size: int = 64
+    """A*-PO: prompts (seeds) in the training pool whose V* is estimated offline."""
+    kv_cache: Literal["dynamic", "static"] = "dynamic"
+    """Engine KV cache during generation; static (+ --compile-decode) lets CUDA graphs replay the decode step."""
+    compile_decode: bool = False
+    """torch.compile the engine's decode step (GPU; first step pays the compile)."""
+    max_generate_batch: int = 1024
+    """Sequences per engine decode batch."""
+    seed: int = 0
+    """Seeds problems, sampling and LoRA init."""
+    device: str = "auto"
+    """auto (cuda if available), cpu, cuda, cuda:1, ..."""
+    bf16: bool = True
+    """On GPU: bf16 forward (frozen base weights stored in bf16; trainable weights stay fp32)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every N steps (and at the end); 0 = only at the end."""
+    resume: bool = False
+    """Continue from run_dir/checkpoint.pt (adapter, optimizer, step, RNG, baselines)."""
+    store: bool = True
+    """Write every episode to run_dir/trajectories (the Parquet trajectory store)."""
+    plot: bool = True
+    """Write run_dir/curve.png at the end."""
+    log_every_s: float = 10.0
+    """Progress line interval when not on a terminal."""
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, "steps", "must be >= 1")
+        check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+        check(self.group_size >= 1, "group_size", "must be >= 1")
+        check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        check(self.temperature > 0, "temperature", "must be > 0 (sampling; the policy gradient needs samples)")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.history_turns >= 0, "history_turns", "must be >= 0")
+        check(self.max_turns >= 1, "max_turns", "must be >= 1")
+        check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
+        check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
+        check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
+        check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        if self.algo in ("grpo", "rloo"):
+            check(self.group_size >= 2, "group_size", f"{self.algo} compares samples of one prompt: use >= 2")
+        if self.algo == "apo":
+            check(self.env in ("arith", "gsm8k"), "algo", "apo (A*-PO) is single-turn: use --env arith or gsm8k")
+            check(self.apo_ref_samples >= 1, "apo_ref_samples", "must be >= 1")
+            check(self.apo_beta1 > 0 and self.apo_beta2 > 0, "apo_beta1", "apo betas must be > 0")
+            check(self.apo_pool_size >= 1, "apo_pool_size", "must be >= 1")
+        if self.env == "gsm8k":
+            check(bool(self.gsm8k_path), "gsm8k_path", "the gsm8k env needs a local JSONL/Parquet file")
+            check(Path(self.gsm8k_path).exists(), "gsm8k_path", f"{self.gsm8k_path} does not exist")
+        if self.reward == "judge":
+            check(self.env in ("arith", "gsm8k"), "reward", "the judge grades answers of arith/gsm8k, not craftax")
+        if self.thinking_budget is not None:
+            check(0 < self.thinking_budget < self.max_new_tokens, "thinking_budget", "must be in (0, max_new_tokens)")
+
+    @property
+    def is_multi_turn(self) -> bool:
+        return self.env in ("craftax", "craftax-classic")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return 1 if self.algo == "apo" else self.group_size
+
+
+# ===================================================================================== model + tokenizer
+
+# Random-weight shapes for speed measurements (`--model random:<shape>`).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, tie_word_embeddings=True),
+    # Qwen2.5-0.5B body (ANCHORS.md, TRL reference): 358M parameters with a 2,048-token vocabulary
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, tie_word_embeddings=True, rope_theta=1_000_000.0),
+}

@@ -1,0 +1,163 @@
+"""Policy model, tokenizer and the in-process engine that samples from the learner's own weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+
+from thinkcraft.utils.errors import ConfigError, UserError
+from thinkcraft.train.llm_policy.config import ALGOS_NEEDING_LOGPROBS, MODEL_SHAPES, LLMPolicyConfig
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048):
+    """A byte-level BPE (HF `tokenizers`) trained on `texts`, with ChatML special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        additional_special_tokens=specials[1:],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+def random_model(shape: str, tokenizer, seed: int = 0):
+    """A Qwen2-architecture causal LM with random weights in the named shape."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if shape not in MODEL_SHAPES:
+        raise UserError(f"unknown model shape {shape!r}; known: {', '.join(MODEL_SHAPES)}")
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer), max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **MODEL_SHAPES[shape],
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
+
+def resolve_model_path(spec: str) -> Path:
+    """'default' (the bundled model, converted once), a .gguf file or a local HF folder; never downloads."""
+    from thinkcraft.llm.models import resolve_model
+
+    return Path(resolve_model(spec))
+
+def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype):
+    """(model, tokenizer) for the policy: pretrained from a folder or random weights in a named shape."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.model.startswith("random:"):
+        tok = train_bpe_tokenizer(prompt_texts)
+        model = random_model(cfg.model.split(":", 1)[1], tok, seed=cfg.seed)
+        model.to(device=device, dtype=dtype)
+    else:
+        path = resolve_model_path(cfg.model)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        tok.chat_template = CHATML_TEMPLATE
+    model.config.use_cache = True
+    if cfg.finetune == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+                          task_type="CAUSAL_LM")
+        torch.manual_seed(cfg.seed)
+        # PEFT keeps adapter weights in fp32 even when the base is bf16 (autocast_adapter_dtype)
+        model = get_peft_model(model, lcfg)
+    else:
+        model.float()  # full fine-tuning: fp32 master weights, bf16 autocast for the forward
+    return model, tok
+
+
+# =========================================================================================== sampler
+
+def make_engine(model, tokenizer, cfg: "LLMPolicyConfig"):
+    """The in-process engine over the learner's model: `HFEngine.from_model` shares the parameters (no
+    copy), so every rollout samples from the weights the learner just updated."""
+    from thinkcraft.llm.hf import HFEngine
+
+    return HFEngine.from_model(model, tokenizer, kv_cache=cfg.kv_cache, compile_decode=cfg.compile_decode,
+                               max_batch_size=cfg.max_generate_batch)
+
+def check_engine_for_algo(capabilities, algo: str) -> None:
+    """Algorithms with a behaviour-policy ratio need the sampled tokens' logprobs from the engine."""
+    if algo in ALGOS_NEEDING_LOGPROBS and not capabilities.logprobs:
+        raise UserError(
+            f"--algo {algo} needs the sampled tokens' logprobs, and this engine returns none; "
+            "use an engine with logprobs (hf, vllm, sglang) or --algo apo"
+        )
+    if not capabilities.generate:
+        raise UserError("the policy engine cannot generate text")
+
+
+# =========================================================================================== rollout
+
+def _device(spec: str):
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(spec)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "CUDA is not available on this machine; use --device cpu or auto")
+    return d
+
+class _AdapterOffEngine:
+    """The policy's own weights with the LoRA adapter switched off (the initial model) as a judge."""
+
+    def __init__(self, inner, model) -> None:
+        self.inner, self.model = inner, model
+
+    @property
+    def capabilities(self):
+        return self.inner.capabilities
+
+    def generate(self, batch, sampling):
+        import contextlib
+
+        ctx = self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else contextlib.nullcontext()
+        with ctx:
+            return self.inner.generate(batch, sampling)
+
+    def hidden_states(self, *a, **k):
+        return self.inner.hidden_states(*a, **k)
+
+    def close(self) -> None:
+        pass
+
+class _LazyEngine:
+    """The judge engine when it is the policy itself: bound once the policy is loaded."""
+
+    def __init__(self, holder: dict) -> None:
+        self.holder = holder
+
+    @property
+    def capabilities(self):
+        return self.holder["engine"].capabilities
+
+    def generate(self, batch, sampling):
+        return self.holder["engine"].generate(batch, sampling)
+
+    def hidden_states(self, *a, **k):
+        return self.holder["engine"].hidden_states(*a, **k)
+
+    def close(self) -> None:
+        pass
