@@ -36,6 +36,8 @@ def _start(*extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "thinkcraft", "serve", "--model", "default", "--port", str(port), *extra],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # stopped with SIGINT below: give it the default disposition even when this run ignores SIGINT
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     return proc, f"http://127.0.0.1:{port}"
 
