@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import defaultdict
 from typing import Iterator
@@ -20,6 +21,8 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self._seconds: dict[str, float] = defaultdict(float)
+        # phases may run in worker threads (ppo-hidden --overlap times its LLM calls there)
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -27,19 +30,23 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self._seconds[name] += time.perf_counter() - t0
+            self.add(name, time.perf_counter() - t0)
 
     def add(self, name: str, seconds: float) -> None:
-        self._seconds[name] += seconds
+        with self._lock:
+            self._seconds[name] += seconds
 
     def seconds(self, name: str) -> float:
         return self._seconds.get(name, 0.0)
 
     def total(self) -> float:
-        return sum(self._seconds.values())
+        with self._lock:
+            return sum(self._seconds.values())
 
     def metrics(self, prefix: str = "timing/") -> dict[str, float]:
-        return {prefix + k: v for k, v in self._seconds.items()}
+        with self._lock:
+            return {prefix + k: v for k, v in self._seconds.items()}
 
     def reset(self) -> None:
-        self._seconds.clear()
+        with self._lock:
+            self._seconds.clear()
