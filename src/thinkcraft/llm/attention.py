@@ -153,18 +153,23 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
 
 
 def register_cascade_attention() -> str:
-    """Register the cascade attention with transformers (idempotent); returns its name. The masking
-    registry gets the sdpa mask function so that model code asking for a mask under this name works."""
+    """Register the cascade attention with transformers (idempotent); returns its name."""
+    return _register(CASCADE_ATTN, cascade_attention_forward)
+
+
+def _register(name: str, fn) -> str:  # noqa: ANN001
+    """Register an attention function with transformers under `name`, with sdpa's mask function (so model
+    code asking for a mask under this name gets sdpa's boolean mask). Idempotent."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(CASCADE_ATTN, cascade_attention_forward)
+    AttentionInterface.register(name, fn)
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-        ALL_MASK_ATTENTION_FUNCTIONS.register(CASCADE_ATTN, sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
     except ImportError:  # pragma: no cover - older transformers
         pass
-    return CASCADE_ATTN
+    return name
 
 
 # --- decode (one query token) without copying the KV cache ------------------------------------------------
@@ -204,14 +209,5 @@ def decode_attention_forward(module, query, key, value, attention_mask, scaling=
 
 
 def register_decode_attention() -> str:
-    """Register the decode attention with transformers (idempotent; sdpa's mask function); returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(DECODE_ATTN, decode_attention_forward)
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTN, sdpa_mask)
-    except ImportError:  # pragma: no cover - older transformers
-        pass
-    return DECODE_ATTN
+    """Register the decode attention with transformers (idempotent); returns its name."""
+    return _register(DECODE_ATTN, decode_attention_forward)
