@@ -135,19 +135,16 @@ PREFIX_KV_KWARG = "thinkcraft_prefix_kv"
 
 
 def cascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
-    """transformers attention function (same signature as `sdpa_attention_forward`): uses the prefix KV
-    passed through the forward kwargs as `thinkcraft_prefix_kv=` either this layer's `(k, v)` (called layer
-    by layer: nothing layer-specific is read, so a compiled layer serves them all) or the whole model's
-    `[(k, v) per layer]`. Without it: plain sdpa (causal when there is no mask)."""
+    """transformers attention function (same signature as `sdpa_attention_forward`): uses this layer's
+    prefix `(k, v)` passed through the layer's forward kwargs as `thinkcraft_prefix_kv=` (the engine calls
+    the layers one by one; nothing layer-specific is read here, so one compiled layer serves them all).
+    Without it: plain sdpa (causal when there is no mask)."""
     prefix_kv = kwargs.pop(PREFIX_KV_KWARG, None)
     if prefix_kv is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if isinstance(prefix_kv, tuple) and len(prefix_kv) == 2 and isinstance(prefix_kv[0], torch.Tensor):
-        pk, pv = prefix_kv
-    else:
-        pk, pv = prefix_kv[module.layer_idx]
+    pk, pv = prefix_kv
     out = shared_prefix_attention(query, key, value, pk, pv, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

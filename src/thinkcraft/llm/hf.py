@@ -182,7 +182,9 @@ class HFEngine:
             frozen = not any(q.requires_grad for q in self._lm.parameters())
             compile_prefill = self.device.type == "cuda" and frozen
         self.compile_prefill = compile_prefill
-        self._layer_fn: Any = None
+        self._layer_fn: Any = _CompiledLayer() if compile_prefill else _call_layer
+        self._embed_hook: Any = None  # see _autocast_embeddings
+        self._embed_cast: torch.dtype | None = None
         params = inspect.signature(type(self._dec).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cascade_name = register_cascade_attention()
@@ -290,11 +292,10 @@ class HFEngine:
         if dt is None or self.dtype == dt:
             yield
             return
-        if getattr(self, "_embed_hook", None) is None:
+        if self._embed_hook is None:
             def cast(_m, _i, out):  # noqa: ANN001, ANN202
                 return out if self._embed_cast is None else out.to(self._embed_cast)
 
-            self._embed_cast = None
             self._embed_hook = self._dec.embed_tokens.register_forward_hook(cast)
         self._embed_cast = dt
         try:
@@ -430,18 +431,10 @@ class HFEngine:
             return h
         pos = (start + torch.arange(s, device=self.device))[None, :].expand(b, s)
         pe = dec.rotary_emb(h, pos)
-        fn = self._layer_callable()
         with self._attn_impl(self._cascade_name):
             for i, layer in enumerate(dec.layers[: min(idx, self.num_layers)]):
-                h = fn(layer, h, pos, pe, kv[i] if kv is not None else None)
+                h = self._layer_fn(layer, h, pos, pe, kv[i] if kv is not None else None)
         return dec.norm(h) if idx == self.num_layers else h
-
-    def _layer_callable(self) -> Any:
-        if not self.compile_prefill:
-            return _call_layer
-        if self._layer_fn is None:
-            self._layer_fn = _CompiledLayer()
-        return self._layer_fn
 
     def _weights_version(self) -> int:
         """Changes whenever a parameter is modified in place (optimizer steps, load_state_dict), so a
@@ -722,7 +715,7 @@ class _CompiledLayer:
                 return self._fn(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
                 self._failed = True
-                logging.getLogger(__name__).warning("compiled prefill unavailable (%s); running eager", e)
+                log.warning("compiled prefill unavailable (%s); running eager", e)
         return _call_layer(*args)
 
 

@@ -173,16 +173,18 @@ class HiddenStateSource:
             return render(sem, fmt=self.cfg.text_format, env_kind=self.env_kind)
 
     @staticmethod
-    def _policy_device() -> Any:
+    def _to_policy(h: Any) -> Any:
+        """(N, H) torch hidden states -> a JAX array on the policy's device (JAX's first). The LLM may live
+        elsewhere (--engine-device cuda:1, or the CPU): another GPU's output is peer-copied by torch first
+        (DLPack cannot cross devices), anything else is placed by JAX."""
         import jax
 
-        return jax.devices()[0]
+        from thinkcraft.llm.dlpack import torch_to_jax
 
-    def _to_policy_device(self, x: Any) -> Any:
-        """The LLM may live on another device (--engine-device cuda:1): the policy reads it on its own."""
-        import jax
-
-        target = self._policy_device()
+        target = jax.devices()[0]
+        if h.device.type == "cuda" and target.platform == "gpu" and h.device.index != target.local_hardware_id:
+            h = h.to(f"cuda:{target.local_hardware_id}")  # ~1 MB
+        x = torch_to_jax(h)
         return x if x.devices() == {target} else jax.device_put(x, target)
 
     def _token_path(self) -> bool:
@@ -191,8 +193,6 @@ class HiddenStateSource:
 
     def hidden(self, texts: list[str] | list[list[int]]) -> _Pending:
         import jax.numpy as jnp
-
-        from thinkcraft.llm.dlpack import torch_to_jax
 
         with self.timer.phase("llm"):
             eng = self.engine
@@ -206,10 +206,7 @@ class HiddenStateSource:
                         items = texts
                     h = eng.hidden_states_torch(self._Batch(items, prefix=self._prefix_ids), self.cfg.layer, self.cfg.pooling)
                     n_tok = float(np.mean([len(i) for i in items]))
-                    target = self._policy_device()
-                    if h.device.type == "cuda" and target.platform == "gpu" and h.device.index != target.local_hardware_id:
-                        h = h.to(f"cuda:{target.local_hardware_id}")  # LLM on another GPU: a 1 MB peer copy
-                    return _Pending(self._to_policy_device(torch_to_jax(h)), n_tok)
+                    return _Pending(self._to_policy(h), n_tok)
                 h = eng.hidden_states(self._Batch(texts, prefix=self.prefix), self.cfg.layer, self.cfg.pooling)
                 return _Pending(jnp.asarray(h, jnp.float32), float("nan"))
             except UserError:
@@ -239,7 +236,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     from thinkcraft.envs.craftax import achievement_names, achievement_weights, env_kind
     from thinkcraft.llm import make_engine
     from thinkcraft.rl.hidden import (
-        AugInput, HiddenAux, RunningNorm, aux_after_step, empty_aux, make_policy_input, refresh,
+        AugInput, RunningNorm, aux_after_step, empty_aux, make_policy_input, refresh,
     )
     from thinkcraft.rl.networks import ActorCriticAug
     from thinkcraft.rl.ppo import episode_sums, init_runner_state, make_rollout, ppo_update
