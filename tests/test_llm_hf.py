@@ -420,3 +420,24 @@ def test_gqa_decode_attention_equals_expanded_sdpa_and_is_used_by_generate(tiny,
     HFEngine.from_model(*tiny).generate(Batch(items=["hi", "a longer prompt here"]),
                                         SamplingParams(max_new_tokens=3, temperature=0.0))
     assert calls  # tiny model: 4 query / 2 KV heads
+
+
+def test_generate_under_autocast_runs_the_residual_stream_in_the_autocast_dtype() -> None:
+    """Full fine-tuning keeps fp32 weights and generates under bf16 autocast: inside `generate` the token
+    embeddings are cast to bf16 (so RoPE'd keys and values share one dtype - a static cache needs that);
+    outside it the model is untouched, and static and dynamic caches give the same tokens."""
+    model, tok = tiny_llama(arch="qwen3")
+    seen: list[torch.dtype] = []
+    model.model.layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    outs = {}
+    for kv in ("static", "dynamic"):
+        eng = HFEngine.from_model(model, tok, kv_cache=kv)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[kv] = [c.token_ids for c in eng.generate(Batch(items=["hi there", "a b c"]), sp)]
+    assert seen and set(seen) == {torch.bfloat16}
+    assert outs["static"] == outs["dynamic"]
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert seen == [torch.float32]

@@ -139,3 +139,16 @@ def test_refresh_token_path_equals_tokenizing_the_rendered_text():
     got = np.asarray(src.hidden(ids).hidden)
     ref = engine.hidden_states(Batch(texts, prefix=_make_prompt_prefix(cfg)))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
+    """--engine-device cuda:1: the LLM's output lands on JAX's first device (torch peer copy + DLPack)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or jax.devices()[0].platform != "gpu":
+        pytest.skip("needs two CUDA GPUs visible to both torch and JAX (none here)")
+    from thinkcraft.train.ppo_hidden import HiddenStateSource
+
+    h = torch.randn(4, 8, device="cuda:1")
+    x = HiddenStateSource._to_policy(h)
+    assert x.devices() == {jax.devices()[0]}
+    np.testing.assert_allclose(np.asarray(x), h.cpu().numpy())
