@@ -11,7 +11,8 @@ Measures, each the median of a few repeats after warm-up:
   * LLM alone: one `hidden_states_torch` refresh of every env's compact text (shared prefix reused);
   * both at once, several ways: single thread (dispatch scan, then LLM), LLM in a worker thread on torch's
     current stream, on a side stream, on a high-priority side stream (and, where torch has it, with a
-    cuBLAS SM carve-out that leaves SMs free for the env kernels).
+    cuBLAS SM carve-out that leaves SMs free for the env kernels), and on a CUDA green context that gives
+    the LLM only `--green-sms` of the GPU's SMs (torch.cuda.green_contexts; the env keeps all of them).
 Also prints the top CUDA kernels of one LLM refresh (torch profiler). Writes bench/results/overlap_probe.json.
 """
 
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--env-only", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layer", type=int, default=-1, help="hidden-state layer of the LLM refresh")
+    ap.add_argument("--green-sms", default="96,112,120", help="SM counts to try for the LLM's green context")
     ap.add_argument("--tag", default="", help="label for this run (e.g. the XLA_FLAGS used)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overlap_probe.json"))
     a = ap.parse_args()
@@ -116,13 +119,16 @@ def main() -> None:
     def llm(stream=None):
         ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext()
         with ctx:
-            h = engine.hidden_states_torch(Batch(items, prefix=prefix_ids))
+            h = engine.hidden_states_torch(Batch(items, prefix=prefix_ids), layer=a.layer)
             if cuda:
                 torch.cuda.current_stream().synchronize()
         return h
 
     llm()
     llm_s = _med(llm, a.repeats)
+    lens = sorted(map(len, items))
+    rec.update({"layer": a.layer, "suffix_tokens_min": lens[0], "suffix_tokens_max": lens[-1],
+                "suffix_padding_share": 1 - sum(lens) / (lens[-1] * len(lens))})
     rec.update({"llm": model_desc, "prefix_tokens": len(prefix_ids), "suffix_tokens_mean": sum(map(len, items)) / N,
                 "llm_s": llm_s, "suffix_tok_per_s": sum(map(len, items)) / llm_s, "sum_s": env_s + llm_s,
                 "max_s": max(env_s, llm_s)})
@@ -174,6 +180,31 @@ def main() -> None:
                     carve(None)
         with contextlib.suppress(Exception):
             rec["llm_s_after_carveout_reset"] = _med(llm, a.repeats)
+    gc = getattr(torch.cuda, "green_contexts", None)
+    if cuda and gc is None:
+        with contextlib.suppress(Exception):
+            import torch.cuda.green_contexts as gc  # noqa: F811
+    if cuda and gc is not None:
+        rec["torch"] = torch.__version__
+        for k in [int(x) for x in a.green_sms.split(",") if x]:
+            for scope in (None, "balanced"):
+                name = f"green{k}" + (f"_{scope}" if scope else "")
+                try:
+                    kw = {"num_sms": k, "device_id": torch.cuda.current_device()}
+                    if scope:
+                        kw["workqueue_scope"] = scope
+                    g = gc.GreenContext.create(**kw)
+                    gs = g.Stream()
+                    llm(gs)
+                    rec[f"llm_{name}_s"] = _med(lambda: llm(gs), a.repeats)
+                    f = lambda: threaded(gs)  # noqa: E731
+                    f()
+                    rec[f"thread_{name}_s"] = _med(f, a.repeats)
+                    print(name, f"llm alone {rec[f'llm_{name}_s']:.3f} s, with env {rec[f'thread_{name}_s']:.3f} s",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001 - beta API, may be missing or refuse a count
+                    rec[f"{name}_error"] = repr(e)[:300]
+                    print(name, "failed:", repr(e)[:300], flush=True)
     if cuda:
         from torch.profiler import ProfilerActivity, profile
 

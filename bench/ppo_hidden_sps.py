@@ -75,7 +75,7 @@ def prefill_rate(engine, env_name: str, num_envs: int) -> tuple[float, float]:
 
 
 def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, overlap: bool, updates: int,
-            runs_dir: str, plain: bool = False, layer: int = -1) -> dict:
+            runs_dir: str, plain: bool = False, layer: int = -1, env_sms: int = 16) -> dict:
     from thinkcraft.train.ppo import PPOConfig
     from thinkcraft.train.ppo import run as run_ppo
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig
@@ -89,7 +89,7 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
         run_ppo(PPOConfig(**common, run_name=name, updates_per_chunk=1))
     else:
         run_hidden(PPOHiddenConfig(**common, run_name=name, skip_n=skip_n, overlap=overlap, updates_per_chunk=1,
-                                   layer=layer), engine=engine)
+                                   layer=layer, overlap_env_sms=env_sms), engine=engine)
     recs = [json.loads(l) for l in (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()]
     steady = recs[1:] if len(recs) > 1 else recs  # the first update compiles
 
@@ -100,6 +100,7 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
     return {
         "system": "ppo" if plain else "ppo-hidden", "num_envs": num_envs, "num_steps": num_steps,
         "skip_n": "never" if (plain or skip_n == 0) else skip_n, "overlap": overlap,
+        "overlap_env_sms": env_sms if (overlap and not plain) else None,
         "sps_steady": med("sps"), "t_llm_s": med("timing/llm"), "t_env_s": med("timing/env_policy"),
         "t_render_s": med("timing/render"), "t_update_s": med("timing/update"), "t_norm_s": med("timing/norm"),
         "t_other_s": med("timing/other"), "update_wall_s": med("timing/update_wall"), "t_llm_wait_s": med("timing/llm_wait"),
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--env", default=None)
     ap.add_argument("--layer", type=int, default=-1, help="LLM layer read (-1 = last; a middle layer costs less)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain PPO reference run")
+    ap.add_argument("--overlap-env-sms", type=int, default=16,
+                    help="with overlap on one GPU: SMs kept free of LLM work (0 = no green-context partition)")
+    ap.add_argument("--skip1-overlap", action="store_true", help="also run skip_n=1 with overlap (off by default: slow)")
     ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
     args = ap.parse_args()
@@ -148,9 +152,10 @@ def main() -> None:
             base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
             records.append(base)
         for s in args.skip_n:
-            for ov in ([False] if s == 0 else overlaps):
+            for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps):
                 u = args.updates_skip1 if s == 1 else args.updates
-                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer)
+                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer,
+                            env_sms=args.overlap_env_sms)
                 if s == 1:
                     # the limit of the definition: prefill rate / suffix tokens per env of the run's own texts
                     r["llm_bound_sps"] = rate / (r["prompt_suffix_tokens"] or tokens)
@@ -163,7 +168,8 @@ def main() -> None:
                     x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
                     x.update({"env": env_name, "llm": model_desc, "layer": args.layer, "card": card(), "date": today(),
                               "llm_device": args.llm_device})
-                write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card", "llm_device"))
+                write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card",
+                                                             "llm_device", "overlap_env_sms"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
                           "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])

@@ -441,3 +441,83 @@ def test_generate_under_autocast_runs_the_residual_stream_in_the_autocast_dtype(
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7]]))
     assert seen == [torch.float32]
+
+
+# --- forward chunk planning and the SM partition ----------------------------------------------------------
+
+
+def _brute_force_cost(lengths: list[int], overhead: int, max_tokens: int, max_rows: int) -> float:
+    """Cheapest cut of sorted lengths by trying every cut set (small n only)."""
+    import itertools
+
+    n, best = len(lengths), float("inf")
+    for k in range(n):
+        for cuts in itertools.combinations(range(1, n), k):
+            bounds = [0, *cuts, n]
+            cost = 0.0
+            for a, b in zip(bounds, bounds[1:]):
+                rows, padded = b - a, (b - a) * lengths[b - 1]
+                if rows > max_rows or (padded > max_tokens and rows > 1):
+                    cost = float("inf")
+                    break
+                cost += padded + overhead
+            best = min(best, cost)
+    return best
+
+
+def _plan_cost(lengths: list[int], plan: list[tuple[int, int]], overhead: int) -> float:
+    return sum((b - a) * lengths[b - 1] + overhead for a, b in plan)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_chunks_is_optimal_within_limits(seed: int) -> None:
+    from thinkcraft.llm.batching import plan_chunks
+
+    rng = np.random.default_rng(seed)
+    lengths = sorted(rng.integers(1, 40, size=int(rng.integers(1, 10))).tolist())
+    overhead, max_tokens, max_rows = int(rng.integers(0, 60)), int(rng.integers(30, 200)), int(rng.integers(1, 6))
+    plan = plan_chunks(lengths, overhead, max_tokens, max_rows)
+    # a partition of range(n), in order
+    assert plan[0][0] == 0 and plan[-1][1] == len(lengths)
+    assert all(b1 == a2 for (_, b1), (a2, _) in zip(plan, plan[1:])) and all(a < b for a, b in plan)
+    for a, b in plan:
+        assert b - a <= max_rows
+        assert (b - a) * lengths[b - 1] <= max_tokens or b - a == 1
+    assert _plan_cost(lengths, plan, overhead) == _brute_force_cost(lengths, overhead, max_tokens, max_rows)
+
+
+def test_plan_chunks_trades_padding_against_launches() -> None:
+    from thinkcraft.llm.batching import plan_chunks
+
+    bimodal = [10] * 64 + [100] * 64
+    assert plan_chunks(bimodal, 512, 10**6, 10**6) == [(0, 64), (64, 128)]  # saves 5,760 padded tokens
+    assert plan_chunks(bimodal, 10**5, 10**6, 10**6) == [(0, 128)]  # a launch costs more than that
+    equal = plan_chunks([5] * 10, 0, 20, 100)  # no padding to save: only the token limit cuts
+    assert sum(b - a for a, b in equal) == 10 and all((b - a) * 5 <= 20 for a, b in equal)
+    assert plan_chunks([50], 0, 20, 100) == [(0, 1)]  # a lone over-long row still runs
+    assert plan_chunks([], 0, 10, 10) == []
+    with pytest.raises(ValueError):
+        plan_chunks([3, 1], 0, 10, 10)
+
+
+def test_sm_limit_needs_cuda_and_a_valid_count(eng: HFEngine) -> None:
+    assert eng.sm_limit is None
+    assert eng.set_sm_limit(None) is None  # no-op without a limit
+    if eng.device.type != "cuda":
+        with pytest.raises(UserError, match="CUDA"):
+            eng.set_sm_limit(8)
+        assert eng.sm_limit is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="green contexts need a CUDA GPU (none here)")
+def test_sm_limit_gives_the_same_hidden_states_on_gpu() -> None:
+    model, tok = tiny_llama()
+    e = HFEngine.from_model(model.to("cuda"), tok)
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    ref = e.hidden_states_torch(b)
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(UserError, match="out of range"):
+        e.set_sm_limit(total)
+    e.set_sm_limit(total // 2)
+    torch.testing.assert_close(e.hidden_states_torch(b), ref, atol=1e-4, rtol=1e-3)
+    assert e.set_sm_limit(None) == total // 2

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from thinkcraft.cli import main
 from thinkcraft.rl.hidden import AugInput, HiddenAux, RunningNorm, aux_after_step, make_policy_input, refresh
@@ -72,6 +73,27 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
     assert main(["train", "ppo-hidden", "--engine", "openai+http://127.0.0.1:9/v1", "--runs-dir", "/tmp/tc-none",
                  "--overwrite", "--run-name", "x"]) == 2
     assert "cannot return hidden states" in capsys.readouterr().err
+    assert main(["train", "ppo-hidden", "--overlap", "--overlap-env-sms", "-1"]) == 2
+    assert "--overlap-env-sms: must be >= 0" in capsys.readouterr().err
+
+
+def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _partition_for_overlap
+
+    class Engine:
+        device = torch.device("cpu")
+        calls: list = []
+
+        def set_sm_limit(self, n):
+            self.calls.append(n)
+            return None
+
+    e = Engine()
+    # a CPU engine (or any engine off JAX's GPU) is never partitioned, nor without --overlap or with 0 SMs kept
+    assert _partition_for_overlap(e, PPOHiddenConfig(overlap=True)) is None
+    assert _partition_for_overlap(e, PPOHiddenConfig(overlap=False)) is None
+    assert _partition_for_overlap(e, PPOHiddenConfig(overlap=True, overlap_env_sms=0)) is None
+    assert e.calls == []
 
 
 TINY = ["--env-name", "craftax-classic", "--num-envs", "8", "--num-steps", "16", "--layer-width", "64",

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from thinkcraft.llm.attention import PREFIX_KV_KWARG, register_cascade_attention, register_decode_attention
+from thinkcraft.llm.batching import plan_chunks
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
+from thinkcraft.llm.sm_partition import SMPartition
 from thinkcraft.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,8 @@ class HFEngine:
         thinking_close_text: str = "\n</think>\n\n",
         attn_implementation: str = "sdpa",
         compile_prefill: bool | None = None,
+        sm_limit: int | None = None,
+        chunk_overhead_tokens: int = 512,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,6 +125,7 @@ class HFEngine:
             lm, tok, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, prefix_reuse=prefix_reuse,
             prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
             thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
+            sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens,
         )
         self.model_path = path
 
@@ -147,6 +152,8 @@ class HFEngine:
         thinking_close_text: str = "\n</think>\n\n",
         weight_update: bool = False,
         compile_prefill: bool | None = None,
+        sm_limit: int | None = None,
+        chunk_overhead_tokens: int = 512,
     ) -> None:
         if kv_cache not in ("dynamic", "static"):
             raise UserError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
@@ -162,6 +169,12 @@ class HFEngine:
         self.hidden_size = int(cfg.hidden_size)
         self.max_batch_tokens = max_batch_tokens or (65536 if self.device.type == "cuda" else 8192)
         self.max_batch_size = max_batch_size
+        if chunk_overhead_tokens < 0:
+            raise UserError(f"chunk_overhead_tokens must be >= 0, got {chunk_overhead_tokens}")
+        self.chunk_overhead_tokens = chunk_overhead_tokens
+        """Padding tokens a hidden-state forward chunk must save to be worth its own launch (batching.py)."""
+        self._sm: SMPartition | None = None
+        self.set_sm_limit(sm_limit)
         self.prefix_reuse = prefix_reuse
         self._prefix_cache: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self._prefix_cache_size = prefix_cache_size
@@ -268,17 +281,47 @@ class HFEngine:
             raise UserError(f"layer {layer} out of range for a {n}-layer model (use 0..{n} or -1..-{n + 1})")
         return layer if layer >= 0 else n + 1 + layer
 
+    @property
+    def sm_limit(self) -> int | None:
+        return self._sm.sm_count if self._sm is not None else None
+
+    def set_sm_limit(self, sm_count: int | None) -> int | None:
+        """Run this engine's GPU work on `sm_count` SMs only (a CUDA green context; None = the whole GPU),
+        so that other GPU work - ppo-hidden's env steps under --overlap - keeps the other SMs. Returns
+        the previous limit. Results are handed back ordered after the engine's work on the caller's
+        current stream, as without a limit."""
+        old = self.sm_limit
+        if sm_count != old:
+            if self.device.type == "cuda":
+                # cached tensors (prefix KV, static cache) move to another stream's use: let the old one drain
+                torch.cuda.synchronize(self.device)
+            self._sm = SMPartition(self.device, sm_count) if sm_count is not None else None
+        return old
+
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
-        """No grad, eval mode (LoRA dropout off) for the call; the learner's mode is restored after."""
+        """No grad, eval mode (LoRA dropout off) for the call, on the SM partition's stream if there is
+        one; the learner's mode is restored after."""
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._on_partition():
                 yield
         finally:
             if was_training:
                 self.model.train()
+
+    @contextlib.contextmanager
+    def _on_partition(self) -> Iterator[None]:
+        if self._sm is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        stream = self._sm.stream
+        stream.wait_stream(caller)  # inputs the caller queued before the call
+        with torch.cuda.stream(stream):
+            yield
+        caller.wait_stream(stream)  # results: ordered for the caller as if computed on its stream
 
     @contextlib.contextmanager
     def _autocast_embeddings(self) -> Iterator[None]:
@@ -339,8 +382,9 @@ class HFEngine:
         if any(len(it) == 0 for it in items) and (pooling == "mean" or not prefix):
             raise UserError("every item needs at least one token (empty item in the batch)")
         reuse = self.prefix_reuse if prefix_reuse is None else prefix_reuse
-        out = torch.empty((len(items), self.hidden_size), dtype=torch.float32, device=self.device)
+        caller = torch.cuda.current_stream(self.device) if self._sm is not None else None
         with self._inference():
+            out = torch.empty((len(items), self.hidden_size), dtype=torch.float32, device=self.device)
             if reuse and prefix and all(len(it) > 0 for it in items):
                 kv = self._prefix_kv(prefix)
                 for rows in self._chunks([len(it) for it in items]):
@@ -351,6 +395,8 @@ class HFEngine:
                     out[rows] = self._pooled_plain(
                         [seqs[i] for i in rows], [len(items[i]) for i in rows], idx, pooling, padding_side
                     )
+            if caller is not None:
+                out.record_stream(caller)  # allocated on the partition's stream, read on the caller's
         return out
 
     def token_hidden_states(self, token_ids: Sequence[int], layer: int = -1) -> torch.Tensor:
@@ -361,19 +407,12 @@ class HFEngine:
             return self._run_decoder(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), idx)[0].float()
 
     def _chunks(self, lengths: Sequence[int]) -> Iterator[torch.Tensor]:
-        """Row index groups, sorted by length (less padding), each ≤ max_batch_tokens padded tokens."""
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        group: list[int] = []
-        longest = 0
-        for i in order:
-            longest_new = max(longest, lengths[i])
-            if group and (longest_new * (len(group) + 1) > self.max_batch_tokens or len(group) >= self.max_batch_size):
-                yield torch.tensor(group, device=self.device)
-                group, longest_new = [], lengths[i]
-            group.append(i)
-            longest = longest_new
-        if group:
-            yield torch.tensor(group, device=self.device)
+        """Row index groups of length-sorted rows, cut where the padding saved pays for another forward
+        (batching.plan_chunks), each ≤ max_batch_tokens padded tokens and ≤ max_batch_size rows."""
+        order = np.argsort(np.asarray(lengths), kind="stable")
+        sorted_lengths = np.asarray(lengths)[order]
+        for a, b in plan_chunks(sorted_lengths, self.chunk_overhead_tokens, self.max_batch_tokens, self.max_batch_size):
+            yield torch.as_tensor(order[a:b], device=self.device)
 
     def _pad(self, seqs: Sequence[Sequence[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
         t = max(len(s) for s in seqs)

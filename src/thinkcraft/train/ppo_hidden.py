@@ -21,9 +21,10 @@ loop from the host - but releases the GIL, so a second thread is what lets the t
 policy then sees hidden states one refresh interval old (age starts at skip_n instead of 0; envs whose
 episode ended since the snapshot get valid = 0). `timing/llm` is then the worker's time (overlapping
 `timing/env_policy`); `timing/llm_wait` is what the loop actually waited for it.
-It pays when the LLM runs on other hardware (`--engine-device cuda:1`, an SGLang server); on the same GPU
-the LLM's matmuls and the env's many small kernels contend for the SMs and the two times nearly add up
-(bench/overlap_probe.py measures this).
+On the same GPU the LLM is confined to all but `overlap_env_sms` SMs (a CUDA green context, see
+llm/sm_partition.py): without that, the LLM's matmuls hold every SM, each of the env's many small kernels
+queues behind them, and the two times nearly add up (bench/overlap_probe.py measures both). With the LLM
+on another GPU (`--engine-device cuda:1`) or a server, the two overlap without a partition.
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ class PPOHiddenConfig(PPOConfig):
     hidden_proj_dim: int = 64
     """Width of the learned projection of the hidden state into the policy."""
     overlap: bool = False
-    """Compute the next refresh's hidden states while the current window runs (one refresh interval stale).
-    Pays with the LLM on another GPU (--engine-device cuda:1) or a server; on the same GPU it does not."""
+    """Compute the next refresh's hidden states while the current window runs (one refresh interval stale)."""
+    overlap_env_sms: int = 16
+    """With --overlap and an in-process LLM on the policy's GPU: SMs kept free of LLM work for the env steps
+    (the LLM runs on a CUDA green context of the others). 0 = no partition (the two then nearly serialise)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,6 +96,7 @@ class PPOHiddenConfig(PPOConfig):
                                   f"(refreshes happen at window boundaries); nearest valid: {near}, "
                                   f"or change --num-steps")
         check(self.hidden_proj_dim > 0, "hidden_proj_dim", "must be > 0")
+        check(self.overlap_env_sms >= 0, "overlap_env_sms", "must be >= 0 (0 = no SM partition)")
         if "Pixels" in self.env_name:
             raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
 
@@ -219,6 +223,35 @@ class EngineFailed(RuntimeError):
     pass
 
 
+def _partition_for_overlap(engine: Any, cfg: PPOHiddenConfig) -> tuple[int | None] | None:
+    """--overlap with an in-process engine on the policy's GPU: confine the engine to all but
+    `overlap_env_sms` SMs. Returns (the engine's previous limit,) to restore, or None if nothing changed.
+    Without green-context support it warns and runs unpartitioned."""
+    if not (cfg.overlap and cfg.overlap_env_sms > 0 and hasattr(engine, "set_sm_limit")):
+        return None
+    import jax
+    import torch
+
+    from thinkcraft.utils.progress import console
+
+    dev = getattr(engine, "device", None)
+    target = jax.devices()[0]
+    if not (isinstance(dev, torch.device) and dev.type == "cuda" and target.platform == "gpu"):
+        return None
+    if (dev.index if dev.index is not None else torch.cuda.current_device()) != target.local_hardware_id:
+        return None  # the LLM has its own GPU: nothing to share
+    total = torch.cuda.get_device_properties(dev).multi_processor_count
+    if cfg.overlap_env_sms >= total:
+        raise ConfigError("overlap_env_sms", f"{cfg.overlap_env_sms} leaves no SMs for the LLM (the GPU has {total})")
+    try:
+        prev = engine.set_sm_limit(total - cfg.overlap_env_sms)
+    except UserError as e:
+        console.print(f"[yellow]--overlap without an SM partition ({e}); LLM and env time will nearly add up")
+        return None
+    console.print(f"overlap: LLM on {total - cfg.overlap_env_sms} of {total} SMs, {cfg.overlap_env_sms} kept for the env")
+    return (prev,)
+
+
 def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     """Train. `engine` (optional) is an already-built Engine to use instead of `cfg.engine` (benchmarks,
     notebooks); it is not closed at the end."""
@@ -335,6 +368,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
             state = install(state, p.hidden, 0, jnp.ones((N,), bool))
         return state, p.suffix_tokens
 
+    sm_restore = _partition_for_overlap(engine, cfg)
     try:
         with session:
             session.start(update)
@@ -402,6 +436,8 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+        if sm_restore is not None:
+            engine.set_sm_limit(sm_restore[0])
         if own_engine:
             engine.close()
     summary = session.summary

@@ -1,0 +1,53 @@
+"""How a batch of variable-length rows is cut into padded forward chunks.
+
+Rows are sorted by length; a chunk is a contiguous run of the sorted rows, right-padded to its longest.
+One chunk wastes the padding (ppo-hidden's compact texts run 57-153 tokens: a third of a single padded
+batch is padding); many chunks waste launches and small, slow matmuls. `plan_chunks` picks the cut points
+that minimise  sum over chunks of (rows x longest) + overhead_tokens  (an exact dynamic programme over
+the points where the length changes), within the per-chunk limits on padded tokens and rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def plan_chunks(
+    sorted_lengths: Sequence[int], overhead_tokens: int, max_tokens: int, max_rows: int
+) -> list[tuple[int, int]]:
+    """[(start, end), ...] covering range(len(sorted_lengths)) in order. `sorted_lengths` must be
+    non-decreasing. A chunk exceeds `max_tokens` only when one row alone does (that row gets its own)."""
+    L = np.asarray(sorted_lengths, dtype=np.int64)
+    n = len(L)
+    if n == 0:
+        return []
+    if np.any(np.diff(L) < 0):
+        raise ValueError("plan_chunks needs lengths sorted in non-decreasing order")
+    if max_rows < 1 or max_tokens < 1 or overhead_tokens < 0:
+        raise ValueError("max_rows and max_tokens must be >= 1, overhead_tokens >= 0")
+    # Cut candidates: where the length changes (cutting inside a run of equal lengths saves no padding),
+    # plus a regular grid so that the row/token limits can always be met.
+    step = max(1, min(max_rows, max_tokens // max(int(L[-1]), 1), 8))
+    cand = np.union1d(np.flatnonzero(np.diff(L)) + 1, np.arange(0, n + 1, step))
+    cand = np.union1d(cand, [0, n])
+    best = np.full(len(cand), np.inf)
+    prev = np.zeros(len(cand), dtype=np.int64)
+    best[0] = 0.0
+    for j in range(1, len(cand)):
+        end = cand[j]
+        rows = end - cand[:j]
+        padded = rows * L[end - 1]
+        ok = (padded <= max_tokens) & (rows <= max_rows)
+        ok[j - 1] = True  # the shortest chunk ending here is always allowed (a lone over-long row)
+        cost = np.where(ok, best[:j] + padded + overhead_tokens, np.inf)
+        i = int(np.argmin(cost))
+        best[j], prev[j] = cost[i], i
+    out: list[tuple[int, int]] = []
+    j = len(cand) - 1
+    while j > 0:
+        i = int(prev[j])
+        out.append((int(cand[i]), int(cand[j])))
+        j = i
+    return out[::-1]
