@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import sys
 import platform
 from pathlib import Path
 from typing import Any, Iterable
@@ -43,6 +44,9 @@ def write_records(path: str | os.PathLike, records: Iterable[dict[str, Any]], me
         try:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
+            old = []
+        if not (isinstance(old, list) and all(isinstance(r, dict) for r in old)):
+            print(f"{path}: not a list of records; overwriting it", file=sys.stderr)
             old = []
         new_keys = {tuple(r.get(k) for k in merge_keys) for r in records}
         records = [r for r in old if tuple(r.get(k) for k in merge_keys) not in new_keys] + records

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
 
 
-def build_engine(quick: bool, device: str = "cuda"):
+def build_engine(quick: bool, device: str = "cuda", quantize: str = "none"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,8 @@ def build_engine(quick: bool, device: str = "cuda"):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(qwen3_4b_config(), dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
-    return HFEngine.from_model(model, tok), "Qwen3-4B shape (random, bf16)"
+    desc = "Qwen3-4B shape (random, bf16" + (", fp8 matmuls)" if quantize == "fp8" else ")")
+    return HFEngine.from_model(model, tok, quantize=quantize), desc
 
 
 def prefill_rate(engine, env_name: str, num_envs: int) -> tuple[float, float]:
@@ -125,6 +126,7 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true", help="skip the plain PPO reference run")
     ap.add_argument("--overlap-env-sms", type=int, default=16,
                     help="with overlap on one GPU: SMs kept free of LLM work (0 = no green-context partition)")
+    ap.add_argument("--quantize", choices=["none", "fp8"], default="none", help="LLM decoder matmuls in FP8 (hf engine)")
     ap.add_argument("--skip1-overlap", action="store_true", help="also run skip_n=1 with overlap (off by default: slow)")
     ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
@@ -137,7 +139,7 @@ def main() -> None:
     if args.quick:
         args.num_envs, args.num_steps, args.updates, args.updates_skip1 = [4], 8, 2, 2
         args.skip_n = [0, 8, 4]
-    engine, model_desc = build_engine(args.quick, args.llm_device)
+    engine, model_desc = build_engine(args.quick, args.llm_device, args.quantize)
     if args.llm_device not in ("cuda", "cuda:0"):
         model_desc += f" on {args.llm_device}"
     runs_dir = tempfile.mkdtemp(prefix="tc-bench-")
@@ -167,9 +169,9 @@ def main() -> None:
                     x.setdefault("prefill_tok_per_s", rate)
                     x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
                     x.update({"env": env_name, "llm": model_desc, "layer": args.layer, "card": card(), "date": today(),
-                              "llm_device": args.llm_device})
+                              "llm_device": args.llm_device, "quantize": args.quantize})
                 write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card",
-                                                             "llm_device", "overlap_env_sms"))
+                                                             "llm_device", "overlap_env_sms", "quantize"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
                           "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])

@@ -521,3 +521,33 @@ def test_sm_limit_gives_the_same_hidden_states_on_gpu() -> None:
     e.set_sm_limit(total // 2)
     torch.testing.assert_close(e.hidden_states_torch(b), ref, atol=1e-4, rtol=1e-3)
     assert e.set_sm_limit(None) == total // 2
+
+
+def test_fp8_linear_is_close_to_the_linear_and_the_engine_quantises_decoder_linears() -> None:
+    from thinkcraft.llm.quant import FP8Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    x = torch.randn(3, 5, 64)
+    ref = lin(x)
+    y = FP8Linear(lin)(x)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert ((y - ref).norm() / ref.norm()).item() < 0.08  # e4m3: 3 mantissa bits, per-row/column scales
+
+    model, tok = tiny_llama()
+    plain = HFEngine.from_model(model, tok)
+    b = Batch(items=ITEMS, prefix=PREFIX)
+    ref_h = plain.hidden_states_torch(b)
+    model2, _ = tiny_llama()
+    model2.requires_grad_(False)
+    q = HFEngine.from_model(model2, tok, quantize="fp8")
+    n_fp8 = sum(isinstance(m, FP8Linear) for m in q._dec.layers.modules())
+    assert n_fp8 == 7 * q.num_layers  # q, k, v, o, gate, up, down
+    h = q.hidden_states_torch(b)
+    cos = torch.nn.functional.cosine_similarity(h, ref_h, dim=-1)
+    assert cos.min().item() > 0.98
+    # a model being trained cannot be quantised; unknown modes are refused
+    with pytest.raises(UserError, match="frozen"):
+        HFEngine.from_model(*tiny_llama(), quantize="fp8")
+    with pytest.raises(UserError, match="quantize"):
+        HFEngine.from_model(*tiny_llama(), quantize="int3")

@@ -35,6 +35,7 @@ import torch
 from thinkcraft.llm.attention import PREFIX_KV_KWARG, register_cascade_attention, register_decode_attention
 from thinkcraft.llm.batching import plan_chunks
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
+from thinkcraft.llm.quant import check_fp8_device, quantize_fp8_
 from thinkcraft.llm.sm_partition import SMPartition
 from thinkcraft.utils.errors import UserError
 
@@ -106,6 +107,7 @@ class HFEngine:
         compile_prefill: bool | None = None,
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
+        quantize: Literal["none", "fp8"] = "none",
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,7 +127,7 @@ class HFEngine:
             lm, tok, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, prefix_reuse=prefix_reuse,
             prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
             thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
-            sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens,
+            sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens, quantize=quantize,
         )
         self.model_path = path
 
@@ -154,9 +156,12 @@ class HFEngine:
         compile_prefill: bool | None = None,
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
+        quantize: str = "none",
     ) -> None:
         if kv_cache not in ("dynamic", "static"):
             raise UserError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
+        if quantize not in ("none", "fp8"):
+            raise UserError(f"quantize must be 'none' or 'fp8', got {quantize!r}")
         self.model = model
         self.tokenizer = tokenizer
         self._lm = _unwrap(model)
@@ -195,6 +200,11 @@ class HFEngine:
             frozen = not any(q.requires_grad for q in self._lm.parameters())
             compile_prefill = self.device.type == "cuda" and frozen
         self.compile_prefill = compile_prefill
+        self.quantize = quantize
+        if quantize == "fp8":
+            # decoder linears only (embeddings and the LM head stay): the prefill's matmuls on FP8 cores
+            check_fp8_device(self.device)
+            quantize_fp8_(self._dec.layers)
         self._layer_fn: Any = _CompiledLayer() if compile_prefill else _call_layer
         self._embed_hook: Any = None  # see _autocast_embeddings
         self._embed_cast: torch.dtype | None = None
