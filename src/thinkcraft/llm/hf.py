@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -425,17 +426,15 @@ class HFEngine:
             yield torch.as_tensor(order[a:b], device=self.device)
 
     def _pad(self, seqs: Sequence[Sequence[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-        t = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), t), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), t), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if side == "right":
-                ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-                mask[i, : len(s)] = 1
-            else:
-                ids[i, t - len(s) :] = torch.tensor(s, dtype=torch.long)
-                mask[i, t - len(s) :] = 1
-        return ids.to(self.device), mask.to(self.device)
+        """(ids, mask) of the rows padded to the longest, built in numpy (one host->device copy each:
+        this runs once per forward chunk, i.e. on every ppo-hidden refresh)."""
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        t = int(lens.max())
+        col = np.arange(t)[None, :]
+        mask = col < lens[:, None] if side == "right" else col >= (t - lens)[:, None]
+        ids = np.full((len(seqs), t), self.pad_id, dtype=np.int64)
+        ids[mask] = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask.astype(np.int64)).to(self.device)
 
     @staticmethod
     def _pool(h: torch.Tensor, start: torch.Tensor, end: torch.Tensor, pooling: str) -> torch.Tensor:

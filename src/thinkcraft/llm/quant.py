@@ -7,8 +7,9 @@ when the model is quantised; each activation row (token) gets its scale from its
 Qwen3-4B's layer shapes and 12,800 tokens on an H100: the layer's matmuls 3.35 ms (bf16) -> 2.19 ms
 (FP8) -> 2.78 ms counting a stand-alone quantisation of the activations (inside the compiled prefill
 layer the quantisation fuses into the preceding norm/activation kernel); one projection's relative error
-vs fp32 3.7% on random data. Hidden states change by that order: use it for a frozen feature extractor
-(ppo-hidden) where speed matters more than the last digits, not for a model being trained.
+vs fp32 3.7% on random data (the tests check a tiny model's hidden states stay within cosine 0.98 of the
+unquantised ones). For a frozen feature extractor (ppo-hidden) where speed matters more than the last
+digits, not for a model being trained. In the engine: prefill 64,212 -> 79,400-83,386 tok/s (BENCHMARKS §4).
 """
 
 from __future__ import annotations

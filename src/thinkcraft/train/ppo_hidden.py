@@ -434,6 +434,12 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 })
                 session.log(update, update * cfg.batch_size, rec, sps=sps, llm=f"{100 * rec['llm/share']:.0f}%",
                             ret=rec.get("episode/return", float("nan")))
+                if cfg.overlap and update == start_update + 2 and timer.seconds("llm_wait") > 0.5 * wall:
+                    # after one steady update: say once if overlap cannot help (the LLM alone is the cycle)
+                    console.print(f"[yellow]overlap: the loop waited {timer.seconds('llm_wait'):.2f} s of {wall:.2f} s for "
+                                  f"the LLM - it is the bottleneck, and overlap only hides env time behind it "
+                                  f"(at small skip_n it can cost speed). Faster refreshes: --engine-quantize fp8, "
+                                  f"an earlier --layer, a larger --skip-n; or run without --overlap")
                 session.maybe_checkpoint(update, update * cfg.batch_size, state, state.runner.train_state.params)
             session.maybe_checkpoint(update, update * cfg.batch_size, state, state.runner.train_state.params, force=True)
     except EngineFailed as e:
