@@ -75,6 +75,8 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
     assert "cannot return hidden states" in capsys.readouterr().err
     assert main(["train", "ppo-hidden", "--overlap", "--overlap-env-sms", "-1"]) == 2
     assert "--overlap-env-sms: must be >= 0" in capsys.readouterr().err
+    assert main(["train", "ppo-hidden", "--engine", "sglang+http://127.0.0.1:9", "--engine-quantize", "fp8"]) == 2
+    assert "applies to the in-process hf engine" in capsys.readouterr().err
 
 
 def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
@@ -174,3 +176,19 @@ def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     x = HiddenStateSource._to_policy(h)
     assert x.devices() == {jax.devices()[0]}
     np.testing.assert_allclose(np.asarray(x), h.cpu().numpy())
+
+
+def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
+    if not torch.cuda.is_available() or jax.devices()[0].platform != "gpu":
+        pytest.skip("needs a CUDA GPU visible to both torch and JAX (none here)")
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.testing import tiny_llama
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _partition_for_overlap
+
+    model, tok = tiny_llama()
+    engine = HFEngine.from_model(model.to("cuda"), tok)
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    restore = _partition_for_overlap(engine, PPOHiddenConfig(overlap=True, overlap_env_sms=16))
+    assert restore == (None,) and engine.sm_limit == total - 16
+    engine.set_sm_limit(restore[0])
+    assert engine.sm_limit is None
