@@ -432,14 +432,20 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 rec["timing/other"] = wall - timer.total()
                 rec.update({
                     "sps": sps, "timing/update_wall": wall,
+                    # the LLM's busy time over the wall; with --overlap it runs beside the env, so what the loop
+                    # lost to it is llm/wait_share (the time it waited for a refresh to finish)
                     "llm/share": timer.seconds("llm") / wall,
+                    "llm/wait_share": (timer.seconds("llm_wait") if cfg.overlap else timer.seconds("llm")) / wall,
                     "llm/refreshes": len(tokens),
                     "llm/prompt_suffix_tokens": float(np.nanmean(tokens)) if tokens and not np.isnan(tokens).all() else None,
                     "hidden/age_mean": float(np.mean([i["age"] for i in infos])),
                     "hidden/valid_frac": float(np.mean([i["valid"] for i in infos])),
                     "hidden/norm_count": float(state.norm.count),
                 })
-                session.log(update, update * cfg.batch_size, rec, sps=sps, llm=f"{100 * rec['llm/share']:.0f}%",
+                shares = {"llm": f"{100 * rec['llm/share']:.0f}%"}
+                if cfg.overlap:
+                    shares["wait"] = f"{100 * rec['llm/wait_share']:.0f}%"
+                session.log(update, update * cfg.batch_size, rec, sps=sps, **shares,
                             ret=rec.get("episode/return", float("nan")))
                 if cfg.overlap and update == start_update + 2 and timer.seconds("llm_wait") > 0.5 * wall:
                     # after one steady update: say once if overlap cannot help (the LLM alone is the cycle)
@@ -463,5 +469,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     summary.update({"update": update, "env_steps": update * cfg.batch_size, "hidden_size": H})
     console.print(f"done: {update:,} updates, {update * cfg.batch_size:,} steps; return "
                   f"{summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
-                  f"LLM share {100 * summary.get('llm/share', 0):.0f}%; run dir {session.run_dir}")
+                  f"LLM share {100 * summary.get('llm/share', 0):.0f}%"
+                  + (f" (the loop waited {100 * summary.get('llm/wait_share', 0):.0f}%)" if cfg.overlap else "")
+                  + f"; run dir {session.run_dir}")
     return summary
