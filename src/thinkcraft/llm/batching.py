@@ -3,8 +3,9 @@
 Rows are sorted by length; a chunk is a contiguous run of the sorted rows, right-padded to its longest.
 One chunk wastes the padding (ppo-hidden's compact texts run 57-153 tokens: a third of a single padded
 batch is padding); many chunks waste launches and small, slow matmuls. `plan_chunks` picks the cut points
-that minimise  sum over chunks of (rows x longest) + overhead_tokens  (an exact dynamic programme over
-the points where the length changes), within the per-chunk limits on padded tokens and rows.
+that minimise  sum over chunks of (rows x longest) + overhead_tokens  (a dynamic programme over the
+points where the length crosses a multiple of `quantum` tokens - exact with quantum 1), within the
+per-chunk limits on padded tokens and rows.
 """
 
 from __future__ import annotations

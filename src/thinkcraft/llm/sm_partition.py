@@ -38,4 +38,3 @@ class SMPartition:
         except Exception as e:  # noqa: BLE001 - driver / runtime without green contexts
             raise UserError(f"could not create a CUDA green context of {sm_count} SMs on {device}: {e}") from e
         self.sm_count = sm_count
-        self.total_sms = total

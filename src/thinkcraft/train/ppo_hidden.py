@@ -199,7 +199,7 @@ class HiddenStateSource:
         from thinkcraft.llm.dlpack import torch_to_jax
 
         target = jax.devices()[0]
-        if h.device.type == "cuda" and target.platform == "gpu" and h.device.index != target.local_hardware_id:
+        if h.device.type == "cuda" and target.platform == "gpu" and not _on_policy_gpu(h.device):
             h = h.to(f"cuda:{target.local_hardware_id}")  # ~1 MB
         x = torch_to_jax(h)
         return x if x.devices() == {target} else jax.device_put(x, target)
@@ -236,6 +236,15 @@ class EngineFailed(RuntimeError):
     pass
 
 
+def _on_policy_gpu(dev: Any) -> bool:
+    """Is this CUDA torch device the GPU JAX (the policy) runs on - JAX's first device?"""
+    import jax
+    import torch
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return index == jax.devices()[0].local_hardware_id
+
+
 def _partition_for_overlap(engine: Any, cfg: PPOHiddenConfig) -> tuple[int | None] | None:
     """--overlap with an in-process engine on the policy's GPU: confine the engine to all but
     `overlap_env_sms` SMs. Returns (the engine's previous limit,) to restore, or None if nothing changed.
@@ -248,10 +257,9 @@ def _partition_for_overlap(engine: Any, cfg: PPOHiddenConfig) -> tuple[int | Non
     from thinkcraft.utils.progress import console
 
     dev = getattr(engine, "device", None)
-    target = jax.devices()[0]
-    if not (isinstance(dev, torch.device) and dev.type == "cuda" and target.platform == "gpu"):
+    if not (isinstance(dev, torch.device) and dev.type == "cuda" and jax.devices()[0].platform == "gpu"):
         return None
-    if (dev.index if dev.index is not None else torch.cuda.current_device()) != target.local_hardware_id:
+    if not _on_policy_gpu(dev):
         return None  # the LLM has its own GPU: nothing to share
     total = torch.cuda.get_device_properties(dev).multi_processor_count
     if cfg.overlap_env_sms >= total:
