@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
 
 
-def build_engine(quick: bool, device: str = "cuda", quantize: str = "none"):
+def build_engine(quick: bool, device: str = "cuda", quantize: str = "none", layers: int | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -42,14 +42,18 @@ def build_engine(quick: bool, device: str = "cuda", quantize: str = "none"):
     tok = bundled_tokenizer()
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(qwen3_4b_config(), dtype=torch.bfloat16)
+        cfg = qwen3_4b_config(**({"num_hidden_layers": layers} if layers else {}))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
-    desc = "Qwen3-4B shape (random, bf16" + (", fp8 matmuls)" if quantize == "fp8" else ")")
+    desc = ("Qwen3-4B shape" + (f" cut to {layers} layer(s)" if layers else "") + " (random, bf16"
+            + (", fp8 matmuls)" if quantize == "fp8" else ")"))
     return HFEngine.from_model(model, tok, quantize=quantize), desc
 
 
-def prefill_rate(engine, env_name: str, num_envs: int) -> tuple[float, float]:
-    """(suffix tokens per env, raw prefill tokens/s) on real compact texts of `num_envs` fresh envs, no prefix."""
+def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None = None) -> tuple[float, float]:
+    """(suffix tokens per env, prefill tokens/s of the suffixes) on real compact texts of `num_envs` fresh
+    envs: raw (no prefix: the rate the skip_n=1 limit is defined by), or after a shared `prefix` of token
+    ids (the cascade path ppo-hidden runs)."""
     import jax
     import torch
 
@@ -62,13 +66,14 @@ def prefill_rate(engine, env_name: str, num_envs: int) -> tuple[float, float]:
     texts = render_states(state, "compact")
     _, items = engine.tokenize_batch(Batch(texts))
     n_tok = sum(len(i) for i in items)
-    engine.hidden_states_torch(Batch(items))  # warm-up
+    batch = Batch(items, prefix=prefix)
+    engine.hidden_states_torch(batch)  # warm-up
     times = []
     for _ in range(5):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.hidden_states_torch(Batch(items))
+        engine.hidden_states_torch(batch)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -128,10 +133,14 @@ def main() -> None:
                     help="with overlap on one GPU: SMs kept free of LLM work (0 = no green-context partition)")
     ap.add_argument("--quantize", choices=["none", "fp8"], default="none", help="LLM decoder matmuls in FP8 (hf engine)")
     ap.add_argument("--skip1-overlap", action="store_true", help="also run skip_n=1 with overlap (off by default: slow)")
+    ap.add_argument("--llm-layers", type=int, default=None,
+                    help="cut the Qwen3-4B-shaped model to this many layers (a near-free LLM: isolates the loop's own costs)")
     ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
     args = ap.parse_args()
 
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
     from thinkcraft.utils.jaxcache import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/thinkcraft-jax-cache"))
@@ -139,7 +148,7 @@ def main() -> None:
     if args.quick:
         args.num_envs, args.num_steps, args.updates, args.updates_skip1 = [4], 8, 2, 2
         args.skip_n = [0, 8, 4]
-    engine, model_desc = build_engine(args.quick, args.llm_device, args.quantize)
+    engine, model_desc = build_engine(args.quick, args.llm_device, args.quantize, args.llm_layers)
     if args.llm_device not in ("cuda", "cuda:0"):
         model_desc += f" on {args.llm_device}"
     runs_dir = tempfile.mkdtemp(prefix="tc-bench-")
@@ -147,8 +156,11 @@ def main() -> None:
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
     for n in args.num_envs:
         tokens, rate = prefill_rate(engine, env_name, n)
+        prefix_ids, _ = engine.tokenize_batch(Batch([""], prefix=_make_prompt_prefix(PPOHiddenConfig())))
+        _, rate_prefix = prefill_rate(engine, env_name, n, prefix_ids)
         print(f"[{n} envs] compact suffix {tokens:.1f} tokens/env, raw prefill {rate:,.0f} tok/s "
-              f"→ LLM-bound limit at skip_n=1: {rate / tokens:,.0f} SPS", flush=True)
+              f"→ LLM-bound limit at skip_n=1: {rate / tokens:,.0f} SPS; after the {len(prefix_ids)}-token "
+              f"instructions (cascade): {rate_prefix:,.0f} tok/s", flush=True)
         base = {"sps_steady": None}
         if not args.no_plain:
             base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
@@ -167,10 +179,11 @@ def main() -> None:
                                            "t_render_s", "t_update_s", "t_other_s"])
                 for x in records:  # saved after every config: a time limit keeps what was measured
                     x.setdefault("prefill_tok_per_s", rate)
+                    x.setdefault("prefill_after_prefix_tok_per_s", rate_prefix)
                     x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
-                    x.update({"env": env_name, "llm": model_desc, "layer": args.layer, "card": card(), "date": today(),
+                    x.update({"env": env_name, "llm": model_desc, "xla_flags": os.environ.get("XLA_FLAGS", ""), "layer": args.layer, "card": card(), "date": today(),
                               "llm_device": args.llm_device, "quantize": args.quantize})
-                write_records(args.out, records, merge_keys=("system", "env", "num_envs", "skip_n", "overlap", "layer", "card",
+                write_records(args.out, records, merge_keys=("system", "env", "llm", "num_envs", "skip_n", "overlap", "layer", "card",
                                                              "llm_device", "overlap_env_sms", "quantize"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",

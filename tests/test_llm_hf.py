@@ -46,16 +46,38 @@ def _full_attention(q, k, v, pk, pv):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_shared_prefix_attention_equals_full_attention(heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("gqa_native", [True, False])
+def test_shared_prefix_attention_equals_full_attention(heads: int, kv_heads: int, gqa_native: bool, monkeypatch) -> None:
+    """Both ways of folding the prefix queries (GQA heads left to the kernel, or folded into the rows), with
+    q laid out as transformers hands it over (a (B, S, H, d) buffer seen as (B, H, S, d)) or contiguous."""
+    import thinkcraft.llm.attention as A
+
+    monkeypatch.setitem(A._GQA_NATIVE, "cpu", gqa_native)
     torch.manual_seed(0)
     b, s, p, d = 3, 5, 7, 16
-    q = torch.randn(b, heads, s, d)
+    q_bshd = torch.randn(b, s, heads, d)
     k, v = torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
     pk, pv = torch.randn(1, kv_heads, p, d), torch.randn(1, kv_heads, p, d)
-    ref = _full_attention(q, k, v, pk, pv)
-    for fn in (attention_lse, attention_lse_reference):
-        out = shared_prefix_attention(q, k, v, pk, pv, lse_fn=fn)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for q in (q_bshd.transpose(1, 2), q_bshd.transpose(1, 2).contiguous()):
+        ref = _full_attention(q, k, v, pk, pv)
+        for fn in (attention_lse, attention_lse_reference):
+            out = shared_prefix_attention(q, k, v, pk, pv, lse_fn=fn)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_probe_and_fused_gqa_lse_equal_the_expanded_reference() -> None:
+    """The CPU flash kernel takes GQA-shaped k/v (torch >= 2.5): the probe says so, and attention_lse with
+    fewer KV heads equals the reference over expanded heads."""
+    import thinkcraft.llm.attention as A
+
+    assert A.probe_gqa_native("cpu") is True
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    for causal in (False, True):
+        o1, l1 = attention_lse(q, k, v, causal, 0.3)
+        o2, l2 = attention_lse_reference(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), causal, 0.3)
+        torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_lse_equals_reference_and_merge_is_exact() -> None:

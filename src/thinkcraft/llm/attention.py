@@ -27,11 +27,45 @@ log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
+_GQA_NATIVE: dict[str, bool] = {}
+"""Per device type: do the fused kernels take fewer key/value heads than query heads (GQA) directly?
+Filled by `probe_gqa_native` (eagerly: never from inside a torch.compile trace)."""
+
+
+def probe_gqa_native(device: torch.device | str) -> bool:
+    """Whether `attention_lse` can hand GQA-shaped k/v (fewer heads) to the fused kernel on this device
+    without expanding them (FlashAttention-2 maps query head h to key head h // (H/Hkv) itself). Tried
+    once per device type on a tiny input and remembered; call it outside compiled code."""
+    kind = torch.device(device).type
+    if kind not in _GQA_NATIVE:
+        dt = torch.bfloat16 if kind == "cuda" else torch.float32
+        q = torch.randn(1, 4, 3, 16, device=device, dtype=dt)
+        k = torch.randn(1, 2, 5, 16, device=device, dtype=dt)
+        kernel = _kernel(q)
+        ok = False
+        if kernel in ("cuda:flash", "cpu:flash"):
+            try:
+                o, lse = _fused_lse(kernel, q, k, k, False, 0.25)
+                o2, lse2 = attention_lse_reference(q, k, k, False, 0.25)
+                ok = bool(torch.allclose(o.float(), o2.float(), atol=2e-2) and torch.allclose(lse, lse2, atol=2e-2))
+            except (RuntimeError, AttributeError, NotImplementedError, TypeError):
+                pass
+        _GQA_NATIVE[kind] = ok
+    return _GQA_NATIVE[kind]
+
+
+def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = q.shape[1] // k.shape[1]
+    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
 def attention_lse_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention returning (out (B,H,Sq,d) in q.dtype, lse (B,H,Sq) float32); q, k, v same heads.
-    Computed in float32, in query chunks so that the score matrix stays small."""
+    """Plain attention returning (out (B,H,Sq,d) in q.dtype, lse (B,H,Sq) float32); k, v may have fewer
+    heads (GQA: query head h reads key head h // (H/Hkv)). Computed in float32, in query chunks so that
+    the score matrix stays small."""
+    k, v = _expand_kv(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     sq, sk = q.shape[-2], k.shape[-2]
@@ -52,30 +86,46 @@ def attention_lse_reference(
     return out, lse
 
 
+def _kernel(q: torch.Tensor) -> str | None:
+    """The fused kernel to use for q's device/dtype (flash, else memory-efficient on CUDA; flash on CPU),
+    skipping any that failed before; None: the reference."""
+    if q.is_cuda:
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and "cuda:flash" not in _warned:
+            return "cuda:flash"
+        return "cuda:efficient" if "cuda:efficient" not in _warned else None
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and "cpu:flash" not in _warned:
+        return "cpu:flash"
+    return None
+
+
+def _fused_lse(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernel == "cuda:flash":
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return r[0], r[1]
+    if kernel == "cuda:efficient":  # no GQA; its LSE may be padded along the query axis
+        k, v = _expand_kv(q, k, v)
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        return r[0], r[1][..., : q.shape[-2]]
+    r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return r[0], r[1]
+
+
 def attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp, through torch's fused kernels where available (the flash kernel
-    on CUDA for bf16/fp16, the CPU flash kernel on CPU), else `attention_lse_reference`."""
-    if q.is_cuda:
-        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and "cuda:flash" not in _warned:
-            try:
-                r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-                return r[0], r[1]
-            except (RuntimeError, AttributeError, NotImplementedError) as e:
-                _warn_once("cuda:flash", e)
-        if "cuda:efficient" not in _warned:
-            try:  # memory-efficient kernel; its LSE may be padded along the query axis
-                r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-                return r[0], r[1][..., : q.shape[-2]]
-            except (RuntimeError, AttributeError, NotImplementedError) as e:
-                _warn_once("cuda:efficient", e)
-    elif q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and "cpu:flash" not in _warned:
+    on CUDA for bf16/fp16, the CPU flash kernel on CPU), else `attention_lse_reference`. k, v may have
+    fewer heads than q (GQA): passed as they are where the kernel maps the heads itself
+    (`probe_gqa_native`), else expanded first."""
+    if k.shape[1] != q.shape[1] and not _GQA_NATIVE.get(q.device.type, False):
+        k, v = _expand_kv(q, k, v)
+    while (kernel := _kernel(q)) is not None:
         try:
-            r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return r[0], r[1]
+            return _fused_lse(kernel, q, k, v, causal, scale)
         except (RuntimeError, AttributeError, NotImplementedError) as e:
-            _warn_once("cpu:flash", e)
+            _warn_once(kernel, e)  # not tried again; the next kernel (or the reference) takes over
     return attention_lse_reference(q, k, v, causal, scale)
 
 
@@ -114,16 +164,22 @@ def shared_prefix_attention(
     hkv = k.shape[1]
     g = h // hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    # Prefix part: fold batch, suffix positions and the GQA group into one long query axis per KV head,
-    # so one kernel call reads the prefix KV once: (1, Hkv, G*B*S, d) x (1, Hkv, P, d).
-    qs = q.reshape(b, hkv, g, s, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g * b * s, d)
-    o_p, lse_p = lse_fn(qs, prefix_k, prefix_v, False, scale)
-    o_p = o_p.reshape(hkv, g, b, s, d).permute(2, 0, 1, 3, 4).reshape(b, h, s, d)
-    lse_p = lse_p.reshape(hkv, g, b, s).permute(2, 0, 1, 3).reshape(b, h, s)
-    # Suffix part: causal over the item's own tokens (short; GQA heads expanded).
-    if g > 1:
-        k = k.repeat_interleave(g, dim=1)
-        v = v.repeat_interleave(g, dim=1)
+    # Prefix part: all B*S suffix positions become one long query axis, so one kernel call reads the
+    # prefix KV once per layer: (1, H, B*S, d) x (1, Hkv, P, d).
+    if g == 1 or _GQA_NATIVE.get(q.device.type, False):
+        # the kernel maps query heads to KV heads itself; q arrives as a (B, S, H, d) buffer seen as
+        # (B, H, S, d) (transformers' transpose), so this fold and the unfold below are views, not copies
+        qs = q.transpose(0, 1).reshape(1, h, b * s, d)
+        o_p, lse_p = lse_fn(qs, prefix_k, prefix_v, False, scale)
+        o_p = o_p.reshape(h, b, s, d).transpose(0, 1)
+        lse_p = lse_p.reshape(h, b, s).transpose(0, 1)
+    else:
+        # fold the G query heads of a GQA group into the rows too: (1, Hkv, G*B*S, d) (a copy)
+        qs = q.reshape(b, hkv, g, s, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g * b * s, d)
+        o_p, lse_p = lse_fn(qs, prefix_k, prefix_v, False, scale)
+        o_p = o_p.reshape(hkv, g, b, s, d).permute(2, 0, 1, 3, 4).reshape(b, h, s, d)
+        lse_p = lse_p.reshape(hkv, g, b, s).permute(2, 0, 1, 3).reshape(b, h, s)
+    # Suffix part: causal over the item's own tokens (short; lse_fn handles the GQA heads).
     o_s, lse_s = lse_fn(q, k, v, True, scale)
     return merge_attention(o_p, lse_p, o_s, lse_s)
 

@@ -33,7 +33,9 @@ from typing import Any, Iterator, Literal, Sequence
 import numpy as np
 import torch
 
-from thinkcraft.llm.attention import PREFIX_KV_KWARG, register_cascade_attention, register_decode_attention
+from thinkcraft.llm.attention import (
+    PREFIX_KV_KWARG, probe_gqa_native, register_cascade_attention, register_decode_attention,
+)
 from thinkcraft.llm.batching import plan_chunks
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
 from thinkcraft.llm.quant import check_fp8_device, quantize_fp8_
@@ -212,6 +214,7 @@ class HFEngine:
         params = inspect.signature(type(self._dec).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cascade_name = register_cascade_attention()
+        probe_gqa_native(self.device)  # decided here, eagerly: the compiled layers then read the answer
         self._decode_name = register_decode_attention()
         # pad with the pad token if there is one, else EOS (pads are never attended nor gathered)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -1,0 +1,173 @@
+"""What does attending to the shared prefix cost the hidden-state prefill, and which layout of it is cheapest?
+
+    python bench/cascade_probe.py              # GPU only; ppo-hidden's shapes at 128 envs (Qwen3-4B heads)
+
+1. One layer's attention at B suffixes of S tokens after a P-token prefix (H query heads, Hkv KV heads),
+   eager and under torch.compile (how the engine runs its layers), CUDA-event median of 20:
+   - `suffix_only`   causal attention over the suffix alone (what a prompt without prefix costs)
+   - `cascade_fold`  prefix part with the GQA group folded into the query rows (a copy of q), suffix part
+                     with K/V expanded to H heads (the engine before this probe)
+   - `cascade_gqa`   the kernel maps GQA heads itself: q folded by a view, no K/V expansion (the engine now)
+   - `varlen`        one FlashAttention varlen call per layer over per-item [prefix | suffix] keys (the
+                     prefix KV copied per item), no merge
+   all checked against each other on the same inputs.
+2. In the engine, the Qwen3-4B-shaped random model on compact texts of fresh Craftax-Symbolic envs: hidden
+   states with ppo-hidden's prompt prefix (cascade, both layouts) and without a prefix (the raw rate the
+   skip_n=1 limit is defined by), tokens/s.
+Writes bench/results/cascade_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import card, today, write_records  # noqa: E402
+
+
+def timed(fn, n: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(ts)
+
+
+def attention_variants(b: int, s: int, p: int, h: int, hkv: int, d: int) -> list[dict]:
+    import torch
+
+    import thinkcraft.llm.attention as A
+
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.randn(b, s, h, d, device=dev, dtype=dt).transpose(1, 2)  # as transformers hands it over
+    k = torch.randn(b, hkv, s, d, device=dev, dtype=dt)
+    v = torch.randn(b, hkv, s, d, device=dev, dtype=dt)
+    pk = torch.randn(1, hkv, p, d, device=dev, dtype=dt)
+    pv = torch.randn(1, hkv, p, d, device=dev, dtype=dt)
+    scale = d**-0.5
+    native = A.probe_gqa_native(dev)
+    print(f"flash takes GQA K/V directly: {native}", flush=True)
+
+    def suffix_only():
+        o, _ = A.attention_lse(q, k, v, True, scale)
+        return o.transpose(1, 2).contiguous()
+
+    def cascade():  # the layout follows A._GQA_NATIVE, set per variant below (outside compiled code)
+        return A.shared_prefix_attention(q, k, v, pk, pv, scale=scale).transpose(1, 2).contiguous()
+
+    cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32) * s
+    cu_k = torch.arange(b + 1, device=dev, dtype=torch.int32) * (p + s)
+
+    def varlen():
+        # per item keys [prefix | own suffix], packed: (B*(P+S), Hkv, d); causal is bottom-right aligned
+        kk = torch.cat([pk.transpose(1, 2).expand(b, p, hkv, d), k.transpose(1, 2)], 1).reshape(b * (p + s), hkv, d)
+        vv = torch.cat([pv.transpose(1, 2).expand(b, p, hkv, d), v.transpose(1, 2)], 1).reshape(b * (p + s), hkv, d)
+        qq = q.transpose(1, 2).reshape(b * s, h, d)
+        r = torch.ops.aten._flash_attention_forward(qq, kk, vv, cu_q, cu_k, s, p + s, 0.0, True, False, scale=scale)
+        return r[0].reshape(b, s, h, d)
+
+    variants = {"suffix_only": suffix_only, "cascade_fold": cascade, "cascade_gqa": cascade, "varlen": varlen}
+    A._GQA_NATIVE["cuda"] = False
+    ref = cascade()
+    out = []
+    for name, fn in variants.items():
+        rec = {"probe": "attention", "variant": name, "B": b, "S": s, "P": p, "H": h, "Hkv": hkv, "d": d}
+        A._GQA_NATIVE["cuda"] = native if name != "cascade_fold" else False
+        if name == "cascade_gqa" and not native:
+            continue
+        try:
+            torch._dynamo.reset()
+            got = fn()
+            if name != "suffix_only":
+                rec["max_abs_diff_vs_fold"] = float((got.float() - ref.float()).abs().max())
+            rec["eager_ms"] = 1e3 * timed(fn)
+            cfn = torch.compile(fn, dynamic=False)
+            rec["compiled_ms"] = 1e3 * timed(cfn)
+        except Exception as e:  # noqa: BLE001 - a variant the installed torch lacks is reported, not fatal
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(rec, flush=True)
+        out.append(rec)
+    A._GQA_NATIVE["cuda"] = native
+    return out
+
+
+def engine_rates(num_envs: int, layer: int) -> list[dict]:
+    import jax
+    import torch
+
+    import thinkcraft.llm.attention as A
+    from thinkcraft.envs.craftax import make_env
+    from thinkcraft.envs.text import render_states
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
+    from ppo_hidden_sps import build_engine
+
+    engine, desc = build_engine(False)
+    env = make_env("Craftax-Symbolic-v1", num_envs, 1)
+    _, state = jax.jit(env.reset)(jax.random.PRNGKey(0))
+    texts = render_states(state, "compact")
+    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(PPOHiddenConfig())))
+    n_tok = sum(len(i) for i in items)
+    native = A._GQA_NATIVE.get("cuda", False)
+    out = []
+    for name, prefix, gqa in (("no_prefix", None, native), ("cascade_fold", prefix_ids, False),
+                              ("cascade_gqa", prefix_ids, True)):
+        if gqa and not native:
+            continue
+        A._GQA_NATIVE["cuda"] = gqa
+        batch = Batch(items, prefix=prefix)
+        for _ in range(2):  # compile / warm-up
+            engine.hidden_states_torch(batch, layer)
+        ts = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.hidden_states_torch(batch, layer)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        t = statistics.median(ts)
+        rec = {"probe": "engine", "variant": name, "num_envs": num_envs, "layer": layer, "llm": desc,
+               "prefix_tokens": len(prefix_ids) if prefix else 0, "suffix_tokens_per_env": n_tok / num_envs,
+               "refresh_ms": 1e3 * t, "tok_per_s": n_tok / t}
+        print(rec, flush=True)
+        out.append(rec)
+    A._GQA_NATIVE["cuda"] = native
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-envs", type=int, default=128)
+    ap.add_argument("--suffix", type=int, default=104, help="suffix tokens per item (padded chunk width)")
+    ap.add_argument("--prefix", type=int, default=238)
+    ap.add_argument("--layer", type=int, default=-1)
+    ap.add_argument("--no-engine", action="store_true", help="attention micro-benchmark only")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cascade_probe.json"))
+    a = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("cascade_probe needs a CUDA GPU")
+    recs = attention_variants(a.num_envs, a.suffix, a.prefix, 32, 8, 128)  # Qwen3-4B: 32 query, 8 KV heads
+    stamp = {"card": card(), "date": today(), "torch": torch.__version__}
+    write_records(a.out, [{**r, **stamp} for r in recs])
+    if not a.no_engine:
+        recs += engine_rates(a.num_envs, a.layer)
+        write_records(a.out, [{**r, **stamp} for r in recs])
+
+
+if __name__ == "__main__":
+    main()
