@@ -129,8 +129,9 @@ def main() -> None:
     ap.add_argument("--env", default=None)
     ap.add_argument("--layer", type=int, default=-1, help="LLM layer read (-1 = last; a middle layer costs less)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain PPO reference run")
-    ap.add_argument("--overlap-env-sms", type=int, default=16,
-                    help="with overlap on one GPU: SMs kept free of LLM work (0 = no green-context partition)")
+    ap.add_argument("--overlap-env-sms", type=int, nargs="+", default=[16],
+                    help="with overlap on one GPU: SMs kept free of LLM work (0 = no green-context partition); "
+                         "several values: one overlap run each")
     ap.add_argument("--quantize", choices=["none", "fp8"], default="none", help="LLM decoder matmuls in FP8 (hf engine)")
     ap.add_argument("--skip1-overlap", action="store_true", help="also run skip_n=1 with overlap (off by default: slow)")
     ap.add_argument("--llm-layers", type=int, default=None,
@@ -166,10 +167,11 @@ def main() -> None:
             base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
             records.append(base)
         for s in args.skip_n:
-            for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps):
+            runs = [(ov, sms) for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps)
+                    for sms in (args.overlap_env_sms if ov else [16])]
+            for ov, sms in runs:
                 u = args.updates_skip1 if s == 1 else args.updates
-                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer,
-                            env_sms=args.overlap_env_sms)
+                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer, env_sms=sms)
                 if s == 1:
                     # the limit of the definition: prefill rate / suffix tokens per env of the run's own texts
                     r["llm_bound_sps"] = rate / (r["prompt_suffix_tokens"] or tokens)

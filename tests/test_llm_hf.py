@@ -65,6 +65,21 @@ def test_shared_prefix_attention_equals_full_attention(heads: int, kv_heads: int
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen is CUDA-only (no CUDA here)")
+def test_varlen_cascade_equals_the_two_part_merge_on_gpu() -> None:
+    import thinkcraft.llm.attention as A
+
+    assert A.probe_varlen("cuda")
+    torch.manual_seed(3)
+    b, s, p, h, hkv, d = 5, 9, 13, 8, 2, 64
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pk, pv = (torch.randn(1, hkv, p, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want = shared_prefix_attention(q, k, v, pk, pv, lse_fn=attention_lse_reference)
+    got = shared_prefix_attention(q, k, v, pk, pv)  # takes the varlen path
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_gqa_probe_and_fused_gqa_lse_equal_the_expanded_reference() -> None:
     """The CPU flash kernel takes GQA-shaped k/v (torch >= 2.5): the probe says so, and attention_lse with
     fewer KV heads equals the reference over expanded heads."""

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm.attention import (
-    PREFIX_KV_KWARG, probe_gqa_native, register_cascade_attention, register_decode_attention,
+    PREFIX_KV_KWARG, probe_gqa_native, probe_varlen, register_cascade_attention, register_decode_attention,
 )
 from thinkcraft.llm.batching import plan_chunks
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
@@ -214,7 +214,9 @@ class HFEngine:
         params = inspect.signature(type(self._dec).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cascade_name = register_cascade_attention()
-        probe_gqa_native(self.device)  # decided here, eagerly: the compiled layers then read the answer
+        # kernel choices decided here, eagerly: the compiled layers then only read the answers
+        probe_gqa_native(self.device)
+        probe_varlen(self.device)
         self._decode_name = register_decode_attention()
         # pad with the pad token if there is one, else EOS (pads are never attended nor gathered)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -7,7 +7,8 @@ One PPO update of `num_steps` steps per env is a sequence of windows; at each re
     2. llm         engine.hidden_states(shared instruction prefix + per-env text) — the prefix KV is
                    prefilled once and reused; only the per-env suffix is computed → DLPack → JAX (N, H)
     3. norm        running mean/variance update and z-normalisation (rl.hidden)
-    4. env_policy  lax.scan of the window's env+policy steps (jit)
+    4. env_policy  lax.scan of the window's env+policy steps (jit; without --overlap, 3 and 4 are one jitted
+                   call timed as env_policy)
 and after the last window:
     5. update      the same GAE + PPO update as plain PPO (rl.ppo.ppo_update)
 
@@ -342,19 +343,24 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     rollout = make_rollout(env, network.apply, S, policy_input, aux_after_step)
     hp = cfg.hyper()
 
-    @jax.jit
-    def install(state: HiddenRunner, hidden: jax.Array, age: jax.Array, valid: jax.Array) -> HiddenRunner:
+    def _install(state: HiddenRunner, hidden: jax.Array, age: jax.Array, valid: jax.Array) -> HiddenRunner:
         norm, aux = refresh(state.norm, hidden, jnp.full((N,), age, jnp.int32), valid)
         r = state.runner
         return HiddenRunner(r._replace(rollout=r.rollout._replace(aux=aux)), norm, jnp.zeros((N,), bool))
 
-    @jax.jit
-    def window(state: HiddenRunner):
+    def _window(state: HiddenRunner):
         r = state.runner
         rs, traj, stats = rollout(r.train_state.params, r.rollout)
         info = {"age": traj.obs.age.mean() * cfg.skip_n, "valid": traj.obs.valid.mean()}
         done_any = state.done_since_snapshot | traj.done.any(0)
         return HiddenRunner(r._replace(rollout=rs), state.norm, done_any), traj, stats, info
+
+    install = jax.jit(_install)
+    window = jax.jit(_window)
+    # Synchronous refresh: install (age 0, every env valid) and the window in ONE dispatch. At skip_n=1 the
+    # loop is a refresh per env step and each jitted call of the big runner state costs milliseconds of host
+    # time; the window alone is compiled only when some windows have no refresh (skip_n > num_steps).
+    window_after_refresh = jax.jit(lambda state, hidden: _window(_install(state, hidden, 0, jnp.ones((N,), bool))))
 
     def _update(state: HiddenRunner, trajs: tuple):
         r = state.runner
@@ -382,12 +388,6 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     console.print(f"ppo-hidden: {N} envs, {W} window(s) of {S} steps per update, refresh every {cfg.skip_n} steps, "
                   f"engine {cfg.engine} (hidden size {H}){', overlap' if cfg.overlap else ''}")
 
-    def refresh_now(state: HiddenRunner) -> tuple[HiddenRunner, float]:
-        """Synchronous refresh: hidden states of the current observations, age 0."""
-        p = src.hidden(src.texts(state.runner.rollout.env_state))
-        with timer.phase("norm"):
-            state = install(state, p.hidden, 0, jnp.ones((N,), bool))
-        return state, p.suffix_tokens
 
     sm_restore = _partition_for_overlap(engine, cfg)
     try:
@@ -399,10 +399,12 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 trajs, stats_sum, infos, tokens = [], None, [], []
                 refresh_update = (update % cfg.updates_per_refresh) == 0
                 for w in range(W):
+                    fresh = None  # hidden states of the current observations (synchronous refresh)
                     if refresh_update:
                         if not cfg.overlap:
-                            state, n_tok = refresh_now(state)
-                            tokens.append(n_tok)
+                            p = src.hidden(src.texts(state.runner.rollout.env_state))
+                            fresh = p.hidden
+                            tokens.append(p.suffix_tokens)
                         else:
                             texts = src.texts(state.runner.rollout.env_state)  # snapshot of this refresh point
                             if pending is None:  # the very first refresh: synchronous, age 0
@@ -420,7 +422,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                                 future = executor.submit(src.hidden, texts)
                             tokens.append(pending.suffix_tokens)
                     t0 = time.perf_counter()
-                    state, traj, stats, info = window(state)
+                    state, traj, stats, info = window(state) if fresh is None else window_after_refresh(state, fresh)
                     jax.block_until_ready(state.runner.rollout.obs)
                     timer.add("env_policy", time.perf_counter() - t0)
                     trajs.append(traj)
