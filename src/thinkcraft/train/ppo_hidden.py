@@ -337,6 +337,10 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
 
     rng = jax.random.PRNGKey(cfg.seed)
     state = session.restore(jax.eval_shape(init, rng)) if session.resuming else jax.jit(init)(rng)
+    # Committed to the policy's device like everything the loop feeds back (the hidden states arrive
+    # committed through DLPack): a jitted call whose inputs go from uncommitted to committed compiles again,
+    # and for the fused refresh+window that is a second compile of the whole rollout (~40 s on a GPU).
+    state = jax.device_put(state, jax.devices()[0])
     start_update = int(state.runner.update)
 
     # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update)
