@@ -364,7 +364,9 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     # Synchronous refresh: install (age 0, every env valid) and the window in ONE dispatch. At skip_n=1 the
     # loop is a refresh per env step and each jitted call of the big runner state costs milliseconds of host
     # time; the window alone is compiled only when some windows have no refresh (skip_n > num_steps).
-    window_after_refresh = jax.jit(lambda state, hidden: _window(_install(state, hidden, 0, jnp.ones((N,), bool))))
+    @jax.jit
+    def window_after_refresh(state: HiddenRunner, hidden: jax.Array):
+        return _window(_install(state, hidden, 0, jnp.ones((N,), bool)))
 
     def _update(state: HiddenRunner, trajs: tuple):
         r = state.runner
