@@ -7,13 +7,14 @@
    - `suffix_only`   causal attention over the suffix alone (what a prompt without prefix costs)
    - `cascade_fold`  prefix part with the GQA group folded into the query rows (a copy of q), suffix part
                      with K/V expanded to H heads (the engine before this probe)
-   - `cascade_gqa`   the kernel maps GQA heads itself: q folded by a view, no K/V expansion (the engine now)
+   - `cascade_gqa`   the kernel maps GQA heads itself: q folded by a view, no K/V expansion (the engine's
+                     two-part path where varlen is unavailable)
    - `varlen`        one FlashAttention varlen call per layer over per-item [prefix | suffix] keys (the
-                     prefix KV copied per item), no merge
+                     prefix KV copied per item), no merge (the engine's path on CUDA)
    all checked against each other on the same inputs.
 2. In the engine, the Qwen3-4B-shaped random model on compact texts of fresh Craftax-Symbolic envs: hidden
-   states with ppo-hidden's prompt prefix (cascade, both layouts) and without a prefix (the raw rate the
-   skip_n=1 limit is defined by), tokens/s.
+   states with ppo-hidden's prompt prefix (the two-part cascade in both layouts, and the varlen call) and
+   without a prefix (the raw rate the skip_n=1 limit is defined by), tokens/s.
 Writes bench/results/cascade_probe.json.
 """
 
@@ -121,13 +122,13 @@ def engine_rates(num_envs: int, layer: int) -> list[dict]:
     texts = render_states(state, "compact")
     prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(PPOHiddenConfig())))
     n_tok = sum(len(i) for i in items)
-    native = A._GQA_NATIVE.get("cuda", False)
+    native, varlen = A._GQA_NATIVE.get("cuda", False), A._VARLEN_OK.get("cuda", False)
     out = []
-    for name, prefix, gqa in (("no_prefix", None, native), ("cascade_fold", prefix_ids, False),
-                              ("cascade_gqa", prefix_ids, True)):
-        if gqa and not native:
+    for name, prefix, gqa, vl in (("no_prefix", None, native, False), ("cascade_fold", prefix_ids, False, False),
+                                  ("cascade_gqa", prefix_ids, True, False), ("cascade_varlen", prefix_ids, native, True)):
+        if (gqa and not native) or (vl and not varlen):
             continue
-        A._GQA_NATIVE["cuda"] = gqa
+        A._GQA_NATIVE["cuda"], A._VARLEN_OK["cuda"] = gqa, vl
         batch = Batch(items, prefix=prefix)
         for _ in range(2):  # compile / warm-up
             engine.hidden_states_torch(batch, layer)
@@ -144,7 +145,7 @@ def engine_rates(num_envs: int, layer: int) -> list[dict]:
                "refresh_ms": 1e3 * t, "tok_per_s": n_tok / t}
         print(rec, flush=True)
         out.append(rec)
-    A._GQA_NATIVE["cuda"] = native
+    A._GQA_NATIVE["cuda"], A._VARLEN_OK["cuda"] = native, varlen
     return out
 
 
