@@ -27,23 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import card, today, write_records  # noqa: E402
-
-
-def timed(fn, n: int = 20) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(ts)
+from common import card, cuda_timed as timed, today, write_records  # noqa: E402
 
 
 def attention_variants(b: int, s: int, p: int, h: int, hkv: int, d: int) -> list[dict]:

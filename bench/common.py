@@ -54,6 +54,25 @@ def write_records(path: str | os.PathLike, records: Iterable[dict[str, Any]], me
     return path
 
 
+def cuda_timed(fn: Any, n: int = 20, warmup: int = 3) -> float:
+    """Median seconds of `fn()` on the current CUDA stream over `n` calls after `warmup` (CUDA events)."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(ts)
+
+
 def print_table(records: list[dict[str, Any]], cols: list[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))

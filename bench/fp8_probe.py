@@ -12,12 +12,11 @@ Writes bench/results/fp8_probe.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import card, today, write_records  # noqa: E402
+from common import card, cuda_timed as timed, today, write_records  # noqa: E402
 
 
 def main() -> None:
@@ -32,19 +31,6 @@ def main() -> None:
     dev = "cuda"
     H, Q, KV, I = 2560, 4096, 1024, 9728  # Qwen3-4B
     f8 = torch.float8_e4m3fn
-
-    def timed(fn, n: int = 20) -> float:
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(n):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        return statistics.median(ts)
 
     def w(n_out: int, n_in: int) -> torch.Tensor:
         return torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16) * n_in**-0.5
