@@ -59,7 +59,6 @@ def main() -> None:
         a.num_envs, a.steps, a.repeats = 4, 8, 2
 
     import jax
-    import jax.numpy as jnp
 
     from thinkcraft.envs.craftax import make_env
     from thinkcraft.utils.jaxcache import enable_compilation_cache
@@ -173,7 +172,7 @@ def main() -> None:
                 rec[f"thread_side_stream_carveout{k}_s"] = _med(f, a.repeats)
                 print(f"carveout {k}", f"{rec[f'thread_side_stream_carveout{k}_s']:.3f} s", flush=True)
             except Exception as e:  # noqa: BLE001 - experimental API
-                rec[f"carveout_error"] = repr(e)
+                rec["carveout_error"] = repr(e)
                 break
             finally:
                 with contextlib.suppress(Exception):

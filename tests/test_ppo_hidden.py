@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from thinkcraft.cli import main
-from thinkcraft.rl.hidden import AugInput, HiddenAux, RunningNorm, aux_after_step, make_policy_input, refresh
+from thinkcraft.rl.hidden import AugInput, RunningNorm, aux_after_step, make_policy_input, refresh
 from thinkcraft.rl.networks import ActorCriticAug
 
 
