@@ -168,7 +168,9 @@ def shared_prefix_attention(
     hkv = k.shape[1]
     g = h // hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    if lse_fn is attention_lse and q.is_cuda and _VARLEN_OK.get("cuda", False) and q.dtype in (torch.float16, torch.bfloat16):
+    prefix_copy_bytes = 2 * b * prefix_k.shape[2] * hkv * d * q.element_size()  # what varlen materialises
+    if (lse_fn is attention_lse and q.is_cuda and _VARLEN_OK.get("cuda", False)
+            and q.dtype in (torch.float16, torch.bfloat16) and prefix_copy_bytes <= VARLEN_MAX_PREFIX_COPY_BYTES):
         return _varlen_prefix_attention(q, k, v, prefix_k, prefix_v, scale)
     # Prefix part: all B*S suffix positions become one long query axis, so one kernel call reads the
     # prefix KV once per layer: (1, H, B*S, d) x (1, Hkv, P, d).
@@ -189,6 +191,10 @@ def shared_prefix_attention(
     o_s, lse_s = lse_fn(q, k, v, True, scale)
     return merge_attention(o_p, lse_p, o_s, lse_s)
 
+
+VARLEN_MAX_PREFIX_COPY_BYTES = 256 << 20
+"""The varlen path copies the prefix KV once per item; above this many bytes (long prefixes x many rows)
+the two-part path, which reads the single prefix copy, is used instead. ppo-hidden at 128 envs: ~125 MB."""
 
 _VARLEN_OK: dict[str, bool] = {}
 """Does this torch's FlashAttention varlen entry point run here and agree with the two-part merge?
