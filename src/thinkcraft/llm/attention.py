@@ -192,9 +192,10 @@ def shared_prefix_attention(
     return merge_attention(o_p, lse_p, o_s, lse_s)
 
 
-VARLEN_MAX_PREFIX_COPY_BYTES = 256 << 20
-"""The varlen path copies the prefix KV once per item; above this many bytes (long prefixes x many rows)
-the two-part path, which reads the single prefix copy, is used instead. ppo-hidden at 128 envs: ~125 MB."""
+VARLEN_MAX_PREFIX_COPY_BYTES = 1 << 30
+"""The varlen path copies the prefix KV once per item (transient, per layer); above this many bytes (long
+prefixes x many rows) the two-part path, which reads the single prefix copy, is used instead. ppo-hidden's
+238-token prefix with Qwen3-4B: ~125 MB at 128 envs, ~0.6 GB for a full 65k-token chunk at 1024 envs."""
 
 _VARLEN_OK: dict[str, bool] = {}
 """Does this torch's FlashAttention varlen entry point run here and agree with the two-part merge?
