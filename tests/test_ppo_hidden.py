@@ -145,6 +145,8 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
     last_o = json.loads((tmp_path / "o/metrics.jsonl").read_text().splitlines()[-1])
     assert last_o["hidden/age_mean"] > last["hidden/age_mean"]
     assert 0 <= last_o["llm/wait_share"] <= 1 and last["llm/wait_share"] == last["llm/share"]
+    # the worker's LLM time overlaps the loop's phases and is not subtracted from the loop's wall twice
+    assert last_o["timing/other"] >= 0 and last["timing/other"] >= 0
 
 
 def test_refresh_token_path_equals_tokenizing_the_rendered_text():

@@ -444,7 +444,10 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 rec = {k: float(v) for k, v in metrics.items()}
                 rec.update(episode_metrics(episode_sums(stats_h), names, max_return))
                 rec.update(timer.metrics())
-                rec["timing/other"] = wall - timer.total()
+                # the loop's time outside its timed phases; under --overlap the LLM phase runs in the worker
+                # beside them (the loop's share of it is timing/llm_wait), so it is not part of the loop's sum
+                loop_phases = timer.total() - (timer.seconds("llm") if cfg.overlap else 0.0)
+                rec["timing/other"] = wall - loop_phases
                 rec.update({
                     "sps": sps, "timing/update_wall": wall,
                     # the LLM's busy time over the wall; with --overlap it runs beside the env, so what the loop
