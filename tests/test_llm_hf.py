@@ -414,7 +414,8 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path) -> None:  # noqa: ANN
 
 def test_compiled_prefill_equals_eager_one_graph_for_all_layers() -> None:
     """compile_prefill (the GPU default for frozen engines) gives the eager hidden states, with and without
-    a shared prefix, at several batch shapes, and compiles one graph per path - not one per layer/shape."""
+    a shared prefix, at several batch shapes, and compiles one graph per path - not one per layer/shape
+    (paths: with/without the prefix, x the full layer / the read layer with its MLP on the pooled tokens)."""
     import torch._dynamo.utils as dynamo_utils
 
     model, tok = tiny_llama(arch="qwen3", num_hidden_layers=4)
@@ -431,7 +432,7 @@ def test_compiled_prefill_equals_eager_one_graph_for_all_layers() -> None:
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     if eng._layer_fn is not None and eng._layer_fn._failed:
         pytest.skip("torch.compile cannot build here (no C++ compiler?); eager fallback checked only")
-    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs0 <= 2
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs0 <= 4
 
 
 def test_gqa_decode_attention_equals_expanded_sdpa_and_is_used_by_generate(tiny, monkeypatch) -> None:
@@ -591,3 +592,35 @@ def test_fp8_linear_is_close_to_the_linear_and_the_engine_quantises_decoder_line
         HFEngine.from_model(*tiny_llama(), quantize="fp8")
     with pytest.raises(UserError, match="quantize"):
         HFEngine.from_model(*tiny_llama(), quantize="int3")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pooled_read_runs_the_read_layers_mlp_on_the_pooled_tokens_only(arch: str) -> None:
+    """pooling="last": the layer read runs its MLP on each row's last token alone (attention still on all
+    tokens), and the result equals HF's own full forward (the left-padded path) at the last and a middle
+    layer, with and without the shared prefix."""
+    from thinkcraft.llm.hf import splits_at_mlp
+
+    if arch not in _ARCH_MODELS:
+        _ARCH_MODELS[arch] = tiny_llama(arch=arch)
+    model, tok = _ARCH_MODELS[arch]
+    eng = HFEngine.from_model(model, tok)
+    layers = eng._dec.layers
+    assert all(splits_at_mlp(layer) for layer in layers)
+    for layer, read in ((-1, len(layers) - 1), (2, 1)):
+        shapes: list[tuple] = []
+        hook = layers[read].mlp.register_forward_hook(lambda _m, i, _o: shapes.append(tuple(i[0].shape)))
+        try:
+            for reuse in (True, False):
+                b = Batch(items=ITEMS, prefix=PREFIX)
+                got = eng.hidden_states_torch(b, layer, "last", prefix_reuse=reuse)
+                ref = eng.hidden_states_torch(b, layer, "last", prefix_reuse=False, padding_side="left")
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+        finally:
+            hook.remove()
+        # two pooled calls: (rows, H); the left-padded HF reference: (rows, T, H)
+        assert [s for s in shapes if len(s) == 2] == [(len(ITEMS), eng.hidden_size)] * 2, shapes
+    extra = torch.nn.Module()
+    for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "post_feedforward_layernorm"):
+        extra.add_module(name, torch.nn.Identity())
+    assert not splits_at_mlp(extra)  # e.g. Gemma's extra norms: the full layer runs

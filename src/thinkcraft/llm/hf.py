@@ -460,6 +460,8 @@ class HFEngine:
             # Right padding + causal attention is exact for every real token (pads come after them):
             # no mask needed, so the same (compiled) layer loop as the cascade path runs it.
             ids, _ = self._pad(seqs, "right")
+            if pooling == "last":
+                return self._layers(ids, torch.zeros_like(lens[:1]), idx, None, last=lens - 1).float()
             h = self._layers(ids, torch.zeros_like(lens[:1]), idx, None)
             return self._pool(h, lens - ilens, lens, pooling)
         ids, mask = self._pad(seqs, side)
@@ -473,20 +475,32 @@ class HFEngine:
         out = self._dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=want_all)
         return out.hidden_states[idx] if want_all else out.last_hidden_state
 
-    def _layers(self, ids: torch.Tensor, start: torch.Tensor, idx: int, kv: list | None) -> torch.Tensor:
+    def _layers(
+        self, ids: torch.Tensor, start: torch.Tensor, idx: int, kv: list | None, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden states after `idx` layers (idx = num_layers: after the final norm) of right-padded rows
         whose positions start at `start` (the prefix length), causal within the rows; with `kv` each layer
-        also attends to the shared prefix KV (cascade attention)."""
+        also attends to the shared prefix KV (cascade attention). (B, S, H); with `last` ((B,) one position
+        per row) only those tokens, (B, H), and the last layer's MLP runs on them alone."""
         b, s = ids.shape
         dec = self._dec
         h = dec.embed_tokens(ids)
+        rows = torch.arange(b, device=self.device)
         if idx == 0:
-            return h
+            return h if last is None else h[rows, last]
         pos = (start + torch.arange(s, device=self.device))[None, :].expand(b, s)
         pe = dec.rotary_emb(h, pos)
+        layers = dec.layers[: min(idx, self.num_layers)]
+        split = last is not None and splits_at_mlp(layers[-1])
         with self._attn_impl(self._cascade_name):
-            for i, layer in enumerate(dec.layers[: min(idx, self.num_layers)]):
-                h = self._layer_fn(layer, h, pos, pe, kv[i] if kv is not None else None)
+            for i, layer in enumerate(layers):
+                pkv = kv[i] if kv is not None else None
+                if split and i == len(layers) - 1:
+                    h = self._layer_fn(layer, h, pos, pe, pkv, last)
+                else:
+                    h = self._layer_fn(layer, h, pos, pe, pkv)
+        if last is not None and not split:
+            h = h[rows, last]
         return dec.norm(h) if idx == self.num_layers else h
 
     def _weights_version(self) -> int:
@@ -520,8 +534,10 @@ class HFEngine:
         self, items: list[list[int]], p: int, kv: list, idx: int, pooling: str
     ) -> torch.Tensor:
         ids, _ = self._pad(items, "right")
-        h = self._layers(ids, torch.tensor([p], device=self.device), idx, kv)
         end = torch.tensor([len(it) for it in items], device=self.device)
+        if pooling == "last":
+            return self._layers(ids, torch.tensor([p], device=self.device), idx, kv, last=end - 1).float()
+        h = self._layers(ids, torch.tensor([p], device=self.device), idx, kv)
         return self._pool(h, torch.zeros_like(end), end, pooling)
 
     # --- generation -----------------------------------------------------------------------------------------
@@ -746,11 +762,30 @@ class HFEngine:
         )
 
 
-def _call_layer(layer: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor, pe: Any, prefix_kv: Any) -> torch.Tensor:
-    """One decoder layer, no mask (causal), optionally attending to a shared prefix's (k, v)."""
+def _call_layer(
+    layer: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor, pe: Any, prefix_kv: Any, last: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One decoder layer, no mask (causal), optionally attending to a shared prefix's (k, v).
+
+    With `last` ((B,) position per row; only for `splits_at_mlp` layers) only those tokens come out, (B, H):
+    the attention half runs on every token (its keys and values are what the kept tokens read), the MLP on
+    the kept ones alone - a pooled read of the final layer skips ~3/4 of that layer's matmuls."""
     extra = {PREFIX_KV_KWARG: prefix_kv} if prefix_kv is not None else {}
-    o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **extra)
-    return o[0] if isinstance(o, tuple) else o
+    if last is None:
+        o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **extra)
+        return o[0] if isinstance(o, tuple) else o
+    a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=None, position_ids=pos,
+                        position_embeddings=pe, **extra)[0]
+    rows = torch.arange(h.shape[0], device=h.device)
+    x = h[rows, last] + a[rows, last]
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def splits_at_mlp(layer: torch.nn.Module) -> bool:
+    """Is this decoder layer the pre-norm `h + attn(norm(h))`, then `h + mlp(norm(h))` block (Llama, Qwen2/3,
+    Mistral, SmolLM) that `_call_layer(last=...)` re-implements? Judged by its exact set of sub-modules:
+    layers with other norms or residual paths (Gemma, OLMo2, Cohere, Phi-3) keep the full path."""
+    return {n for n, _ in layer.named_children()} == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 
 
 class _CompiledLayer:
