@@ -201,35 +201,3 @@ def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
     assert restore == (None,) and engine.sm_limit == total - 16
     engine.set_sm_limit(restore[0])
     assert engine.sm_limit is None
-
-
-def test_overlap_snapshot_queue_installs_the_previous_points_snapshot():
-    """--overlap's schedule: a run's first refresh installs its own snapshot (computed now, age 0); every
-    later one the previous point's (one interval stale), while its own is queued in the worker; after a
-    resume at a point whose snapshot was already submitted, that one is installed as its own."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from thinkcraft.train.ppo_hidden import SnapshotQueue
-    from thinkcraft.utils.timing import PhaseTimer
-
-    calls = []
-
-    def fn(snap):
-        calls.append(snap)
-        return f"h{snap}"
-
-    with ThreadPoolExecutor(1) as ex:
-        q = SnapshotQueue(ex, fn, PhaseTimer())
-        assert q.take(lambda: "h0") == ("h0", True)  # first refresh: its own, computed synchronously
-        got = []
-        for point in range(1, 5):  # the window before each point ends, its snapshot is submitted
-            q.submit(point)
-            got.append(q.take(lambda: pytest.fail("nothing is computed synchronously once running")))
-        assert got == [("h0", False), ("h1", False), ("h2", False), ("h3", False)]
-
-        r = SnapshotQueue(ex, fn, PhaseTimer())  # a resumed run: the first point's snapshot was submitted
-        r.submit(7)
-        assert r.take(lambda: pytest.fail("already submitted")) == ("h7", True)
-        r.submit(8)
-        assert r.take(lambda: None) == ("h7", False)
-    assert calls == [1, 2, 3, 4, 7, 8]  # in order, each once (4 and 8 still ran: a refresh point queued)

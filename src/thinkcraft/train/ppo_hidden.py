@@ -16,14 +16,12 @@ Refresh rule: `skip_n` must divide `num_steps` (windows of skip_n steps inside e
 multiple of it (one refresh every skip_n/num_steps updates). `skip_n = 0` means "never": the plain PPO
 path (`train ppo`) runs, no LLM is loaded.
 
-`--overlap`: the render and LLM call for a refresh point's snapshot run in a worker thread while the
-following window's env+policy scan runs (the jitted scan holds the calling thread until it finishes - XLA
-drives its loop from the host - but releases the GIL, so a second thread is what lets the two run together).
-They start as soon as the window that ends at the snapshot is done, so they also fill the loop's install
-and, at the last window of an update, its PPO update (the snapshot does not depend on the update). The
+`--overlap`: the LLM call for a refresh point's snapshot runs in a worker thread while the following
+window's env+policy scan runs (the jitted scan holds the calling thread until it finishes - XLA drives its
+loop from the host - but releases the GIL, so a second thread is what lets the two run together). The
 policy then sees hidden states one refresh interval old (age starts at skip_n instead of 0; envs whose
-episode ended since the snapshot get valid = 0). `timing/render` and `timing/llm` are then the worker's
-time (overlapping `timing/env_policy`); `timing/llm_wait` is what the loop actually waited for them.
+episode ended since the snapshot get valid = 0). `timing/llm` is then the worker's time (overlapping
+`timing/env_policy`); `timing/llm_wait` is what the loop actually waited for it.
 On the same GPU the LLM is confined to all but `overlap_env_sms` SMs (a CUDA green context, see
 llm/sm_partition.py): without that, the LLM's matmuls hold every SM, each of the env's many small kernels
 queues behind them, and the two times nearly add up (bench/overlap_probe.py measures both). With the LLM
@@ -35,10 +33,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -181,23 +178,12 @@ class HiddenStateSource:
     def texts(self, env_state: Any) -> list[str] | list[list[int]]:
         """The envs' observations as text, or - compact format with an in-process engine - straight as
         token ids (CompactTokenRenderer: each piece tokenized once, equal to tokenizing the text)."""
-        return self.texts_of(self.semantic(env_state))
-
-    @staticmethod
-    def semantic(env_state: Any) -> Any:
-        """The snapshot's semantic arrays, still on the device (dispatched, not waited for): what the
-        render needs, taken before the loop moves on (the PPO update donates the env state's buffers)."""
-        from thinkcraft.envs.text import extract
-
-        return extract(env_state)
-
-    def texts_of(self, sem: Any) -> list[str] | list[list[int]]:
         import jax
 
-        from thinkcraft.envs.text import CompactTokenRenderer, render
+        from thinkcraft.envs.text import CompactTokenRenderer, extract, render
 
         with self.timer.phase("render"):
-            sem = jax.device_get(sem)
+            sem = jax.device_get(extract(env_state))
             if self.cfg.text_format == "compact" and self._token_path():
                 if self._token_renderer is None:
                     self._token_renderer = CompactTokenRenderer(self.engine.tokenizer)
@@ -223,10 +209,6 @@ class HiddenStateSource:
         eng = self.engine
         return all(hasattr(eng, a) for a in ("tokenize_batch", "hidden_states_torch", "tokenizer"))
 
-    def snapshot_hidden(self, sem: Any) -> _Pending:
-        """Render + LLM of a snapshot's semantic arrays (what --overlap's worker thread runs)."""
-        return self.hidden(self.texts_of(sem))
-
     def hidden(self, texts: list[str] | list[list[int]]) -> _Pending:
         import jax.numpy as jnp
 
@@ -249,33 +231,6 @@ class HiddenStateSource:
                 raise
             except Exception as e:  # engine failures after the engine's own retries
                 raise EngineFailed(str(e)) from e
-
-
-class SnapshotQueue:
-    """--overlap's refresh schedule: the hidden states of refresh-point snapshots, computed in order by one
-    worker thread (`fn(snapshot)`), submitted as soon as each snapshot exists. A refresh installs the
-    previous point's (one interval stale); this point's own is then running. Holds at most two."""
-
-    def __init__(self, executor: ThreadPoolExecutor, fn: Callable[[Any], Any], timer: Any) -> None:
-        self.executor, self.fn, self.timer = executor, fn, timer
-        self._futures: deque[Future] = deque()  # oldest first
-
-    def submit(self, snapshot: Any) -> None:
-        """This refresh point's snapshot (taken as the window before it ended)."""
-        self._futures.append(self.executor.submit(self.fn, snapshot))
-
-    def take(self, now: Callable[[], Any]) -> tuple[Any, bool]:
-        """(hidden states to install at this refresh point, whether they are this point's own). With no
-        previous point (a run's first refresh, or the first after a resume) that is this point's own
-        snapshot - computed now by `now()` if nothing was submitted - kept as the next refresh's previous."""
-        if not self._futures:
-            done: Future = Future()
-            done.set_result(now())
-            self._futures.append(done)
-        own = len(self._futures) == 1
-        with self.timer.phase("llm_wait"):
-            result = (self._futures[0] if own else self._futures.popleft()).result()
-        return result, own
 
 
 class EngineFailed(RuntimeError):
@@ -432,13 +387,10 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     if cfg.stop_after_updates:
         end_update = min(end_update, start_update + cfg.stop_after_updates)
     update = start_update
-    timer = session.timer
+    pending: _Pending | None = None
+    future: Any = None
     executor = ThreadPoolExecutor(1, thread_name_prefix="llm") if cfg.overlap else None
-    snapshots = SnapshotQueue(executor, src.snapshot_hidden, timer) if cfg.overlap else None
-
-    def is_refresh(u: int) -> bool:
-        return u % cfg.updates_per_refresh == 0
-
+    timer = session.timer
     console.print(f"ppo-hidden: {N} envs, {W} window(s) of {S} steps per update, refresh every {cfg.skip_n} steps, "
                   f"engine {cfg.engine} (hidden size {H}){', overlap' if cfg.overlap else ''}")
 
@@ -450,7 +402,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 t_update0 = time.perf_counter()
                 timer.reset()
                 trajs, stats_sum, infos, tokens = [], None, [], []
-                refresh_update = is_refresh(update)
+                refresh_update = (update % cfg.updates_per_refresh) == 0
                 for w in range(W):
                     fresh = None  # hidden states of the current observations (synchronous refresh)
                     if refresh_update:
@@ -459,22 +411,25 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                             fresh = p.hidden
                             tokens.append(p.suffix_tokens)
                         else:
-                            pending, own = snapshots.take(lambda: src.hidden(src.texts(state.runner.rollout.env_state)))
-                            with timer.phase("norm"):
-                                if own:  # this point's own snapshot (a run's first refresh): age 0, all valid
+                            texts = src.texts(state.runner.rollout.env_state)  # snapshot of this refresh point
+                            if pending is None:  # the very first refresh: synchronous, age 0
+                                pending = src.hidden(texts)
+                                with timer.phase("norm"):
                                     state = install(state, pending.hidden, 0, jnp.ones((N,), bool))
-                                else:  # the previous point's: one interval old, envs reset since masked
+                            else:  # the previous snapshot's hidden states, one refresh interval old
+                                if future is not None:
+                                    with timer.phase("llm_wait"):
+                                        pending = future.result()
+                                with timer.phase("norm"):
                                     state = install(state, pending.hidden, cfg.skip_n, ~state.done_since_snapshot)
+                                # this snapshot's LLM call runs in a worker thread while the window runs (the
+                                # jitted scan holds the calling thread until it is done; JAX releases the GIL)
+                                future = executor.submit(src.hidden, texts)
                             tokens.append(pending.suffix_tokens)
                     t0 = time.perf_counter()
                     state, traj, stats, info = window(state) if fresh is None else window_after_refresh(state, fresh)
                     jax.block_until_ready(state.runner.rollout.obs)
                     timer.add("env_policy", time.perf_counter() - t0)
-                    if cfg.overlap and update + (w + 1) // W < end_update and is_refresh(update + (w + 1) // W):
-                        # the next window is a refresh point: its snapshot is this state. Its render and LLM call
-                        # start now in the worker (queued behind the call still running, if any), so they also
-                        # fill the install and the PPO update, not only the next window
-                        snapshots.submit(src.semantic(state.runner.rollout.env_state))
                     trajs.append(traj)
                     infos.append(info)
                     stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
@@ -489,9 +444,9 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                 rec = {k: float(v) for k, v in metrics.items()}
                 rec.update(episode_metrics(episode_sums(stats_h), names, max_return))
                 rec.update(timer.metrics())
-                # the loop's time outside its timed phases; under --overlap the render and LLM phases run in the
-                # worker beside them (the loop's share of it is timing/llm_wait), so it is not part of the loop's sum
-                loop_phases = timer.total() - (timer.seconds("llm") + timer.seconds("render") if cfg.overlap else 0.0)
+                # the loop's time outside its timed phases; under --overlap the LLM phase runs in the worker
+                # beside them (the loop's share of it is timing/llm_wait), so it is not part of the loop's sum
+                loop_phases = timer.total() - (timer.seconds("llm") if cfg.overlap else 0.0)
                 rec["timing/other"] = wall - loop_phases
                 rec.update({
                     "sps": sps, "timing/update_wall": wall,
