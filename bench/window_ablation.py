@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from common import card, print_table, today, write_records
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import card, print_table, today, write_records  # noqa: E402
 
 
 def main() -> None:
