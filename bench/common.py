@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import sys
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 

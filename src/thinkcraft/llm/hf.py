@@ -315,28 +315,30 @@ class HFEngine:
         return old
 
     @contextlib.contextmanager
-    def _inference(self) -> Iterator[None]:
+    def _inference(self) -> Iterator[Any]:
         """No grad, eval mode (LoRA dropout off) for the call, on the SM partition's stream if there is
-        one; the learner's mode is restored after."""
+        one (yields the caller's stream then, else None); the learner's mode is restored after."""
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self._on_partition():
-                yield
+            with torch.no_grad(), self._on_partition() as caller:
+                yield caller
         finally:
             if was_training:
                 self.model.train()
 
     @contextlib.contextmanager
-    def _on_partition(self) -> Iterator[None]:
+    def _on_partition(self) -> Iterator[Any]:
+        """Run the block on the SM partition's stream, ordered after the caller's stream and before what the
+        caller queues next; yields the caller's stream (None without a partition)."""
         if self._sm is None:
-            yield
+            yield None
             return
         caller = torch.cuda.current_stream(self.device)
         stream = self._sm.stream
         stream.wait_stream(caller)  # inputs the caller queued before the call
         with torch.cuda.stream(stream):
-            yield
+            yield caller
         caller.wait_stream(stream)  # results: ordered for the caller as if computed on its stream
 
     @contextlib.contextmanager
@@ -398,8 +400,7 @@ class HFEngine:
         if any(len(it) == 0 for it in items) and (pooling == "mean" or not prefix):
             raise UserError("every item needs at least one token (empty item in the batch)")
         reuse = self.prefix_reuse if prefix_reuse is None else prefix_reuse
-        caller = torch.cuda.current_stream(self.device) if self._sm is not None else None
-        with self._inference():
+        with self._inference() as caller:
             out = torch.empty((len(items), self.hidden_size), dtype=torch.float32, device=self.device)
             if reuse and prefix and all(len(it) > 0 for it in items):
                 kv = self._prefix_kv(prefix)
@@ -460,10 +461,7 @@ class HFEngine:
             # Right padding + causal attention is exact for every real token (pads come after them):
             # no mask needed, so the same (compiled) layer loop as the cascade path runs it.
             ids, _ = self._pad(seqs, "right")
-            if pooling == "last":
-                return self._layers(ids, torch.zeros_like(lens[:1]), idx, None, last=lens - 1).float()
-            h = self._layers(ids, torch.zeros_like(lens[:1]), idx, None)
-            return self._pool(h, lens - ilens, lens, pooling)
+            return self._layers_pooled(ids, torch.zeros_like(lens[:1]), idx, None, lens - ilens, lens, pooling)
         ids, mask = self._pad(seqs, side)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         h = self._run_decoder(ids, mask, pos, idx)
@@ -503,6 +501,16 @@ class HFEngine:
             h = h[rows, last]
         return dec.norm(h) if idx == self.num_layers else h
 
+    def _layers_pooled(
+        self, ids: torch.Tensor, start: torch.Tensor, idx: int, kv: list | None, begin: torch.Tensor, end: torch.Tensor,
+        pooling: str,
+    ) -> torch.Tensor:
+        """`_layers` pooled over each row's positions [begin, end), (B, H) float32: a last-token read
+        passes the positions down (the read layer's MLP then runs on those tokens alone)."""
+        if pooling == "last":
+            return self._layers(ids, start, idx, kv, last=end - 1).float()
+        return self._pool(self._layers(ids, start, idx, kv), begin, end, pooling)
+
     def _weights_version(self) -> int:
         """Changes whenever a parameter is modified in place (optimizer steps, load_state_dict), so a
         learner-shared model never reads prefix KV computed with older weights. Frozen engines: 0."""
@@ -535,10 +543,7 @@ class HFEngine:
     ) -> torch.Tensor:
         ids, _ = self._pad(items, "right")
         end = torch.tensor([len(it) for it in items], device=self.device)
-        if pooling == "last":
-            return self._layers(ids, torch.tensor([p], device=self.device), idx, kv, last=end - 1).float()
-        h = self._layers(ids, torch.tensor([p], device=self.device), idx, kv)
-        return self._pool(h, torch.zeros_like(end), end, pooling)
+        return self._layers_pooled(ids, torch.tensor([p], device=self.device), idx, kv, torch.zeros_like(end), end, pooling)
 
     # --- generation -----------------------------------------------------------------------------------------
 
