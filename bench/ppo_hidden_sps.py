@@ -81,7 +81,7 @@ def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None 
 
 
 def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, overlap: bool, updates: int,
-            runs_dir: str, plain: bool = False, layer: int = -1, env_sms: int = 16) -> dict:
+            runs_dir: str, plain: bool = False, layer: int = -1, env_sms: int = 16, unroll: bool = False) -> dict:
     from thinkcraft.train.ppo import PPOConfig
     from thinkcraft.train.ppo import run as run_ppo
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig
@@ -89,8 +89,8 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
 
     common = dict(env_name=env_name, num_envs=num_envs, num_steps=num_steps, total_timesteps=updates * num_envs * num_steps,
                   runs_dir=runs_dir, overwrite=True, plot=False, checkpoint_every_minutes=0.0,
-                  optimistic_reset_ratio=min(16, num_envs))
-    name = f"n{num_envs}-s{skip_n}-o{int(overlap)}-p{int(plain)}"
+                  optimistic_reset_ratio=min(16, num_envs), unroll_env_scans="on" if unroll else "off")
+    name = f"n{num_envs}-s{skip_n}-o{int(overlap)}-p{int(plain)}-u{int(unroll)}"
     if plain:
         run_ppo(PPOConfig(**common, run_name=name, updates_per_chunk=1))
     else:
@@ -104,7 +104,7 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
         return statistics.median(vals) if vals else None
 
     return {
-        "system": "ppo" if plain else "ppo-hidden", "num_envs": num_envs, "num_steps": num_steps,
+        "system": "ppo" if plain else "ppo-hidden", "num_envs": num_envs, "num_steps": num_steps, "unroll_env_scans": unroll,
         "skip_n": "never" if (plain or skip_n == 0) else skip_n, "overlap": overlap,
         "overlap_env_sms": env_sms if (overlap and not plain) else None,
         "sps_steady": med("sps"), "t_llm_s": med("timing/llm"), "t_env_s": med("timing/env_policy"),
@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--llm-layers", type=int, default=None,
                     help="cut the Qwen3-4B-shaped model to this many layers (a near-free LLM: isolates the loop's own costs)")
     ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
+    ap.add_argument("--unroll-env-scans", choices=["off", "on", "both"], default="on",
+                    help="craftax's inner loops unrolled (PPOConfig.unroll_env_scans; its default auto = on on a GPU); both = each config twice")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
     args = ap.parse_args()
 
@@ -155,6 +157,7 @@ def main() -> None:
     runs_dir = tempfile.mkdtemp(prefix="tc-bench-")
     records: list[dict] = []
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    unrolls = {"off": [False], "on": [True], "both": [False, True]}[args.unroll_env_scans]
     for n in args.num_envs:
         tokens, rate = prefill_rate(engine, env_name, n)
         prefix_ids, _ = engine.tokenize_batch(Batch([""], prefix=_make_prompt_prefix(PPOHiddenConfig())))
@@ -163,30 +166,32 @@ def main() -> None:
               f"→ LLM-bound limit at skip_n=1: {rate / tokens:,.0f} SPS; after the {len(prefix_ids)}-token "
               f"instructions (cascade): {rate_prefix:,.0f} tok/s", flush=True)
         base = {"sps_steady": None}
-        if not args.no_plain:
-            base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True)
-            records.append(base)
-        for s in args.skip_n:
-            runs = [(ov, sms) for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps)
-                    for sms in (args.overlap_env_sms if ov else [16])]
-            for ov, sms in runs:
-                u = args.updates_skip1 if s == 1 else args.updates
-                r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer, env_sms=sms)
-                if s == 1:
-                    # the limit of the definition: prefill rate / suffix tokens per env of the run's own texts
-                    r["llm_bound_sps"] = rate / (r["prompt_suffix_tokens"] or tokens)
-                    r["ratio_to_llm_bound"] = r["sps_steady"] / r["llm_bound_sps"]
-                records.append(r)
-                print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s",
-                                           "t_render_s", "t_update_s", "t_other_s"])
-                for x in records:  # saved after every config: a time limit keeps what was measured
-                    x.setdefault("prefill_tok_per_s", rate)
-                    x.setdefault("prefill_after_prefix_tok_per_s", rate_prefix)
-                    x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
-                    x.update({"env": env_name, "llm": model_desc, "xla_flags": os.environ.get("XLA_FLAGS", ""), "layer": args.layer, "card": card(), "date": today(),
-                              "llm_device": args.llm_device, "quantize": args.quantize})
-                write_records(args.out, records, merge_keys=("system", "env", "llm", "num_envs", "skip_n", "overlap", "layer", "card",
-                                                             "llm_device", "overlap_env_sms", "quantize"))
+        for unroll in unrolls:
+            if not args.no_plain:
+                base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True, unroll=unroll)
+                records.append(base)
+            for s in args.skip_n:
+                runs = [(ov, sms) for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps)
+                        for sms in (args.overlap_env_sms if ov else [16])]
+                for ov, sms in runs:
+                    u = args.updates_skip1 if s == 1 else args.updates
+                    r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer, env_sms=sms,
+                                unroll=unroll)
+                    if s == 1:
+                        # the limit of the definition: prefill rate / suffix tokens per env of the run's own texts
+                        r["llm_bound_sps"] = rate / (r["prompt_suffix_tokens"] or tokens)
+                        r["ratio_to_llm_bound"] = r["sps_steady"] / r["llm_bound_sps"]
+                    records.append(r)
+                    print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s",
+                                               "t_render_s", "t_update_s", "t_other_s"])
+                    for x in records:  # saved after every config: a time limit keeps what was measured
+                        x.setdefault("prefill_tok_per_s", rate)
+                        x.setdefault("prefill_after_prefix_tok_per_s", rate_prefix)
+                        x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
+                        x.update({"env": env_name, "llm": model_desc, "xla_flags": os.environ.get("XLA_FLAGS", ""), "layer": args.layer, "card": card(), "date": today(),
+                                  "llm_device": args.llm_device, "quantize": args.quantize})
+                    write_records(args.out, records, merge_keys=("system", "env", "llm", "num_envs", "skip_n", "overlap", "layer", "card",
+                                                                 "llm_device", "overlap_env_sms", "quantize", "unroll_env_scans"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
                           "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])

@@ -1,12 +1,14 @@
 """PPO throughput on Craftax: thinkcraft vs Craftax_Baselines, and the environment-only floor, in one run.
 
     python bench/ppo_sps.py --num-envs 128 1024                       # thinkcraft PPO + env-only
-    python bench/ppo_sps.py --num-envs 128 1024 --baselines-dir .ref/Craftax_Baselines   # + the references
+    python bench/ppo_sps.py --num-envs 128 1024 --baselines-dir .ref/Craftax_Baselines --looped  # + the references
 
 For each num_envs it measures, all with num_steps=64 and Baselines' defaults:
   * `thinkcraft`      — `thinkcraft train ppo`'s jitted chunk (K updates per call), steady SPS and first call
                         (init + compile + first chunk);
   * `thinkcraft-env`  — thinkcraft's VecEnv alone (random actions, optimistic resets, episode logging);
+  * with `--looped`, `thinkcraft-looped` and `thinkcraft-looped-env`: the same with craftax's inner loops left
+    as loops (`unroll_env_scans=off`; the default, auto, unrolls them on a GPU — envs/craftax.py);
   * `baselines`       — Craftax_Baselines `ppo.py` `make_train` (K updates per call), steady = second call;
   * `baselines-env`   — Baselines' LogWrapper + OptimisticResetVecEnvWrapper alone, random actions.
 `--baselines-dir` is a checkout of github.com/MichaelTMatthews/Craftax_Baselines (its distrax, wandb, ICM and
@@ -50,14 +52,15 @@ def time_env_only(step_fn, reset_carry, num_steps: int, repeats: int) -> tuple[f
     return first, statistics.median(times)
 
 
-def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, dtype: str) -> list[dict]:
+def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, dtype: str,
+                     unroll: str = "auto", env_floor: bool = True) -> list[dict]:
     import jax
 
     from thinkcraft.rl.ppo import init_runner_state, make_train_chunk
     from thinkcraft.train.ppo import PPOConfig, build
 
     cfg = PPOConfig(env_name=env_name, num_envs=num_envs, total_timesteps=1_000_000_000,
-                    updates_per_chunk=updates, compute_dtype=dtype)
+                    updates_per_chunk=updates, compute_dtype=dtype, unroll_env_scans=unroll)
     t_start = time.perf_counter()
     env, network, tx = build(cfg)
     runner = jax.jit(lambda r: init_runner_state(env, network, tx, r))(jax.random.PRNGKey(0))
@@ -74,9 +77,11 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     steps = updates * cfg.batch_size
-    recs = [{"system": "thinkcraft" + ("" if dtype == "float32" else f"-{dtype}"), "env": env_name,
-             "num_envs": num_envs, "sps_steady": steps / statistics.median(times),
-             "first_call_s": first_call_s, "steps_per_call": steps}]
+    name = "thinkcraft" + ("" if cfg.unrolled_env_scans else "-looped") + ("" if dtype == "float32" else f"-{dtype}")
+    recs = [{"system": name, "env": env_name, "num_envs": num_envs, "sps_steady": steps / statistics.median(times),
+             "first_call_s": first_call_s, "steps_per_call": steps, "unroll_env_scans": cfg.unrolled_env_scans}]
+    if not env_floor:
+        return recs
 
     # environment alone, same wrapper and reset ratio, random actions
     def env_step(carry, _):
@@ -88,8 +93,8 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
 
     obs, state = jax.jit(env.reset)(jax.random.PRNGKey(1))
     first, steady = time_env_only(env_step, (state, obs, jax.random.PRNGKey(2)), updates * cfg.num_steps, repeats)
-    recs.append({"system": "thinkcraft-env", "env": env_name, "num_envs": num_envs,
-                 "sps_steady": steps / steady, "first_call_s": first, "steps_per_call": steps})
+    recs.append({"system": name + "-env", "env": env_name, "num_envs": num_envs, "sps_steady": steps / steady,
+                 "first_call_s": first, "steps_per_call": steps, "unroll_env_scans": cfg.unrolled_env_scans})
     return recs
 
 
@@ -123,7 +128,8 @@ def _shim_baselines_imports() -> None:
         flax.training.orbax_utils = mod("flax.training.orbax_utils")
 
 
-def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: int, repeats: int) -> list[dict]:
+def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: int, repeats: int,
+                    env_floor: bool = True) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -151,6 +157,8 @@ def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: i
         times.append(time.perf_counter() - t0)
     recs = [{"system": "baselines", "env": env_name, "num_envs": num_envs,
              "sps_steady": steps / statistics.median(times), "first_call_s": first, "steps_per_call": steps}]
+    if not env_floor:
+        return recs
 
     from craftax.craftax_env import make_craftax_env_from_name
 
@@ -183,6 +191,9 @@ def main() -> None:
     ap.add_argument("--baselines-dir", default=None, help="Craftax_Baselines checkout to measure alongside")
     ap.add_argument("--bf16", action="store_true", help="also measure thinkcraft with bfloat16 matmuls")
     ap.add_argument("--systems", nargs="+", default=["thinkcraft", "baselines"])
+    ap.add_argument("--looped", action="store_true",
+                    help="also measure thinkcraft with craftax's inner loops left rolled (unroll_env_scans=off)")
+    ap.add_argument("--no-env-floor", action="store_true", help="skip the env-only floors (two compiles fewer per system)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_sps.json"))
     args = ap.parse_args()
 
@@ -191,20 +202,27 @@ def main() -> None:
     enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/thinkcraft-jax-cache"))
     updates = args.updates or [16 if n <= 256 else 8 for n in args.num_envs]
     records: list[dict] = []
-    for n, u in zip(args.num_envs, updates):
-        if "thinkcraft" in args.systems:
-            records += bench_thinkcraft(args.env, n, u, args.repeats, "float32")
-            if args.bf16:
-                records += bench_thinkcraft(args.env, n, u, args.repeats, "bfloat16")[:1]
-        if args.baselines_dir and "baselines" in args.systems:
-            records += bench_baselines(args.baselines_dir, args.env, n, u, args.repeats)
-        for r in records:
+
+    def keep(new: list[dict]) -> None:
+        """Record and save after every system (a device time limit keeps what was measured)."""
+        for r in new:
             r.setdefault("card", card())
             r.setdefault("date", today())
+            print({k: r[k] for k in ("system", "num_envs", "sps_steady", "first_call_s")}, flush=True)
+        records.extend(new)
         _add_ratios(records)
         write_records(args.out, records, merge_keys=("system", "env", "num_envs", "card"))
-        print_table(records, ["system", "env", "num_envs", "sps_steady", "first_call_s"])
-        sys.stdout.flush()
+
+    for n, u in zip(args.num_envs, updates):
+        if "thinkcraft" in args.systems:
+            keep(bench_thinkcraft(args.env, n, u, args.repeats, "float32", env_floor=not args.no_env_floor))
+            if args.looped:
+                keep(bench_thinkcraft(args.env, n, u, args.repeats, "float32", unroll="off",
+                                      env_floor=not args.no_env_floor))
+            if args.bf16:
+                keep(bench_thinkcraft(args.env, n, u, args.repeats, "bfloat16", env_floor=False))
+        if args.baselines_dir and "baselines" in args.systems:
+            keep(bench_baselines(args.baselines_dir, args.env, n, u, args.repeats, env_floor=not args.no_env_floor))
     print()
     print_table(records, ["system", "env", "num_envs", "sps_steady", "first_call_s", "ratio_to_thinkcraft-env",
                           "ratio_to_baselines-env", "card"])

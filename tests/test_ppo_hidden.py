@@ -141,7 +141,13 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
     assert cfg["_derived"]["hidden_size"] == 576
     assert (tmp_path / "h/curve.png").exists()
     # overlap mode runs too (hidden states one refresh old: age starts at skip_n)
-    assert main(args[:-2] + ["--run-name", "o", "--overlap"]) == 0
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        assert main(args[:-2] + ["--run-name", "o", "--overlap"]) == 0
+    # the install of a refresh compiles once: the first (synchronous) refresh and the later ones (one
+    # refresh old) pass arrays of the same kind (an uncommitted "all valid" once cost a second compile)
+    compiles = [r for r in caplog.records if "Compiling jit(_install)" in r.getMessage()]
+    assert len(compiles) == 1, [r.getMessage()[:200] for r in compiles]
     last_o = json.loads((tmp_path / "o/metrics.jsonl").read_text().splitlines()[-1])
     assert last_o["hidden/age_mean"] > last["hidden/age_mean"]
     assert 0 <= last_o["llm/wait_share"] <= 1 and last["llm/wait_share"] == last["llm/share"]

@@ -19,6 +19,9 @@ Timeouts and deaths both end an episode (`done`), as in craftax and Craftax_Base
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -99,6 +102,10 @@ class VecEnv:
     reset_ratio: int
     base: Any  # the craftax NoAutoReset environment
     params: Any
+    unroll_inner_scans: bool = False
+    """Trace craftax's own short `lax.scan`s (mob / projectile / plant slots, world-generation rooms and
+    ores: 2-10 iterations each) and jax.random.choice's binary searches fully unrolled. Same results;
+    no host-driven GPU loop iterations inside a step (see `unrolled_scans`)."""
 
     @property
     def num_actions(self) -> int:
@@ -114,7 +121,8 @@ class VecEnv:
         return self.num_envs // self.reset_ratio
 
     def _reset_batch(self, rng: jax.Array, n: int) -> tuple[jax.Array, Any]:
-        obs, st = jax.vmap(self.base.reset_env, in_axes=(0, None))(jax.random.split(rng, n), self.params)
+        with unrolled_scans(self.unroll_inner_scans):
+            obs, st = jax.vmap(self.base.reset_env, in_axes=(0, None))(jax.random.split(rng, n), self.params)
         # craftax's world generation leaves some leaves weakly typed; after one step they are strong. Make
         # them strong now so a jitted function sees one type signature (no second compile after update 1).
         return obs.reshape(n, -1), jax.tree.map(lambda x: x.astype(x.dtype), st)
@@ -128,9 +136,10 @@ class VecEnv:
         self, rng: jax.Array, state: VecEnvState, action: jax.Array
     ) -> tuple[jax.Array, VecEnvState, jax.Array, jax.Array, EpisodeInfo]:
         rng_step, rng_reset, rng_rank = jax.random.split(rng, 3)
-        obs_st, env_st, reward, done, _ = jax.vmap(self.base.step_env, in_axes=(0, 0, 0, None))(
-            jax.random.split(rng_step, self.num_envs), state.env_state, action, self.params
-        )
+        with unrolled_scans(self.unroll_inner_scans):
+            obs_st, env_st, reward, done, _ = jax.vmap(self.base.step_env, in_axes=(0, 0, 0, None))(
+                jax.random.split(rng_step, self.num_envs), state.env_state, action, self.params
+            )
         obs_st = obs_st.reshape(self.num_envs, -1)
         reward = reward.astype(jnp.float32)
         ep_ret = state.episode_returns + reward
@@ -154,6 +163,52 @@ class VecEnv:
         return obs, new_state, reward, done, info
 
 
+_UNROLL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def unrolled_scans(enabled: bool = True) -> Iterator[None]:
+    """While tracing craftax code: every `jax.lax.scan` it calls runs with `unroll=True`, and every
+    `searchsorted` (inside `jax.random.choice(..., p=...)`, 8-10 per step) with method "scan_unrolled".
+
+    Why: on a GPU each XLA while-loop iteration is driven by the host, and a Craftax step holds eight
+    short scans (mob / projectile / plant slots), world generation's, and ~100 binary-search iterations;
+    at 128 envs the env is bound by those round trips, not by the GPU. Unrolled, XLA fuses across the
+    iterations. Same algorithms, so the same states (tests/test_envs.py checks it bit for bit).
+    craftax and jax.random reach both through module attributes, which are swapped for the duration of
+    the trace only (a lock keeps two tracing threads from interleaving the swap); our own scans are
+    entered before it. If a JAX version lacks one of them, that one is left as it is.
+    """
+    if not enabled:
+        yield
+        return
+    import jax._src.numpy as jnp_internal  # what jax.random's choice calls searchsorted through
+
+    with _UNROLL_LOCK:
+        orig_scan = jax.lax.scan
+        orig_ss = {m: getattr(m, "searchsorted", None) for m in (jnp, jnp_internal)}
+
+        def scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):  # noqa: ANN001, ANN202, ARG001
+            return orig_scan(f, init, xs, length, reverse=reverse, unroll=True, **kw)
+
+        def searchsorted_for(orig):  # noqa: ANN001, ANN202
+            def searchsorted(a, v, side="left", sorter=None, *, method="scan_unrolled"):  # noqa: ANN001, ANN202
+                return orig(a, v, side=side, sorter=sorter, method=method)
+            return searchsorted
+
+        jax.lax.scan = scan
+        for m, orig in orig_ss.items():
+            if orig is not None:
+                m.searchsorted = searchsorted_for(orig)
+        try:
+            yield
+        finally:
+            jax.lax.scan = orig_scan
+            for m, orig in orig_ss.items():
+                if orig is not None:
+                    m.searchsorted = orig
+
+
 def fresh_world_index(done: jax.Array, num_fresh: int, rng: jax.Array) -> jax.Array:
     """Which of `num_fresh` fresh worlds each env would take if it were done: (N,) int32.
 
@@ -169,7 +224,7 @@ def fresh_world_index(done: jax.Array, num_fresh: int, rng: jax.Array) -> jax.Ar
     return jnp.where(done, rank % num_fresh, 0).astype(jnp.int32)
 
 
-def make_env(name: str, num_envs: int = 1, reset_ratio: int = 1) -> VecEnv:
+def make_env(name: str, num_envs: int = 1, reset_ratio: int = 1, unroll_inner_scans: bool = False) -> VecEnv:
     """Build a batched Craftax env. `reset_ratio` must divide `num_envs` (1 = fresh world every step)."""
     name = canonical_env_name(name)
     if num_envs < 1:
@@ -182,7 +237,8 @@ def make_env(name: str, num_envs: int = 1, reset_ratio: int = 1) -> VecEnv:
     from craftax.craftax_env import make_craftax_env_from_name
 
     base = make_craftax_env_from_name(name, auto_reset=False)
-    return VecEnv(name=name, num_envs=num_envs, reset_ratio=reset_ratio, base=base, params=base.default_params)
+    return VecEnv(name=name, num_envs=num_envs, reset_ratio=reset_ratio, base=base, params=base.default_params,
+                  unroll_inner_scans=unroll_inner_scans)
 
 
 def unwrap_env_state(state: Any) -> Any:

@@ -58,6 +58,8 @@ class PPOConfig:
     """Width of the 3 hidden layers of the actor and of the critic."""
     optimistic_reset_ratio: int = 16
     """Fresh worlds generated per step = num_envs / ratio (Baselines: min(16, num_envs)); 1 = a fresh world for every env every step."""
+    unroll_env_scans: Literal["auto", "on", "off"] = "auto"
+    """Trace craftax's short inner loops (mob / projectile / plant slots, world generation, random.choice's binary searches) unrolled: the same states, no host-driven GPU loop iterations inside a step - 2.2x the SPS of plain PPO at 128 envs on an H100 - for a ~3x longer compile (envs/craftax.py `unrolled_scans`). auto = on when JAX runs on a GPU (on a CPU the loops cost nothing and the compile would)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Matmul dtype of the networks (parameters stay float32). float32 = Baselines."""
     seed: int = 0
@@ -109,6 +111,7 @@ class PPOConfig:
         check(self.stop_after_updates % self.chunk_updates == 0, "stop_after_updates",
               f"must be a multiple of the chunk size ({self.chunk_updates} updates) so that the run stops at a chunk end")
         check(self.compute_dtype in ("float32", "bfloat16"), "compute_dtype", "float32 or bfloat16")
+        check(self.unroll_env_scans in ("auto", "on", "off"), "unroll_env_scans", "auto, on or off")
 
     @property
     def batch_size(self) -> int:
@@ -117,6 +120,15 @@ class PPOConfig:
     @property
     def num_updates(self) -> int:
         return self.total_timesteps // self.batch_size
+
+    @property
+    def unrolled_env_scans(self) -> bool:
+        """`unroll_env_scans` resolved: "auto" is on exactly when JAX's default backend is a GPU."""
+        if self.unroll_env_scans == "auto":
+            import jax
+
+            return jax.default_backend() == "gpu"
+        return self.unroll_env_scans == "on"
 
     @property
     def reset_ratio(self) -> int:
@@ -145,7 +157,7 @@ def build(cfg: PPOConfig):
     from thinkcraft.rl.networks import ActorCritic
     from thinkcraft.rl.ppo import make_optimizer
 
-    env = make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio)
+    env = make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio, unroll_inner_scans=cfg.unrolled_env_scans)
     network = ActorCritic(env.num_actions, cfg.layer_width,
                           dtype=jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32)
     tx = make_optimizer(cfg.lr, cfg.anneal_lr, cfg.max_grad_norm, cfg.num_updates, cfg.hyper())

@@ -413,9 +413,14 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
                         else:
                             texts = src.texts(state.runner.rollout.env_state)  # snapshot of this refresh point
                             if pending is None:  # the very first refresh: synchronous, age 0
-                                pending = src.hidden(texts)
+                                # ...but on the worker thread, so that its first-call costs (per-thread
+                                # cuBLAS handles and workspaces, compiled-graph guards) land in this update,
+                                # which compiles anyway, not in the first overlapped window
+                                pending = executor.submit(src.hidden, texts).result()
                                 with timer.phase("norm"):
-                                    state = install(state, pending.hidden, 0, jnp.ones((N,), bool))
+                                    # "all valid" built from the loop's own (committed) array: an uncommitted
+                                    # jnp.ones here made the next refresh compile `install` again (~0.5 s)
+                                    state = install(state, pending.hidden, 0, ~jnp.zeros_like(state.done_since_snapshot))
                             else:  # the previous snapshot's hidden states, one refresh interval old
                                 if future is not None:
                                     with timer.phase("llm_wait"):
