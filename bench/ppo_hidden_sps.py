@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
     ap.add_argument("--unroll-env-scans", choices=["off", "on", "both"], default="on",
                     help="craftax's inner loops unrolled (PPOConfig.unroll_env_scans; its default auto = on on a GPU); both = each config twice")
+    ap.add_argument("--run-tag", default=None,
+                    help="stored as 'run' and part of the merge key: rows of a tagged run are kept beside earlier ones")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
     args = ap.parse_args()
 
@@ -189,9 +191,9 @@ def main() -> None:
                         x.setdefault("prefill_after_prefix_tok_per_s", rate_prefix)
                         x.setdefault("ratio_to_plain_ppo", x["sps_steady"] / base["sps_steady"] if base["sps_steady"] else None)
                         x.update({"env": env_name, "llm": model_desc, "xla_flags": os.environ.get("XLA_FLAGS", ""), "layer": args.layer, "card": card(), "date": today(),
-                                  "llm_device": args.llm_device, "quantize": args.quantize})
+                                  "llm_device": args.llm_device, "quantize": args.quantize, "run": args.run_tag})
                     write_records(args.out, records, merge_keys=("system", "env", "llm", "num_envs", "skip_n", "overlap", "layer", "card",
-                                                                 "llm_device", "overlap_env_sms", "quantize", "unroll_env_scans"))
+                                                                 "llm_device", "overlap_env_sms", "quantize", "unroll_env_scans", "run"))
     print()
     print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
                           "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])
