@@ -73,6 +73,23 @@ def cuda_timed(fn: Any, n: int = 20, warmup: int = 3) -> float:
     return statistics.median(ts)
 
 
+def random_action_window(env: Any, steps: int) -> Any:
+    """A jitted `lax.scan` of `steps` random-action steps of a thinkcraft `VecEnv`: carry (rng, env state)
+    -> carry. The env-only window the probes time."""
+    import jax
+
+    n = env.num_envs
+
+    def body(carry, _):  # noqa: ANN001, ANN202
+        rng, st = carry
+        rng, k1, k2 = jax.random.split(rng, 3)
+        act = jax.random.randint(k1, (n,), 0, env.num_actions)
+        _, st, _, _, _ = env.step(k2, st, act)
+        return (rng, st), None
+
+    return jax.jit(lambda c: jax.lax.scan(body, c, None, steps)[0])
+
+
 def print_table(records: list[dict[str, Any]], cols: list[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))

@@ -35,32 +35,17 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import card, today, write_records  # noqa: E402
+from common import card, random_action_window, today, write_records  # noqa: E402
 
 
 def hlo_counts(text: str) -> dict[str, int]:
     return {k: len(re.findall(rf"= [^=]*? {k}\(", text)) for k in ("while", "conditional", "fusion", "custom-call")}
 
 
-def make_window(env, steps: int):
-    import jax
-
-    n = env.num_envs
-
-    def body(carry, _):
-        rng, st = carry
-        rng, k1, k2 = jax.random.split(rng, 3)
-        act = jax.random.randint(k1, (n,), 0, env.num_actions)
-        _, st, _, _, _ = env.step(k2, st, act)
-        return (rng, st), None
-
-    return jax.jit(lambda c: jax.lax.scan(body, c, None, steps)[0])
-
-
 def measure_env(env, steps: int, repeats: int) -> tuple[dict, object, object]:
     import jax
 
-    window = make_window(env, steps)
+    window = random_action_window(env, steps)
     _, st = jax.jit(env.reset)(jax.random.PRNGKey(0))
     carry = (jax.random.PRNGKey(1), st)
     t0 = time.perf_counter()

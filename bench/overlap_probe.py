@@ -30,7 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import card, today, write_records  # noqa: E402
+from common import card, random_action_window, today, write_records  # noqa: E402
 
 
 def _med(f, repeats: int) -> float:
@@ -67,14 +67,7 @@ def main() -> None:
     N, S = a.num_envs, a.steps
     env = make_env(env_name, N, min(16, N))
 
-    def body(carry, _):
-        rng, st = carry
-        rng, k1, k2 = jax.random.split(rng, 3)
-        act = jax.random.randint(k1, (N,), 0, env.num_actions)
-        _, st, _, _, _ = env.step(k2, st, act)
-        return (rng, st), None
-
-    window = jax.jit(lambda c: jax.lax.scan(body, c, None, S)[0])
+    window = random_action_window(env, S)
     _, st = jax.jit(env.reset)(jax.random.PRNGKey(0))
     carry = (jax.random.PRNGKey(1), st)
     t0 = time.perf_counter()

@@ -163,7 +163,7 @@ class VecEnv:
         return obs, new_state, reward, done, info
 
 
-_UNROLL_LOCK = threading.Lock()
+_UNROLL_LOCK = threading.RLock()  # re-entrant: a trace may nest these contexts
 
 
 @contextlib.contextmanager
