@@ -445,9 +445,8 @@ class HFEngine:
     @staticmethod
     def _pool(h: torch.Tensor, start: torch.Tensor, end: torch.Tensor, pooling: str) -> torch.Tensor:
         """Pool h (B, T, H) over positions [start, end) per row: the last one, or the mean."""
-        rows = torch.arange(h.shape[0], device=h.device)
         if pooling == "last":
-            return h[rows, end - 1].float()
+            return take_rows(h, end - 1).float()
         pos = torch.arange(h.shape[1], device=h.device)[None, :]
         w = ((pos >= start[:, None]) & (pos < end[:, None])).to(torch.float32)
         return torch.einsum("bt,bth->bh", w, h.float()) / w.sum(1, keepdim=True)
@@ -483,9 +482,8 @@ class HFEngine:
         b, s = ids.shape
         dec = self._dec
         h = dec.embed_tokens(ids)
-        rows = torch.arange(b, device=self.device)
         if idx == 0:
-            return h if last is None else h[rows, last]
+            return h if last is None else take_rows(h, last)
         pos = (start + torch.arange(s, device=self.device))[None, :].expand(b, s)
         pe = dec.rotary_emb(h, pos)
         layers = dec.layers[: min(idx, self.num_layers)]
@@ -498,7 +496,7 @@ class HFEngine:
                 else:
                     h = self._layer_fn(layer, h, pos, pe, pkv)
         if last is not None and not split:
-            h = h[rows, last]
+            h = take_rows(h, last)
         return dec.norm(h) if idx == self.num_layers else h
 
     def _layers_pooled(
@@ -781,9 +779,13 @@ def _call_layer(
         return o[0] if isinstance(o, tuple) else o
     a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=None, position_ids=pos,
                         position_embeddings=pe, **extra)[0]
-    rows = torch.arange(h.shape[0], device=h.device)
-    x = h[rows, last] + a[rows, last]
+    x = take_rows(h, last) + take_rows(a, last)
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def take_rows(h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) -> (B, H): row b's hidden state at position pos[b]."""
+    return h[torch.arange(h.shape[0], device=h.device), pos]
 
 
 def splits_at_mlp(layer: torch.nn.Module) -> bool:
