@@ -79,3 +79,13 @@ def test_unroll_env_scans_auto_follows_the_backend():
     assert PPOConfig(unroll_env_scans="auto").unrolled_env_scans == (jax.default_backend() == "gpu")
     assert PPOConfig(unroll_env_scans="on").unrolled_env_scans is True
     assert PPOConfig(unroll_env_scans="off").unrolled_env_scans is False
+
+
+def test_bad_unroll_env_scans_is_a_clear_error(capsys):
+    from thinkcraft.cli import main
+    from thinkcraft.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--unroll-env-scans: auto, on or off"):
+        PPOConfig(unroll_env_scans="maybe")
+    assert main(["train", "ppo", "--unroll-env-scans", "maybe"]) == 2
+    assert "unroll-env-scans" in capsys.readouterr().err
