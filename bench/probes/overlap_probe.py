@@ -1,8 +1,8 @@
 """Can the LLM refresh and the env scan run at the same time on one GPU? A probe for ppo-hidden's --overlap.
 
-    python bench/overlap_probe.py                 # GPU: Qwen3-4B-shaped random LLM + Craftax-Symbolic, 128 envs
-    python bench/overlap_probe.py --env-only      # just the env window (compare XLA_FLAGS settings)
-    python bench/overlap_probe.py --quick         # CPU smoke run (tiny LLM, Classic, 4 envs)
+    python bench/probes/overlap_probe.py                 # GPU: Qwen3-4B-shaped random LLM + Craftax-Symbolic, 128 envs
+    python bench/probes/overlap_probe.py --env-only      # just the env window (compare XLA_FLAGS settings)
+    python bench/probes/overlap_probe.py --quick         # CPU smoke run (tiny LLM, Classic, 4 envs)
 
 Measures, each the median of a few repeats after warm-up:
   * env window alone: a jitted lax.scan of `--steps` random-action steps of `--num-envs` envs; the time for
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
 from common import card, random_action_window, today, write_records  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=-1, help="hidden-state layer of the LLM refresh")
     ap.add_argument("--green-sms", default="96,112,120", help="SM counts to try for the LLM's green context")
     ap.add_argument("--tag", default="", help="label for this run (e.g. the XLA_FLAGS used)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overlap_probe.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "overlap_probe.json"))
     a = ap.parse_args()
     env_name = "Craftax-Classic-Symbolic-v1" if a.quick else "Craftax-Symbolic-v1"
     if a.quick:

@@ -1,6 +1,6 @@
 """What does attending to the shared prefix cost the hidden-state prefill, and which layout of it is cheapest?
 
-    python bench/cascade_probe.py              # GPU only; ppo-hidden's shapes at 128 envs (Qwen3-4B heads)
+    python bench/probes/cascade_probe.py              # GPU only; ppo-hidden's shapes at 128 envs (Qwen3-4B heads)
 
 1. One layer's attention at B suffixes of S tokens after a P-token prefix (H query heads, Hkv KV heads),
    eager and under torch.compile (how the engine runs its layers), CUDA-event median of 20:
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
 from common import card, cuda_timed as timed, today, write_records  # noqa: E402
 
 
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=238)
     ap.add_argument("--layer", type=int, default=-1)
     ap.add_argument("--no-engine", action="store_true", help="attention micro-benchmark only")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cascade_probe.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cascade_probe.json"))
     a = ap.parse_args()
     import torch
 

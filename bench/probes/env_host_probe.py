@@ -1,8 +1,8 @@
 """Why is the env window slower while the LLM runs beside it? And is the env at 128 envs host-bound?
 
-    python bench/env_host_probe.py                     # GPU: Craftax-Symbolic, 128 envs, 100 steps
-    python bench/env_host_probe.py --loads             # + the env window beside synthetic loads (below)
-    python bench/env_host_probe.py --quick             # CPU smoke run (Classic, 4 envs, 8 steps)
+    python bench/probes/env_host_probe.py                     # GPU: Craftax-Symbolic, 128 envs, 100 steps
+    python bench/probes/env_host_probe.py --loads             # + the env window beside synthetic loads (below)
+    python bench/probes/env_host_probe.py --quick             # CPU smoke run (Classic, 4 envs, 8 steps)
 
 Part 1, for craftax's inner scans traced as loops (as craftax writes them) and fully unrolled
 (`VecEnv.unroll_inner_scans`): compile time, the compiled program's while / conditional / fusion counts,
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
 from common import card, random_action_window, today, write_records  # noqa: E402
 
 
@@ -202,7 +202,7 @@ def main() -> None:
     ap.add_argument("--load-ms", type=float, default=200.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--env", default="Craftax-Symbolic-v1")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "env_host_probe.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "env_host_probe.json"))
     a = ap.parse_args()
     if a.quick:
         a.env, a.num_envs, a.steps, a.repeats = "Craftax-Classic-Symbolic-v1", 4, 8, 2

@@ -8,7 +8,7 @@ median of `--repeats` calls), for:
   * aug-h8    the same with an 8-wide hidden state: isolates the cost of the hidden state's width
               (its projection, and storing it in the trajectory at every step)
 
-    python bench/window_ablation.py --num-envs 128 --num-steps 100
+    python bench/probes/window_ablation.py --num-envs 128 --num-steps 100
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
 from common import card, print_table, today, write_records  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2560, help="hidden size of the aug variant (Qwen3-4B: 2560)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--variants", nargs="+", default=["plain", "aug", "aug-h8"])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "window_ablation.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "window_ablation.json"))
     args = ap.parse_args()
 
     import jax

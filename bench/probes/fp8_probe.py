@@ -1,6 +1,6 @@
 """What would FP8 (and fused projections) buy the hidden-state prefill? GEMM timings at Qwen3-4B's shapes.
 
-    python bench/fp8_probe.py                  # GPU only; M = tokens per refresh (128 envs x ~100-128)
+    python bench/probes/fp8_probe.py                  # GPU only; M = tokens per refresh (128 envs x ~100-128)
 
 For one decoder layer's projections at M tokens: bf16 as HF runs them (q, k, v, o, gate, up, down: seven
 GEMMs), bf16 with q|k|v and gate|up fused (four GEMMs), and FP8 e4m3 with the same fusion through
@@ -15,14 +15,14 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
 from common import card, cuda_timed as timed, today, write_records  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="12800,16384")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fp8_probe.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "fp8_probe.json"))
     a = ap.parse_args()
     import torch
 
