@@ -153,3 +153,31 @@ def test_one_sampling_mapping_for_both_clients() -> None:
     assert sampling_body(sp, "openai") == {**common, "max_tokens": 7, "seed": 11}
     assert sampling_body(sp, "sglang") == {**common, "max_new_tokens": 7, "sampling_seed": 11}
     assert sampling_body(SamplingParams(max_new_tokens=1), "openai") == {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "n": 1}
+
+
+def test_every_cli_that_takes_a_key_has_env_and_file_forms(capsys, monkeypatch, tmp_path) -> None:
+    from thinkcraft.cli import main
+    from thinkcraft.train.llm_policy import LLMPolicyConfig
+    from thinkcraft.utils.errors import ConfigError
+
+    for argv, flags in ((["serve"], ("--api-key-env", "--api-key-file")),
+                        (["train", "llm-policy"], ("--judge-api-key-env", "--judge-api-key-file")),
+                        (["label"], ("api_key_env", "api_key_file"))):  # label: keys of the endpoints file
+        assert main([*argv, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert all(f in out for f in flags), (argv, out[-2000:])
+    # one-line errors before anything loads
+    assert main(["serve", "--api-key-env", "TC_NO_SUCH_VAR"]) == 2
+    assert "--api-key-env: environment variable TC_NO_SUCH_VAR is not set" in capsys.readouterr().err
+    judge = "openai+http://127.0.0.1:9/v1"
+    with pytest.raises(ConfigError, match="--judge-api-key-env: environment variable TC_NO_SUCH_VAR"):
+        LLMPolicyConfig(reward="judge", judge_engine=judge, judge_api_key_env="TC_NO_SUCH_VAR")
+    with pytest.raises(ConfigError, match="--judge-api-key-env: an API key is for an HTTP judge"):
+        LLMPolicyConfig(reward="judge", judge_engine="self", judge_api_key_env="HOME")
+    (tmp_path / "k").write_text("sk-judge\n")
+    cfg = LLMPolicyConfig(reward="judge", judge_engine=judge, judge_api_key_file=str(tmp_path / "k"))
+    assert cfg.judge_engine_options() == {"api_key": "sk-judge"}
+    monkeypatch.setenv("TC_JUDGE_KEY", "sk-env")
+    cfg = LLMPolicyConfig(reward="judge", judge_engine=judge, judge_api_key_env="TC_JUDGE_KEY")
+    assert cfg.judge_engine_options() == {"api_key": "sk-env"}
+    assert LLMPolicyConfig().judge_engine_options() == {}
