@@ -124,3 +124,16 @@ def test_stream_pieces_rebuild_the_text(engine, text) -> None:
     assert all("\ufffd" not in p for p in pieces)  # a character split over tokens comes out whole
     for cut in (0, 3, len(full) - 2):  # the answer cut at a stop string: the pieces stop there too
         assert "".join(text_pieces(decode, ids, full[:cut])) == full[:cut]
+
+
+def test_top_alternatives_in_chunks_equal_one_pass(engine, monkeypatch) -> None:
+    import thinkcraft.llm.serve_engine as se
+
+    c = _greedy(engine, "Hello there", 7)
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    one = se.top_alternatives(engine, c.prompt_token_ids, c.token_ids, 3, vocab)
+    monkeypatch.setattr(se, "TOPK_LOGITS_BUDGET", 2 * vocab)  # two positions per forward
+    chunked = se.top_alternatives(engine, c.prompt_token_ids, c.token_ids, 3, vocab)
+    assert [[t for t, _ in row] for row in chunked] == [[t for t, _ in row] for row in one]
+    assert [lp for row in chunked for _, lp in row] == pytest.approx([lp for row in one for _, lp in row], abs=1e-5)
+    assert [row[0][0] for row in one] == c.token_ids  # greedy: the sampled token is the top alternative

@@ -33,6 +33,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
 from thinkcraft.llm.protocol import Batch
 from thinkcraft.llm.serve_engine import Limits, ServedEngine
 from thinkcraft.llm.serve_requests import (
@@ -129,123 +134,124 @@ class FaultConfig:
     delay_ms: float = 0.0
 
 
-def make_app(
-    engine: Any,
-    model_name: str = "thinkcraft",
-    api_key: str | None = None,
-    faults: FaultConfig = FaultConfig(),
-    max_new_tokens_limit: int = 4096,
-    batch_window_ms: float = 5.0,
-    limits: Limits | None = None,
-) -> Any:
-    """A Starlette app serving `engine` (an HFEngine: its generate, tokenize_batch, apply_chat_template,
-    token_hidden_states, and its model/tokenizer for the limits and top-k logprobs)."""
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
+class _FaultInjector:
+    """--fail-every / --fail-rate / --delay-ms: the error a request gets instead of its answer, or None."""
 
-    srv = ServedEngine(engine, limits or Limits(max_new_tokens=max_new_tokens_limit), batch_window_ms)
-    counter = {"n": 0}
-    rng = random.Random(0)
+    def __init__(self, faults: FaultConfig) -> None:
+        self.faults = faults
+        self.requests = 0
+        self.rng = random.Random(0)
 
-    def error(status: int, message: str, kind: str, code: str | None = None, headers: dict | None = None) -> Any:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-        return JSONResponse(body, status_code=status, headers=headers)
+    async def __call__(self) -> RequestError | None:
+        f = self.faults
+        if f.delay_ms:
+            await asyncio.sleep(f.delay_ms / 1000.0)
+        self.requests += 1
+        if not ((f.fail_every and self.requests % f.fail_every == 0) or (f.fail_rate and self.rng.random() < f.fail_rate)):
+            return None
+        headers = {"Retry-After": f"{f.fail_retry_after_s:g}"} if f.fail_status == 429 else None
+        return RequestError("injected failure (thinkcraft serve --fail-*)", status=f.fail_status, code="injected",
+                            kind="injected", headers=headers)
 
-    async def guard(request: Request) -> Any | None:
-        """Auth and fault injection; returns an error response or None."""
-        if faults.delay_ms:
-            await asyncio.sleep(faults.delay_ms / 1000.0)
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error(401, "missing or wrong API key (send Authorization: Bearer <key>)", "invalid_request_error",
-                         "invalid_api_key")
-        counter["n"] += 1
-        fail = (faults.fail_every and counter["n"] % faults.fail_every == 0) or (
-            faults.fail_rate and rng.random() < faults.fail_rate
-        )
-        if fail:
-            headers = {"Retry-After": f"{faults.fail_retry_after_s:g}"} if faults.fail_status == 429 else None
-            return error(faults.fail_status, "injected failure (thinkcraft serve --fail-*)", "injected", "injected", headers)
-        return None
 
-    async def json_body(request: Request) -> Any:
+class _Routes:
+    """The HTTP routes over one ServedEngine: auth and fault injection first, then the typed request,
+    the checks against the model, generation, and the answer in the API's shape."""
+
+    def __init__(self, srv: ServedEngine, model_name: str, api_key: str | None, faults: FaultConfig) -> None:
+        self.srv = srv
+        self.model_name = model_name
+        self.api_key = api_key
+        self.inject = _FaultInjector(faults)
+
+    async def _guard(self, request: Request) -> None:
+        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise RequestError("missing or wrong API key (send Authorization: Bearer <key>)", status=401,
+                               code="invalid_api_key")
+        injected = await self.inject()
+        if injected is not None:
+            raise injected
+
+    def _endpoint(self, fn: Any) -> Any:
+        """`fn(request)` behind the guard; every refusal answered in OpenAI's error shape."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                await self._guard(request)
+                return await fn(request)
+            except RequestError as e:
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            except UserError as e:  # the engine refusing this input
+                return JSONResponse(RequestError(str(e)).body(), status_code=400)
+            except Exception as e:  # noqa: BLE001 - report, keep serving
+                log.exception("request failed")
+                err = RequestError(f"{type(e).__name__}: {e}", status=500, code=None, kind="server_error")
+                return JSONResponse(err.body(), status_code=500)
+
+        return endpoint
+
+    @staticmethod
+    async def _json(request: Request) -> Any:
         try:
             return await request.json()
         except ValueError as e:
             raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise RequestError(f"The model `{name}` does not exist: this server serves `{model_name}`", "model",
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise RequestError(f"The model `{name}` does not exist: this server serves `{self.model_name}`", "model",
                                status=404, code="model_not_found")
 
-    def handler(fn: Any) -> Any:
-        async def wrapped(request: Request) -> Any:
-            bad = await guard(request)
-            if bad is not None:
-                return bad
-            try:
-                return await fn(request)
-            except RequestError as e:
-                return JSONResponse(e.body(), status_code=e.status)
-            except UserError as e:  # the engine refusing this input
-                return error(400, str(e), "invalid_request_error", "invalid_value")
-            except Exception as e:  # noqa: BLE001 - report, keep serving
-                log.exception("request failed")
-                return error(500, f"{type(e).__name__}: {e}", "server_error")
-
-        return wrapped
-
-    def answer(shapes: OpenAIShapes, shaped: list[Shaped], req: Any) -> Any:
+    def _answer(self, req: Any, shaped: list[Shaped], chat: bool, want_logprobs: bool) -> Response:
+        shapes = OpenAIShapes(self.model_name, chat, want_logprobs, bool(req.return_token_ids))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(sse(shapes.chunks(shaped, req.samples, include_usage)),
                                      media_type="text/event-stream")
         return JSONResponse(shapes.response(shaped, req.samples))
 
-    async def health(request: Request) -> Any:
+    async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def models(request: Request) -> Any:
-        bad = await guard(request)
-        if bad is not None:
-            return bad
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "thinkcraft"}]})
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list",
+                             "data": [{"id": self.model_name, "object": "model", "owned_by": "thinkcraft"}]})
 
-    async def completions(request: Request) -> Any:
-        req = parse(CompletionRequest, await json_body(request))
+    async def completions(self, request: Request) -> Response:
+        req = parse(CompletionRequest, await self._json(request))
         req.unsupported()
-        check_model(req.model)
-        prompts = await srv.tokenize(req.prompt)
-        sp = srv.sampling(req, prompts, "prompt", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
-        cs = await srv.batcher.generate(Batch(items=prompts), sp)
+        self._check_model(req.model)
+        prompts = await self.srv.tokenize(req.prompt)
+        sp = self.srv.sampling(req, prompts, "prompt", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        cs = await self.srv.batcher.generate(Batch(items=prompts), sp)
         want_lp = req.logprobs is not None
-        shaped = await srv.shaped(cs, req.top_logprobs, text=want_lp or bool(req.stream))
-        return answer(OpenAIShapes(model_name, False, want_lp, bool(req.return_token_ids)), shaped, req)
+        shaped = await self.srv.shaped(cs, req.top_logprobs, text=want_lp or bool(req.stream))
+        return self._answer(req, shaped, chat=False, want_logprobs=want_lp)
 
-    async def chat(request: Request) -> Any:
-        req = parse(ChatRequest, await json_body(request))
+    async def chat(self, request: Request) -> Response:
+        req = parse(ChatRequest, await self._json(request))
         req.unsupported()
-        check_model(req.model)
-        prompt = await srv.chat_prompt(req)
-        sp = srv.sampling(req, [prompt], "messages", default_max=None)
-        cs = await srv.batcher.generate(Batch(items=[prompt]), sp)
+        self._check_model(req.model)
+        prompt = await self.srv.chat_prompt(req)
+        sp = self.srv.sampling(req, [prompt], "messages", default_max=None)
+        cs = await self.srv.batcher.generate(Batch(items=[prompt]), sp)
         want_lp = bool(req.logprobs)
-        shaped = await srv.shaped(cs, req.top_k, text=want_lp or bool(req.stream))
-        return answer(OpenAIShapes(model_name, True, want_lp, bool(req.return_token_ids)), shaped, req)
+        shaped = await self.srv.shaped(cs, req.top_k, text=want_lp or bool(req.stream))
+        return self._answer(req, shaped, chat=True, want_logprobs=want_lp)
 
-    async def generate(request: Request) -> Any:
-        req = GenerateRequest.from_body(await json_body(request))
+    async def generate(self, request: Request) -> Response:
+        """SGLang's /generate: one object for one prompt (n = 1), else a list, item-major."""
+        req = GenerateRequest.from_body(await self._json(request))
         req.unsupported()
-        prompts = await srv.tokenize(req.text if req.text is not None else req.input_ids)
-        sp = srv.sampling(req, prompts, req.prompt_field, default_max=GENERATE_DEFAULT_MAX_NEW_TOKENS)
-        cs = await srv.batcher.generate(Batch(items=prompts), sp)
+        prompts = await self.srv.tokenize(req.text if req.text is not None else req.input_ids)
+        sp = self.srv.sampling(req, prompts, req.prompt_field, default_max=GENERATE_DEFAULT_MAX_NEW_TOKENS)
+        cs = await self.srv.batcher.generate(Batch(items=prompts), sp)
         hidden: list[Any] | None = None
         if req.return_hidden_states:
             # SGLang layout: meta_info.hidden_states[0] = the prompt's per-token states (P, H)
             # (decode-token states are not returned by this server).
-            hidden = await srv.call(lambda: [engine.token_hidden_states(c.prompt_token_ids).tolist() for c in cs[:: sp.n]])
+            per_token = self.srv.engine.token_hidden_states
+            hidden = await self.srv.call(lambda: [per_token(c.prompt_token_ids).tolist() for c in cs[:: sp.n]])
         outs = []
         for j, c in enumerate(cs):
             meta: dict[str, Any] = {
@@ -260,16 +266,32 @@ def make_app(
             outs.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
         return JSONResponse(outs[0] if req.single and sp.n == 1 else outs)
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", handler(completions), methods=["POST"]),
-        Route("/v1/chat/completions", handler(chat), methods=["POST"]),
-        Route("/generate", handler(generate), methods=["POST"]),
-    ]
-    app = Starlette(routes=routes)
-    app.state.batcher = srv.batcher
-    return app
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
+            Route("/generate", self._endpoint(self.generate), methods=["POST"]),
+        ]
+        app = Starlette(routes=routes)
+        app.state.batcher = self.srv.batcher
+        return app
+
+
+def make_app(
+    engine: Any,
+    model_name: str = "thinkcraft",
+    api_key: str | None = None,
+    faults: FaultConfig = FaultConfig(),
+    max_new_tokens_limit: int = 4096,
+    batch_window_ms: float = 5.0,
+    limits: Limits | None = None,
+) -> Starlette:
+    """A Starlette app serving `engine` (an HFEngine: its generate, tokenize_batch, apply_chat_template,
+    token_hidden_states, and its model/tokenizer for the limits and top-k logprobs)."""
+    srv = ServedEngine(engine, limits or Limits(max_new_tokens=max_new_tokens_limit), batch_window_ms)
+    return _Routes(srv, model_name, api_key, faults).app()
 
 
 def run(config: ServeConfig) -> int:

@@ -95,20 +95,34 @@ def model_facts(engine: Any) -> tuple[int | None, int, bool]:
     return (int(ctx) if ctx else None), vocab, thinking
 
 
-def top_alternatives(engine: Any, prompt_ids: Sequence[int], token_ids: Sequence[int], k: int) -> list[list[tuple[int, float]]]:
+TOPK_LOGITS_BUDGET = 1 << 26
+"""Logits (positions x vocabulary) materialised at once for top-k alternatives (256 MB in fp32)."""
+
+
+def top_alternatives(engine: Any, prompt_ids: Sequence[int], token_ids: Sequence[int], k: int,
+                     vocab_size: int) -> list[list[tuple[int, float]]]:
     """Per generated token, the k most likely (token id, logprob) under the model at temperature 1, from
-    one teacher-forced forward over prompt + completion (the engine's decode returns the sampled token's
-    logprob only). Agrees with the engine's logprobs up to kernel rounding (~1e-5 in fp32)."""
+    teacher-forced forwards over prompt + completion (the engine's decode returns the sampled token's
+    logprob only). Agrees with the engine's logprobs up to kernel rounding (~1e-5 in fp32). A long
+    completion is scored in chunks of positions (each a forward over the prefix it needs) so that its
+    logits stay under TOPK_LOGITS_BUDGET."""
     import torch
 
     if not token_ids or k <= 0:
         return [[] for _ in token_ids]
-    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=engine.device)
+    full = list(prompt_ids) + list(token_ids)
+    p, n = len(prompt_ids), len(token_ids)
+    per = max(1, TOPK_LOGITS_BUDGET // vocab_size)
+    out: list[list[tuple[int, float]]] = []
     with torch.inference_mode():
-        # the logits at positions P-1 .. P+L-2 predict the L generated tokens
-        logits = engine.model(input_ids=ids, logits_to_keep=len(token_ids) + 1).logits[0, :-1].float()
-        vals, idx = torch.log_softmax(logits, -1).topk(k, dim=-1)
-    return [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            # the logits at positions p-1+a .. p+b-2 predict generated tokens a .. b-1
+            ids = torch.tensor([full[: p + b - 1]], device=engine.device)
+            logits = engine.model(input_ids=ids, logits_to_keep=b - a).logits[0].float()
+            vals, idx = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            out.extend(list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist()))
+    return out
 
 
 class ServedEngine:
@@ -183,8 +197,9 @@ class ServedEngine:
         """Completions with their token texts and pieces (`text`: for logprobs or a stream) and top-k."""
         tops = None
         if top_k:
-            tops = await self.call(lambda: [top_alternatives(self.engine, c.prompt_token_ids, c.token_ids, top_k)
-                                            for c in cs])
+            tops = await self.call(lambda: [
+                top_alternatives(self.engine, c.prompt_token_ids, c.token_ids, top_k, self.vocab_size) for c in cs
+            ])
         tok = self.engine.tokenizer
 
         def build() -> list[Shaped]:

@@ -34,9 +34,10 @@ class RequestError(Exception):
     """A request the server will not run: status, message, the offending field (`param`) and a code."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = "invalid_value",
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
