@@ -67,7 +67,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         got = repr(err.get("input"))
         got = got if len(got) <= 60 else got[:57] + "..."
         msg = err["msg"].removeprefix("Value error, ")
-        code = "invalid_type" if err["type"].endswith("_type") or err["type"] == "literal_error" else "invalid_value"
+        code = "invalid_type" if err["type"].endswith("_type") else "invalid_value"
         raise RequestError(f"{param}: {msg} (got {got})", param, code=code) from None
 
 
