@@ -137,3 +137,17 @@ def test_top_alternatives_in_chunks_equal_one_pass(engine, monkeypatch) -> None:
     assert [[t for t, _ in row] for row in chunked] == [[t for t, _ in row] for row in one]
     assert [lp for row in chunked for _, lp in row] == pytest.approx([lp for row in one for _, lp in row], abs=1e-5)
     assert [row[0][0] for row in one] == c.token_ids  # greedy: the sampled token is the top alternative
+
+
+def test_our_openai_engine_reads_logprobs_without_top_k(engine, client, monkeypatch) -> None:
+    import thinkcraft.llm.serve_engine as se
+    from thinkcraft.llm.clients import OpenAIEngine
+
+    def no_top_k(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("logprobs: 0 must not cost a top-k forward")
+
+    monkeypatch.setattr(se, "top_alternatives", no_top_k)
+    want = _greedy(engine, "Hello there", 5)
+    got = OpenAIEngine(str(client.base_url).rstrip("/"), model="tiny").generate(
+        Batch(items=["Hello there"]), SamplingParams(max_new_tokens=5, temperature=0.0))[0]
+    assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-4)

@@ -304,7 +304,7 @@ class OpenAIClient:
         back where the server supports `return_token_ids` (vLLM, thinkcraft serve), else empty."""
         params = sampling_body(sampling, "openai")
         if sampling.logprobs:
-            params["logprobs"] = 1
+            params["logprobs"] = 0  # the sampled tokens' logprobs, no top-k alternatives (which cost the server a forward)
         params["return_token_ids"] = True
 
         async def one(p: Any) -> list[Completion]:
