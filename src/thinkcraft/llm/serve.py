@@ -96,7 +96,8 @@ class ServeConfig:
     fail_rate: float = 0.0
     """Fault injection: each request fails with this probability."""
     fail_status: int = 500
-    """HTTP status of injected failures: 429 (with Retry-After), 500, 502 or 503."""
+    """HTTP status of injected failures: 429 (with Retry-After) and 502/503 are retried by thinkcraft's
+    clients; a plain 500 is not (it stands for a deterministic server error)."""
     fail_retry_after_s: float = 1.0
     """Retry-After seconds sent with injected 429s."""
     delay_ms: float = 0.0

@@ -137,23 +137,27 @@ class ServedEngine:
         self.lock = threading.Lock()  # the engine is not re-entrant
         self.batcher = MicroBatcher(lambda b, sp: self.call(engine.generate, b, sp), batch_window_ms)
 
-    async def call(self, fn: Any, *args: Any) -> Any:
+    async def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in a worker thread, holding the engine lock. The tokenizer is used under it
+        too: a fast tokenizer shared by threads can fail ("Already borrowed") when one encodes while
+        another changes its truncation/padding state."""
+
         def locked() -> Any:
             with self.lock:
-                return fn(*args)
+                return fn(*args, **kwargs)
 
         return await asyncio.to_thread(locked)
 
     async def tokenize(self, items: list[str] | list[list[int]]) -> list[list[int]]:
         if items and isinstance(items[0], str):
-            return (await asyncio.to_thread(self.engine.tokenize_batch, Batch(items=items)))[1]
+            return (await self.call(self.engine.tokenize_batch, Batch(items=items)))[1]
         return [list(p) for p in items]
 
     async def chat_prompt(self, req: ChatRequest) -> list[int]:
         kwargs = req.chat_template_kwargs or {}
         try:
-            return await asyncio.to_thread(self.engine.apply_chat_template, req.template_messages(),
-                                           add_generation_prompt=True, tokenize=True, **kwargs)
+            return await self.call(self.engine.apply_chat_template, req.template_messages(),
+                                   add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as e:  # noqa: BLE001 - the template's own complaint (jinja, bad kwargs) about this input
             raise RequestError(f"the chat template rejected the request: {e}",
                                "chat_template_kwargs" if kwargs else "messages") from None
@@ -214,4 +218,4 @@ class ServedEngine:
                 out.append(Shaped(i, c, strs, pieces, top))
             return out
 
-        return await asyncio.to_thread(build)
+        return await self.call(build)
