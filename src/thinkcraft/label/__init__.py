@@ -16,7 +16,7 @@ An endpoints file (TOML):
     name = "openai"
     base_url = "https://api.openai.com/v1"
     model = "gpt-4.1-mini"
-    api_key_env = "OPENAI_API_KEY"     # your own key, from the environment
+    api_key_env = "OPENAI_API_KEY"     # your own key, from the environment (or api_key_file = "~/.openai-key")
     rpm = 500                          # stay under your account's limits
     tpm = 200000
     max_concurrency = 8

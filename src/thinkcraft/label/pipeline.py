@@ -49,7 +49,9 @@ class LabelConfig:
     """Local engine spec: `auto:<model>` (vLLM offline when installed and a GPU is present, else hf),
     `hf:<model>`, `vllm:<path>`; <model> is `default` (bundled) or a local folder. Unused with --endpoints."""
     endpoints: str | None = None
-    """TOML/JSON file of OpenAI-compatible endpoints (keys, RPM/TPM/concurrency, weights): label remotely."""
+    """TOML/JSON file of OpenAI-compatible endpoints (RPM/TPM/concurrency, weights): label remotely. Each
+    endpoint's key comes from `api_key_env = "VAR"` (an environment variable) or `api_key_file = "path"`
+    (first line of a file), so it never shows on the command line; `api_key` inline also works."""
     batch_size: int = 64
     """Items per local engine call."""
     pack_size: int = 1

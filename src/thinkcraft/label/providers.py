@@ -7,9 +7,13 @@ weighted round-robin, so each gets its weight's share of the work; the share of 
 stops is taken over by the others.
 
 Failures: 401/403 stops that endpoint (its job goes back to the queue for the others); 429 pauses the
-whole endpoint for `Retry-After` (or an exponential backoff) and retries; 5xx, timeouts and connection
-errors are retried with bounded exponential backoff, and an endpoint that never answered is stopped as
+whole endpoint for `Retry-After` (or an exponential backoff) and retries; 502/503/504, timeouts and
+connection errors are retried with bounded exponential backoff (a plain 500 and other 4xx are not: they
+would fail again; see `thinkcraft.utils.retry`), and an endpoint that never answered is stopped as
 unreachable. Every event is counted per endpoint for the final report.
+
+Keys: `api_key_env = "VAR"` (an environment variable) or `api_key_file = "path"` (its first line), or
+`api_key` inline in the endpoints file.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from typing import Any, Awaitable, Callable, Sequence
 import httpx
 
 from thinkcraft.utils.errors import ConfigError, UserError
-from thinkcraft.utils.retry import HTTPStatusError, RetryPolicy, is_retryable_http, parse_retry_after
+from thinkcraft.utils.apikey import resolve_api_key
+from thinkcraft.utils.retry import HTTPStatusError, RetryPolicy, is_retryable_http, status_error
 
 _ENDPOINT_KEYS = {
-    "name", "base_url", "model", "api_key", "api_key_env", "rpm", "tpm", "max_concurrency", "weight",
+    "name", "base_url", "model", "api_key", "api_key_env", "api_key_file", "rpm", "tpm", "max_concurrency", "weight",
     "timeout_s", "max_attempts", "api", "extra_body", "cache_control",
 }
 
@@ -41,7 +46,7 @@ class EndpointConfig:
     """e.g. `http://127.0.0.1:8000/v1` (the `/chat/completions` path is appended)."""
     model: str
     api_key: str | None = None
-    """Resolved key (from `api_key_env`, or given inline); sent as `Authorization: Bearer`."""
+    """Resolved key (from `api_key_env`, `api_key_file`, or given inline); sent as `Authorization: Bearer`."""
     rpm: float | None = None
     """Requests per minute allowed (None = no limit)."""
     tpm: float | None = None
@@ -95,11 +100,10 @@ def load_endpoints(path: str | os.PathLike) -> EndpointsFile:
         for req in ("base_url", "model"):
             if req not in e:
                 raise ConfigError("endpoints", f"{where}: missing {req!r}")
-        key = e.get("api_key")
-        if "api_key_env" in e:
-            key = os.environ.get(e["api_key_env"])
-            if not key:
-                raise ConfigError("endpoints", f"{where}: environment variable {e['api_key_env']} is not set")
+        try:
+            key = resolve_api_key(e.get("api_key"), e.get("api_key_env"), e.get("api_key_file"))
+        except UserError as err:
+            raise ConfigError("endpoints", f"{where}: {err}") from None
         ep = EndpointConfig(
             name=e.get("name", f"ep{i}"), base_url=e["base_url"].rstrip("/"), model=e["model"], api_key=key,
             rpm=e.get("rpm"), tpm=e.get("tpm"), max_concurrency=int(e.get("max_concurrency", 4)),
@@ -280,14 +284,14 @@ class Endpoint:
             try:
                 r = await self.client.post(url, json=body, headers=headers, timeout=self.cfg.timeout_s)
                 if r.status_code >= 400:
-                    raise HTTPStatusError(r.status_code, r.text, parse_retry_after(r.headers.get("retry-after")), url)
+                    raise status_error(r, url)
                 data = r.json()
                 ans = _parse_answer(data, self.cfg.api, time.monotonic() - t0)
             except HTTPStatusError as e:
                 self.ever_answered = True
                 last = e
                 if e.status in (401, 403):
-                    self.stop(f"HTTP {e.status}: key rejected — check this endpoint's api_key / api_key_env")
+                    self.stop(f"HTTP {e.status}: key rejected — check this endpoint's api_key / api_key_env / api_key_file")
                     raise EndpointStopped(self.stats.stopped) from e
                 if e.status == 429:
                     self.stats.http_429 += 1

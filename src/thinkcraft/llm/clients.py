@@ -6,9 +6,13 @@
 - `OpenAIClient` / `OpenAIEngine` (`openai+http://host:port/v1`): any OpenAI-compatible endpoint (vLLM's
   server, `thinkcraft serve`, hosted providers); generation only.
 
-Timeouts, connection errors, 429 (honouring `Retry-After`) and 5xx are retried with exponential backoff
-(`thinkcraft.utils.retry`), up to `RetryPolicy.max_attempts`; other 4xx (e.g. 401) fail at once. Every
+Only what can succeed on retry is retried (`thinkcraft.utils.retry`: timeouts, connection errors, 429
+and 408 honouring `Retry-After`, 502/503/504, a 500 only when the server says so), with exponential
+backoff up to `RetryPolicy.max_attempts`; a 4xx (e.g. 400, 401) or a plain 500 fails at once. Every
 failure ends as an `EngineError` whose message says what was tried and what to check.
+
+Both clients build their request bodies from `SamplingParams` with one mapping, `sampling_body`.
+The API key: `HTTPOptions.api_key`, `api_key_env` (a variable's name) or `api_key_file`.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ from thinkcraft.llm.protocol import (
     EngineError,
     SamplingParams,
 )
+from thinkcraft.utils.apikey import resolve_api_key
 from thinkcraft.utils.retry import (
     HTTPStatusError,
     RetryError,
     RetryPolicy,
     is_retryable_http,
-    parse_retry_after,
     retry_after_of,
     retry_async,
+    status_error,
 )
 
 T = TypeVar("T")
@@ -47,9 +52,13 @@ class HTTPOptions:
     timeout_s: float = 120.0
     """Per-request timeout (generation can be slow)."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    """Bounded retries with backoff on timeouts, connection errors, 429 and 5xx."""
+    """Bounded retries with backoff on what can succeed on retry (timeouts, connection errors, 429, 502-504)."""
     api_key: str | None = None
     """Bearer token (default: $OPENAI_API_KEY for OpenAI endpoints, none for SGLang)."""
+    api_key_env: str | None = None
+    """Read the bearer token from this environment variable instead."""
+    api_key_file: str | None = None
+    """Read the bearer token from the first line of this file instead."""
     max_concurrency: int = 32
     """Requests in flight at once from one engine call."""
 
@@ -57,14 +66,18 @@ class HTTPOptions:
 class _HTTP:
     """One base URL, JSON POST/GET with retries; an httpx.AsyncClient per event loop."""
 
-    def __init__(self, base_url: str, options: HTTPOptions) -> None:
+    def __init__(self, base_url: str, options: HTTPOptions, default_key_env: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.options = options
+        key = resolve_api_key(options.api_key, options.api_key_env, options.api_key_file)
+        if key is None and default_key_env:
+            key = os.environ.get(default_key_env) or None
+        self._key = key
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
-        if self.options.api_key:
-            h["Authorization"] = f"Bearer {self.options.api_key}"
+        if self._key:
+            h["Authorization"] = f"Bearer {self._key}"
         return h
 
     async def request(self, method: str, path: str, payload: dict | None = None) -> Any:
@@ -75,7 +88,7 @@ class _HTTP:
         async def once(client: httpx.AsyncClient) -> Any:
             r = await client.request(method, url, json=payload, headers=self._headers())
             if r.status_code >= 400:
-                raise HTTPStatusError(r.status_code, r.text, parse_retry_after(r.headers.get("retry-after")), url)
+                raise status_error(r, url)
             return r.json()
 
         async with httpx.AsyncClient(timeout=self.options.timeout_s) as client:
@@ -95,7 +108,7 @@ class _HTTP:
                     f"({type(cause).__name__}: {cause}); {hint}"
                 ) from e
             except HTTPStatusError as e:
-                hint = " (check the API key)" if e.status in (401, 403) else ""
+                hint = " (check the API key)" if e.status in (401, 403) else " (not retried: it would fail again)"
                 raise EngineError(f"{method} {url}: HTTP {e.status}{hint}: {e.body[:300]}") from e
 
     async def post(self, path: str, payload: dict) -> Any:
@@ -148,6 +161,29 @@ def _prompts(batch: Batch) -> list[str] | list[list[int]]:
     return [pre + it for it in batch.items]  # type: ignore[operator]
 
 
+# The request-body names of SamplingParams fields that differ between the two APIs; the rest are shared.
+_WIRE_NAMES: dict[str, dict[str, str]] = {
+    "openai": {"max_new_tokens": "max_tokens", "seed": "seed"},
+    "sglang": {"max_new_tokens": "max_new_tokens", "seed": "sampling_seed"},
+}
+
+
+def sampling_body(sp: SamplingParams, api: Literal["openai", "sglang"]) -> dict[str, Any]:
+    """The request fields of `sp`: top-level for OpenAI (/completions), `sampling_params` for SGLang
+    (/generate). `thinking_budget` is thinkcraft serve's extension (other servers may reject it)."""
+    names = _WIRE_NAMES[api]
+    d: dict[str, Any] = {
+        names["max_new_tokens"]: sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "n": sp.n,
+    }
+    if sp.stop:
+        d["stop"] = list(sp.stop)
+    if sp.seed is not None:
+        d[names["seed"]] = sp.seed
+    if sp.thinking_budget is not None:
+        d["thinking_budget"] = sp.thinking_budget
+    return d
+
+
 def _finish(reason: Any) -> str:
     if isinstance(reason, dict):
         reason = reason.get("type")
@@ -162,20 +198,6 @@ class SGLangClient:
 
     def __init__(self, base_url: str, options: HTTPOptions = HTTPOptions()) -> None:
         self.http = _HTTP(base_url, options)
-
-    @staticmethod
-    def _sampling(sp: SamplingParams, n: int | None = None) -> dict:
-        d: dict[str, Any] = {
-            "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-            "n": sp.n if n is None else n,
-        }
-        if sp.stop:
-            d["stop"] = list(sp.stop)
-        if sp.seed is not None:
-            d["sampling_seed"] = sp.seed
-        if sp.thinking_budget is not None:  # extension honoured by `thinkcraft serve`; SGLang may reject it
-            d["thinking_budget"] = sp.thinking_budget
-        return d
 
     async def generate_raw(self, payload: dict) -> Any:
         return await self.http.post("/generate", payload)
@@ -195,13 +217,15 @@ class SGLangClient:
         prompts = _prompts(batch)
         key = "input_ids" if batch.is_tokens else "text"
 
+        params = sampling_body(sampling, "sglang")
+
         async def one(p: Any) -> list[Completion]:
-            outs = await self.generate_raw({key: p, "sampling_params": self._sampling(sampling), "return_logprob": sampling.logprobs})
+            outs = await self.generate_raw({key: p, "sampling_params": params, "return_logprob": sampling.logprobs})
             outs = outs if isinstance(outs, list) else [outs]
             return [self._completion(o, p) for o in outs]
 
         if sampling.n == 1:  # one batched request
-            outs = await self.generate_raw({key: prompts, "sampling_params": self._sampling(sampling), "return_logprob": sampling.logprobs})
+            outs = await self.generate_raw({key: prompts, "sampling_params": params, "return_logprob": sampling.logprobs})
             outs = outs if isinstance(outs, list) else [outs]
             return [self._completion(o, p) for o, p in zip(outs, prompts)]
         # n > 1: one request per item keeps the item-major order unambiguous
@@ -257,10 +281,7 @@ class OpenAIClient:
     """Async client for an OpenAI-compatible API (`base_url` ends in /v1)."""
 
     def __init__(self, base_url: str, model: str | None = None, options: HTTPOptions | None = None) -> None:
-        options = options or HTTPOptions()
-        if options.api_key is None and os.environ.get("OPENAI_API_KEY"):
-            options = HTTPOptions(options.timeout_s, options.retry, os.environ["OPENAI_API_KEY"], options.max_concurrency)
-        self.http = _HTTP(base_url, options)
+        self.http = _HTTP(base_url, options or HTTPOptions(), default_key_env="OPENAI_API_KEY")
         self.model = model
 
     async def model_name(self) -> str:
@@ -272,17 +293,6 @@ class OpenAIClient:
             self.model = models[0]["id"]
         return self.model
 
-    @staticmethod
-    def _params(sp: SamplingParams) -> dict:
-        d: dict[str, Any] = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "n": sp.n}
-        if sp.stop:
-            d["stop"] = list(sp.stop)
-        if sp.seed is not None:
-            d["seed"] = sp.seed
-        if sp.thinking_budget is not None:  # extension honoured by `thinkcraft serve`; others may reject it
-            d["thinking_budget"] = sp.thinking_budget
-        return d
-
     async def completions(self, prompt: str | list[int], **params: Any) -> dict:
         return await self.http.post("/completions", {"model": await self.model_name(), "prompt": prompt, **params})
 
@@ -292,9 +302,9 @@ class OpenAIClient:
     async def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
         """One /completions request per item (n samples each), bounded concurrency. Token ids come
         back where the server supports `return_token_ids` (vLLM, thinkcraft serve), else empty."""
-        params = self._params(sampling)
+        params = sampling_body(sampling, "openai")
         if sampling.logprobs:
-            params["logprobs"] = 1
+            params["logprobs"] = 0  # the sampled tokens' logprobs, no top-k alternatives (which cost the server a forward)
         params["return_token_ids"] = True
 
         async def one(p: Any) -> list[Completion]:

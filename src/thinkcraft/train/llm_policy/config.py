@@ -56,6 +56,10 @@ class LLMPolicyConfig:
     judge_engine: str = "self"
     """Judge engine: 'self' (the policy's weights with the LoRA adapter off) or any engine spec
     (hf:<path-or-default>, vllm:<path>, sglang+http://host:port, openai+http://host:port/v1)."""
+    judge_api_key_env: str | None = None
+    """HTTP judge: read its API key from this environment variable (default for openai+http: $OPENAI_API_KEY)."""
+    judge_api_key_file: str | None = None
+    """HTTP judge: read its API key from the first line of this file (keeps it out of `ps` and shell history)."""
     answer_weight: float = 1.0
     """Reward for a correct final answer."""
     lenient_answer: bool = False
@@ -147,8 +151,25 @@ class LLMPolicyConfig:
             check(Path(self.gsm8k_path).exists(), "gsm8k_path", f"{self.gsm8k_path} does not exist")
         if self.reward == "judge":
             check(self.env in ("arith", "gsm8k"), "reward", "the judge grades answers of arith/gsm8k, not craftax")
+        if self.judge_api_key_env or self.judge_api_key_file:
+            check(self.judge_engine.startswith(("openai+http", "sglang+http")), "judge_api_key_env",
+                  "an API key is for an HTTP judge (--judge-engine openai+http://... or sglang+http://...)")
+            self.judge_engine_options()  # an unset variable or unreadable file fails here, before any loading
         if self.thinking_budget is not None:
             check(0 < self.thinking_budget < self.max_new_tokens, "thinking_budget", "must be in (0, max_new_tokens)")
+
+    def judge_engine_options(self) -> dict[str, Any]:
+        """Options for `make_engine(judge_engine, ...)`: the HTTP judge's API key, resolved from its source."""
+        from thinkcraft.utils.apikey import resolve_api_key
+        from thinkcraft.utils.errors import ConfigError, UserError
+
+        try:
+            key = resolve_api_key(None, self.judge_api_key_env, self.judge_api_key_file,
+                                  names=("", "judge_api_key_env", "judge_api_key_file"))
+        except UserError as e:
+            field = "judge_api_key_file" if self.judge_api_key_file else "judge_api_key_env"
+            raise ConfigError(field, str(e).split(": ", 1)[-1]) from None
+        return {"api_key": key} if key else {}
 
     @property
     def is_multi_turn(self) -> bool:

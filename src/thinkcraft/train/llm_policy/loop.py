@@ -51,7 +51,7 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
         if cfg.judge_engine != "self":
             from thinkcraft.llm import make_engine as make_engine_from_spec
 
-            eng = make_engine_from_spec(cfg.judge_engine)
+            eng = make_engine_from_spec(cfg.judge_engine, **cfg.judge_engine_options())
             if hasattr(eng, "apply_chat_template"):  # in-process engines: their own chat template
                 return eng, lambda text: eng.apply_chat_template(msgs(text))
             return eng, None  # HTTP engines receive the plain prompt
