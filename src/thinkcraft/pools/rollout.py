@@ -1,0 +1,177 @@
+"""RolloutPool: N workers, each playing one group at a time (G episodes of one problem seed) in its own
+text env, against the shared engine front (batched generation, versioned weights).
+
+Per turn: prompts of the group's active episodes (`prompt_fn(system, history, obs) -> token ids`, the chat
+template with the last K turns) -> `EngineFront.generate` (token ids + behaviour logprobs, and the weight
+version that made them) -> `env.step` -> one `TurnRecord` per active episode. Token in, token out: the
+engine's ids and logprobs are kept, never re-tokenized.
+
+Faults become dropped, counted groups (`Failure(reason)`), never a crashed run: an env step past
+`step_timeout_s`, an episode past `episode_timeout_s`, an env that crashed or raised (its process or
+thread-env is replaced for the next group), an engine call that failed or timed out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal
+
+from thinkcraft.llm.protocol import SamplingParams
+from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult, PoolHealth, Trajectory, TurnRecord, traj_id
+from thinkcraft.pools.engine import EngineFault, EngineFront
+from thinkcraft.pools.envproc import EnvFault, EnvSpec, make_env_handle
+from thinkcraft.pools.local import LocalPool, WorkerContext, WorkFailed
+
+PromptFn = Callable[[str, list[tuple[str, str]], str], list[int]]
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    env: EnvSpec
+    sampling: SamplingParams
+    history_turns: int = 2
+    env_mode: Literal["thread", "process"] = "thread"
+    step_timeout_s: float | None = 60.0
+    """An env call (reset/step) past this is a hang: the env is killed/replaced, the group dropped."""
+    episode_timeout_s: float | None = None
+    """A group whose episodes run past this (env + engine time) is dropped."""
+    engine_timeout_s: float | None = 600.0
+    """A generate call that gets no answer within this fails the group."""
+
+
+class RolloutPool:
+    """The pool contract for GroupRequest -> GroupResult (see pools.contract.Pool), local backend."""
+
+    def __init__(self, settings: RolloutSettings, prompt_fn: PromptFn, num_workers: int, max_queued: int,
+                 group_size: int) -> None:
+        self.settings = settings
+        self.prompt_fn = prompt_fn
+        self.group_size = group_size
+        self.num_workers = num_workers
+        self.front: EngineFront | None = None
+        self._lock = threading.Lock()
+        self._active_rows: dict[int, int] = {}
+        self._not_started = 0
+        self._envs: dict[int, Any] = {}
+        self._env_restarts_closed = 0
+        self._pool: LocalPool[GroupRequest, GroupResult] = LocalPool(
+            "rollout", self._play, num_workers=num_workers, max_queued=max_queued)
+
+    def attach(self, front: EngineFront) -> None:
+        self.front = front
+
+    # ---------------------------------------------------------------------------------------- contract
+
+    def submit(self, item: GroupRequest, timeout_s: float | None = None) -> bool:
+        with self._lock:
+            self._not_started += 1
+        ok = self._pool.submit(item, timeout_s)
+        if not ok:
+            with self._lock:
+                self._not_started -= 1
+        return ok
+
+    def poll(self, max_items: int = 64, timeout_s: float = 0.0) -> list[GroupResult | Failure]:
+        return self._pool.poll(max_items, timeout_s)
+
+    def health(self) -> PoolHealth:
+        h = self._pool.health()
+        env_restarts = sum(e.restarts for e in self._envs.values())
+        return replace(h, restarts=h.restarts + env_restarts)
+
+    def stop(self, drain: bool = False, timeout_s: float = 30.0) -> None:
+        self._pool.stop(drain, timeout_s)
+        for env in list(self._envs.values()):
+            env.close()
+
+    # --------------------------------------------------------------------------------- engine barrier
+
+    def expected_rows(self) -> int:
+        """Rows that could be waiting for the engine now: the running episodes, plus the episodes of queued
+        groups that a free worker starts at once. The engine front batches when all of them wait."""
+        with self._lock:
+            free = max(0, self.num_workers - len(self._active_rows))
+            return sum(self._active_rows.values()) + self.group_size * min(self._not_started, free)
+
+    def _set_active(self, group_id: int, rows: int | None) -> None:
+        with self._lock:
+            if rows is None:
+                self._active_rows.pop(group_id, None)
+            else:
+                self._active_rows[group_id] = rows
+        if self.front is not None:
+            self.front.notify()
+
+    # ---------------------------------------------------------------------------------------- worker
+
+    def _env_for(self, worker: int) -> Any:
+        if worker not in self._envs:
+            self._envs[worker] = make_env_handle(self.settings.env, self.settings.env_mode)
+        return self._envs[worker]
+
+    def _play(self, req: GroupRequest, ctx: WorkerContext) -> GroupResult:
+        with self._lock:
+            self._not_started -= 1
+            self._active_rows[req.group_id] = req.num_samples
+        try:
+            return self._play_group(req, ctx)
+        except EnvFault as e:
+            raise WorkFailed(e.reason, e.detail) from None
+        except EngineFault as e:
+            raise WorkFailed("engine_error", str(e)) from None
+        finally:
+            self._set_active(req.group_id, None)
+
+    def _play_group(self, req: GroupRequest, ctx: WorkerContext) -> GroupResult:
+        s = self.settings
+        assert self.front is not None, "attach an EngineFront before submitting"
+        env = self._env_for(ctx.worker_index)
+        t0 = time.perf_counter()
+
+        def timeout() -> float | None:
+            if s.episode_timeout_s is None:
+                return s.step_timeout_s
+            left = s.episode_timeout_s - (time.perf_counter() - t0)
+            if left <= 0:
+                raise WorkFailed("env_episode_timeout", f"group {req.group_id} ran past {s.episode_timeout_s:g}s")
+            return left if s.step_timeout_s is None else min(left, s.step_timeout_s)
+
+        n = req.num_samples
+        obs = list(env.call("reset", ([req.seed] * n,), timeout()))
+        trajs = [Trajectory(traj_id(req.group_id, k), req.group_id, req.seed, k) for k in range(n)]
+        histories: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+        while True:
+            active = list(env.call("active_indices", (), timeout()))
+            self._set_active(req.group_id, len(active))
+            if not active:
+                break
+            if ctx.stopping:
+                raise WorkFailed("stopped", f"group {req.group_id} abandoned at stop")
+            prompts = [self.prompt_fn(env.system_prompt, histories[i], obs[i]) for i in active]
+            comps, version = self.front.generate(prompts, [(req.group_id, i) for i in active], s.sampling,
+                                                 s.engine_timeout_s)
+            res = env.call("step", ([c.text for c in comps],), timeout())
+            for j, i in enumerate(active):
+                trajs[i].turns.append(_turn(obs[i], prompts[j], comps[j], version, res, j))
+                histories[i].append((obs[i], comps[j].text))
+                obs[i] = res.observations[j]
+                if res.terminated[j] or res.truncated[j]:
+                    trajs[i].terminated, trajs[i].truncated = bool(res.terminated[j]), bool(res.truncated[j])
+        wall = time.perf_counter() - t0
+        for t in trajs:
+            t.wall_time_s = wall
+        return GroupResult(req, trajs, scored=s.env.reward == "rule")
+
+
+def _turn(obs: str, prompt: list[int], c: Any, version: int, res: Any, j: int) -> TurnRecord:
+    forced = set(c.forced_token_indices or ())
+    return TurnRecord(
+        obs=obs, prompt_ids=list(c.prompt_token_ids or prompt), completion_ids=list(c.token_ids),
+        logprobs=list(c.logprobs) if c.logprobs is not None else [],
+        train_mask=[int(k not in forced) for k in range(len(c.token_ids))], text=c.text,
+        finish_reason=str(c.finish_reason), policy_version=int(version),
+        # version_switch_at stays None until the engine takes weights between decode steps (issue 19's hook)
+        reward=float(res.rewards[j]), invalid=bool(res.infos[j].get("invalid", False)), info=dict(res.infos[j]),
+    )

@@ -1,0 +1,148 @@
+"""Learner -> engine weights, versioned. One `WeightUpdate` per learner step; a `WeightSync` per engine
+applies it (between batches, or between decode steps with the engine hook of issue 19) and reports the
+version the engine actually holds.
+
+- `SharedWeights`: the engine reads the learner's own parameters (no copy). The learner changes them under
+  the engine slot's lock and sets the version in the same critical section, so a batch never mixes
+  versions; generation and training take turns on the device.
+- `CopyWeights`: the engine has its own copy of the model (same or another device). `apply` checks every
+  tensor (name, shape) before copying any, so a bad update leaves the old weights whole (atomic); an update
+  not newer than the engine's version is ignored (the version check). LoRA runs ship the adapters only.
+- `HTTPWeights`: the learner writes the state to a file (atomically) and the engine's server loads it
+  (`thinkcraft serve` POST /update_weights, SGLang /update_weights_from_disk, vLLM /collective_rpc or
+  /v1/load_lora_adapter: llm/clients.py); the server's reported version is checked after the call.
+
+`trainable_state(model, lora)` is what the learner publishes: the adapters when training LoRA, else every
+parameter. Tensors are detached CPU copies: picklable, so a Ray backend can ship the same value.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    version: int
+    """Learner updates done: the version these weights are."""
+    state: dict[str, Any] | None = None
+    """name -> tensor (CPU); None for shared-parameter engines."""
+    kind: Literal["full", "lora"] = "full"
+    path: str | None = None
+    """Where the state was written for engines that load from disk (HTTP)."""
+
+
+class WeightSync(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    def apply(self, update: WeightUpdate) -> None:
+        """Take `update` (raise on failure, keeping the previous weights and version)."""
+        ...
+
+
+def trainable_state(model: Any, lora: bool) -> dict[str, Any]:
+    """Detached CPU copies of what changes in training: LoRA adapter tensors, or every parameter."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+            if (p.requires_grad if lora else True)}
+
+
+class SharedWeights:
+    """The engine shares the learner's parameters; the version is set by the learner (`set_version`, under
+    the slot's lock, in the same critical section as the optimizer step)."""
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def apply(self, update: WeightUpdate) -> None:
+        self._version = max(self._version, update.version)
+
+
+class CopyWeights:
+    """An engine model with its own weights, updated by copy (adapters only for LoRA)."""
+
+    def __init__(self, model: Any, version: int = 0, on_change: Any = None) -> None:
+        self.model = model
+        self._version = version
+        self.on_change = on_change
+        """Called after the weights changed (e.g. the engine's invalidate_prefix_cache)."""
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def apply(self, update: WeightUpdate) -> None:
+        import torch
+
+        if update.version <= self._version:
+            return  # an old or repeated update: the engine already holds newer weights
+        if update.state is None:
+            raise ValueError(f"weight update {update.version} carries no tensors for an in-process copy")
+        named = dict(self.model.named_parameters())
+        for n, v in update.state.items():  # check everything before changing anything
+            if n not in named:
+                raise KeyError(f"weight update {update.version}: the engine model has no parameter {n!r}")
+            if tuple(named[n].shape) != tuple(v.shape):
+                raise ValueError(f"weight update {update.version}: {n} has shape {tuple(v.shape)}, the engine's "
+                                 f"is {tuple(named[n].shape)}")
+        with torch.no_grad():
+            for n, v in update.state.items():
+                named[n].copy_(v.to(named[n].device, named[n].dtype))
+        self._version = update.version
+        if self.on_change is not None:
+            self.on_change()
+
+
+def write_state(path: Path, update: WeightUpdate) -> Path:
+    """The update's tensors in a file a server can load (torch format, written atomically)."""
+    import torch
+
+    from thinkcraft.utils.io import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        torch.save({"version": update.version, "kind": update.kind, "state": update.state}, tmp)
+    return path
+
+
+class HTTPWeights:
+    """Weights through a server's own update endpoint: the learner's file, then a versioned load call.
+
+    `client.update_weights(path, version, kind)` must raise when the server refuses or fails; the version
+    the server reports afterwards is checked, so a call that answered 200 without loading is a failure.
+    """
+
+    def __init__(self, client: Any, out_dir: Path, version: int = 0, keep_files: int = 2) -> None:
+        self.client = client
+        self.out_dir = Path(out_dir)
+        self._version = version
+        self.keep_files = keep_files
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def apply(self, update: WeightUpdate) -> None:
+        if update.version <= self._version:
+            return
+        path = Path(update.path) if update.path else write_state(self.out_dir / f"weights-v{update.version:08d}.pt",
+                                                                  update)
+        self.client.update_weights(str(path), update.version, update.kind)
+        got = self.client.weights_version()
+        if got is not None and int(got) != update.version:
+            raise RuntimeError(f"the server answered the update to version {update.version} but reports version {got}")
+        self._version = update.version
+        for old in sorted(self.out_dir.glob("weights-v*.pt"))[: -self.keep_files]:
+            old.unlink(missing_ok=True)

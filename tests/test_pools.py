@@ -1,0 +1,392 @@
+"""Pools (CPU, no model): the local backend's contract, the staleness rule, env handles under faults, the
+engine front's batching / versions / weight-update failures, the rollout pool with a scripted engine."""
+
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from thinkcraft.llm.protocol import Completion, SamplingParams
+from thinkcraft.pools import staleness as S
+from thinkcraft.pools import (
+    CopyWeights, EngineFront, EngineSlot, EnvFault, EnvSpec, Failure, GroupRequest, GroupResult, LocalPool,
+    ProcessEnv, ReadyBuffer, RolloutPool, RolloutSettings, SharedWeights, ThreadEnv, Trajectory, WeightUpdate,
+    WorkFailed, group_has_signal, split_results,
+)
+
+# ----------------------------------------------------------------------------------------- LocalPool
+
+
+def _drain(pool, n, timeout_s=10.0):
+    out, t0 = [], time.perf_counter()
+    while len(out) < n and time.perf_counter() - t0 < timeout_s:
+        out += pool.poll(64, 0.2)
+    return out
+
+
+def test_local_pool_results_failures_and_crash_replacement():
+    def handler(x, ctx):
+        if x == 3:
+            raise WorkFailed("env_error", "three")
+        if x == 5:
+            raise RuntimeError("boom")  # a crash: the item fails, the worker is replaced
+        return x * 10
+
+    pool = LocalPool("t", handler, num_workers=2, max_queued=4)
+    for i in range(8):
+        assert pool.submit(i)
+    ok, bad = split_results(_drain(pool, 8))
+    assert sorted(ok) == [0, 10, 20, 40, 60, 70]
+    assert sorted((f.request, f.reason) for f in bad) == [(3, "env_error"), (5, "worker_crashed")]
+    h = pool.health()
+    assert h.completed == 6 and h.failed == {"env_error": 1, "worker_crashed": 1} and h.restarts == 1
+    assert h.workers == 2 and h.busy_s >= 0 and 0 <= h.busy_share <= 1
+    pool.stop()
+
+
+def test_local_pool_backpressure_and_stop_reports_abandoned_items():
+    gate = threading.Event()
+    pool = LocalPool("t", lambda x, ctx: gate.wait(5) and x, num_workers=1, max_queued=2)
+    assert pool.submit(0)
+    time.sleep(0.2)  # the worker holds item 0
+    assert pool.submit(1) and pool.submit(2)
+    assert not pool.submit(3, timeout_s=0.1)  # the queue is full: backpressure, not growth
+    pool.stop(drain=False, timeout_s=0.1)
+    gate.set()
+    time.sleep(0.3)
+    res = _drain(pool, 3, 2.0)
+    # nothing vanishes: the running item finishes (its result comes back), the queued ones come back stopped
+    ok, bad = split_results(res)
+    assert ok == [0] and sorted(f.request for f in bad) == [1, 2] and {f.reason for f in bad} == {"stopped"}
+
+
+def test_local_pool_drain_finishes_queued_items_and_batches():
+    pool = LocalPool("t", lambda xs, ctx: [x + 1 for x in xs], num_workers=1, max_queued=8, max_batch=4)
+    for i in range(6):
+        pool.submit(i)
+    pool.stop(drain=True)
+    assert sorted(_drain(pool, 6, 2.0)) == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------------------------- staleness
+
+
+def test_staleness_admission_hand_computed():
+    s = S.StalenessState(max_staleness=0, batch_size=8)
+    assert S.capacity(s, 0) == 8 and S.can_admit(s, 0, 4)
+    s = S.on_start(S.on_start(s, 4), 4)  # one batch of two groups of 4 is running
+    assert not S.can_admit(s, 0, 4)  # η = 0: nothing more until the learner moves
+    s = S.on_accept(s, 8)
+    assert not S.can_admit(s, 0, 4) and S.can_admit(s, 1, 4) and S.capacity(s, 1) == 8
+    s1 = S.StalenessState(max_staleness=1, batch_size=8)
+    assert S.capacity(s1, 0) == 16  # η = 1: the next batch may be generated while this one trains
+    s1 = S.on_reject(S.on_start(s1, 4), 4)  # a dropped group frees its place
+    assert S.capacity(s1, 0) == 16 and s1.accepted == 0
+    with pytest.raises(ValueError):
+        S.on_accept(s1, 1)
+    r = S.resumed(S.StalenessState(1, 8, accepted=40, running=12), version=4)
+    assert (r.accepted, r.running) == (32, 0)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_staleness_bound_holds_in_a_random_schedule(eta):
+    """Groups finish in random order (one may straggle), the learner consumes B at a time taking the oldest
+    first and discarding the too-stale: every trained trajectory is at most η versions old, and the rule
+    keeps the learner fed (20 updates happen)."""
+    rng = random.Random(eta)
+    G, B = 2, 8
+    s, version, running, ready, trained, discarded = S.StalenessState(eta, B), 0, [], [], 0, 0
+    for _ in range(100_000):
+        if version == 20:
+            break
+        while S.can_admit(s, version, G):
+            s = S.on_start(s, G)
+            running.append(version)
+        if running and rng.random() < 0.7:
+            v0 = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.1:
+                s = S.on_reject(s, G)  # a failed / no-signal group
+            else:
+                s = S.on_accept(s, G)
+                ready.append(v0)
+        stale = [v0 for v0 in ready if S.too_stale(s, version, v0)]
+        if stale:
+            ready = [v0 for v0 in ready if not S.too_stale(s, version, v0)]
+            s = S.on_discard(s, G * len(stale))
+            discarded += len(stale)
+        if len(ready) * G >= B and rng.random() < 0.5:
+            ready.sort()
+            batch, ready = ready[: B // G], ready[B // G:]
+            assert all(S.staleness_of(version, v0) <= eta for v0 in batch)
+            version += 1
+            trained += B
+        if eta == 0:
+            assert len(running) * G + len(ready) * G <= B
+    assert trained == 20 * B and discarded <= 20 * B // G // 4
+
+
+# ------------------------------------------------------------------------------------------- buffer
+
+
+def _group(gid, rewards):
+    req = GroupRequest(gid, seed=gid, num_samples=len(rewards))
+    trajs = [Trajectory(f"g{gid}s{k}", gid, gid, k) for k in range(len(rewards))]
+    from thinkcraft.pools import TurnRecord
+
+    for t, r in zip(trajs, rewards):
+        t.turns.append(TurnRecord("o", [1], [2], [-0.5], [1], "x", "stop", policy_version=0, reward=r))
+    return GroupResult(req, trajs)
+
+
+def test_dynamic_sampling_signal_and_lowest_ids_first():
+    assert not group_has_signal([1.0, 1.0, 1.0]) and not group_has_signal([0.0, 0.0])
+    assert group_has_signal([0.0, 1.0]) and not group_has_signal([])
+    b = ReadyBuffer()
+    for gid in (5, 2, 9):
+        b.add(_group(gid, [0.0, 1.0]))
+    with pytest.raises(ValueError, match="at most once"):
+        b.add(_group(2, [0.0, 1.0]))
+    assert b.take(4) is None
+    assert [g.request.group_id for g in b.take(2)] == [2, 5] and b.group_ids() == [9] and b.trajectories == 2
+
+
+def test_contract_values_are_picklable():
+    g = _group(3, [0.0, 1.0])
+    g2 = pickle.loads(pickle.dumps(g))
+    assert g2.trajectories[1].turns[0].reward == 1.0 and g2.request == g.request
+    assert pickle.loads(pickle.dumps(Failure(g.request, "env_crashed", "x"))).reason == "env_crashed"
+    assert pickle.loads(pickle.dumps(EnvSpec("arith", latency_ms=5))).latency_ms == 5
+
+
+# -------------------------------------------------------------------------------------------- envs
+
+
+def test_thread_env_step_timeout_and_rebuild():
+    env = ThreadEnv(EnvSpec("arith", latency_ms=2000))
+    obs = env.call("reset", ([1, 1],), 5.0)
+    assert len(obs) == 2 and "####" in env.system_prompt
+    with pytest.raises(EnvFault) as e:
+        env.call("step", (["#### 1", "#### 2"],), 0.2)
+    assert e.value.reason == "env_step_timeout" and env.restarts == 1
+    assert len(env.call("reset", ([2],), 5.0)) == 1  # a fresh env for the next group
+
+
+def test_process_env_killed_mid_episode_and_hung_step_are_replaced():
+    env = ProcessEnv(EnvSpec("arith"))
+    try:
+        env.call("reset", ([7, 7],), 60.0)
+        os.kill(env.pid, signal.SIGKILL)  # the env worker dies mid-episode
+        with pytest.raises(EnvFault) as e:
+            env.call("step", (["#### 1", "#### 2"],), 10.0)
+        assert e.value.reason == "env_crashed"
+        pid_before = None
+        env.call("reset", ([7],), 60.0)  # a new process takes over
+        pid_before = env.pid
+        res = env.call("step", (["#### 1"],), 10.0)
+        assert len(res.rewards) == 1
+        slow = ProcessEnv(EnvSpec("arith", latency_ms=5000))
+        try:
+            slow.call("reset", ([1],), 60.0)
+            hung_pid = slow.pid
+            with pytest.raises(EnvFault) as e:
+                slow.call("step", (["#### 1"],), 0.3)
+            assert e.value.reason == "env_step_timeout" and slow.pid is None and slow.restarts == 1
+            with pytest.raises(ProcessLookupError):
+                os.kill(hung_pid, 0)  # the hung process was killed, not leaked
+        finally:
+            slow.close()
+        assert env.pid == pid_before
+    finally:
+        env.close()
+
+
+# -------------------------------------------------------------------------------------- engine front
+
+
+class ScriptedEngine:
+    """Answers '#### <number of prompt tokens>'; records each batch; can fail on demand."""
+
+    def __init__(self, delay_s=0.0):
+        self.batches = []
+        self.fail_next = 0
+        self.delay_s = delay_s
+
+    def generate(self, batch, sampling):
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("injected engine failure")
+        time.sleep(self.delay_s)
+        self.batches.append([list(p) for p in batch.items])
+        return [Completion(token_ids=[5, 6], text=f"#### {len(p)}", logprobs=[-0.5, -0.25], finish_reason="stop",
+                           prompt_token_ids=list(p)) for p in batch.items]
+
+
+SP = SamplingParams(max_new_tokens=2)
+
+
+def test_front_barrier_batches_in_key_order_and_reports_the_version():
+    eng = ScriptedEngine()
+    expected = {"rows": 3}
+    front = EngineFront([EngineSlot(eng, SharedWeights(4))], batch_wait_s=30.0, expected_rows=lambda: expected["rows"])
+    out = {}
+
+    def ask(key, prompt):
+        out[key] = front.generate([prompt], [key], SP, timeout_s=10)
+
+    threads = [threading.Thread(target=ask, args=(k, [k] * (k + 1))) for k in (2, 0, 1)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(10)
+    # one batch (the barrier: all three expected rows waited), rows in key order whatever the arrival order
+    assert eng.batches == [[[0], [1, 1], [2, 2, 2]]]
+    assert out[1][0][0].text == "#### 2" and out[1][1] == 4
+    front.stop()
+
+
+def test_front_flushes_stragglers_after_the_wait():
+    eng = ScriptedEngine()
+    front = EngineFront([EngineSlot(eng, SharedWeights())], batch_wait_s=0.05, expected_rows=lambda: 10)
+    comps, v = front.generate([[1, 2]], [0], SP, timeout_s=5)
+    assert comps[0].text == "#### 2" and v == 0 and len(eng.batches) == 1
+    st = front.stats()
+    assert st.batches == 1 and st.rows == 1 and 0.0 <= st.idle_share <= 1.0
+    front.stop()
+
+
+class FlakySync:
+    """A weight sync that fails its first `fails` applies (the update does not happen)."""
+
+    def __init__(self, fails):
+        self.fails, self._version, self.calls = fails, 0, 0
+
+    @property
+    def version(self):
+        return self._version
+
+    def apply(self, update):
+        self.calls += 1
+        if self.fails:
+            self.fails -= 1
+            raise ConnectionError("injected: server went away during the load")
+        self._version = update.version
+
+
+def test_failed_weight_update_keeps_old_version_and_retries(caplog):
+    eng = ScriptedEngine()
+    sync = FlakySync(fails=2)
+    front = EngineFront([EngineSlot(eng, sync)], batch_wait_s=0.0, max_lag=0, update_backoff_s=0.05)
+    front.publish(WeightUpdate(1))
+    with caplog.at_level("WARNING"):
+        _, v = front.generate([[1]], [0], SP, timeout_s=10)
+    # max_lag 0: nothing was generated on version 0 after version 1 was published; it waited for the retry
+    assert v == 1 and sync.calls == 3 and front.stats().update_failures == 2
+    assert "keeps version 0" in caplog.text and "retries" in caplog.text
+    front.stop()
+
+
+def test_weight_update_failing_for_good_is_a_clear_error_not_a_hang():
+    front = EngineFront([EngineSlot(ScriptedEngine(), FlakySync(fails=99))], batch_wait_s=0.0, max_lag=0,
+                        update_backoff_s=0.01, max_update_failures=3)
+    front.publish(WeightUpdate(1))
+    with pytest.raises(Exception, match="failed 3 times in a row"):
+        front.generate([[1]], [0], SP, timeout_s=10)
+    assert "still at version 0" in front.fatal
+    front.stop()
+
+
+def test_engine_error_fails_the_batch_and_the_next_one_works():
+    eng = ScriptedEngine()
+    eng.fail_next = 1
+    front = EngineFront([EngineSlot(eng, SharedWeights())], batch_wait_s=0.0)
+    with pytest.raises(Exception, match="injected engine failure"):
+        front.generate([[1]], [0], SP, timeout_s=5)
+    assert front.generate([[1]], [0], SP, timeout_s=5)[0][0].text == "#### 1"
+    assert front.stats().generate_failures == 1
+    front.stop()
+
+
+def test_copy_weights_checks_everything_before_changing_anything():
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    sync = CopyWeights(model, version=0)
+    good = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    bad = dict(good, bias=torch.ones(3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="shape"):
+        sync.apply(WeightUpdate(1, bad))
+    assert sync.version == 0 and all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    sync.apply(WeightUpdate(2, good))
+    assert sync.version == 2 and all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
+    sync.apply(WeightUpdate(1, {n: torch.zeros_like(p) for n, p in model.named_parameters()}))
+    assert sync.version == 2 and float(model.weight.detach().sum()) == 4.0  # an older update is ignored
+
+
+# ------------------------------------------------------------------------------------- rollout pool
+
+
+def _rollout_pool(env_spec, workers=2, engine=None, env_mode="thread", **kw):
+    eng = engine or ScriptedEngine()
+    settings = RolloutSettings(env=env_spec, sampling=SP, env_mode=env_mode, **kw)
+    pool = RolloutPool(settings, lambda system, hist, obs: [1] * (len(obs) % 7 + 1), num_workers=workers,
+                       max_queued=8, group_size=2)
+    front = EngineFront([EngineSlot(eng, SharedWeights(3))], batch_wait_s=0.05, expected_rows=pool.expected_rows)
+    pool.attach(front)
+    return pool, front, eng
+
+
+def test_rollout_pool_plays_groups_with_versions_and_engine_tokens():
+    pool, front, eng = _rollout_pool(EnvSpec("arith", format_weight=0.1))
+    for gid in range(3):
+        pool.submit(GroupRequest(gid, seed=100 + gid, num_samples=2))
+    res = _drain(pool, 3)
+    ok, bad = split_results(res)
+    assert not bad and sorted(g.request.group_id for g in ok) == [0, 1, 2]
+    g = min(ok, key=lambda g: g.request.group_id)
+    assert [t.traj_id for t in g.trajectories] == ["g0s0", "g0s1"] and g.scored
+    t = g.trajectories[0].turns[0]
+    assert t.completion_ids == [5, 6] and t.logprobs == [-0.5, -0.25] and t.policy_version == 3
+    assert t.train_mask == [1, 1] and t.reward == pytest.approx(0.1) and t.version_switch_at is None
+    pool.stop()
+    front.stop()
+
+
+def test_rollout_pool_drops_and_counts_a_hung_env_and_a_failed_engine_call():
+    pool, front, eng = _rollout_pool(EnvSpec("arith", latency_ms=1500), workers=1, step_timeout_s=0.3)
+    pool.submit(GroupRequest(0, seed=1, num_samples=2))
+    (f,) = _drain(pool, 1)
+    assert isinstance(f, Failure) and f.reason == "env_step_timeout"
+    pool.stop()
+    front.stop()
+    pool, front, eng = _rollout_pool(EnvSpec("arith"), workers=1)
+    eng.fail_next = 1
+    pool.submit(GroupRequest(0, seed=1, num_samples=2))
+    pool.submit(GroupRequest(1, seed=2, num_samples=2))
+    res = _drain(pool, 2)
+    assert [type(r).__name__ for r in res] == ["Failure", "GroupResult"] and res[0].reason == "engine_error"
+    assert pool.health().failed == {"engine_error": 1}
+    pool.stop()
+    front.stop()
+
+
+def test_rollout_pool_with_process_envs_replaces_a_killed_env_worker():
+    pool, front, eng = _rollout_pool(EnvSpec("arith", latency_ms=300), workers=1, env_mode="process")
+    pool.submit(GroupRequest(0, seed=1, num_samples=2))
+    (g0,) = _drain(pool, 1, 60)
+    assert isinstance(g0, GroupResult)
+    pool.submit(GroupRequest(1, seed=2, num_samples=2))
+    time.sleep(0.15)  # the worker is inside its 300 ms env step
+    os.kill(pool._envs[0].pid, signal.SIGKILL)
+    (f,) = _drain(pool, 1, 60)
+    assert isinstance(f, Failure) and f.reason == "env_crashed" and f.request.group_id == 1
+    pool.submit(GroupRequest(1, seed=2, num_samples=2, attempt=1))  # played again under the same id
+    (g1,) = _drain(pool, 1, 60)
+    assert isinstance(g1, GroupResult) and g1.request.attempt == 1 and pool.health().restarts >= 1
+    pool.stop()
+    front.stop()
