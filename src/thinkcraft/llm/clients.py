@@ -344,3 +344,131 @@ class OpenAIEngine:
 
     def close(self) -> None:
         pass
+
+
+# --- weight updates (the async llm-policy's HTTP engines) ---------------------------------------------------
+#
+# Each client writes the learner's update in the format its server loads, asks the server to load it with
+# its version, and reads the version back. Every call goes through `_HTTP` (bounded retries on what can
+# succeed on retry); a refused or failed load is an EngineError saying what the server answered. The caller
+# (pools.weights.HTTPWeights) keeps the old version when this raises, and retries later.
+
+
+class ThinkcraftWeightsClient:
+    """`thinkcraft serve`: POST /update_weights {path, version} (a thinkcraft weight file, full or LoRA),
+    GET /weights_version."""
+
+    def __init__(self, base_url: str, options: HTTPOptions | None = None) -> None:
+        self.http = _HTTP(base_url, options or HTTPOptions())
+
+    def write(self, update: Any, out_dir: Any) -> str:
+        from pathlib import Path
+
+        from thinkcraft.pools.weights import write_state
+
+        return str(write_state(Path(out_dir) / f"weights-v{update.version:08d}.pt", update))
+
+    def update_weights(self, path: str, version: int, kind: str) -> None:
+        out = run_sync(self.http.post("/update_weights", {"path": path, "version": int(version)}))
+        if not (isinstance(out, dict) and out.get("success")):
+            raise EngineError(f"{self.http.base_url}/update_weights did not load version {version}: {out}")
+
+    def weights_version(self) -> int | None:
+        return int(run_sync(self.http.get("/weights_version"))["version"])
+
+
+class SGLangWeightsClient:
+    """SGLang: full weights by POST /update_weights_from_disk {model_path, weight_version} (an HF folder);
+    LoRA adapters by /unload_lora_adapter + /load_lora_adapter {lora_name, lora_path}; the version from
+    GET /model_info (newer servers) or /get_weight_version."""
+
+    def __init__(self, base_url: str, base_model_dir: str, options: HTTPOptions | None = None,
+                 lora_name: str = "policy") -> None:
+        self.http = _HTTP(base_url, options or HTTPOptions())
+        self.base_model_dir = base_model_dir
+        self.lora_name = lora_name
+
+    def write(self, update: Any, out_dir: Any) -> str:
+        from pathlib import Path
+
+        from thinkcraft.pools.weights import write_hf_weights
+
+        return str(write_hf_weights(update, Path(out_dir) / f"hf-v{update.version:08d}", self.base_model_dir))
+
+    def update_weights(self, path: str, version: int, kind: str) -> None:
+        if kind == "lora":
+            try:
+                run_sync(self.http.post("/unload_lora_adapter", {"lora_name": self.lora_name}))
+            except EngineError:
+                pass  # none loaded yet
+            out = run_sync(self.http.post("/load_lora_adapter", {"lora_name": self.lora_name, "lora_path": path}))
+        else:
+            out = run_sync(self.http.post("/update_weights_from_disk", {
+                "model_path": path, "weight_version": str(version), "abort_all_requests": False}))
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(f"SGLang refused the weights at {path}: {out.get('message')}")
+
+    def weights_version(self) -> int | None:
+        for route in ("/model_info", "/get_weight_version"):
+            try:
+                got = run_sync(self.http.get(route)).get("weight_version")
+            except EngineError:
+                continue
+            return int(got) if got not in (None, "") else None
+        return None
+
+
+class VLLMWeightsClient:
+    """vLLM's OpenAI server: full weights by POST /collective_rpc {"method": "reload_weights", "kwargs":
+    {"weights_path", "is_checkpoint_format": true}} (the server runs with VLLM_SERVER_DEV_MODE=1); LoRA
+    adapters by POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true}
+    (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; requests then name the adapter as their model). vLLM reports
+    no weight version: the version is the last one it accepted."""
+
+    def __init__(self, base_url: str, base_model_dir: str, options: HTTPOptions | None = None,
+                 lora_name: str = "policy") -> None:
+        root = base_url.rstrip("/")
+        self.http = _HTTP(root[: -len("/v1")] if root.endswith("/v1") else root, options or HTTPOptions())
+        self.base_model_dir = base_model_dir
+        self.lora_name = lora_name
+        self._version: int | None = None
+
+    write = SGLangWeightsClient.write
+
+    def update_weights(self, path: str, version: int, kind: str) -> None:
+        if kind == "lora":
+            run_sync(self.http.post("/v1/load_lora_adapter",
+                                    {"lora_name": self.lora_name, "lora_path": path, "load_inplace": True}))
+        else:
+            run_sync(self.http.post("/collective_rpc", {
+                "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}))
+        self._version = int(version)
+
+    def weights_version(self) -> int | None:
+        return self._version
+
+
+def weights_client(spec: str, base_model_dir: str | None, lora: bool,
+                   options: HTTPOptions | None = None) -> tuple[Any, Any]:
+    """(engine, weights client) for an async rollout server spec: thinkcraft+http://host:port,
+    sglang+http://host:port or vllm+http://host:port/v1 (see train llm-policy --rollout-servers). With
+    `lora`, vLLM requests name the adapter as their model."""
+    from thinkcraft.utils.errors import UserError
+
+    s = spec.strip()
+    for prefix in ("thinkcraft+", "sglang+", "vllm+"):
+        if s.startswith(prefix + "http://") or s.startswith(prefix + "https://"):
+            url = s[len(prefix):]
+            break
+    else:
+        raise UserError(f"rollout server {spec!r}: expected thinkcraft+http://host:port, sglang+http://host:port "
+                        "or vllm+http://host:port/v1")
+    opts = options or HTTPOptions()
+    if prefix == "thinkcraft+":
+        return SGLangEngine(url, opts), ThinkcraftWeightsClient(url, opts)
+    if base_model_dir is None:
+        raise UserError(f"rollout server {spec!r} loads HF folders: the policy must come from a local model folder")
+    if prefix == "sglang+":
+        return SGLangEngine(url, opts), SGLangWeightsClient(url, base_model_dir, opts)
+    client = VLLMWeightsClient(url, base_model_dir, opts)
+    return OpenAIEngine(url, model=client.lora_name if lora else None, options=opts), client

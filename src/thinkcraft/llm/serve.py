@@ -8,6 +8,8 @@ Endpoints (JSON):
   POST /v1/chat/completions      OpenAI chat completions (the tokenizer's chat template)
   POST /generate                 SGLang-style: text | input_ids (one or a list), sampling_params,
                                  return_logprob, return_hidden_states
+  POST /update_weights           {"path", "version"}: load a learner's weight file (full or LoRA), atomically
+  GET  /weights_version          {"version": v} (serve_weights: the async llm-policy's HTTP engines)
 
 Requests are validated before anything runs (`serve_requests`): a bad one is a 400 in OpenAI's error
 shape naming the API's own field, never a 500; prompts longer than the model's context, token ids
@@ -50,6 +52,7 @@ from thinkcraft.llm.serve_requests import (
     parse,
 )
 from thinkcraft.llm.serve_responses import OpenAIShapes, Shaped, finish_reason, sse
+from thinkcraft.llm.serve_weights import WeightRoutes
 from thinkcraft.utils.apikey import resolve_api_key
 from thinkcraft.utils.errors import ConfigError, UserError, check
 
@@ -164,6 +167,7 @@ class _Routes:
         self.model_name = model_name
         self.api_key = api_key
         self.inject = _FaultInjector(faults)
+        self.weights = WeightRoutes(srv)
 
     async def _guard(self, request: Request) -> None:
         if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
@@ -267,6 +271,12 @@ class _Routes:
             outs.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
         return JSONResponse(outs[0] if req.single and sp.n == 1 else outs)
 
+    async def update_weights(self, request: Request) -> Response:
+        return JSONResponse(await self.weights.update_weights(await self._json(request)))
+
+    async def weights_version(self, request: Request) -> Response:
+        return JSONResponse(self.weights.version())
+
     def app(self) -> Starlette:
         routes = [
             Route("/health", self.health, methods=["GET"]),
@@ -274,6 +284,8 @@ class _Routes:
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/generate", self._endpoint(self.generate), methods=["POST"]),
+            Route("/update_weights", self._endpoint(self.update_weights), methods=["POST"]),
+            Route("/weights_version", self._endpoint(self.weights_version), methods=["GET"]),
         ]
         app = Starlette(routes=routes)
         app.state.batcher = self.srv.batcher

@@ -69,6 +69,9 @@ class LatencyEnv:
         self.latency_s = latency_ms / 1000.0
         self.name, self.system_prompt, self.max_turns = env.name, env.system_prompt, env.max_turns
 
+    def __getattr__(self, name: str) -> Any:  # everything else is the wrapped env's (e.g. a TaskEnv's task)
+        return getattr(self.__dict__["env"], name)
+
     def reset(self, seeds: Sequence[int]) -> list[str]:
         return self.env.reset(seeds)
 

@@ -19,6 +19,7 @@ parameter. Tensors are detached CPU copies: picklable, so a Ray backend can ship
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -35,6 +36,8 @@ class WeightUpdate:
     kind: Literal["full", "lora"] = "full"
     path: str | None = None
     """Where the state was written for engines that load from disk (HTTP)."""
+    meta: dict[str, Any] | None = None
+    """LoRA: {"lora_scaling": alpha / r, "peft_config": the adapter's PEFT config as a dict}."""
 
 
 class WeightSync(Protocol):
@@ -105,23 +108,60 @@ class CopyWeights:
             self.on_change()
 
 
+def lora_meta(model: Any) -> dict[str, Any]:
+    """What a server needs besides the adapter tensors: the scaling alpha / r and the PEFT config."""
+    import json
+
+    cfg = model.peft_config["default"]
+    plain = json.loads(json.dumps(cfg.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    return {"lora_scaling": float(cfg.lora_alpha) / float(cfg.r), "peft_config": plain}  # plain JSON values
+
+
 def write_state(path: Path, update: WeightUpdate) -> Path:
-    """The update's tensors in a file a server can load (torch format, written atomically)."""
+    """The update as a thinkcraft weight file (`thinkcraft serve` /update_weights), written atomically."""
     import torch
 
     from thinkcraft.utils.io import atomic_path
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        torch.save({"version": update.version, "kind": update.kind, "state": update.state}, tmp)
+        torch.save({"version": update.version, "kind": update.kind, "state": update.state, "meta": update.meta}, tmp)
     return path
+
+
+def write_hf_weights(update: WeightUpdate, out_dir: Path, base_model_dir: str) -> Path:
+    """The update as an HF folder for SGLang / vLLM: full weights as model.safetensors beside the base model's
+    config and tokenizer files; LoRA as a PEFT adapter folder (adapter_model.safetensors, adapter_config.json).
+    Written to a temporary folder and renamed, so a server never reads half a folder."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in (update.state or {}).items()}
+    if update.kind == "lora":
+        save_file({k.replace(".default.", "."): v for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps((update.meta or {}).get("peft_config", {}), default=str))
+    else:
+        for f in Path(base_model_dir).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf", ".pt")) and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        save_file(state, str(tmp / "model.safetensors"))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
 
 
 class HTTPWeights:
     """Weights through a server's own update endpoint: the learner's file, then a versioned load call.
 
+    `client.write(update, out_dir) -> path` writes the update in the server's format;
     `client.update_weights(path, version, kind)` must raise when the server refuses or fails; the version
-    the server reports afterwards is checked, so a call that answered 200 without loading is a failure.
+    the server reports afterwards (`client.weights_version()`, None when it keeps none) is checked, so a call
+    that answered 200 without loading is a failure.
     """
 
     def __init__(self, client: Any, out_dir: Path, version: int = 0, keep_files: int = 2) -> None:
@@ -137,12 +177,15 @@ class HTTPWeights:
     def apply(self, update: WeightUpdate) -> None:
         if update.version <= self._version:
             return
-        path = Path(update.path) if update.path else write_state(self.out_dir / f"weights-v{update.version:08d}.pt",
-                                                                  update)
+        path = update.path or self.client.write(update, self.out_dir)
         self.client.update_weights(str(path), update.version, update.kind)
         got = self.client.weights_version()
         if got is not None and int(got) != update.version:
             raise RuntimeError(f"the server answered the update to version {update.version} but reports version {got}")
         self._version = update.version
-        for old in sorted(self.out_dir.glob("weights-v*.pt"))[: -self.keep_files]:
-            old.unlink(missing_ok=True)
+        for pattern in ("weights-v*.pt", "hf-v*"):  # older files: the server has loaded a newer one
+            for old in sorted(self.out_dir.glob(pattern))[: -self.keep_files]:
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)

@@ -122,6 +122,52 @@ class LLMPolicyConfig:
     """Write run_dir/curve.png at the end."""
     log_every_s: float = 10.0
     """Progress line interval when not on a terminal."""
+    offpolicy: Literal["none", "decoupled", "tis"] = "none"
+    """Off-policy correction of the loss for stale rollouts: none (ratio to the behaviour policy), decoupled
+    (decoupled PPO: behaviour weight π_prox/π_behav outside the clip, AReaL) or tis (truncated importance
+    sampling). Behaviour log-probs are the engine's."""
+    offpolicy_cap: float = 2.0
+    """tis: truncate behaviour weights at this C; decoupled: drop tokens whose weight exceeds it (0 = keep all)."""
+
+    # --- asynchronous training: --mode async (train/llm_policy/async_loop.py, thinkcraft.pools) ---------------
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate, score, train in turn; async: rollout, reward and training pools run at the same time,
+    rollouts admitted while (max_staleness + version + 1) x batch > accepted + running (AReaL)."""
+    max_staleness: int = 1
+    """Async: η, the most learner updates between the weights that generated a token and those that train on
+    it; 0 reproduces the synchronous loop."""
+    rollout_workers: int = 8
+    """Async: rollout workers, each playing one group (G samples of one prompt) at a time in its own env."""
+    env_workers: Literal["thread", "process"] = "thread"
+    """Async: envs in the workers' threads, or each in a child process (a hung or crashed env is killed and
+    replaced; its group is dropped, counted and played again)."""
+    env_step_timeout_s: float = 60.0
+    """Async: an env step (or reset) longer than this is a hang: the env is replaced, the group dropped."""
+    env_episode_timeout_s: float = 0.0
+    """Async: a group's episodes running longer than this are dropped (0 = no limit)."""
+    env_latency_ms: float = 0.0
+    """Injected latency per env step (a slow simulator; for benchmarks and tests)."""
+    max_group_attempts: int = 3
+    """Async: a group that failed this many times is abandoned (counted) and a new one takes its place."""
+    dynamic_sampling: bool = False
+    """Async: drop groups whose rewards all agree (no signal, DAPO) and keep sampling until the batch is full."""
+    weight_sync: Literal["shared", "copy"] = "shared"
+    """Async, in-process engine on the learner's device: share the learner's parameters (generation and
+    training take turns) or keep a copy updated after each step (they overlap; needs the memory)."""
+    rollout_devices: str = ""
+    """Async: in-process engines, one per device, comma-separated (e.g. cuda:0,cuda:1); engines on other
+    devices than the learner's get copies of the weights. Empty: one engine on the learner's device."""
+    rollout_servers: str = ""
+    """Async: HTTP engines, comma-separated, each updated through its own endpoint: thinkcraft+http://host:port
+    (thinkcraft serve), sglang+http://host:port (/update_weights_from_disk), vllm+http://host:port/v1
+    (/collective_rpc reload_weights; LoRA: /v1/load_lora_adapter). With none of rollout_devices: HTTP only."""
+    rollout_timeout_s: float = 600.0
+    """Async: a generate call with no answer after this fails its group (HTTP engines: the request timeout)."""
+    gen_batch_wait_ms: float = 20.0
+    """Async: longest a waiting generate request is held for a fuller batch while other episodes are still in
+    their env step (a straggler never holds the engine)."""
+    judge_batch_groups: int = 64
+    """Async: groups graded together in one judge call."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1")
@@ -157,6 +203,14 @@ class LLMPolicyConfig:
             self.judge_engine_options()  # an unset variable or unreadable file fails here, before any loading
         if self.thinking_budget is not None:
             check(0 < self.thinking_budget < self.max_new_tokens, "thinking_budget", "must be in (0, max_new_tokens)")
+        check(self.offpolicy_cap >= 0, "offpolicy_cap", "must be >= 0")
+        check(self.offpolicy != "tis" or self.offpolicy_cap > 0, "offpolicy_cap", "tis truncates at C > 0")
+        self._check_async()
+
+    def _check_async(self) -> None:
+        from thinkcraft.train.llm_policy.async_loop import check_async_config
+
+        check_async_config(self)
 
     def judge_engine_options(self) -> dict[str, Any]:
         """Options for `make_engine(judge_engine, ...)`: the HTTP judge's API key, resolved from its source."""

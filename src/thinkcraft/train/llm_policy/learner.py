@@ -143,19 +143,26 @@ class Learner:
             if n_tok == 0:
                 continue
             logp = self.token_logprobs(ids, attn)
+            # off-policy corrections (async rollouts): one optimizer step per batch, so the proximal policy
+            # is this forward's own log-probs, detached (rl.llm_losses, "off-policy corrections")
+            behav = rows.old_logp[sl, : L_mb - 1]
+            cap = cfg.offpolicy_cap or None
             if cfg.algo == "apo":
                 ref = self.ref_token_logprobs(ids, attn)
-                st = L.apo_loss(L.sequence_logprob(logp, mask), L.sequence_logprob(ref, mask),
-                                rows.rewards[sl], v_star[sl], cfg.apo_beta2)
+                seq = L.sequence_logprob(logp, mask)
+                st, capped = L.offpolicy_apo_loss(seq, L.sequence_logprob(ref, mask), rows.rewards[sl], v_star[sl],
+                                                  cfg.apo_beta2, seq.detach(), L.sequence_logprob(behav, mask),
+                                                  cfg.offpolicy, cap)
                 weight = n_seq / total_seqs
                 loss = st.loss * weight
                 stats["losses/loss"] += float(st.loss.detach()) * weight
                 stats["apo/log_ratio"] = stats.get("apo/log_ratio", 0.0) + float(st.log_ratio_mean) * weight
+                stats["offpolicy/capped_frac"] = stats.get("offpolicy/capped_frac", 0.0) + float(capped) * weight
             else:
                 ref = self.ref_token_logprobs(ids, attn) if cfg.kl_coef > 0 else None
                 adv = L.broadcast_to_tokens(rows.advantages[sl], mask)
-                st = L.clipped_pg_loss(logp, rows.old_logp[sl, : L_mb - 1], adv, mask, clip_eps=cfg.clip_eps,
-                                       ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
+                st = L.offpolicy_pg_loss(logp, logp.detach(), behav, adv, mask, cfg.offpolicy, cap,
+                                         clip_eps=cfg.clip_eps, ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
                 weight = (n_tok / total_tokens) if cfg.loss_agg == "token-mean" else (n_seq / total_seqs)
                 loss = st.loss * weight
                 stats["losses/loss"] += float(st.loss.detach()) * weight
@@ -163,6 +170,9 @@ class Learner:
                 stats["losses/kl"] += float(st.kl) * weight
                 stats["losses/clip_frac"] += float(st.clip_frac) * weight
                 stats["losses/ratio"] += float(st.ratio_mean) * weight
+                if cfg.offpolicy != "none":
+                    for k, v in (("weight_mean", st.weight_mean), ("capped_frac", st.capped_frac)):
+                        stats[f"offpolicy/{k}"] = stats.get(f"offpolicy/{k}", 0.0) + float(v) * weight
             loss.backward()
         if cfg.max_grad_norm > 0:
             gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)

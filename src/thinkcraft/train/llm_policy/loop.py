@@ -24,6 +24,10 @@ from thinkcraft.train.llm_policy.rollout import (
 
 
 def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
+    if cfg.mode == "async":
+        from thinkcraft.train.llm_policy.async_loop import run_async
+
+        return run_async(cfg)
     import torch
 
     from thinkcraft.llm.protocol import SamplingParams

@@ -140,8 +140,13 @@ def make_env_and_reward(cfg: LLMPolicyConfig, judge_engine_factory=None):
         else:
             reward_fn = RuleReward(answer_weight=cfg.answer_weight, format_weight=cfg.format_weight,
                                    lenient=cfg.lenient_answer)
-    return make_text_env(cfg.env, reward_fn=reward_fn, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path,
-                         max_steps=cfg.max_turns, format_penalty=cfg.format_penalty)
+    env = make_text_env(cfg.env, reward_fn=reward_fn, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path,
+                        max_steps=cfg.max_turns, format_penalty=cfg.format_penalty)
+    if cfg.env_latency_ms > 0:  # a slow env (benchmarks): every batched step waits this long
+        from thinkcraft.pools.envproc import LatencyEnv
+
+        return LatencyEnv(env, cfg.env_latency_ms)
+    return env
 
 def _prompt_corpus(cfg: LLMPolicyConfig, env) -> list[str]:
     """Texts to train a BPE on for random-weight models: instructions, problems and expected answers."""

@@ -1,0 +1,229 @@
+"""The pieces of `train llm-policy --mode async`, built once from the config (the loop is async_loop.py):
+the policy and learner, the engine slots (shared / copy / HTTP) behind one EngineFront, the rollout and
+reward pools, and the learner's worker (one TrainBatch -> one update -> WeightUpdate v+1 to the engines).
+
+Placement: the learner on `--device`; an in-process engine per `--rollout-devices` entry: on the learner's
+own device it shares the learner's parameters (`--weight-sync shared`: generation and training take turns,
+the learner holding the engine's lock) or has a copy (`copy`: they overlap); on any other device a copy;
+plus one HTTP engine per `--rollout-servers` entry (its server loads each version from a file).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from thinkcraft.pools import (
+    CopyWeights, EngineFront, EngineSlot, EnvSpec, GroupResult, HTTPWeights, LocalPool, RewardPool, RolloutPool,
+    RolloutSettings, SharedWeights, WeightUpdate, trainable_state,
+)
+from thinkcraft.pools.weights import lora_meta
+from thinkcraft.train.llm_policy.config import LLMPolicyConfig
+from thinkcraft.train.llm_policy.learner import Learner, build_rows, row_scores_and_groups
+from thinkcraft.train.llm_policy.rollout import Episode, build_messages, encode_prompt
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """One learner update's groups (the lowest ids waiting), trained at learner version `version`."""
+
+    version: int
+    groups: list[GroupResult]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    version: int
+    """The learner's version after this update (the weights just published)."""
+    stats: dict[str, float]
+    groups: list[int]
+    traj_ids: list[str]
+    staleness: list[int]
+    """Per trajectory: version trained at - oldest version that generated it."""
+    episodes: list[Any] = field(default_factory=list)
+    train_s: float = 0.0
+    """Seconds the update itself took (the learner's device time; waiting for the engine excluded)."""
+
+
+# ------------------------------------------------------------------------------------------- policy
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def env_spec(cfg: LLMPolicyConfig, latency: bool = True) -> EnvSpec:
+    """The rollout workers' env (with the injected latency unless `latency=False`: the coordinator's own
+    env, for the tokenizer corpus and the judge's problems, never steps)."""
+    return EnvSpec(cfg.env, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path, max_turns=cfg.max_turns,
+                   format_penalty=cfg.format_penalty, reward="deferred" if cfg.reward == "judge" else "rule",
+                   answer_weight=cfg.answer_weight, format_weight=cfg.format_weight, lenient=cfg.lenient_answer,
+                   latency_ms=cfg.env_latency_ms if latency else 0.0)
+
+
+def make_prompt_fn(tokenizer: Any, history_turns: int) -> Any:
+    """(system, history, obs) -> prompt token ids; one lock around the shared fast tokenizer (it can fail
+    "Already borrowed" when threads encode at once)."""
+    lock = threading.Lock()
+
+    def prompt(system: str, history: list[tuple[str, str]], obs: str) -> list[int]:
+        with lock:
+            return encode_prompt(tokenizer, build_messages(system, history, obs, history_turns))
+
+    return prompt
+
+
+# -------------------------------------------------------------------------------------------- engines
+
+
+def _devices(cfg: LLMPolicyConfig, learner_device: Any) -> list[Any]:
+    from thinkcraft.train.llm_policy.model import _device
+
+    if not cfg.rollout_devices and not cfg.rollout_servers:
+        return [learner_device]
+    return [_device(d.strip()) for d in cfg.rollout_devices.split(",") if d.strip()]
+
+
+def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engine: Any, model_lock: threading.Lock,
+                run_dir: Path, model_dir: str | None, version: int) -> list[EngineSlot]:
+    """One EngineSlot per rollout engine (see the module docstring for the placement). `own_engine` is the
+    engine over the learner's parameters (built before the learner, as the sync loop does)."""
+    from thinkcraft.llm.clients import HTTPOptions, weights_client
+    from thinkcraft.train.llm_policy.model import make_engine
+
+    lora = cfg.finetune == "lora"
+    slots: list[EngineSlot] = []
+    for k, dev in enumerate(_devices(cfg, learner.device)):
+        if dev == learner.device and cfg.weight_sync == "shared":
+            # the learner's own parameters: one lock for both, so an update never overlaps a batch
+            slots.append(EngineSlot(own_engine, SharedWeights(version), f"{dev}-shared", learner.autocast,
+                                    lock=model_lock))
+            continue
+        twin = copy.deepcopy(learner.model).to(dev).eval().requires_grad_(False)
+        engine = make_engine(twin, tokenizer, cfg)
+        slots.append(EngineSlot(engine, CopyWeights(twin, version, on_change=engine.invalidate_prefix_cache),
+                                f"{dev}-copy{k}", _autocast(dev, learner)))
+    for k, spec in enumerate(s.strip() for s in cfg.rollout_servers.split(",") if s.strip()):
+        engine, client = weights_client(spec, model_dir, lora, HTTPOptions(timeout_s=cfg.rollout_timeout_s))
+        slots.append(EngineSlot(engine, HTTPWeights(client, run_dir / "weights", version=-1), f"http{k}"))
+    return slots
+
+
+def _autocast(device: Any, learner: Learner) -> Any:
+    """bf16 autocast around a copy engine's generate on a GPU (as the learner's own `autocast`)."""
+    import torch
+
+    if learner.autocast_dtype is None or device.type != "cuda":
+        return None
+    return lambda: torch.autocast("cuda", dtype=learner.autocast_dtype)
+
+
+def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> WeightUpdate:
+    """The learner's weights at `version` for the engines that hold their own (none: shared only)."""
+    lora = learner.cfg.finetune == "lora"
+    if all(isinstance(s.sync, SharedWeights) for s in slots):
+        return WeightUpdate(version)
+    return WeightUpdate(version, trainable_state(learner.model, lora), "lora" if lora else "full",
+                        meta=lora_meta(learner.model) if lora else None)
+
+
+def build_front(cfg: LLMPolicyConfig, slots: list[EngineSlot], pool: RolloutPool) -> EngineFront:
+    return EngineFront(slots, max_batch_rows=cfg.max_generate_batch, batch_wait_s=cfg.gen_batch_wait_ms / 1000.0,
+                       expected_rows=pool.expected_rows, max_lag=cfg.max_staleness)
+
+
+# ---------------------------------------------------------------------------------------------- pools
+
+
+def build_rollout_pool(cfg: LLMPolicyConfig, tokenizer: Any, sampling: Any) -> RolloutPool:
+    from dataclasses import replace
+
+    settings = RolloutSettings(
+        env=env_spec(cfg), sampling=replace(sampling, n=1), history_turns=cfg.history_turns, env_mode=cfg.env_workers,
+        step_timeout_s=cfg.env_step_timeout_s, episode_timeout_s=cfg.env_episode_timeout_s or None,
+        engine_timeout_s=cfg.rollout_timeout_s,
+    )
+    return RolloutPool(settings, make_prompt_fn(tokenizer, cfg.history_turns), num_workers=cfg.rollout_workers,
+                       max_queued=cfg.rollout_workers * 2, group_size=cfg.samples_per_prompt)
+
+
+def build_reward_pool(cfg: LLMPolicyConfig, judge: Any, lock: Any) -> RewardPool | None:
+    """The judge's pool (None for rule rewards, scored inline by the env)."""
+    if cfg.reward != "judge":
+        return None
+    task = env_spec(cfg, latency=False).build().task
+    return RewardPool(judge, task.problem, max_groups=cfg.judge_batch_groups, lock=lock)
+
+
+# -------------------------------------------------------------------------------------------- learner
+
+
+class TrainWorker:
+    """The training pool's one worker: a TrainBatch -> advantages -> learner update -> WeightUpdate v+1
+    published to the engines. Holds the learner's carry (REINFORCE's baseline, A*-PO's V* table)."""
+
+    def __init__(self, cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, front: EngineFront,
+                 slots: list[EngineSlot], model_lock: threading.Lock, version: int,
+                 baseline: float | None, v_star: dict[int, float] | None) -> None:
+        self.cfg, self.learner, self.tokenizer, self.front, self.slots = cfg, learner, tokenizer, front, slots
+        self.model_lock = model_lock
+        self.version = version
+        self.baseline = baseline
+        self.v_star = v_star
+        self.busy_s = 0.0
+        """Seconds spent updating (holding the model lock): the learner's device time."""
+
+    def pool(self) -> LocalPool[TrainBatch, TrainResult]:
+        return LocalPool("train", lambda b, ctx: self.train(b), num_workers=1, max_queued=1)
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        import torch
+
+        from thinkcraft.rl import llm_losses as L
+
+        cfg = self.cfg
+        trajs = [t for g in batch.groups for t in g.trajectories]
+        episodes = [Episode(seed=t.seed, group=gi, turns=t.turns, terminated=t.terminated, truncated=t.truncated,
+                            wall_time_s=t.wall_time_s) for gi, g in enumerate(batch.groups) for t in g.trajectories]
+        turns = [t for e in episodes for t in e.turns]
+        scores, groups = row_scores_and_groups(episodes, cfg.gamma, cfg.max_turns)
+        sc, gid = torch.tensor(scores, dtype=torch.float32), torch.tensor(groups, dtype=torch.long)
+        v_rows = None
+        if cfg.algo == "grpo":
+            adv = L.grpo_advantages(sc, gid, scale_by_std=cfg.scale_adv_by_std)
+        elif cfg.algo == "rloo":
+            adv = L.rloo_advantages(sc, gid)
+        elif cfg.algo == "reinforce":
+            adv = L.reinforce_advantages(sc, float(sc.mean()) if self.baseline is None else self.baseline)
+            self.baseline = L.update_running_baseline(self.baseline, sc, cfg.baseline_momentum)
+        else:
+            assert self.v_star is not None
+            v_rows = torch.tensor([self.v_star[e.seed] for e in episodes for _ in e.turns], dtype=torch.float32,
+                                  device=self.learner.device)
+            adv = sc - v_rows.cpu()
+        rows = build_rows(turns, adv.tolist(), scores, self.tokenizer.pad_token_id, self.learner.device)
+        with self.model_lock:  # shared-parameter engines wait; the version changes with the weights
+            t0 = time.perf_counter()
+            stats = self.learner.update(rows, v_star=v_rows)
+            self.version += 1
+            for s in self.slots:
+                if isinstance(s.sync, SharedWeights):
+                    s.sync.set_version(self.version)
+            train_s = time.perf_counter() - t0
+        self.busy_s += train_s
+        self.front.publish(weight_update(self.learner, self.version, self.slots))
+        stats["advantage/abs_mean"] = float(adv.abs().mean())
+        return TrainResult(self.version, stats, [g.request.group_id for g in batch.groups],
+                           [t.traj_id for t in trajs], [batch.version - t.oldest_version for t in trajs], episodes,
+                           train_s)

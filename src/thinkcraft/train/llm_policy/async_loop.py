@@ -1,0 +1,294 @@
+"""`thinkcraft train llm-policy --mode async`: rollouts, rewards and training at the same time (thinkcraft.pools).
+
+The coordinator (this thread) repeats, without ever waiting on one pool while another could work:
+
+    1. admit    new groups (or groups to play again) while AReaL's rule allows:
+                (max_staleness + version + 1) x B > accepted + running   (B = prompts_per_step x G)
+    2. collect  finished groups: rule-scored ones go to the buffer, judge-deferred ones to the reward pool;
+                a failed group is counted (`rollout/failed/<reason>`) and played again under its id
+                (after `max_group_attempts` it is abandoned, counted, and a new group takes its place);
+                with --dynamic-sampling a group whose rewards all agree is dropped (counted) and replaced
+    3. train    when the learner is idle and P groups wait: the P lowest group ids, minus any generated more
+                than η versions ago (discarded, played again), go to the learner as one batch; its update
+                publishes version v+1 to the engines (shared: at once; copies/HTTP: before their next batch)
+    4. log      per update: rewards, staleness histogram, queue depths, busy share per pool, engine and
+                device idle share, failures; the trajectory store and `consumed.jsonl` (the trained ids);
+                checkpoint every --checkpoint-every updates
+
+η = 0 admits exactly one batch per version and the engine batches on all waiting episodes: the same
+prompts, batches, samples and updates as the synchronous loop (tests/test_async_loop.py).
+
+Stop and resume. Ctrl-C (or SIGTERM) stops admitting, lets the update in flight finish, abandons the
+rollouts in flight and checkpoints; a second Ctrl-C aborts at once (the previous checkpoint stays valid).
+The checkpoint records the learner's state, the ids of the groups trained (consumed), dropped (no signal)
+and abandoned, the next new id, and the queue policy. Rollouts in flight or buffered at a stop or a kill are
+not in the checkpoint: on resume they are played again from their recorded seeds under the same ids, with
+the resumed weights. So a resumed run neither loses a group nor trains one twice, whatever the moment of the
+kill (`consumed.jsonl` is truncated to the checkpoint, like metrics.jsonl and the store).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from thinkcraft.pools import staleness as S
+from thinkcraft.pools.buffer import ReadyBuffer, group_has_signal
+from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult
+from thinkcraft.utils.errors import ConfigError, UserError, check
+
+ASYNC_ONLY = ("max_staleness", "rollout_workers", "env_workers", "env_step_timeout_s", "env_episode_timeout_s",
+              "max_group_attempts", "dynamic_sampling", "weight_sync", "rollout_devices", "rollout_servers",
+              "gen_batch_wait_ms", "judge_batch_groups", "rollout_timeout_s")
+
+QUEUE_POLICY = {
+    "admission": "AReaL: (max_staleness + version + 1) * batch > accepted + running",
+    "batch": "the lowest group ids waiting; groups older than max_staleness versions are played again",
+    "in_flight_at_stop": "discarded; played again from their recorded seeds under the same group ids",
+}
+
+
+def check_async_config(cfg: Any) -> None:
+    """Validate the async fields (called from LLMPolicyConfig.__post_init__)."""
+    if cfg.mode == "sync":
+        defaults = {f.name: f.default for f in fields(cfg)}
+        for name in ASYNC_ONLY:
+            if getattr(cfg, name) != defaults[name]:
+                raise ConfigError(name, "applies to the asynchronous loop only: add --mode async")
+        return
+    check(cfg.max_staleness >= 0, "max_staleness", "must be >= 0 (0 = the synchronous schedule)")
+    check(cfg.rollout_workers >= 1, "rollout_workers", "must be >= 1")
+    check(cfg.env_step_timeout_s > 0, "env_step_timeout_s", "must be > 0")
+    check(cfg.env_episode_timeout_s >= 0, "env_episode_timeout_s", "must be >= 0 (0 = no limit)")
+    check(cfg.env_latency_ms >= 0, "env_latency_ms", "must be >= 0")
+    check(cfg.max_group_attempts >= 1, "max_group_attempts", "must be >= 1")
+    check(cfg.gen_batch_wait_ms >= 0, "gen_batch_wait_ms", "must be >= 0")
+    check(cfg.rollout_timeout_s > 0, "rollout_timeout_s", "must be > 0")
+    check(cfg.judge_batch_groups >= 1, "judge_batch_groups", "must be >= 1")
+    if cfg.dynamic_sampling:
+        check(cfg.samples_per_prompt >= 2, "dynamic_sampling", "compares the samples of a group: needs G >= 2")
+    for d in (x.strip() for x in cfg.rollout_devices.split(",") if x.strip()):
+        check(d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()), "rollout_devices",
+              f"{d!r} is not a device (cpu, cuda, cuda:N)")
+    for spec in (x.strip() for x in cfg.rollout_servers.split(",") if x.strip()):
+        check(spec.startswith(("thinkcraft+http", "sglang+http", "vllm+http")), "rollout_servers",
+              f"{spec!r}: use thinkcraft+http://host:port, sglang+http://host:port or vllm+http://host:port/v1")
+
+
+# ---------------------------------------------------------------------------------------- coordinator
+
+
+@dataclass
+class ResumeState:
+    """What the checkpoint keeps of the coordinator (group ids; see the module docstring)."""
+
+    next_group: int = 0
+    consumed: list[int] | None = None
+    dropped: list[int] | None = None
+    abandoned: list[int] | None = None
+
+    @classmethod
+    def from_checkpoint(cls, extra: dict[str, Any], version: int, prompts_per_step: int) -> "ResumeState":
+        a = extra.get("async")
+        if a is None:  # a synchronous run's checkpoint: steps 0..v-1 consumed groups 0..v*P-1
+            return cls(version * prompts_per_step, list(range(version * prompts_per_step)), [], [])
+        return cls(int(a["next_group"]), list(a["consumed"]), list(a["dropped"]), list(a["abandoned"]))
+
+
+class Coordinator:
+    """Admission, collection, batching and the bookkeeping of group ids (steps 1-3 of the docstring)."""
+
+    def __init__(self, cfg: Any, version: int, resume: ResumeState, seed_of: Any, rollout: Any, reward: Any,
+                 train_pool: Any) -> None:
+        self.cfg, self.seed_of, self.rollout, self.reward, self.train_pool = cfg, seed_of, rollout, reward, train_pool
+        self.P, self.G = cfg.prompts_per_step, cfg.samples_per_prompt
+        self.version = version
+        self.st = S.resumed(S.StalenessState(cfg.max_staleness, self.P * self.G), version)
+        self.next_group = resume.next_group
+        self.consumed = set(resume.consumed or [])
+        self.dropped = set(resume.dropped or [])
+        self.abandoned = set(resume.abandoned or [])
+        done = self.consumed | self.dropped | self.abandoned
+        self.redo = collections.deque(GroupRequest(g, seed_of(g), self.G, 1) for g in range(self.next_group)
+                                      if g not in done)
+        self.attempts: dict[int, int] = {}
+        self.buffer = ReadyBuffer()
+        self.training: Any = None
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.engine_failures_in_a_row = 0
+
+    # 1. admit
+    def admit(self) -> None:
+        while S.can_admit(self.st, self.version, self.G):
+            req = self.redo[0] if self.redo else GroupRequest(self.next_group, self.seed_of(self.next_group), self.G)
+            if not self.rollout.submit(req, timeout_s=0.0):
+                return  # the rollout queue is full: backpressure
+            if self.redo:
+                self.redo.popleft()
+            else:
+                self.next_group += 1
+            self.st = S.on_start(self.st, self.G)
+
+    # 2. collect
+    def collect(self, timeout_s: float) -> None:
+        results = self.rollout.poll(256, timeout_s)
+        if self.reward is not None:
+            results += self.reward.poll(256, 0.0)
+        for r in results:
+            if isinstance(r, Failure):
+                self._failed(r)
+            elif not r.scored:
+                self.reward.submit(r)
+            else:
+                self._scored(r)
+
+    def _failed(self, f: Failure) -> None:
+        req = f.request if isinstance(f.request, GroupRequest) else f.request.request
+        self.st = S.on_reject(self.st, self.G)
+        self.counts[f"rollout/failed/{f.reason}"] += 1
+        if f.reason == "stopped":
+            return  # the run is stopping: played again on resume
+        self.engine_failures_in_a_row = self.engine_failures_in_a_row + 1 if f.reason == "engine_error" else 0
+        if self.engine_failures_in_a_row > max(8, 2 * self.cfg.rollout_workers):
+            raise UserError(f"the rollout engine failed {self.engine_failures_in_a_row} groups in a row (last: "
+                            f"{f.detail}); stopping. The last checkpoint is intact: fix the engine, then --resume")
+        self._again(req)
+
+    def _again(self, req: GroupRequest) -> None:
+        n = self.attempts.get(req.group_id, req.attempt) + 1
+        self.attempts[req.group_id] = n
+        if n >= self.cfg.max_group_attempts:
+            self.abandoned.add(req.group_id)
+            self.counts["rollout/abandoned"] += 1
+            return
+        self.redo.append(GroupRequest(req.group_id, req.seed, req.num_samples, n))
+
+    def _scored(self, g: GroupResult) -> None:
+        self.engine_failures_in_a_row = 0
+        if self.cfg.dynamic_sampling and not group_has_signal([t.total_reward for t in g.trajectories]):
+            self.st = S.on_reject(self.st, self.G)
+            self.dropped.add(g.request.group_id)
+            self.counts["dynamic/dropped_groups"] += 1
+            return
+        self.st = S.on_accept(self.st, self.G)
+        self.buffer.add(g)
+
+    # 3. train
+    def maybe_train(self) -> None:
+        if self.training is not None:
+            return
+        for gid in self.buffer.group_ids():  # the per-trajectory guard: nothing older than η versions trains
+            g = self.buffer._groups[gid]
+            if any(S.too_stale(self.st, self.version, t.oldest_version) for t in g.trajectories):
+                self.buffer._groups.pop(gid)
+                self.st = S.on_discard(self.st, self.G)
+                self.counts["rollout/too_stale"] += 1
+                self._again(g.request)
+        batch = self.buffer.take(self.P)
+        if batch is None:
+            return
+        from thinkcraft.train.llm_policy.async_build import TrainBatch
+
+        self.training = TrainBatch(self.version, batch)
+        self.train_pool.submit(self.training)
+
+    def trained(self, res: Any) -> None:
+        self.version = res.version
+        self.consumed.update(res.groups)
+        self.training = None
+
+    def state(self) -> dict[str, Any]:
+        return {"next_group": self.next_group, "consumed": sorted(self.consumed), "dropped": sorted(self.dropped),
+                "abandoned": sorted(self.abandoned), "queue_policy": QUEUE_POLICY}
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def group_seed_fn(cfg: Any, v_star: dict[int, float] | None) -> Any:
+    """group id -> problem seed: group g is prompt g % P of step g // P, as in the synchronous loop."""
+    from thinkcraft.train.llm_policy.rollout import _seed_of
+
+    P = cfg.prompts_per_step
+    if cfg.algo != "apo":
+        return lambda g: _seed_of(cfg, g // P + 1, g % P)
+    pool = sorted(v_star or {})
+
+    def apo_seed(g: int) -> int:
+        rng = random.Random(cfg.seed * 1_000_003 + g // P)  # the sync loop's draw for that step
+        return [pool[rng.randrange(len(pool))] for _ in range(P)][g % P]
+
+    return apo_seed
+
+
+class _Stop:
+    """First Ctrl-C / SIGTERM: stop after the update in flight and checkpoint; second: abort now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._prev: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Stop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._prev[sig] = signal.signal(sig, self._on)
+        return self
+
+    def _on(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        from thinkcraft.utils.progress import console
+
+        console.print("\n[yellow]stopping: the update in flight finishes, rollouts in flight are dropped (played "
+                      "again on resume), then a checkpoint (press again to abort now)[/yellow]")
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, h in self._prev.items():
+            signal.signal(sig, h)
+
+
+def run_async(cfg: Any) -> dict[str, Any]:
+    """The asynchronous loop (module docstring): build, resume, then steps 1-4 until `cfg.steps` updates or
+    a stop; the pools are stopped and a checkpoint written on the way out."""
+    from thinkcraft.train.llm_policy.async_run import build_run
+
+    run = build_run(cfg)
+    try:
+        with _Stop() as stop:
+            _loop(run, stop)
+        run.summary["interrupted"] = stop.requested
+    finally:
+        run.close()
+    return run.summary
+
+
+def _loop(run: Any, stop: _Stop) -> None:
+    from thinkcraft.utils.progress import RunProgress
+
+    cfg, coord = run.cfg, run.coord
+    with RunProgress(cfg.steps, "llm-policy async", log_every_s=cfg.log_every_s) as progress:
+        run.progress = progress
+        while coord.version < cfg.steps and not stop.requested:
+            if run.front.fatal:
+                raise UserError(f"{run.front.fatal}; the last checkpoint is intact: fix the engine, then --resume")
+            coord.admit()
+            coord.collect(0.01)
+            coord.maybe_train()
+            for res in run.train_pool.poll(4, 0.0):
+                run.on_trained(res)
+        if coord.training is not None:  # a stop: the update in flight finishes first (its groups are consumed)
+            while coord.training is not None:
+                for res in run.train_pool.poll(4, 1.0):
+                    run.on_trained(res)
+        run.stop_pools()
+        run.checkpoint(force=True)

@@ -1,0 +1,162 @@
+"""`train llm-policy --mode async` end to end on tiny random models (CPU): η = 0 is the synchronous loop,
+η = 1 keeps its bound and trains every group exactly once, dynamic sampling, the config's checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from thinkcraft.envs.tasks import ArithTask, RewardResult
+from thinkcraft.envs.textenv import TaskEnv
+from thinkcraft.train import llm_policy as LP
+from thinkcraft.utils.errors import ConfigError
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(model="random:tiny", run_dir=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=3,
+                max_new_tokens=8, micro_batch_size=4, lr=1e-2, plot=False, log_every_s=1e9)
+    base.update(kw)
+    return LP.LLMPolicyConfig(**base)
+
+
+class ParityReward:
+    """Completion length parity: a reward with variance for a random-weight model."""
+
+    def __call__(self, problems, completions):
+        return [RewardResult(reward=float(len(c) % 2), correct=bool(len(c) % 2), format_ok=True) for c in completions]
+
+    def counters(self):
+        return {}
+
+
+def patch_reward(monkeypatch):
+    """The same parity reward in the sync loop's env and the async workers' (thread) envs."""
+    import thinkcraft.pools.envproc as envproc
+    import thinkcraft.train.llm_policy.loop as loop
+
+    env = lambda *a, **k: TaskEnv(ArithTask(1), ParityReward())  # noqa: E731
+    monkeypatch.setattr(loop, "make_env_and_reward", env)
+    monkeypatch.setattr(envproc.EnvSpec, "build", lambda self: env())
+
+
+def journal(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "consumed.jsonl").read_text().splitlines()]
+
+
+def lora(run_dir):
+    st = torch.load(Path(run_dir) / "checkpoint.pt", weights_only=False)
+    return st["step"], {n: v for n, v in st["trainable"].items()}
+
+
+def store_records(run_dir):
+    from thinkcraft.data.reader import read_table
+    from thinkcraft.data.schema import table_to_records
+
+    return table_to_records(read_table(Path(run_dir) / "trajectories"))
+
+
+def warm_engine_probes():
+    """The first engine built in a process draws from torch's RNG to probe its kernels (once per device):
+    build one first, so the two runs compared below start their sampling streams from the same state."""
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.testing import tiny_llama
+
+    HFEngine.from_model(*tiny_llama())
+
+
+@pytest.mark.slow
+def test_eta_zero_reproduces_the_synchronous_loop(tmp_path, monkeypatch):
+    patch_reward(monkeypatch)
+    warm_engine_probes()
+    sync = _cfg(tmp_path / "sync", steps=3)
+    LP.run(sync)
+    # 4 workers for 2 prompts: every group starts at once, the engine batches on all waiting episodes
+    asy = _cfg(tmp_path / "async", steps=3, mode="async", max_staleness=0, rollout_workers=4,
+               gen_batch_wait_ms=60_000)
+    last = LP.run(asy)
+    assert last["policy_version"] == 3 and last["staleness/max"] == 0
+    # the same trajectories (token ids, logprobs, rewards) ...
+    key = lambda r: (r.metadata.policy_version, r.task_id, r.turns[0].response_token_ids.tobytes())  # noqa: E731
+    a, b = sorted(store_records(sync.run_dir), key=key), sorted(store_records(asy.run_dir), key=key)
+    assert len(a) == len(b) == 3 * 2 * 3
+    for x, y in zip(a, b):
+        assert x.task_id == y.task_id and x.metadata.policy_version == y.metadata.policy_version
+        assert np.array_equal(x.turns[0].prompt_token_ids, y.turns[0].prompt_token_ids)
+        assert np.array_equal(x.turns[0].response_token_ids, y.turns[0].response_token_ids)
+        np.testing.assert_allclose(x.turns[0].logprobs, y.turns[0].logprobs, atol=1e-6)
+        assert x.turns[0].reward == y.turns[0].reward
+    # ... and the same updates
+    (sa, wa), (sb, wb) = lora(sync.run_dir), lora(asy.run_dir)
+    assert sa == sb == 3
+    assert any(v.abs().sum() > 0 for n, v in wa.items() if "lora_B" in n)
+    for n in wa:
+        assert torch.allclose(wa[n], wb[n], atol=1e-6), n
+    ms = [json.loads(x) for x in (Path(sync.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    ma = [json.loads(x) for x in (Path(asy.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["losses/loss"] for m in ms] == pytest.approx([m["losses/loss"] for m in ma], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_eta_one_bound_journal_metrics_and_store(tmp_path, monkeypatch):
+    patch_reward(monkeypatch)
+    cfg = _cfg(tmp_path, steps=4, mode="async", max_staleness=1, rollout_workers=3, offpolicy="tis",
+               checkpoint_every=2)
+    last = LP.run(cfg)
+    assert last["policy_version"] == 4 and last["staleness/max"] <= 1
+    for k in ("staleness/mean", "staleness/hist_0", "staleness/hist_1", "queue/rollout_queued", "queue/buffer_groups",
+              "pool/rollout_busy", "pool/train_busy", "engine/idle_share", "gpu/idle_share", "rollout/failed",
+              "offpolicy/weight_mean", "perf/samples_per_s", "timing/train"):
+        assert k in last, k
+    assert 0.0 <= last["engine/idle_share"] <= 1.0 and 0.0 <= last["gpu/idle_share"] <= 1.0
+    j = journal(cfg.run_dir)
+    groups = [g for line in j for g in line["groups"]]
+    assert [line["step"] for line in j] == [1, 2, 3, 4] and all(len(line["groups"]) == 2 for line in j)
+    assert len(groups) == len(set(groups)) == 8  # nothing trained twice
+    assert all(s <= 1 for line in j for s in line["staleness"])
+    ids = [t for line in j for t in line["traj_ids"]]
+    assert len(ids) == len(set(ids)) == 24
+    recs = store_records(cfg.run_dir)
+    assert sorted(r.metadata.extra["traj_id"] for r in recs) == sorted(ids)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
+    import thinkcraft.pools.envproc as envproc
+
+    class OddSeedsAgree:
+        """Groups of odd seeds all score 1 (no signal); even seeds by completion parity."""
+
+        def __call__(self, problems, completions):
+            return [RewardResult(reward=1.0 if p.meta["seed"] % 2 else float(len(c) % 2), correct=False,
+                                 format_ok=True) for p, c in zip(problems, completions)]
+
+        def counters(self):
+            return {}
+
+    monkeypatch.setattr(envproc.EnvSpec, "build", lambda self: TaskEnv(ArithTask(1), OddSeedsAgree()))
+    cfg = _cfg(tmp_path, steps=2, mode="async", dynamic_sampling=True, rollout_workers=2, group_size=4)
+    last = LP.run(cfg)
+    assert last["dynamic/dropped_groups"] >= 1
+    for line in journal(cfg.run_dir):
+        seeds = [LP._seed_of(cfg, g // 2 + 1, g % 2) for g in line["groups"]]
+        assert all(s % 2 == 0 for s in seeds)  # only groups with a signal were trained
+    ckpt = torch.load(Path(cfg.run_dir) / "checkpoint.pt", weights_only=False)["extra"]["async"]
+    assert ckpt["dropped"] and not set(ckpt["dropped"]) & set(ckpt["consumed"])
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_staleness=2), "max-staleness"),  # async-only field without --mode async
+    (dict(mode="async", max_staleness=-1), "max-staleness"),
+    (dict(mode="async", rollout_workers=0), "rollout-workers"),
+    (dict(mode="async", dynamic_sampling=True, algo="apo"), "dynamic-sampling"),
+    (dict(mode="async", rollout_devices="gpu0"), "rollout-devices"),
+    (dict(mode="async", rollout_servers="http://x:1"), "rollout-servers"),
+    (dict(offpolicy="tis", offpolicy_cap=0.0), "offpolicy-cap"),
+])
+def test_async_config_rejects_bad_values(tmp_path, kw, field):
+    with pytest.raises(ConfigError, match=field):
+        _cfg(tmp_path, **kw)

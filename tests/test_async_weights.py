@@ -1,0 +1,238 @@
+"""Learner -> engine weights over HTTP: `thinkcraft serve`'s /update_weights (full and LoRA, atomic,
+versioned, idempotent), the clients for SGLang's and vLLM's own endpoints (request shapes, failures), and a
+weight update failing half-way: the engine keeps its old version, says so, and the retry succeeds."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from thinkcraft.llm.clients import (
+    HTTPOptions, SGLangWeightsClient, ThinkcraftWeightsClient, VLLMWeightsClient, weights_client,
+)
+from thinkcraft.llm.hf import HFEngine
+from thinkcraft.llm.protocol import EngineError, SamplingParams
+from thinkcraft.llm.serve import make_app
+from thinkcraft.llm.testing import save_tiny, tiny_llama
+from thinkcraft.pools import EngineFront, EngineSlot, HTTPWeights, SharedWeights, WeightUpdate, trainable_state
+from thinkcraft.pools.weights import lora_meta
+from thinkcraft.utils.retry import RetryPolicy
+
+FAST = HTTPOptions(retry=RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.1, jitter=0.0), timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+def _served(servers, model, tok):
+    engine = HFEngine.from_model(copy.deepcopy(model).eval(), tok)
+    return engine, servers.app(make_app(engine, "tiny"))
+
+
+def _close(a, b) -> bool:
+    return all(torch.allclose(x.float(), y.float(), atol=1e-6) for x, y in zip(a, b))
+
+
+def test_serve_update_weights_full_versioned_atomic_idempotent(tiny, servers, tmp_path):
+    model, tok = tiny
+    engine, url = _served(servers, model, tok)
+    learner = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.01)
+    sync = HTTPWeights(ThinkcraftWeightsClient(url, FAST), tmp_path / "w")
+    assert httpx.get(url + "/weights_version").json() == {"version": 0}
+    sync.apply(WeightUpdate(3, trainable_state(learner, lora=False)))
+    assert sync.version == 3 and httpx.get(url + "/weights_version").json() == {"version": 3}
+    assert _close(engine.model.parameters(), learner.parameters())
+    # the same version again: answered, nothing to do (a client retrying after a lost answer)
+    again = httpx.post(url + "/update_weights", json={"path": str(next((tmp_path / "w").glob("*.pt"))), "version": 3})
+    assert again.status_code == 200 and "already" in again.json()["message"]
+    # an older version is refused; a file with one bad tensor changes nothing (checked before any copy)
+    old = httpx.post(url + "/update_weights", json={"path": "/nonexistent", "version": 2})
+    assert old.status_code == 409 and "older" in old.json()["error"]["message"]
+    bad_state = {n: torch.zeros_like(p) for n, p in learner.named_parameters()}
+    bad_state["model.norm.weight"] = torch.zeros(3)
+    from thinkcraft.pools.weights import write_state
+
+    path = write_state(tmp_path / "bad.pt", WeightUpdate(4, bad_state))
+    r = httpx.post(url + "/update_weights", json={"path": str(path), "version": 4})
+    assert r.status_code == 400 and "shape" in r.json()["error"]["message"]
+    assert httpx.get(url + "/weights_version").json() == {"version": 3}
+    assert _close(engine.model.parameters(), learner.parameters())  # untouched by the refused file
+
+
+def test_serve_update_weights_lora_adapters_only(tiny, servers, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny
+    engine, url = _served(servers, model, tok)
+    policy = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                             lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    state = trainable_state(policy, lora=True)
+    assert state and all("lora_" in n for n in state)  # adapters only
+    HTTPWeights(ThinkcraftWeightsClient(url, FAST), tmp_path).apply(
+        WeightUpdate(1, state, kind="lora", meta=lora_meta(policy)))
+    ids = torch.tensor([[1, 50, 51, 52, 53]])
+    with torch.no_grad():
+        want = policy(input_ids=ids).logits
+        got = engine.model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
+    # a second adapter version is applied to the *base* weights, not on top of the first
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_" in n:
+                p.mul_(-1.0)
+    HTTPWeights(ThinkcraftWeightsClient(url, FAST), tmp_path, version=1).apply(
+        WeightUpdate(2, trainable_state(policy, lora=True), kind="lora", meta=lora_meta(policy)))
+    with torch.no_grad():
+        assert torch.allclose(engine.model(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-4)
+
+
+class TornFileClient(ThinkcraftWeightsClient):
+    """Writes the file, then (first time only) cuts it in half before the server reads it: a learner killed
+    half-way through writing, or a network file system serving a partial file."""
+
+    torn = 0
+
+    def update_weights(self, path, version, kind):
+        if not self.torn:
+            self.torn += 1
+            data = Path(path).read_bytes()
+            Path(path).write_bytes(data[: len(data) // 2])
+        return super().update_weights(path, version, kind)
+
+
+def test_weight_update_failing_half_way_keeps_the_old_version_and_retries(tiny, servers, tmp_path, caplog):
+    model, tok = tiny
+    engine, url = _served(servers, model, tok)
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    learner = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(1.5)
+    sync = HTTPWeights(TornFileClient(url, FAST), tmp_path)
+    slot = EngineSlot(engine, sync)
+    front = EngineFront([slot], batch_wait_s=0.0, max_lag=0, update_backoff_s=0.05)
+    with caplog.at_level("WARNING"):
+        front.publish(WeightUpdate(1, trainable_state(learner, lora=False)))
+        comps, version = front.generate([[1, 50, 51]], [0], SamplingParams(max_new_tokens=2), timeout_s=60)
+    # the torn file was refused (the server kept version 0 and its weights), logged, retried, then loaded
+    assert "failed" in caplog.text and "keeps version 0" in caplog.text and "retries" in caplog.text
+    assert version == 1 and front.stats().update_failures == 1
+    assert httpx.get(url + "/weights_version").json() == {"version": 1}
+    assert _close(engine.model.parameters(), learner.parameters())
+    assert not _close(before, learner.parameters())
+    front.stop()
+
+
+# ------------------------------------------------------------------------- SGLang / vLLM (mock servers)
+
+
+def _recorder(routes: dict[str, object]):
+    seen: list[tuple[str, object]] = []
+
+    def make(path, answer):
+        async def handler(request):
+            body = await request.json() if request.method == "POST" else None
+            seen.append((path, body))
+            status, payload = answer(body) if callable(answer) else (200, answer)
+            return JSONResponse(payload, status_code=status)
+        return handler
+
+    app = Starlette(routes=[Route(p, make(p, a), methods=["GET", "POST"]) for p, a in routes.items()])
+    return app, seen
+
+
+def test_sglang_weights_client_requests_and_refusal(servers, tmp_path, tiny):
+    model, tok = tiny
+    base = save_tiny(tmp_path / "base", model, tok)
+    state = {"version": 0}
+
+    def update(body):
+        if body["model_path"].endswith("hf-v00000002"):
+            return 200, {"success": False, "message": "Failed to update: shape mismatch"}
+        state["version"] = int(body["weight_version"])
+        return 200, {"success": True, "message": "Succeeded to update model weights."}
+
+    app, seen = _recorder({"/update_weights_from_disk": update, "/model_info": lambda b: (200, {
+        "weight_version": str(state["version"])}), "/load_lora_adapter": {"success": True},
+        "/unload_lora_adapter": (lambda b: (400, {"error": "not loaded"}))})
+    url = servers.app(app)
+    client = SGLangWeightsClient(url, str(base), FAST)
+    sync = HTTPWeights(client, tmp_path / "out")
+    sync.apply(WeightUpdate(1, trainable_state(model, lora=False)))
+    path, body = seen[0]
+    assert path == "/update_weights_from_disk" and body["weight_version"] == "1" and body["abort_all_requests"] is False
+    folder = Path(body["model_path"])
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert sync.version == 1
+    with pytest.raises(EngineError, match="shape mismatch"):
+        sync.apply(WeightUpdate(2, trainable_state(model, lora=False)))
+    assert sync.version == 1  # refused: the old version stands
+    client.update_weights("/adapters/v3", 3, "lora")
+    assert seen[-1] == ("/load_lora_adapter", {"lora_name": "policy", "lora_path": "/adapters/v3"})
+
+
+def test_vllm_weights_client_requests(servers, tmp_path, tiny):
+    model, tok = tiny
+    app, seen = _recorder({"/collective_rpc": {"results": [None]}, "/v1/load_lora_adapter": {}})
+    url = servers.app(app)
+    engine, client = weights_client(f"vllm+{url}/v1", str(save_tiny(tmp_path / "base", model, tok)), lora=True,
+                                    options=FAST)
+    assert isinstance(client, VLLMWeightsClient) and engine.client.model == "policy"  # requests name the adapter
+    client.update_weights("/w/hf-v00000004", 4, "full")
+    assert seen[-1] == ("/collective_rpc", {"method": "reload_weights", "kwargs": {
+        "weights_path": "/w/hf-v00000004", "is_checkpoint_format": True}})
+    client.update_weights("/w/hf-v00000005", 5, "lora")
+    assert seen[-1] == ("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "/w/hf-v00000005",
+                                                 "load_inplace": True})
+    assert client.weights_version() == 5
+
+
+def test_hf_adapter_folder_is_a_peft_folder(tiny, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from thinkcraft.pools.weights import write_hf_weights
+
+    model, tok = tiny
+    policy = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.02)
+    out = write_hf_weights(WeightUpdate(1, trainable_state(policy, True), "lora", meta=lora_meta(policy)),
+                           tmp_path / "hf-v1", str(tmp_path))
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
+    loaded = PeftModel.from_pretrained(copy.deepcopy(model), str(out))  # PEFT itself reads it back
+    ids = torch.tensor([[1, 5, 6]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5)
+
+
+def test_unknown_rollout_server_spec_is_a_clear_error():
+    from thinkcraft.utils.errors import UserError
+
+    with pytest.raises(UserError, match="thinkcraft\\+http"):
+        weights_client("http://x:1", None, lora=False)
+
+
+def test_shared_weights_version_follows_the_learner():
+    s = SharedWeights()
+    s.set_version(2)
+    s.apply(WeightUpdate(1))
+    assert s.version == 2
