@@ -208,6 +208,11 @@ class ProcessEnv:
         return status, payload
 
     def call(self, method: str, args: tuple, timeout_s: float | None) -> Any:
+        if method != "reset" and self._proc is not None and not self._proc.is_alive():
+            # died between two calls: its episodes are gone (a reset may start a fresh process instead)
+            code = self._proc.exitcode
+            self.discard()
+            raise EnvFault("env_crashed", f"env process died before {method} (exit code {code})")
         self._ensure()
         try:
             self._conn.send((method, args))

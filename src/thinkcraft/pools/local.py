@@ -217,14 +217,15 @@ class LocalPool(Generic[In, Out]):
                 with self._lock:
                     self._running -= len(items)
                     self._busy_s += time.perf_counter() - self._busy_since.pop(index)
+            if crashed:  # a fresh thread takes over (before the results go out: health() then counts it)
+                with self._lock:
+                    self._restarts += 1
+                self._spawn(index)
             for item, result in zip(items, results):
                 if isinstance(result, Failure) and self._abandon.is_set():
                     result = Failure(item, "stopped", result.detail)
                 self._emit(result)
             if crashed:
-                with self._lock:
-                    self._restarts += 1
-                self._spawn(index)  # a fresh thread takes over
                 return
 
     def _emit(self, result: Any) -> None:
