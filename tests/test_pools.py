@@ -390,3 +390,18 @@ def test_rollout_pool_with_process_envs_replaces_a_killed_env_worker():
     assert isinstance(g1, GroupResult) and g1.request.attempt == 1 and pool.health().restarts >= 1
     pool.stop()
     front.stop()
+
+
+def test_rollout_pool_engine_call_timing_out_fails_the_group_and_the_next_one_works():
+    slow = ScriptedEngine(delay_s=1.0)
+    pool, front, eng = _rollout_pool(EnvSpec("arith"), workers=1, engine=slow, engine_timeout_s=0.3)
+    pool.submit(GroupRequest(0, seed=1, num_samples=2))
+    (f,) = _drain(pool, 1)
+    assert isinstance(f, Failure) and f.reason == "engine_error" and "within 0.3s" in f.detail
+    slow.delay_s = 0.0
+    time.sleep(1.0)  # the timed-out batch finishes in the engine thread; its answer is dropped
+    pool.submit(GroupRequest(0, seed=1, num_samples=2, attempt=1))
+    (g,) = _drain(pool, 1)
+    assert isinstance(g, GroupResult)
+    pool.stop()
+    front.stop()

@@ -118,6 +118,7 @@ class AsyncRun:
         from thinkcraft.data.writer import TrajectoryWriter
 
         run = re.sub(r"[^A-Za-z0-9._-]", "-", self.run_dir.name) or "run"
+        _drop_partitions_from(self.run_dir / "trajectories", run, version)
         w = TrajectoryWriter(self.run_dir / "trajectories", run=run, max_per_file=1024, max_seconds=30.0)
         self._closers.append(w.close)
         return w
@@ -262,6 +263,16 @@ def _pool_metrics(prev: dict[str, Any], now: dict[str, Any], dt: float, coord: A
     out.update(failed)
     out["rollout/restarts"] = ro.restarts
     return out
+
+
+def _drop_partitions_from(root: Path, run: str, learner_step: int) -> None:
+    """Resume: the store's partitions of updates after the checkpoint go (they are trained again).
+    (The training shell's data.writer.drop_partitions_from replaces this when it lands on main.)"""
+    import shutil
+
+    for d in (root / f"run={run}").glob("step=*"):
+        if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) >= learner_step:
+            shutil.rmtree(d)
 
 
 def _model_dir(spec: str) -> Path:
