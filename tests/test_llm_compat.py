@@ -103,7 +103,7 @@ def test_attention_implementation_routes_every_layer_through_the_registered_func
     name = compat.register_attention(f"thinkcraft_test_count_{arch}", _counting_attention(calls))
     with torch.no_grad():
         ref = model(input_ids=_ids()).logits
-        with compat.attention_implementation(dec, name):
+        with compat.attention_implementation(compat.attention_configs(dec), name):
             got = model(input_ids=_ids()).logits
     assert len(calls) == 3, compat.broken(
         "attention_implementation", f"the function registered as {name!r} ran {len(calls)} times for 3 layers "
@@ -127,7 +127,7 @@ def test_registered_function_gets_sdpas_mask_for_padded_rows(arch: str) -> None:
     ids = torch.tensor([[2, 2, 7, 8, 9], [5, 6, 7, 8, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), compat.attention_implementation(compat.decoder_of(model), name):
+    with torch.no_grad(), compat.attention_implementation(compat.attention_configs(compat.decoder_of(model)), name):
         got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0, 2:]
     with torch.no_grad():
         want = model(input_ids=ids[:1, 2:]).logits[0]
@@ -145,7 +145,7 @@ def test_prefix_kv_kwarg_reaches_the_attention_function(arch: str) -> None:
     h = dec.embed_tokens(_ids())
     pos = torch.arange(7)[None].expand(2, 7)
     sentinel = ("prefix-k", "prefix-v")
-    with torch.no_grad(), compat.attention_implementation(dec, name):
+    with torch.no_grad(), compat.attention_implementation(compat.attention_configs(dec), name):
         compat.call_layer(dec.layers[0], h, pos, compat.rotary(dec, h, pos), sentinel)
         compat.call_layer(dec.layers[0], h, pos, compat.rotary(dec, h, pos), sentinel, torch.tensor([6, 3]))
     assert calls == [sentinel, sentinel], compat.broken(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -85,23 +85,39 @@ def rotary(decoder: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor) -> Any:
 # --- transformers: the attention function ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def attention_implementation(decoder: torch.nn.Module, name: str) -> Iterator[None]:
-    """Route every attention module of `decoder` through the attention function registered as `name` for
-    the block. transformers 5.24.0 looks the function up per call from `config._attn_implementation`, a
-    property over the private `_attn_implementation_internal` (set directly: the public setter re-validates
-    and would reject a name only registered at run time on some versions). Attention modules may hold their
-    own config object (multimodal models): each distinct one is switched and restored."""
+class AttentionConfigs(NamedTuple):
+    """The distinct config objects of a decoder's attention modules, and the attribute naming their attention
+    function: collected once (`attention_configs`), switched per call (`attention_implementation`)."""
+
+    configs: tuple[Any, ...]
+    attr: str
+
+
+def attention_configs(decoder: torch.nn.Module) -> AttentionConfigs:
+    """transformers 5.24.0 looks an attention module's function up per call from `config._attn_implementation`,
+    a property over the private `_attn_implementation_internal` (4.x: `_attn_implementation` itself).
+    Attention modules (those with a `layer_idx`) may hold their own config object (multimodal models): each
+    distinct one is collected. Walking every module takes milliseconds on a large model, so it is done once,
+    at engine construction (the module tree does not change afterwards), not per forward chunk."""
     configs = {id(m.config): m.config for m in decoder.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")}
     attr = "_attn_implementation_internal" if hasattr(decoder.config, "_attn_implementation_internal") else "_attn_implementation"
-    old = {k: getattr(c, attr) for k, c in configs.items()}
+    return AttentionConfigs(tuple(configs.values()), attr)
+
+
+@contextlib.contextmanager
+def attention_implementation(attn: AttentionConfigs, name: str) -> Iterator[None]:
+    """Route every attention module through the attention function registered as `name` for the block, by
+    setting the private attribute directly (`object.__setattr__`: the public setter re-validates). The public
+    `PreTrainedModel.set_attn_implementation` does the same but re-validates on every switch (it inspects the
+    model's source file), and the engine switches once per forward chunk."""
+    old = [getattr(c, attn.attr) for c in attn.configs]
     try:
-        for c in configs.values():
-            object.__setattr__(c, attr, name)
+        for c in attn.configs:
+            object.__setattr__(c, attn.attr, name)
         yield
     finally:
-        for k, c in configs.items():
-            object.__setattr__(c, attr, old[k])
+        for c, o in zip(attn.configs, old):
+            object.__setattr__(c, attn.attr, o)
 
 
 def register_attention(name: str, fn: Any) -> str:
@@ -211,7 +227,10 @@ def flash_varlen(
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """FP8 matmul with per-row (a: (M, 1)) and per-column (b: (1, N)) float32 scales applied in the
-    epilogue: the private `torch._scaled_mm` (torch 2.13.0; `b` must be column-major; runs on CPU too)."""
+    epilogue: the private `torch._scaled_mm` (torch 2.13.0; `b` must be column-major; runs on CPU too).
+    torch 2.13's public `torch.nn.functional.scaled_mm(a, b, scale_a, ScalingType.RowWise, scale_b,
+    ScalingType.RowWise, output_dtype=...)` also runs here; not switched to until bench/fp8_probe.py
+    measures it as fast inside the compiled prefill on an H100."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 

@@ -125,6 +125,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self._embed_hook: Any = None  # see _autocast_embeddings
         self._embed_cast: torch.dtype | None = None
         self._cache_kw = compat.cache_kwarg(self._dec)
+        self._attn_configs = compat.attention_configs(self._dec)
         # pad with the pad token if there is one, else EOS (pads are never attended nor gathered)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self._init_prefill(max_batch_tokens, max_batch_size, prefix_reuse, prefix_cache_size, compile_prefill,
@@ -261,4 +262,4 @@ class HFEngine(PrefillMixin, DecodeMixin):
 
     def _attn_impl(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Temporarily switch the attention function of every attention module (`compat`)."""
-        return compat.attention_implementation(self._dec, name)
+        return compat.attention_implementation(self._attn_configs, name)
