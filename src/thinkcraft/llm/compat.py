@@ -56,14 +56,16 @@ def decoder_of(lm: torch.nn.Module) -> torch.nn.Module:
 
 
 def text_config(lm: torch.nn.Module) -> Any:
-    """The text part of the model config (multimodal configs nest it; transformers >= 4.50)."""
+    """The text part of the model config (multimodal configs nest it): `config.get_text_config()`
+    (transformers >= 4.50, 5.24.0), else the config itself."""
     cfg = lm.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def cache_kwarg(decoder: torch.nn.Module) -> str:
-    """The decoder forward's name for the KV cache argument: `past_key_values` in transformers 4.x-5.24.0,
-    `cache` where a later release renames it. Read once from the signature, at engine construction."""
+    """The decoder forward's name for the KV cache argument: `cache` in transformers 5.24.0 (`past_key_values`
+    is deprecated there, removed in 5.40), `past_key_values` before. Read once from the signature, at engine
+    construction; the engine passes it to the decoder (prefix KV) and to the causal LM (decode)."""
     params = inspect.signature(type(decoder).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -122,8 +124,8 @@ def attention_implementation(attn: AttentionConfigs, name: str) -> Iterator[None
 
 def register_attention(name: str, fn: Any) -> str:
     """Register an attention function with transformers under `name` (`AttentionInterface.register`), with
-    sdpa's mask function (`masking_utils.ALL_MASK_ATTENTION_FUNCTIONS`, transformers >= 4.53), so that model
-    code building a mask under this name gets sdpa's boolean mask. Idempotent; returns `name`."""
+    sdpa's mask function (`masking_utils.ALL_MASK_ATTENTION_FUNCTIONS`, transformers >= 4.53, 5.24.0), so that
+    model code building a mask under this name gets sdpa's boolean mask. Idempotent; returns `name`."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, fn)
@@ -177,8 +179,9 @@ def call_layer(
 
 def splits_at_mlp(layer: torch.nn.Module) -> bool:
     """Is this decoder layer the pre-norm `h + attn(norm(h))`, then `h + mlp(norm(h))` block (Llama, Qwen2/3,
-    Mistral, SmolLM) that `call_layer(last=...)` re-implements? Judged by its exact set of sub-modules:
-    layers with other norms or residual paths (Gemma, OLMo2, Cohere, Phi-3) keep the full path."""
+    Mistral, SmolLM) that `call_layer(last=...)` re-implements? Judged by its exact set of sub-modules
+    (transformers 5.24.0 names): layers with other norms or residual paths (Gemma, OLMo2, Cohere, Phi-3) keep
+    the full path."""
     return {n for n, _ in layer.named_children()} == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 
 
