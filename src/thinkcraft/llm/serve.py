@@ -222,12 +222,9 @@ def make_app(
     def finish_openai(c: Completion) -> str:
         return "length" if c.finish_reason == "length" else "stop"
 
-    caps = engine.capabilities
-
     def token_strs(ids: list[int]) -> list[str]:
-        if not caps.tokenizer:
-            return [str(i) for i in ids]
-        return [engine.tokenizer.decode([i]) for i in ids]
+        tok = getattr(engine, "tokenizer", None)
+        return [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
 
     async def json_body(request: Request) -> dict:
         try:
@@ -304,10 +301,10 @@ def make_app(
         if not isinstance(messages, list) or not messages:
             raise UserError("messages must be a non-empty list")
         sp = sampling_from(body, "max_completion_tokens")
-        if not caps.tokenizer:
+        templ = getattr(engine, "apply_chat_template", None)
+        if templ is None:
             raise UserError("this engine has no chat template")
-        prompt = engine.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **(body.get("chat_template_kwargs") or {}))
+        prompt = templ(messages, add_generation_prompt=True, tokenize=True, **(body.get("chat_template_kwargs") or {}))
         cs = await batcher.generate(Batch(items=[prompt]), sp)
         choices = []
         for i, c in enumerate(cs):
@@ -340,9 +337,9 @@ def make_app(
         cs = await batcher.generate(batch, sp)
         hidden: list[Any] | None = None
         if body.get("return_hidden_states"):
-            if not caps.per_token_hidden_states:
+            per_token = getattr(engine, "token_hidden_states", None)
+            if per_token is None:
                 raise UserError("this engine cannot return hidden states")
-            per_token = engine.token_hidden_states
             # SGLang layout: meta_info.hidden_states[0] = the prompt's per-token states (P, H)
             # (decode-token states are not returned by this server).
             hidden = await call(lambda: [per_token(c.prompt_token_ids).tolist() for c in cs[:: sp.n]])
