@@ -6,7 +6,7 @@ chunk and once per `generate` call), on a 36-layer tiny model (the cost grows wi
   public        transformers' public `set_attn_implementation` (re-validates on every switch)
   collected     compat.attention_configs once, compat.attention_implementation per call (the engine now)
 
-    python bench/attn_switch_probe.py        # CPU or GPU host; writes bench/results/attn_switch_probe.json
+    python bench/probes/attn_switch_probe.py   # CPU or GPU host; writes bench/results/attn_switch_probe.json
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "bench"))  # common.py
 from common import card, today, write_records  # noqa: E402
 
 
