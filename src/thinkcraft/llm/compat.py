@@ -232,7 +232,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     """FP8 matmul with per-row (a: (M, 1)) and per-column (b: (1, N)) float32 scales applied in the
     epilogue: the private `torch._scaled_mm` (torch 2.13.0; `b` must be column-major; runs on CPU too).
     torch 2.13's public `torch.nn.functional.scaled_mm(a, b, scale_a, ScalingType.RowWise, scale_b,
-    ScalingType.RowWise, output_dtype=...)` also runs here; not switched to until bench/fp8_probe.py
+    ScalingType.RowWise, output_dtype=...)` also runs here; not switched to until bench/probes/fp8_probe.py
     measures it as fast inside the compiled prefill on an H100."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
