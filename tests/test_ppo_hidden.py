@@ -81,10 +81,12 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
 
 
 def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
+    from thinkcraft.llm.protocol import Capabilities
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _partition_for_overlap
 
     class Engine:
-        device = torch.device("cpu")
+        capabilities = Capabilities(hidden_states=True, generate=False, logprobs=False, prefix_reuse=True,
+                                    sm_partition=True, device="cpu")
         calls: list = []
 
         def set_sm_limit(self, n):

@@ -144,7 +144,9 @@ def _make_prompt_prefix(cfg: PPOHiddenConfig) -> str:
 
 
 def _is_hf(spec: str) -> bool:
-    return spec == "hf" or spec.startswith("hf:")
+    from thinkcraft.llm.registry import parse_spec
+
+    return parse_spec(spec).scheme == "hf"
 
 
 def _engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
@@ -206,8 +208,8 @@ class HiddenStateSource:
         return x if x.devices() == {target} else jax.device_put(x, target)
 
     def _token_path(self) -> bool:
-        eng = self.engine
-        return all(hasattr(eng, a) for a in ("tokenize_batch", "hidden_states_torch", "tokenizer"))
+        caps = self.engine.capabilities
+        return caps.tokenizer and caps.device_tensors
 
     def hidden(self, texts: list[str] | list[list[int]]) -> _Pending:
         import jax.numpy as jnp
@@ -250,15 +252,15 @@ def _partition_for_overlap(engine: Any, cfg: PPOHiddenConfig) -> tuple[int | Non
     """--overlap with an in-process engine on the policy's GPU: confine the engine to all but
     `overlap_env_sms` SMs. Returns (the engine's previous limit,) to restore, or None if nothing changed.
     Without green-context support it warns and runs unpartitioned."""
-    if not (cfg.overlap and cfg.overlap_env_sms > 0 and hasattr(engine, "set_sm_limit")):
+    if not (cfg.overlap and cfg.overlap_env_sms > 0 and engine.capabilities.sm_partition):
         return None
     import jax
     import torch
 
     from thinkcraft.utils.progress import console
 
-    dev = getattr(engine, "device", None)
-    if not (isinstance(dev, torch.device) and dev.type == "cuda" and jax.devices()[0].platform == "gpu"):
+    dev = torch.device(engine.capabilities.device or "cpu")
+    if not (dev.type == "cuda" and jax.devices()[0].platform == "gpu"):
         return None
     if not _on_policy_gpu(dev):
         return None  # the LLM has its own GPU: nothing to share
