@@ -155,7 +155,7 @@ class LLMPolicyConfig:
         if self.reward == "judge":
             check(self.env in ("arith", "gsm8k"), "reward", "the judge grades answers of arith/gsm8k, not craftax")
         if self.judge_api_key_env or self.judge_api_key_file:
-            check(self.judge_engine.startswith(("openai+http", "sglang+http")), "judge_api_key_env",
+            check(self.judge_engine != "self" and _parsed("judge_engine", self.judge_engine).is_http, "judge_api_key_env",
                   "an API key is for an HTTP judge (--judge-engine openai+http://... or sglang+http://...)")
             self.judge_engine_options()  # an unset variable or unreadable file fails here, before any loading
         if self.thinking_budget is not None:
