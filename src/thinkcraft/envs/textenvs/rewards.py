@@ -7,7 +7,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Sequence
 
-from thinkcraft.envs.tasks.base import Problem, RewardResult
+from thinkcraft.envs.textenvs.base import Problem, RewardResult
 
 # veRL/SkyRL: "#### (\-?[0-9\.\,]+)"; we also accept "$" and take the last match (models restate the format)
 _HASH_RE = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
