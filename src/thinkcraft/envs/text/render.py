@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from thinkcraft.envs import craftax as craftax_envs
 from thinkcraft.envs.text import names as N
 from thinkcraft.envs.text.semantic import Semantic
 from thinkcraft.utils.errors import UserError
@@ -64,7 +65,7 @@ def render(sem: Semantic, fmt: str = "compact", env_kind: str | None = None) -> 
     """Text for every env in `sem` (output of `extract`, ideally already `jax.device_get`-ed)."""
     check_format(fmt)
     found = kind_of_semantic(sem)
-    if env_kind is not None and N.check_env_kind(env_kind) != found:
+    if env_kind is not None and craftax_envs.env_kind(env_kind) != found:
         raise UserError(
             f"render(env_kind={env_kind!r}) got the semantics of a {found!r} state "
             f"(view {tuple(np.shape(sem.block)[-2:])}); pass env_kind={found!r}"
@@ -454,7 +455,7 @@ class CompactTokenRenderer:
 
     def render(self, sem: Semantic, env_kind: str | None = None) -> list[list[int]]:
         found = kind_of_semantic(sem)
-        if env_kind is not None and N.check_env_kind(env_kind) != found:
+        if env_kind is not None and craftax_envs.env_kind(env_kind) != found:
             raise UserError(f"render(env_kind={env_kind!r}) got the semantics of a {found!r} state")
         pieces, bounds = _compact_pieces(_as_numpy(sem), found).ordered()
         piece_ids = self._lookup(pieces)
