@@ -100,11 +100,11 @@ def main() -> None:
     from ppo_hidden_sps import build_engine
     from thinkcraft.envs.text import render_states
     from thinkcraft.llm.protocol import Batch
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, make_prompt_prefix
 
     engine, model_desc = build_engine(a.quick)
     texts = render_states(holder["c"][1], "compact")
-    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(PPOHiddenConfig())))
+    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=make_prompt_prefix(PPOHiddenConfig())))
     cuda = torch.cuda.is_available()
 
     def llm(stream=None):
