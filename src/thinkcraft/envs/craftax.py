@@ -25,7 +25,7 @@ Timeouts and deaths both end an episode (`done`), as in craftax and Craftax_Base
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,6 @@ ALIASES = {
     "craftax-classic": "Craftax-Classic-Symbolic-v1",
     "classic": "Craftax-Classic-Symbolic-v1",
 }
-EnvKind = Literal["craftax", "craftax-classic"]
 ENV_KINDS: tuple[str, ...] = ("craftax", "craftax-classic")
 """The two games (the text package's renderers and action tables are per kind; pixels and symbolic
 observations of a game share its states). A kind is also an alias of the game's symbolic env."""
