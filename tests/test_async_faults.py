@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinkcraft.envs.tasks import ArithTask
-from thinkcraft.envs.textenv import TaskEnv
+from thinkcraft.envs.textenvs import ArithTask
+from thinkcraft.envs.textenvs import TaskEnv
 from thinkcraft.train import llm_policy as LP
 from thinkcraft.utils.errors import UserError
 
@@ -78,7 +78,7 @@ def test_env_worker_killed_mid_episode(tmp_path):
 
 def test_env_step_hanging_past_its_timeout(tmp_path, monkeypatch):
     import thinkcraft.pools.envproc as envproc
-    from thinkcraft.envs.tasks import RuleReward
+    from thinkcraft.envs.textenvs import RuleReward
 
     hung = threading.Event()
 
@@ -97,7 +97,7 @@ def test_env_step_hanging_past_its_timeout(tmp_path, monkeypatch):
 
 
 def test_judge_returning_garbage_or_failing(tmp_path, monkeypatch):
-    from thinkcraft.envs.tasks import JudgeReward
+    from thinkcraft.envs.textenvs import JudgeReward
 
     calls = []
     original = JudgeReward.__call__

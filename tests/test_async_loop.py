@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from thinkcraft.envs.tasks import ArithTask, RewardResult
-from thinkcraft.envs.textenv import TaskEnv
+from thinkcraft.envs.textenvs import ArithTask, RewardResult
+from thinkcraft.envs.textenvs import TaskEnv
 from thinkcraft.train import llm_policy as LP
 from thinkcraft.utils.errors import ConfigError
 

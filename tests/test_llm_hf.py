@@ -65,19 +65,52 @@ def test_shared_prefix_attention_equals_full_attention(heads: int, kv_heads: int
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen is CUDA-only (no CUDA here)")
-def test_varlen_cascade_equals_the_two_part_merge_on_gpu() -> None:
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_varlen_layout_equals_full_attention(heads: int, kv_heads: int) -> None:
+    """The one-call varlen path's packing (per item [prefix | own suffix] keys, cumulative offsets, causal
+    bottom-right) through the plain varlen reference = attention over the concatenated sequence. The CUDA
+    kernels' agreement with the reference: the GPU test below and tests/test_llm_compat.py."""
     import thinkcraft.llm.attention as A
 
-    assert A.probe_varlen("cuda")
-    torch.manual_seed(3)
-    b, s, p, h, hkv, d = 5, 9, 13, 8, 2, 64
-    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    pk, pv = (torch.randn(1, hkv, p, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    want = shared_prefix_attention(q, k, v, pk, pv, lse_fn=attention_lse_reference)
-    got = shared_prefix_attention(q, k, v, pk, pv)  # takes the varlen path
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.manual_seed(4)
+    b, s, p, d = 3, 5, 7, 16
+    q = torch.randn(b, s, heads, d).transpose(1, 2)
+    k, v = torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
+    pk, pv = torch.randn(1, kv_heads, p, d), torch.randn(1, kv_heads, p, d)
+    got = A.varlen_prefix_attention(q, k, v, pk, pv, d**-0.5, A.varlen_reference)
+    torch.testing.assert_close(got, _full_attention(q, k, v, pk, pv), atol=1e-5, rtol=1e-5)
+
+
+def test_public_varlen_api_takes_what_the_candidate_passes() -> None:
+    """torch's public varlen attention (the "public" candidate kernel) still has the arguments it is called with."""
+    import inspect
+
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    params = inspect.signature(varlen.varlen_attn).parameters
+    assert {"scale", "window_size", "enable_gqa"} <= set(params), list(params)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen is CUDA-only (no CUDA here)")
+@pytest.mark.parametrize("kernel", ["aten", "public"])
+def test_varlen_cascade_equals_the_two_part_merge_on_gpu(kernel: str) -> None:
+    import thinkcraft.llm.attention as A
+
+    before = A._VARLEN.get("cuda", "unset")
+    try:
+        assert A.probe_varlen("cuda", kernel), f"varlen kernel {kernel!r} failed its probe"
+        torch.manual_seed(3)
+        b, s, p, h, hkv, d = 5, 9, 13, 8, 2, 64
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        pk, pv = (torch.randn(1, hkv, p, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        want = shared_prefix_attention(q, k, v, pk, pv, lse_fn=attention_lse_reference)
+        got = shared_prefix_attention(q, k, v, pk, pv)  # takes the varlen path with this kernel
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        if before == "unset":
+            A._VARLEN.pop("cuda", None)
+        else:
+            A._VARLEN["cuda"] = before
 
 
 def test_gqa_probe_and_fused_gqa_lse_equal_the_expanded_reference() -> None:

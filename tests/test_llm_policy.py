@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from thinkcraft.envs.tasks import ArithTask, RewardResult
-from thinkcraft.envs.textenv import StepResult, TaskEnv
+from thinkcraft.envs.textenvs import ArithTask, RewardResult, StepResult, TaskEnv
 from thinkcraft.llm.protocol import Capabilities, SamplingParams
 from thinkcraft.train import llm_policy as LP
 from thinkcraft.utils.errors import ConfigError, UserError

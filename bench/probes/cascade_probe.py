@@ -10,10 +10,13 @@
    - `cascade_gqa`   the kernel maps GQA heads itself: q folded by a view, no K/V expansion (the engine's
                      two-part path where varlen is unavailable)
    - `varlen`        one FlashAttention varlen call per layer over per-item [prefix | suffix] keys (the
-                     prefix KV copied per item), no merge (the engine's path on CUDA)
+                     prefix KV copied per item), no merge (the engine's path on CUDA): torch's private op
+   - `varlen_public` the same through torch's public `torch.nn.attention.varlen.varlen_attn` (a candidate
+                     to replace the private op: `attention.VARLEN_KERNELS["public"]`)
    all checked against each other on the same inputs.
 2. In the engine, the Qwen3-4B-shaped random model on compact texts of fresh Craftax-Symbolic envs: hidden
-   states with ppo-hidden's prompt prefix (the two-part cascade in both layouts, and the varlen call) and
+   states with ppo-hidden's prompt prefix (the two-part cascade in both layouts, the varlen call through the
+   private op and through the public API) and
    without a prefix (the raw rate the skip_n=1 limit is defined by), tokens/s.
 Writes bench/results/cascade_probe.json.
 """
@@ -53,18 +56,11 @@ def attention_variants(b: int, s: int, p: int, h: int, hkv: int, d: int) -> list
     def cascade():  # the layout follows A._GQA_NATIVE, set per variant below (outside compiled code)
         return A.shared_prefix_attention(q, k, v, pk, pv, scale=scale).transpose(1, 2).contiguous()
 
-    cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32) * s
-    cu_k = torch.arange(b + 1, device=dev, dtype=torch.int32) * (p + s)
+    def varlen(kernel):  # noqa: ANN001, ANN202 - per item keys [prefix | own suffix], one call, no merge
+        return lambda: A.varlen_prefix_attention(q, k, v, pk, pv, scale, A.VARLEN_KERNELS[kernel]).transpose(1, 2)
 
-    def varlen():
-        # per item keys [prefix | own suffix], packed: (B*(P+S), Hkv, d); causal is bottom-right aligned
-        kk = torch.cat([pk.transpose(1, 2).expand(b, p, hkv, d), k.transpose(1, 2)], 1).reshape(b * (p + s), hkv, d)
-        vv = torch.cat([pv.transpose(1, 2).expand(b, p, hkv, d), v.transpose(1, 2)], 1).reshape(b * (p + s), hkv, d)
-        qq = q.transpose(1, 2).reshape(b * s, h, d)
-        r = torch.ops.aten._flash_attention_forward(qq, kk, vv, cu_q, cu_k, s, p + s, 0.0, True, False, scale=scale)
-        return r[0].reshape(b, s, h, d)
-
-    variants = {"suffix_only": suffix_only, "cascade_fold": cascade, "cascade_gqa": cascade, "varlen": varlen}
+    variants = {"suffix_only": suffix_only, "cascade_fold": cascade, "cascade_gqa": cascade,
+                "varlen": varlen("aten"), "varlen_public": varlen("public")}
     A._GQA_NATIVE["cuda"] = False
     ref = cascade()
     out = []
@@ -97,22 +93,25 @@ def engine_rates(num_envs: int, layer: int) -> list[dict]:
     from thinkcraft.envs.craftax import make_env
     from thinkcraft.envs.text import render_states
     from thinkcraft.llm.protocol import Batch
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, make_prompt_prefix
     from ppo_hidden_sps import build_engine
 
     engine, desc = build_engine(False)
     env = make_env("Craftax-Symbolic-v1", num_envs, 1)
     _, state = jax.jit(env.reset)(jax.random.PRNGKey(0))
     texts = render_states(state, "compact")
-    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(PPOHiddenConfig())))
+    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=make_prompt_prefix(PPOHiddenConfig())))
     n_tok = sum(len(i) for i in items)
-    native, varlen = A._GQA_NATIVE.get("cuda", False), A._VARLEN_OK.get("cuda", False)
+    native = A._GQA_NATIVE.get("cuda", False)
+    chosen = A._VARLEN.get("cuda")  # the engine's choice, restored at the end
+    varlen = {kernel: A.probe_varlen("cuda", kernel) for kernel in A.VARLEN_KERNELS}  # which kernels pass the probe
     out = []
-    for name, prefix, gqa, vl in (("no_prefix", None, native, False), ("cascade_fold", prefix_ids, False, False),
-                                  ("cascade_gqa", prefix_ids, True, False), ("cascade_varlen", prefix_ids, native, True)):
-        if (gqa and not native) or (vl and not varlen):
+    for name, prefix, gqa, vl in (("no_prefix", None, native, None), ("cascade_fold", prefix_ids, False, None),
+                                  ("cascade_gqa", prefix_ids, True, None), ("cascade_varlen", prefix_ids, native, "aten"),
+                                  ("cascade_varlen_public", prefix_ids, native, "public")):
+        if (gqa and not native) or (vl is not None and not varlen[vl]):
             continue
-        A._GQA_NATIVE["cuda"], A._VARLEN_OK["cuda"] = gqa, vl
+        A._GQA_NATIVE["cuda"], A._VARLEN["cuda"] = gqa, vl
         batch = Batch(items, prefix=prefix)
         for _ in range(2):  # compile / warm-up
             engine.hidden_states_torch(batch, layer)
@@ -129,7 +128,7 @@ def engine_rates(num_envs: int, layer: int) -> list[dict]:
                "refresh_ms": 1e3 * t, "tok_per_s": n_tok / t}
         print(rec, flush=True)
         out.append(rec)
-    A._GQA_NATIVE["cuda"], A._VARLEN_OK["cuda"] = native, varlen
+    A._GQA_NATIVE["cuda"], A._VARLEN["cuda"] = native, chosen
     return out
 
 

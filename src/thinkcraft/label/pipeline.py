@@ -338,20 +338,12 @@ async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template:
 
 
 def resolve_engine_spec(spec: str) -> str:
-    """`auto:<model>` -> `vllm:<folder>` when vLLM is installed and CUDA is present, else `hf:<model>`."""
-    if not spec.startswith("auto:"):
-        return spec
-    import importlib.util
+    """`auto:<model>` -> `vllm:<folder>` when vLLM is installed and CUDA is present, else `hf:<model>`
+    (`llm.registry.resolve_auto`); other specs as they are."""
+    from thinkcraft.llm.registry import parse_spec, resolve_auto
 
-    model = spec[len("auto:"):] or "default"
-    if importlib.util.find_spec("vllm") is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            from thinkcraft.llm.models import resolve_model
-
-            return f"vllm:{resolve_model(model)}"
-    return f"hf:{model}"
+    es = parse_spec(spec)
+    return str(resolve_auto(es)) if es.scheme == "auto" else spec
 
 
 def make_local_engine(spec: str) -> Any:
@@ -410,7 +402,7 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
                             label_with_engine(eng, todo, template, model, store, tracker, cfg.batch_size,
                                               cfg.max_new_tokens, cfg.temperature, cfg.schema_retries, cfg.seed)
                         finally:
-                            if own and hasattr(eng, "close"):
+                            if own:
                                 eng.close()
         except KeyboardInterrupt:
             interrupted = True
@@ -429,7 +421,9 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
 
 def _model_of(spec: str) -> str:
     """`hf:default` / `auto:default` / `vllm:/m/x` -> the model part (greedy answers depend on it alone)."""
-    return spec.split(":", 1)[1] if ":" in spec and not spec.startswith(("openai+", "sglang+")) else spec
+    from thinkcraft.llm.registry import parse_spec
+
+    return parse_spec(spec).model
 
 
 def _tracker_report(tr: Tracker, eps: Sequence[Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ of shape (1, Hkv, P, d): the prefix is read once per layer instead of B times, a
 times (what `DynamicCache.batch_repeat_interleave` does, the memory wall at large batches).
 
 On CUDA (when `probe_varlen` finds it works) the same attention runs as ONE FlashAttention varlen call
-instead: keys [prefix | own suffix] per item, causal aligned bottom-right - no LSE merge, fewer passes over
+instead (`VARLEN_KERNELS`: torch's private op, or its public `varlen_attn` as a candidate): keys [prefix | own suffix] per item, causal aligned bottom-right - no LSE merge, fewer passes over
 memory (0.57 vs 0.67 ms a layer at ppo-hidden's shapes on an H100, bench/cascade_probe.py).
 
 Pure functions over tensors in the (batch, heads, seq, head_dim) layout, tested equal to plain attention
@@ -26,6 +26,9 @@ import logging
 import math
 
 import torch
+
+from thinkcraft.llm import compat
+from thinkcraft.llm.compat import PREFIX_KV_KWARG
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -102,18 +105,20 @@ def _kernel(q: torch.Tensor) -> str | None:
     return None
 
 
+_FUSED_LSE = {
+    "cuda:flash": compat.flash_attention_lse,
+    "cuda:efficient": compat.efficient_attention_lse,  # no GQA: k/v expanded first
+    "cpu:flash": compat.cpu_flash_attention_lse,
+}
+"""The fused kernels with an LSE output (torch's private ops, see `thinkcraft.llm.compat`)."""
+
+
 def _fused_lse(
     kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if kernel == "cuda:flash":
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return r[0], r[1]
-    if kernel == "cuda:efficient":  # no GQA; its LSE may be padded along the query axis
+    if kernel == "cuda:efficient":
         k, v = _expand_kv(q, k, v)
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-        return r[0], r[1][..., : q.shape[-2]]
-    r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return r[0], r[1]
+    return _FUSED_LSE[kernel](q, k, v, causal, scale)
 
 
 def attention_lse(
@@ -169,9 +174,10 @@ def shared_prefix_attention(
     g = h // hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     prefix_copy_bytes = 2 * b * prefix_k.shape[2] * hkv * d * q.element_size()  # what varlen materialises
-    if (lse_fn is attention_lse and q.is_cuda and _VARLEN_OK.get("cuda", False)
-            and q.dtype in (torch.float16, torch.bfloat16) and prefix_copy_bytes <= VARLEN_MAX_PREFIX_COPY_BYTES):
-        return _varlen_prefix_attention(q, k, v, prefix_k, prefix_v, scale)
+    varlen = _VARLEN.get("cuda") if q.is_cuda else None
+    if (varlen is not None and lse_fn is attention_lse and q.dtype in (torch.float16, torch.bfloat16)
+            and prefix_copy_bytes <= VARLEN_MAX_PREFIX_COPY_BYTES):
+        return varlen_prefix_attention(q, k, v, prefix_k, prefix_v, scale, VARLEN_KERNELS[varlen])
     # Prefix part: all B*S suffix positions become one long query axis, so one kernel call reads the
     # prefix KV once per layer: (1, H, B*S, d) x (1, Hkv, P, d).
     if g == 1 or _GQA_NATIVE.get(q.device.type, False):
@@ -197,56 +203,98 @@ VARLEN_MAX_PREFIX_COPY_BYTES = 1 << 30
 prefixes x many rows) the two-part path, which reads the single prefix copy, is used instead. ppo-hidden's
 238-token prefix with Qwen3-4B: ~125 MB at 128 envs, ~0.6 GB for a full 65k-token chunk at 1024 envs."""
 
-_VARLEN_OK: dict[str, bool] = {}
-"""Does this torch's FlashAttention varlen entry point run here and agree with the two-part merge?
+def varlen_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Plain varlen attention (the kernels' contract, for tests): packed q (Tq, H, d), k/v (Tk, Hkv, d),
+    sequence i = rows cu[i]:cu[i+1]; causal aligned bottom-right; GQA. Returns (Tq, H, d)."""
+    out = torch.empty_like(q)
+    for i in range(len(cu_q) - 1):
+        qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        o, _ = attention_lse_reference(q[qa:qb].transpose(0, 1)[None], k[ka:kb].transpose(0, 1)[None],
+                                       v[ka:kb].transpose(0, 1)[None], True, scale)
+        out[qa:qb] = o[0].transpose(0, 1)
+    return out
+
+
+def _public_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """torch's public varlen attention, `torch.nn.attention.varlen.varlen_attn` (checked on torch 2.13.0;
+    `window_size=(-1, 0)` = causal, bottom-right aligned; `enable_gqa` maps the KV heads). It wraps the same
+    FlashAttention kernel as `compat.flash_varlen`, as a custom op (opaque to torch.compile)."""
+    if _varlen_attn is None:
+        raise NotImplementedError("this torch has no torch.nn.attention.varlen.varlen_attn")
+    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - torch without the public varlen API
+    _varlen_attn = None
+
+VARLEN_KERNELS = {"aten": compat.flash_varlen, "public": _public_varlen}
+"""The one-call varlen kernels the cascade can use on CUDA: "aten" the private FlashAttention op (the
+default, measured in BENCHMARKS), "public" torch's public `varlen_attn` over the same kernel (a candidate:
+to become the default once bench/cascade_probe.py measures it at least as fast on an H100)."""
+
+VARLEN_DEFAULT = "aten"
+
+_VARLEN: dict[str, str | None] = {}
+"""Per device type: the varlen kernel the cascade uses (one of VARLEN_KERNELS), None = the two-part merge.
 Filled by `probe_varlen` (eagerly, outside compiled code)."""
 
 
-def _varlen_prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, scale: float
+def varlen_prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, scale: float,
+    kernel=compat.flash_varlen,  # noqa: ANN001 - one of VARLEN_KERNELS, or varlen_reference in tests
 ) -> torch.Tensor:
-    """The same attention in ONE FlashAttention varlen call: item i's keys are [prefix | own suffix] (the
-    prefix KV copied per item, P*Hkv*d values each) and causality is aligned bottom-right, so suffix token j
-    sees the prefix and suffix tokens <= j. No LSE, no merge, GQA heads mapped by the kernel. On an H100 at
-    ppo-hidden's shapes (128 x 104 suffix tokens, 238 prefix tokens, Qwen3-4B heads) one layer's attention
-    takes 0.57 ms against 0.67 ms for the two-part merge (bench/cascade_probe.py)."""
+    """The same attention in ONE varlen call: item i's keys are [prefix | own suffix] (the prefix KV copied
+    per item, P*Hkv*d values each) and causality is aligned bottom-right, so suffix token j sees the prefix
+    and suffix tokens <= j. No LSE, no merge, GQA heads mapped by the kernel. On an H100 at ppo-hidden's
+    shapes (128 x 104 suffix tokens, 238 prefix tokens, Qwen3-4B heads) one layer's attention takes 0.57 ms
+    against 0.67 ms for the two-part merge (bench/cascade_probe.py, the "aten" kernel)."""
     b, h, s, d = q.shape
     hkv, p = k.shape[1], prefix_k.shape[2]
     qq = q.transpose(1, 2).reshape(b * s, h, d)
     kk = torch.cat([prefix_k.transpose(1, 2).expand(b, p, hkv, d), k.transpose(1, 2)], 1).reshape(b * (p + s), hkv, d)
     vv = torch.cat([prefix_v.transpose(1, 2).expand(b, p, hkv, d), v.transpose(1, 2)], 1).reshape(b * (p + s), hkv, d)
     steps = torch.arange(b + 1, device=q.device, dtype=torch.int32)
-    out = torch.ops.aten._flash_attention_forward(qq, kk, vv, steps * s, steps * (p + s), s, p + s, 0.0, True, False,
-                                                  scale=scale)[0]
+    out = kernel(qq, kk, vv, steps * s, steps * (p + s), s, p + s, scale)
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
-def probe_varlen(device: torch.device | str) -> bool:
-    """Whether `shared_prefix_attention` may take the one-call varlen path on this device (CUDA only):
-    tried once on a tiny GQA input against the two-part merge, and remembered."""
+def probe_varlen(device: torch.device | str, kernel: str | None = None) -> bool:
+    """Whether `shared_prefix_attention` may take the one-call varlen path on this device (CUDA only), and
+    with which kernel: `kernel` (one of VARLEN_KERNELS) is tried on a tiny GQA input against the two-part
+    merge and, if it agrees, chosen; None keeps this device's earlier choice, or tries VARLEN_DEFAULT once."""
     kind = torch.device(device).type
     if kind != "cuda":
         return False
-    if kind not in _VARLEN_OK:
-        ok = False
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            def r(*shape):  # noqa: ANN002, ANN202
-                return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
-            q, k, v, pk, pv = r(2, 3, 4, 16).transpose(1, 2), r(2, 2, 3, 16), r(2, 2, 3, 16), r(1, 2, 5, 16), r(1, 2, 5, 16)
-            want = shared_prefix_attention(q, k, v, pk, pv, lse_fn=attention_lse_reference)
-            got = _varlen_prefix_attention(q, k, v, pk, pv, 0.25)
-            ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2))
-        except (RuntimeError, AttributeError, NotImplementedError, TypeError) as e:
-            log.info("FlashAttention varlen unavailable (%s): cascade attention merges two calls", e)
-        _VARLEN_OK[kind] = ok
-    return _VARLEN_OK[kind]
+    if kernel is None:
+        if kind in _VARLEN:
+            return _VARLEN[kind] is not None
+        kernel = VARLEN_DEFAULT
+    ok = False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        def r(*shape):  # noqa: ANN002, ANN202
+            return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
+        q, k, v, pk, pv = r(2, 3, 4, 16).transpose(1, 2), r(2, 2, 3, 16), r(2, 2, 3, 16), r(1, 2, 5, 16), r(1, 2, 5, 16)
+        want = shared_prefix_attention(q, k, v, pk, pv, lse_fn=attention_lse_reference)
+        got = varlen_prefix_attention(q, k, v, pk, pv, 0.25, VARLEN_KERNELS[kernel])
+        ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+    except (RuntimeError, AttributeError, NotImplementedError, TypeError, ValueError) as e:
+        log.info("varlen attention (%s) unavailable (%s): cascade attention merges two calls", kernel, e)
+    _VARLEN[kind] = kernel if ok else None
+    return ok
 
 
 # --- hook into transformers' attention interface ------------------------------------------------------
 
 CASCADE_ATTN = "thinkcraft_cascade"
-PREFIX_KV_KWARG = "thinkcraft_prefix_kv"
 
 
 def cascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
@@ -256,9 +304,7 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
     Without it: plain sdpa (causal when there is no mask)."""
     prefix_kv = kwargs.pop(PREFIX_KV_KWARG, None)
     if prefix_kv is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return compat.sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     pk, pv = prefix_kv
     out = shared_prefix_attention(query, key, value, pk, pv, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -266,22 +312,7 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
 
 def register_cascade_attention() -> str:
     """Register the cascade attention with transformers (idempotent); returns its name."""
-    return _register(CASCADE_ATTN, cascade_attention_forward)
-
-
-def _register(name: str, fn) -> str:  # noqa: ANN001
-    """Register an attention function with transformers under `name`, with sdpa's mask function (so model
-    code asking for a mask under this name gets sdpa's boolean mask). Idempotent."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, fn)
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
-    except ImportError:  # pragma: no cover - older transformers
-        pass
-    return name
+    return compat.register_attention(CASCADE_ATTN, cascade_attention_forward)
 
 
 # --- decode (one query token) without copying the KV cache ------------------------------------------------
@@ -312,9 +343,7 @@ def gqa_decode_attention(
 def decode_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
     """transformers attention function: `gqa_decode_attention` for one-token steps, sdpa otherwise."""
     if query.shape[2] != 1 or dropout or key.shape[1] == query.shape[1]:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return compat.sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = gqa_decode_attention(query, key, value, attention_mask, scale)
     return out.transpose(1, 2), None
@@ -322,4 +351,4 @@ def decode_attention_forward(module, query, key, value, attention_mask, scaling=
 
 def register_decode_attention() -> str:
     """Register the decode attention with transformers (idempotent); returns its name."""
-    return _register(DECODE_ATTN, decode_attention_forward)
+    return compat.register_attention(DECODE_ATTN, decode_attention_forward)

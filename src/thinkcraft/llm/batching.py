@@ -1,18 +1,21 @@
-"""How a batch of variable-length rows is cut into padded forward chunks.
+"""Rows of variable length: how a batch is cut into padded forward chunks, padded, and read back.
 
 Rows are sorted by length; a chunk is a contiguous run of the sorted rows, right-padded to its longest.
 One chunk wastes the padding (ppo-hidden's compact texts run 57-153 tokens: a third of a single padded
 batch is padding); many chunks waste launches and small, slow matmuls. `plan_chunks` picks the cut points
 that minimise  sum over chunks of (rows x longest) + overhead_tokens  (a dynamic programme over the
 points where the length crosses a multiple of `quantum` tokens - exact with quantum 1), within the
-per-chunk limits on padded tokens and rows.
+per-chunk limits on padded tokens and rows. `pad_rows` lays the rows out, `take_rows` reads one position
+per row back.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
+import torch
 
 
 def plan_chunks(
@@ -55,3 +58,21 @@ def plan_chunks(
         out.append((int(cand[i]), int(cand[j])))
         j = i
     return out[::-1]
+
+
+def pad_rows(seqs: Sequence[Sequence[int]], side: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) int64 (B, T) of the rows padded with `pad_id` to the longest, on the `side` ("left" or
+    "right"); mask 1 = a real token. Built in numpy: one host->device copy each, this runs once per forward
+    chunk (every ppo-hidden refresh)."""
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    t = int(lens.max())
+    col = np.arange(t)[None, :]
+    mask = col < lens[:, None] if side == "right" else col >= (t - lens)[:, None]
+    ids = np.full((len(seqs), t), pad_id, dtype=np.int64)
+    ids[mask] = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
+    return ids, mask.astype(np.int64)
+
+
+def take_rows(h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) -> (B, H): row b's hidden state at position pos[b]."""
+    return h[torch.arange(h.shape[0], device=h.device), pos]

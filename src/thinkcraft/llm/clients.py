@@ -262,7 +262,8 @@ class SGLangEngine:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(hidden_states=True, generate=True, logprobs=True, prefix_reuse=True)
+        return Capabilities(hidden_states=True, generate=True, logprobs=True, prefix_reuse=True,
+                            token_ids_in=True, token_ids_out=True)
 
     def hidden_states(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> np.ndarray:
         return run_sync(self.client.hidden_states(batch, layer, pooling))
@@ -332,7 +333,8 @@ class OpenAIEngine:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(hidden_states=False, generate=True, logprobs=True, prefix_reuse=False)
+        # token ids out only where the server honours `return_token_ids` (vLLM, thinkcraft serve): not promised
+        return Capabilities(hidden_states=False, generate=True, logprobs=True, prefix_reuse=False, token_ids_in=True)
 
     def hidden_states(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> np.ndarray:
         raise EngineCapabilityError(

@@ -76,14 +76,38 @@ class Completion:
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What an engine can do, declared by the engine: callers read these fields instead of probing for
+    methods. The optional methods named below exist exactly when their field says so."""
+
     hidden_states: bool
+    """`hidden_states(batch, layer, pooling)` returns (N, H) hidden states."""
     generate: bool
+    """`generate(batch, sampling)` returns completions."""
     logprobs: bool
+    """Completions carry the sampled tokens' logprobs (when `SamplingParams.logprobs`)."""
     prefix_reuse: bool
+    """A batch's shared prefix is prefilled once and its KV reused (across the batch and calls)."""
     weight_update: bool = False
     """In-process weight sharing / update (the learner can change the weights it samples with)."""
     hidden_size: int | None = None
     num_layers: int | None = None
+    token_ids_in: bool = False
+    """Batch items (and prefix) may be token-id lists, fed to the model as they are."""
+    token_ids_out: bool = False
+    """`Completion.token_ids` are always the sampled ids (what training needs; never re-tokenize text)."""
+    tokenizer: bool = False
+    """The engine exposes its tokenizer in-process: `.tokenizer`, `tokenize_batch(batch) -> (prefix ids,
+    item ids)` and `apply_chat_template(messages, ...)`; callers may build token-id batches with it."""
+    device_tensors: bool = False
+    """`hidden_states_torch(batch, layer, pooling)` returns the (N, H) float32 torch tensor on `device`
+    (no host copy; hand it to JAX with `llm.dlpack.torch_to_jax`)."""
+    device: str | None = None
+    """Where an in-process engine computes ("cuda:0", "cpu"); None for remote engines."""
+    per_token_hidden_states: bool = False
+    """`token_hidden_states(token_ids, layer)` returns one sequence's (T, H) per-token hidden states."""
+    sm_partition: bool = False
+    """`set_sm_limit(n)` / `sm_limit` confine the engine's GPU work to n SMs (a CUDA green context; creating
+    one may still fail with a UserError on a driver without them)."""
 
 
 @runtime_checkable

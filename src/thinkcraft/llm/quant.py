@@ -3,7 +3,7 @@ matmuls run on the FP8 tensor cores (Hopper/Ada): 1.5x the bf16 matmul rate meas
 
 Scaling is "dynamic per-token / per-channel": each weight row (output channel) has its own scale, fixed
 when the model is quantised; each activation row (token) gets its scale from its own max at call time.
-`torch._scaled_mm` applies both scales in the matmul's epilogue. bench/fp8_probe.py measured, at
+`torch._scaled_mm` (`compat.scaled_mm`) applies both scales in the matmul's epilogue. bench/fp8_probe.py measured, at
 Qwen3-4B's layer shapes and 12,800 tokens on an H100: the layer's matmuls 3.35 ms (bf16) -> 2.19 ms
 (FP8) -> 2.78 ms counting a stand-alone quantisation of the activations (inside the compiled prefill
 layer the quantisation fuses into the preceding norm/activation kernel); one projection's relative error
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from thinkcraft.llm.compat import scaled_mm
 from thinkcraft.utils.errors import UserError
 
 FP8 = torch.float8_e4m3fn
@@ -43,8 +44,7 @@ class FP8Linear(nn.Module):
         x_scale = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
         xq = (x2.float() / x_scale).to(FP8)
         # b must be column-major: the transpose of the row-major (out, in) weight is exactly that
-        y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=self.out_dtype)
+        y = scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, self.out_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)

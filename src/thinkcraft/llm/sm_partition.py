@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from thinkcraft.llm.compat import green_context
 from thinkcraft.utils.errors import UserError
 
 
@@ -26,15 +27,12 @@ class SMPartition:
         total = torch.cuda.get_device_properties(device).multi_processor_count
         if not 1 <= sm_count < total:
             raise UserError(f"SM limit {sm_count} out of range: the GPU has {total} SMs (use 1..{total - 1})")
+        index = device.index if device.index is not None else torch.cuda.current_device()
         try:
-            from torch.cuda import green_contexts
+            self._ctx, self.stream = green_context(sm_count, index)
         except ImportError:
             raise UserError(f"an SM limit needs torch.cuda.green_contexts (torch >= 2.10, CUDA >= 12.4); "
                             f"this torch is {torch.__version__}") from None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        try:
-            self._ctx: Any = green_contexts.GreenContext.create(num_sms=sm_count, device_id=index)
-            self.stream: torch.cuda.Stream = self._ctx.Stream()
         except Exception as e:  # noqa: BLE001 - driver / runtime without green contexts
             raise UserError(f"could not create a CUDA green context of {sm_count} SMs on {device}: {e}") from e
         self.sm_count = sm_count

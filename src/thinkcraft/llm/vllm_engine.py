@@ -40,7 +40,8 @@ class VLLMEngine:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(hidden_states=True, generate=True, logprobs=True, prefix_reuse=self.options.prefix_caching)
+        return Capabilities(hidden_states=True, generate=True, logprobs=True, prefix_reuse=self.options.prefix_caching,
+                            token_ids_in=True, token_ids_out=True)
 
     def _prompts(self, batch: Batch) -> list[Any]:
         if batch.is_tokens:

@@ -49,8 +49,8 @@ class EnvSpec:
     """Injected latency per env step (ms)."""
 
     def build(self) -> Any:
-        from thinkcraft.envs.tasks import RuleReward
-        from thinkcraft.envs.textenv import make_text_env
+        from thinkcraft.envs.textenvs import RuleReward
+        from thinkcraft.envs.textenvs import make_text_env
 
         if self.reward == "rule":
             reward_fn = RuleReward(self.answer_weight, self.format_weight, lenient=self.lenient)

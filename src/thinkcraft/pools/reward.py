@@ -3,7 +3,7 @@
 Rule rewards are computed inline by the env (a regex per answer costs microseconds: no pool needed); a
 group played with `EnvSpec(reward="deferred")` comes out of the rollout pool unscored and is submitted
 here. One worker takes every group waiting (up to `max_groups`) and grades all their answers in one judge
-call (`envs.tasks.JudgeReward`), so the judge engine sees large batches while rollouts go on.
+call (`envs.textenvs.JudgeReward`), so the judge engine sees large batches while rollouts go on.
 
 A verdict that cannot be parsed scores 0 and is counted (`judge/unparsed`, JudgeReward); a judge call that
 fails (after the engine client's own retries) fails the groups with reason "reward_error": they are
@@ -23,7 +23,7 @@ class RewardPool:
     def __init__(self, judge: Any, problem_of: Callable[[int], Any], max_groups: int = 64, max_queued: int = 256,
                  lock: Any = None) -> None:
         self.judge = judge
-        """A RewardFn: (problems, completions) -> RewardResults (envs.tasks.JudgeReward)."""
+        """A RewardFn: (problems, completions) -> RewardResults (envs.textenvs.JudgeReward)."""
         self.problem_of = problem_of
         """seed -> Problem (the task's own deterministic map)."""
         self.lock = lock

@@ -59,7 +59,7 @@ class PPOConfig:
     optimistic_reset_ratio: int = 16
     """Fresh worlds generated per step = num_envs / ratio (Baselines: min(16, num_envs)); 1 = a fresh world for every env every step."""
     unroll_env_scans: Literal["auto", "on", "off"] = "auto"
-    """Trace craftax's short inner loops (mob / projectile / plant slots, world generation, random.choice's binary searches) unrolled: the same states, no host-driven GPU loop iterations inside a step - plain PPO 21.6k -> 53.9k SPS at 128 envs on an H100 - for ~40 s more compile (envs/craftax.py `unrolled_scans`). auto = on when JAX runs on a GPU (on a CPU the loops cost nothing and the compile would)."""
+    """Trace craftax's short inner loops (mob / projectile / plant slots, world generation, random.choice's binary searches) unrolled: the same states, no host-driven GPU loop iterations inside a step - plain PPO 21.6k -> 53.9k SPS at 128 envs on an H100 - for ~40 s more compile (envs/unroll.py). auto = on when JAX runs on a GPU (on a CPU the loops cost nothing and the compile would)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Matmul dtype of the networks (parameters stay float32). float32 = Baselines."""
     seed: int = 0
@@ -89,6 +89,7 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         from thinkcraft.envs.craftax import canonical_env_name
+        from thinkcraft.envs.unroll import UNROLL_SETTINGS
 
         try:
             self.env_name = canonical_env_name(self.env_name)
@@ -111,7 +112,7 @@ class PPOConfig:
         check(self.stop_after_updates % self.chunk_updates == 0, "stop_after_updates",
               f"must be a multiple of the chunk size ({self.chunk_updates} updates) so that the run stops at a chunk end")
         check(self.compute_dtype in ("float32", "bfloat16"), "compute_dtype", "float32 or bfloat16")
-        check(self.unroll_env_scans in ("auto", "on", "off"), "unroll_env_scans", "auto, on or off")
+        check(self.unroll_env_scans in UNROLL_SETTINGS, "unroll_env_scans", "auto, on or off")
 
     @property
     def batch_size(self) -> int:
@@ -120,15 +121,6 @@ class PPOConfig:
     @property
     def num_updates(self) -> int:
         return self.total_timesteps // self.batch_size
-
-    @property
-    def unrolled_env_scans(self) -> bool:
-        """`unroll_env_scans` resolved: "auto" is on exactly when JAX's default backend is a GPU."""
-        if self.unroll_env_scans == "auto":
-            import jax
-
-            return jax.default_backend() == "gpu"
-        return self.unroll_env_scans == "on"
 
     @property
     def reset_ratio(self) -> int:
@@ -148,20 +140,40 @@ class PPOConfig:
         return PPOHyper(self.gamma, self.gae_lambda, self.clip_eps, self.ent_coef, self.vf_coef,
                         self.update_epochs, self.num_minibatches)
 
+    @property
+    def matmul_dtype(self):
+        """`compute_dtype` as the jnp dtype the networks compute in."""
+        import jax.numpy as jnp
 
-def build(cfg: PPOConfig):
-    """Env, network, optimizer and the pure init function for a config (shared by train, eval, resume)."""
-    import jax.numpy as jnp
+        return jnp.bfloat16 if self.compute_dtype == "bfloat16" else jnp.float32
 
+
+# Each caller builds what it uses (ppo-hidden its own network, eval no optimizer); `build` is all three.
+def build_env(cfg: PPOConfig):
+    """The batched Craftax env of a config (`unroll_env_scans` resolved by make_env)."""
     from thinkcraft.envs.craftax import make_env
+
+    return make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio, unroll_env_scans=cfg.unroll_env_scans)
+
+
+def build_network(cfg: PPOConfig, env):
+    """Plain PPO's actor-critic MLP for `env`'s actions."""
     from thinkcraft.rl.networks import ActorCritic
+
+    return ActorCritic(env.num_actions, cfg.layer_width, dtype=cfg.matmul_dtype)
+
+
+def build_optimizer(cfg: PPOConfig):
+    """Adam with gradient clipping and the config's lr schedule over its num_updates."""
     from thinkcraft.rl.ppo import make_optimizer
 
-    env = make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio, unroll_inner_scans=cfg.unrolled_env_scans)
-    network = ActorCritic(env.num_actions, cfg.layer_width,
-                          dtype=jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32)
-    tx = make_optimizer(cfg.lr, cfg.anneal_lr, cfg.max_grad_norm, cfg.num_updates, cfg.hyper())
-    return env, network, tx
+    return make_optimizer(cfg.lr, cfg.anneal_lr, cfg.max_grad_norm, cfg.num_updates, cfg.hyper())
+
+
+def build(cfg: PPOConfig):
+    """Env, network and optimizer of a plain-PPO config (shared by train, resume and the benchmarks)."""
+    env = build_env(cfg)
+    return env, build_network(cfg, env), build_optimizer(cfg)
 
 
 def episode_metrics(m: dict[str, Any], achievement_names: tuple[str, ...], max_return: float) -> dict[str, float]:

@@ -60,7 +60,7 @@ class AsyncRun:
         base_dtype = torch.bfloat16 if (autocast is not None and cfg.finetune == "lora") else torch.float32
         seed_everything(cfg.seed)
         env = env_spec(cfg, latency=False).build()
-        corpus = _prompt_corpus(cfg, env) if cfg.model.startswith("random:") else []
+        corpus = _prompt_corpus(cfg, env) if cfg.model_spec.scheme == "random" else []
         model, tok = load_policy(cfg, corpus, device, base_dtype)
         if cfg.thinking_budget is not None and not {"<think>", "</think>"} <= set(tok.get_vocab()):
             raise ConfigError("thinking_budget", f"{cfg.model} has no <think>/</think> tokens; drop --thinking-budget")
@@ -84,7 +84,7 @@ class AsyncRun:
         self._closers.append(self.metrics.close)
         self.journal = open(self.run_dir / "consumed.jsonl", "a", encoding="utf-8")
         self._closers.append(self.journal.close)
-        model_dir = None if cfg.model.startswith("random:") else str(_model_dir(cfg.model))
+        model_dir = None if cfg.model_spec.scheme == "random" else str(_model_dir(cfg.model))
         # 3. judge, A*-PO's V* (before the pools: it samples with the engine alone)
         self.model_lock = threading.Lock()
         self.judge = _judge(cfg, learner, tok) if cfg.reward == "judge" else None
@@ -284,7 +284,7 @@ def _model_dir(spec: str) -> Path:
 def _judge(cfg: Any, learner: Any, tok: Any) -> Any:
     """The judge RewardFn: the policy with its adapter off ('self', a separate engine over the learner's
     model, called under the learner's lock), or any engine spec."""
-    from thinkcraft.envs.tasks import JudgeReward
+    from thinkcraft.envs.textenvs import JudgeReward
     from thinkcraft.train.llm_policy.model import _AdapterOffEngine, make_engine
 
     msgs = lambda text: [{"role": "user", "content": text}]  # noqa: E731
@@ -295,7 +295,7 @@ def _judge(cfg: Any, learner: Any, tok: Any) -> Any:
         from thinkcraft.llm import make_engine as make_engine_from_spec
 
         engine = make_engine_from_spec(cfg.judge_engine, **cfg.judge_engine_options())
-        fmt = (lambda text: engine.apply_chat_template(msgs(text))) if hasattr(engine, "apply_chat_template") else None
+        fmt = (lambda text: engine.apply_chat_template(msgs(text))) if engine.capabilities.tokenizer else None
     return JudgeReward(engine, answer_weight=cfg.answer_weight, format_weight=cfg.format_weight, format_prompt=fmt)
 
 

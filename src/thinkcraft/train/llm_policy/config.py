@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 
-from thinkcraft.utils.errors import check
+from thinkcraft.utils.errors import ConfigError, UserError, check
+
+if TYPE_CHECKING:
+    from thinkcraft.llm.registry import EngineSpec
 
 
 Algo = Literal["grpo", "rloo", "reinforce", "apo"]
@@ -198,11 +201,16 @@ class LLMPolicyConfig:
         if self.reward == "judge":
             check(self.env in ("arith", "gsm8k"), "reward", "the judge grades answers of arith/gsm8k, not craftax")
         if self.judge_api_key_env or self.judge_api_key_file:
-            check(self.judge_engine.startswith(("openai+http", "sglang+http")), "judge_api_key_env",
+            check(self.judge_engine != "self" and _parsed("judge_engine", self.judge_engine).is_http, "judge_api_key_env",
                   "an API key is for an HTTP judge (--judge-engine openai+http://... or sglang+http://...)")
             self.judge_engine_options()  # an unset variable or unreadable file fails here, before any loading
         if self.thinking_budget is not None:
             check(0 < self.thinking_budget < self.max_new_tokens, "thinking_budget", "must be in (0, max_new_tokens)")
+        spec = _parsed("model", self.model, bare="hf", allowed=("hf", "random"))
+        if spec.scheme == "random":
+            check(spec.target in MODEL_SHAPES, "model", f"unknown shape {spec.target!r}; known: {', '.join(MODEL_SHAPES)}")
+        if self.judge_engine != "self":
+            _parsed("judge_engine", self.judge_engine, allowed=("hf", "vllm", "sglang", "openai", "auto"))
         check(self.offpolicy_cap >= 0, "offpolicy_cap", "must be >= 0")
         check(self.offpolicy != "tis" or self.offpolicy_cap > 0, "offpolicy_cap", "tis truncates at C > 0")
         self._check_async()
@@ -211,6 +219,12 @@ class LLMPolicyConfig:
         from thinkcraft.train.llm_policy.async_loop import check_async_config
 
         check_async_config(self)
+
+    @property
+    def model_spec(self) -> EngineSpec:
+        """`model` parsed (`llm.registry.EngineSpec`): scheme "hf" (target: default / a folder) or "random"
+        (target: a MODEL_SHAPES name)."""
+        return _parsed("model", self.model, bare="hf", allowed=("hf", "random"))
 
     def judge_engine_options(self) -> dict[str, Any]:
         """Options for `make_engine(judge_engine, ...)`: the HTTP judge's API key, resolved from its source."""
@@ -235,6 +249,16 @@ class LLMPolicyConfig:
 
 
 # ===================================================================================== model + tokenizer
+
+def _parsed(field: str, spec: str, **how: Any) -> Any:
+    """`llm.registry.parse_spec`, its error reported against the config field."""
+    from thinkcraft.llm.registry import parse_spec
+
+    try:
+        return parse_spec(spec, **how)
+    except UserError as e:
+        raise ConfigError(field, str(e)) from None
+
 
 # Random-weight shapes for speed measurements (`--model random:<shape>`).
 MODEL_SHAPES: dict[str, dict[str, Any]] = {

@@ -56,7 +56,7 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
             from thinkcraft.llm import make_engine as make_engine_from_spec
 
             eng = make_engine_from_spec(cfg.judge_engine, **cfg.judge_engine_options())
-            if hasattr(eng, "apply_chat_template"):  # in-process engines: their own chat template
+            if eng.capabilities.tokenizer:  # in-process engines: their own chat template
                 return eng, lambda text: eng.apply_chat_template(msgs(text))
             return eng, None  # HTTP engines receive the plain prompt
         holder["judge_self"] = True  # bound once the policy exists
@@ -67,7 +67,7 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
         return _LazyEngine(holder), fmt
 
     env = make_env_and_reward(cfg, judge_factory)
-    corpus = _prompt_corpus(cfg, env) if cfg.model.startswith("random:") else []
+    corpus = _prompt_corpus(cfg, env) if cfg.model_spec.scheme == "random" else []
     model, tok = load_policy(cfg, corpus, device, base_dtype)
     holder["tokenizer"] = tok
     if cfg.thinking_budget is not None and not {"<think>", "</think>"} <= set(tok.get_vocab()):

@@ -61,12 +61,13 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.model.startswith("random:"):
+    spec = cfg.model_spec
+    if spec.scheme == "random":
         tok = train_bpe_tokenizer(prompt_texts)
-        model = random_model(cfg.model.split(":", 1)[1], tok, seed=cfg.seed)
+        model = random_model(spec.target, tok, seed=cfg.seed)
         model.to(device=device, dtype=dtype)
     else:
-        path = resolve_model_path(cfg.model)
+        path = resolve_model_path(spec.target)
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if tok.pad_token_id is None:

@@ -128,8 +128,7 @@ def episode_record(e: Episode, env_name: str, policy_version: int, extra: dict[s
 # ================================================================================================ run
 
 def make_env_and_reward(cfg: LLMPolicyConfig, judge_engine_factory=None):
-    from thinkcraft.envs.tasks import JudgeReward, RuleReward
-    from thinkcraft.envs.textenv import make_text_env
+    from thinkcraft.envs.textenvs import JudgeReward, RuleReward, make_text_env
 
     reward_fn = None
     if cfg.env in ("arith", "gsm8k"):

@@ -1,113 +1,14 @@
-"""Multi-turn text environments for LLM policies: a batched, gym-like protocol over text.
-
-    obs = env.reset(seeds)                       # one episode per seed (repeat a seed G times for a group)
-    res = env.step(actions_text)                 # one text per episode that is still running
-    res.observations, res.rewards, res.terminated, res.truncated, res.infos
-
-`step` takes and returns entries for the *active* episodes only, in the order of `env.active_indices()`
-before the call; finished episodes drop out (a batch of LLM calls never pays for finished episodes).
-
-Kinds:
-- `TaskEnv` (arith, gsm8k): one turn; the completion is graded by a reward function (rule or judge).
-- `CraftaxTextEnv` (craftax, craftax-classic): compact text observation per step; the completion's action
-  is parsed (invalid → counted, a no-op is played, optional format penalty); env reward; a step cap
-  (truncation).
-"""
+"""Craftax as a multi-turn text env for LLM policies (compact observations, parsed actions)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
 import numpy as np
 
-from thinkcraft.envs.tasks.base import Problem, RewardFn, Task
+from thinkcraft.envs.textenvs.protocol import StepResult, check_len
 from thinkcraft.utils.errors import UserError
-
-
-class StepResult(NamedTuple):
-    observations: list[str]
-    """Next observation per episode given to `step` ("" where the episode just ended)."""
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    infos: list[dict[str, Any]]
-
-
-@runtime_checkable
-class TextEnv(Protocol):
-    name: str
-    system_prompt: str
-    max_turns: int
-
-    def reset(self, seeds: Sequence[int]) -> list[str]: ...
-
-    def step(self, actions_text: Sequence[str]) -> StepResult: ...
-
-    def active_indices(self) -> list[int]: ...
-
-    def counters(self) -> dict[str, float]: ...
-
-
-def _check_len(actions: Sequence[str], active: list[int]) -> None:
-    if len(actions) != len(active):
-        raise ValueError(f"step got {len(actions)} actions for {len(active)} active episodes")
-
-
-# ----------------------------------------------------------------------------------- single-turn tasks
-
-
-class TaskEnv:
-    """One question, one answer, graded by `reward_fn`; every episode ends after its first step."""
-
-    max_turns = 1
-
-    def __init__(self, task: Task, reward_fn: RewardFn) -> None:
-        self.task = task
-        self.reward_fn = reward_fn
-        self.name = task.name
-        self.system_prompt = task.instructions
-        self.problems: list[Problem] = []
-        self._active: list[int] = []
-        self._num_invalid = 0
-        self._num_answers = 0
-
-    def reset(self, seeds: Sequence[int]) -> list[str]:
-        self.problems = [self.task.problem(int(s)) for s in seeds]
-        self._active = list(range(len(seeds)))
-        return [p.question for p in self.problems]
-
-    def active_indices(self) -> list[int]:
-        return list(self._active)
-
-    def step(self, actions_text: Sequence[str]) -> StepResult:
-        _check_len(actions_text, self._active)
-        probs = [self.problems[i] for i in self._active]
-        results = self.reward_fn(probs, list(actions_text))
-        n = len(results)
-        self._num_answers += n
-        self._num_invalid += sum(not r.format_ok for r in results)
-        infos = [
-            {"correct": r.correct, "format_ok": r.format_ok, "invalid": not r.format_ok, "predicted": r.predicted,
-             "gold": p.answer}
-            for r, p in zip(results, probs)
-        ]
-        self._active = []
-        return StepResult(
-            observations=[""] * n,
-            rewards=np.array([r.reward for r in results], dtype=np.float32),
-            terminated=np.ones(n, dtype=bool),
-            truncated=np.zeros(n, dtype=bool),
-            infos=infos,
-        )
-
-    def counters(self) -> dict[str, float]:
-        out = {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_answers)}
-        out.update(self.reward_fn.counters())
-        return out
-
-
-# ------------------------------------------------------------------------------------------- craftax
 
 
 @dataclass(frozen=True)
@@ -138,15 +39,15 @@ class CraftaxTextEnv:
         from craftax.craftax_env import make_craftax_env_from_name
 
         from thinkcraft.envs import text as textpkg
+        from thinkcraft.envs.craftax import ENV_KINDS, symbolic_env_name
 
         self.config = config
         self.name = config.env_kind
         self.max_turns = config.max_steps
         self._text = textpkg
-        env_name = {"craftax": "Craftax-Symbolic-v1", "craftax-classic": "Craftax-Classic-Symbolic-v1"}.get(config.env_kind)
-        if env_name is None:
+        if config.env_kind not in ENV_KINDS:
             raise UserError(f"unknown craftax env kind {config.env_kind!r}: use craftax or craftax-classic")
-        self._env = make_craftax_env_from_name(env_name, auto_reset=False)
+        self._env = make_craftax_env_from_name(symbolic_env_name(config.env_kind), auto_reset=False)
         self._params = self._env.default_params
         self._noop = int(self._text.parse_action("noop", config.env_kind) or 0)
         game = "Craftax-Classic" if config.env_kind == "craftax-classic" else "Craftax"
@@ -191,7 +92,7 @@ class CraftaxTextEnv:
         import jax.numpy as jnp
 
         active = self.active_indices()
-        _check_len(actions_text, active)
+        check_len(actions_text, active)
         n = len(self._done)
         actions = np.full(n, self._noop, dtype=np.int32)
         invalid = np.zeros(n, dtype=bool)
@@ -227,29 +128,3 @@ class CraftaxTextEnv:
 
     def counters(self) -> dict[str, float]:
         return {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_actions)}
-
-
-# ------------------------------------------------------------------------------------------- factory
-
-
-def make_text_env(
-    name: str,
-    reward_fn: RewardFn | None = None,
-    difficulty: int = 1,
-    gsm8k_path: str | None = None,
-    max_steps: int = 32,
-    format_penalty: float = 0.0,
-) -> TextEnv:
-    """`arith`, `gsm8k` (needs `gsm8k_path`), `craftax`, `craftax-classic`."""
-    from thinkcraft.envs.tasks import ArithTask, GSM8KTask, RuleReward
-
-    if name in ("arith", "gsm8k"):
-        reward_fn = reward_fn or RuleReward()
-        if name == "arith":
-            return TaskEnv(ArithTask(difficulty), reward_fn)
-        if not gsm8k_path:
-            raise UserError("--gsm8k-path: the gsm8k env needs a local JSONL/Parquet file (nothing is downloaded)")
-        return TaskEnv(GSM8KTask(gsm8k_path), reward_fn)
-    if name in ("craftax", "craftax-classic"):
-        return CraftaxTextEnv(CraftaxTextConfig(env_kind=name, max_steps=max_steps, format_penalty=format_penalty))
-    raise UserError(f"unknown text env {name!r}: use arith, gsm8k, craftax or craftax-classic")

@@ -1,0 +1,247 @@
+"""Every reach into transformers / torch internals, in one module.
+
+The in-process engine is fast because, in a few places, it goes under the public APIs: it calls the decoder
+layers one by one (cascade attention, the pooled-last MLP split), swaps the attention function per call,
+reads the KV a cache holds, calls torch's private fused-attention and FP8 matmul ops, and creates CUDA
+green contexts. Each such reach is an entry here, with the versions it was checked against and what to
+look at when an upgrade breaks it; tests/test_llm_compat.py checks every entry and fails with a message
+naming it (`broken(...)`).
+
+Checked against: transformers 5.24.0, torch 2.13.0 (the dev venv, CPU). GPU image: (versions to be added
+by the lead; the CUDA-only entries - the flash/efficient/varlen ops and green contexts - are checked there
+by the GPU tests in tests/test_llm_hf.py and tests/test_llm_compat.py).
+
+Nothing here may run per token or add work on the hot paths: the entries are thin (a renamed call, an
+attribute read) and the version-dependent choices are made once, at engine construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+from thinkcraft.llm.batching import take_rows
+from thinkcraft.utils.errors import UserError
+
+CHECKED_AGAINST = {"transformers": "5.24.0", "torch": "2.13.0"}
+"""The versions every entry below was checked against (the dev venv)."""
+
+
+def broken(entry: str, what: str) -> str:
+    """A loud message for a compat entry that an installed version changed: what, where to look, versions."""
+    import transformers
+
+    return (f"thinkcraft.llm.compat.{entry}: {what}. Installed transformers {transformers.__version__}, "
+            f"torch {torch.__version__}; checked against transformers {CHECKED_AGAINST['transformers']}, "
+            f"torch {CHECKED_AGAINST['torch']}. Update that entry (and its test in tests/test_llm_compat.py).")
+
+
+# --- transformers: the decoder's structure ------------------------------------------------------------------
+
+
+def decoder_of(lm: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a Llama/Qwen-style causal LM: `embed_tokens`, `layers`, `norm`, `rotary_emb`
+    (transformers 5.24.0 names; `get_decoder()` or `.model`). The engine runs these parts itself."""
+    dec = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if dec is None or not hasattr(dec, name):
+            raise UserError(
+                f"the hf engine supports Llama/Qwen-style decoders (embed_tokens, layers, norm, rotary_emb); "
+                f"{type(lm).__name__} has no `{name}`"
+            )
+    return dec
+
+
+def text_config(lm: torch.nn.Module) -> Any:
+    """The text part of the model config (multimodal configs nest it): `config.get_text_config()`
+    (transformers >= 4.50, 5.24.0), else the config itself."""
+    cfg = lm.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def cache_kwarg(decoder: torch.nn.Module) -> str:
+    """The decoder forward's name for the KV cache argument: `cache` in transformers 5.24.0 (`past_key_values`
+    is deprecated there, removed in 5.40), `past_key_values` before. Read once from the signature, at engine
+    construction; the engine passes it to the decoder (prefix KV) and to the causal LM (decode)."""
+    params = inspect.signature(type(decoder).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) a filled `DynamicCache` holds, (B, Hkv, T, d) each: `cache.layers[i].keys`
+    / `.values` (transformers >= 4.56, 5.24.0), `key_cache` / `value_cache` lists before."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def rotary(decoder: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor) -> Any:
+    """The decoder's (cos, sin) position embeddings for positions `pos`: `rotary_emb(x, position_ids)`
+    (transformers 5.24.0), computed once and handed to every layer as `position_embeddings=`."""
+    return decoder.rotary_emb(h, pos)
+
+
+# --- transformers: the attention function ------------------------------------------------------------------
+
+
+class AttentionConfigs(NamedTuple):
+    """The distinct config objects of a decoder's attention modules, and the attribute naming their attention
+    function: collected once (`attention_configs`), switched per call (`attention_implementation`)."""
+
+    configs: tuple[Any, ...]
+    attr: str
+
+
+def attention_configs(decoder: torch.nn.Module) -> AttentionConfigs:
+    """transformers 5.24.0 looks an attention module's function up per call from `config._attn_implementation`,
+    a property over the private `_attn_implementation_internal` (4.x: `_attn_implementation` itself).
+    Attention modules (those with a `layer_idx`) may hold their own config object (multimodal models): each
+    distinct one is collected. Walking every module takes milliseconds on a large model, so it is done once,
+    at engine construction (the module tree does not change afterwards), not per forward chunk."""
+    configs = {id(m.config): m.config for m in decoder.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")}
+    attr = "_attn_implementation_internal" if hasattr(decoder.config, "_attn_implementation_internal") else "_attn_implementation"
+    return AttentionConfigs(tuple(configs.values()), attr)
+
+
+@contextlib.contextmanager
+def attention_implementation(attn: AttentionConfigs, name: str) -> Iterator[None]:
+    """Route every attention module through the attention function registered as `name` for the block, by
+    setting the private attribute directly (`object.__setattr__`: the public setter re-validates). The public
+    `PreTrainedModel.set_attn_implementation` does the same but re-validates on every switch (it inspects the
+    model's source file), and the engine switches once per forward chunk."""
+    old = [getattr(c, attn.attr) for c in attn.configs]
+    try:
+        for c in attn.configs:
+            object.__setattr__(c, attn.attr, name)
+        yield
+    finally:
+        for c, o in zip(attn.configs, old):
+            object.__setattr__(c, attn.attr, o)
+
+
+def register_attention(name: str, fn: Any) -> str:
+    """Register an attention function with transformers under `name` (`AttentionInterface.register`), with
+    sdpa's mask function (`masking_utils.ALL_MASK_ATTENTION_FUNCTIONS`, transformers >= 4.53, 5.24.0), so that
+    model code building a mask under this name gets sdpa's boolean mask. Idempotent; returns `name`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+    return name
+
+
+def sdpa_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    """transformers' own sdpa attention function (`integrations.sdpa_attention.sdpa_attention_forward`,
+    transformers 5.24.0), what the registered functions fall back to for calls they do not handle."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+PREFIX_KV_KWARG = "thinkcraft_prefix_kv"
+"""Extra keyword argument a decoder layer's forward passes down, through `self_attn(**kwargs)`, to the
+attention function (transformers 5.24.0 forwards unknown layer kwargs to the attention interface): the
+cascade attention reads the shared prefix's (k, v) from it, so nothing layer-specific is captured and one
+compiled layer serves every layer."""
+
+
+# --- transformers: the decoder layer, re-implemented -----------------------------------------------------------
+
+
+def call_layer(
+    layer: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor, pe: Any, prefix_kv: Any, last: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One decoder layer, no mask (causal), optionally attending to a shared prefix's (k, v).
+
+    With `last` ((B,) position per row; only for `splits_at_mlp` layers) only those tokens come out, (B, H):
+    the attention half runs on every token (its keys and values are what the kept tokens read), the MLP on
+    the kept ones alone - a pooled read of the final layer skips ~3/4 of that layer's matmuls. That half is
+    a re-implementation of transformers 5.24.0's `LlamaDecoderLayer.forward` (Qwen2/3, Mistral alike):
+    `h + attn(input_layernorm(h))`, then `x + mlp(post_attention_layernorm(x))`; `self_attn` returns
+    (out, weights). A layer returning a tuple (transformers 4.x) is unwrapped."""
+    extra = {PREFIX_KV_KWARG: prefix_kv} if prefix_kv is not None else {}
+    if last is None:
+        o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **extra)
+        return o[0] if isinstance(o, tuple) else o
+    a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=None, position_ids=pos,
+                        position_embeddings=pe, **extra)[0]
+    x = take_rows(h, last) + take_rows(a, last)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def splits_at_mlp(layer: torch.nn.Module) -> bool:
+    """Is this decoder layer the pre-norm `h + attn(norm(h))`, then `h + mlp(norm(h))` block (Llama, Qwen2/3,
+    Mistral, SmolLM) that `call_layer(last=...)` re-implements? Judged by its exact set of sub-modules
+    (transformers 5.24.0 names): layers with other norms or residual paths (Gemma, OLMo2, Cohere, Phi-3) keep
+    the full path."""
+    return {n for n, _ in layer.named_children()} == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+
+
+# --- torch: private attributes and ops -----------------------------------------------------------------------
+
+
+def weights_version(params: Any) -> int:
+    """A number that changes whenever one of `params` is modified in place (optimizer steps,
+    `load_state_dict`): the sum of the private per-tensor counter `Tensor._version` (torch 1.x-2.13.0;
+    bumped by every in-place op, read without a device sync)."""
+    return sum(p._version for p in params)
+
+
+def flash_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA FlashAttention-2 with its log-sum-exp: `aten::_scaled_dot_product_flash_attention` (torch
+    2.13.0: returns (out, lse, ...); takes GQA-shaped k/v). The public sdpa returns no LSE."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1]
+
+
+def efficient_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA memory-efficient attention with its LSE: `aten::_scaled_dot_product_efficient_attention`
+    (torch 2.13.0; no GQA: k/v must have q's heads; its LSE may be padded along the query axis, cut here)."""
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return r[0], r[1][..., : q.shape[-2]]
+
+
+def cpu_flash_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention with its LSE: `aten::_scaled_dot_product_flash_attention_for_cpu` (torch 2.13.0;
+    takes GQA-shaped k/v since torch 2.5)."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return r[0], r[1]
+
+
+def flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """CUDA FlashAttention-2 varlen forward, causal aligned bottom-right, GQA heads mapped by the kernel:
+    `aten::_flash_attention_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    return_debug_mask, *, scale)` (torch 2.13.0). q (Tq, H, d), k/v (Tk, Hkv, d) packed; returns (Tq, H, d).
+    The public `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10) wraps the same kernel; see
+    `attention.VARLEN_KERNELS`."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 matmul with per-row (a: (M, 1)) and per-column (b: (1, N)) float32 scales applied in the
+    epilogue: the private `torch._scaled_mm` (torch 2.13.0; `b` must be column-major; runs on CPU too).
+    torch 2.13's public `torch.nn.functional.scaled_mm(a, b, scale_a, ScalingType.RowWise, scale_b,
+    ScalingType.RowWise, output_dtype=...)` also runs here; not switched to until bench/probes/fp8_probe.py
+    measures it as fast inside the compiled prefill on an H100."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def green_context(sm_count: int, device_index: int) -> tuple[Any, torch.cuda.Stream]:
+    """(context, stream): a CUDA green context of `sm_count` SMs on the device and a stream in it, via
+    `torch.cuda.green_contexts.GreenContext.create(num_sms=, device_id=)` and `.Stream()` (torch >= 2.10,
+    2.13.0; CUDA >= 12.4). Raises ImportError when this torch has no green contexts."""
+    from torch.cuda import green_contexts
+
+    ctx = green_contexts.GreenContext.create(num_sms=sm_count, device_id=device_index)
+    return ctx, ctx.Stream()

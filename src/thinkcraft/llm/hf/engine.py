@@ -1,0 +1,265 @@
+"""The `HFEngine` façade: construction, capabilities, tokenization, chat template, the SM limit, and the
+contexts every call runs in (no grad / eval mode on the SM partition's stream, embeddings cast under
+autocast, a swapped attention function). Hidden states live in `prefill.py`, generation in `decode.py`
+(mixed in here); reaches into transformers/torch internals in `thinkcraft.llm.compat`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Literal, Sequence
+
+import torch
+
+from thinkcraft.llm import compat
+from thinkcraft.llm.batching import pad_rows
+from thinkcraft.llm.hf.decode import DecodeMixin
+from thinkcraft.llm.hf.prefill import PrefillMixin
+from thinkcraft.llm.protocol import Batch, Capabilities
+from thinkcraft.llm.sm_partition import SMPartition
+from thinkcraft.utils.errors import UserError
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM under a PEFT wrapper (LoRA layers are injected in place, so it includes them)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+class HFEngine(PrefillMixin, DecodeMixin):
+    """In-process transformers engine (see the package docstring). Hidden states: `PrefillMixin`;
+    generation: `DecodeMixin`; both read the model facts `_setup` records here."""
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_batch_tokens: int | None = None,
+        max_batch_size: int = 1024,
+        prefix_reuse: bool = True,
+        prefix_cache_size: int = 4,
+        kv_cache: Literal["dynamic", "static"] = "dynamic",
+        compile_decode: bool = False,
+        thinking_close_text: str = "\n</think>\n\n",
+        attn_implementation: str = "sdpa",
+        compile_prefill: bool | None = None,
+        sm_limit: int | None = None,
+        chunk_overhead_tokens: int = 512,
+        quantize: Literal["none", "fp8"] = "none",
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from thinkcraft.llm.models import resolve_model
+
+        path = resolve_model(model)
+        dev = torch.device(device) if device is not None else _default_device()
+        if dtype is None:
+            dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        else:
+            dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        tok = AutoTokenizer.from_pretrained(str(path))
+        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+        lm.to(dev).eval()
+        lm.requires_grad_(False)
+        self._setup(
+            lm, tok, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, prefix_reuse=prefix_reuse,
+            prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
+            thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
+            sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens, quantize=quantize,
+        )
+        self.model_path = path
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any, **options: Any) -> "HFEngine":
+        """Wrap an existing (possibly PEFT-wrapped, possibly training) model without copying weights:
+        the engine samples with whatever weights the model holds at call time."""
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, weight_update=True, **options)
+        self.model_path = None
+        return self
+
+    def _setup(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_batch_tokens: int | None = None,
+        max_batch_size: int = 1024,
+        prefix_reuse: bool = True,
+        prefix_cache_size: int = 4,
+        kv_cache: str = "dynamic",
+        compile_decode: bool = False,
+        thinking_close_text: str = "\n</think>\n\n",
+        weight_update: bool = False,
+        compile_prefill: bool | None = None,
+        sm_limit: int | None = None,
+        chunk_overhead_tokens: int = 512,
+        quantize: str = "none",
+    ) -> None:
+        """Model facts, then the prefill's and the decode's own state (each mixin's `_init_*`)."""
+        if kv_cache not in ("dynamic", "static"):
+            raise UserError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
+        if quantize not in ("none", "fp8"):
+            raise UserError(f"quantize must be 'none' or 'fp8', got {quantize!r}")
+        if chunk_overhead_tokens < 0:
+            raise UserError(f"chunk_overhead_tokens must be >= 0, got {chunk_overhead_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self._lm = _unwrap(model)
+        self._dec = compat.decoder_of(self._lm)
+        p = next(self._lm.parameters())
+        self.device = p.device
+        self.dtype = p.dtype
+        cfg = compat.text_config(self._lm)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self._sm: SMPartition | None = None
+        self.set_sm_limit(sm_limit)
+        self._weight_update = weight_update
+        self._embed_hook: Any = None  # see _autocast_embeddings
+        self._embed_cast: torch.dtype | None = None
+        self._cache_kw = compat.cache_kwarg(self._dec)
+        self._attn_configs = compat.attention_configs(self._dec)
+        # pad with the pad token if there is one, else EOS (pads are never attended nor gathered)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self._init_prefill(max_batch_tokens, max_batch_size, prefix_reuse, prefix_cache_size, compile_prefill,
+                           chunk_overhead_tokens, quantize)
+        self._init_decode(kv_cache, compile_decode, thinking_close_text)
+
+    # --- protocol -------------------------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            hidden_states=True, generate=True, logprobs=True, prefix_reuse=True,
+            weight_update=self._weight_update, hidden_size=self.hidden_size, num_layers=self.num_layers,
+            token_ids_in=True, token_ids_out=True, tokenizer=True, device_tensors=True, device=str(self.device),
+            per_token_hidden_states=True, sm_partition=self.device.type == "cuda",
+        )
+
+    def close(self) -> None:
+        self._prefix_cache.clear()
+        self._compiled_forward = None
+        self._static_cache = None
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forget cached prefix KV (call after changing the weights the engine reads)."""
+        self._prefix_cache.clear()
+
+    # --- tokenization -----------------------------------------------------------------------------------
+
+    def _encode(self, text: str, first: bool) -> list[int]:
+        # Add BOS etc. only at the very start of a sequence, and not when a chat template already did.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        special = first and not (bos and text.startswith(bos))
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def tokenize_batch(self, batch: Batch) -> tuple[list[int], list[list[int]]]:
+        """(prefix ids, item ids). Texts: prefix and items are tokenized separately and concatenated as
+        token ids (so the prefix KV is reusable); the first piece gets the tokenizer's special tokens."""
+        if len(batch) == 0:
+            return [], []
+        if batch.is_tokens:
+            prefix = [int(t) for t in batch.prefix] if batch.prefix is not None else []
+            items = [[int(t) for t in it] for it in batch.items]
+        else:
+            if batch.prefix is not None and not isinstance(batch.prefix, str):
+                raise UserError("a text batch needs a text prefix (got token ids)")
+            prefix = self._encode(batch.prefix, first=True) if batch.prefix else []
+            items = [self._encode(t, first=not prefix) for t in batch.items]
+        return prefix, items
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False, **kwargs: Any
+    ) -> str | list[int]:
+        """The tokenizer's chat template (kwargs such as `enable_thinking=` pass through to it)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise UserError("this tokenizer has no chat template; pass raw prompts instead")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        return self._encode(text, first=True) if tokenize else text
+
+    def _pad(self, seqs: Sequence[Sequence[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) of the rows padded to the longest (`batching.pad_rows`), on the model's device."""
+        ids, mask = pad_rows(seqs, side, self.pad_id)
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
+
+    # --- SM limit and the per-call contexts -------------------------------------------------------------------
+
+    @property
+    def sm_limit(self) -> int | None:
+        return self._sm.sm_count if self._sm is not None else None
+
+    def set_sm_limit(self, sm_count: int | None) -> int | None:
+        """Run this engine's GPU work on `sm_count` SMs only (a CUDA green context; None = the whole GPU),
+        so that other GPU work - ppo-hidden's env steps under --overlap - keeps the other SMs. Returns
+        the previous limit. Results are handed back ordered after the engine's work on the caller's
+        current stream, as without a limit."""
+        old = self.sm_limit
+        if sm_count != old:
+            if self.device.type == "cuda":
+                # cached tensors (prefix KV, static cache) move to another stream's use: let the old one drain
+                torch.cuda.synchronize(self.device)
+            self._sm = SMPartition(self.device, sm_count) if sm_count is not None else None
+        return old
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[Any]:
+        """No grad, eval mode (LoRA dropout off) for the call, on the SM partition's stream if there is
+        one (yields the caller's stream then, else None); the learner's mode is restored after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._on_partition() as caller:
+                yield caller
+        finally:
+            if was_training:
+                self.model.train()
+
+    @contextlib.contextmanager
+    def _on_partition(self) -> Iterator[Any]:
+        """Run the block on the SM partition's stream, ordered after the caller's stream and before what the
+        caller queues next; yields the caller's stream (None without a partition)."""
+        if self._sm is None:
+            yield None
+            return
+        caller = torch.cuda.current_stream(self.device)
+        stream = self._sm.stream
+        stream.wait_stream(caller)  # inputs the caller queued before the call
+        with torch.cuda.stream(stream):
+            yield caller
+        caller.wait_stream(stream)  # results: ordered for the caller as if computed on its stream
+
+    @contextlib.contextmanager
+    def _autocast_embeddings(self) -> Iterator[None]:
+        """Under autocast with higher-precision weights (full fine-tuning keeps fp32 master weights), cast
+        the token embeddings to the autocast dtype for the call. Otherwise the residual stream stays fp32,
+        RoPE'd keys come out fp32 while values come out of autocast's matmuls in bf16, and a static KV
+        cache (one dtype) cannot hold both. The hook is registered once and reads a flag, so that a
+        compiled decode step sees the same module hooks on every call (no recompiles)."""
+        kind = self.device.type
+        dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if dt is None or self.dtype == dt:
+            yield
+            return
+        if self._embed_hook is None:
+            def cast(_m, _i, out):  # noqa: ANN001, ANN202
+                return out if self._embed_cast is None else out.to(self._embed_cast)
+
+            self._embed_hook = self._dec.embed_tokens.register_forward_hook(cast)
+        self._embed_cast = dt
+        try:
+            yield
+        finally:
+            self._embed_cast = None
+
+    def _attn_impl(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Temporarily switch the attention function of every attention module (`compat`)."""
+        return compat.attention_implementation(self._attn_configs, name)
