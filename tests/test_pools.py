@@ -405,3 +405,11 @@ def test_rollout_pool_engine_call_timing_out_fails_the_group_and_the_next_one_wo
     assert isinstance(g, GroupResult)
     pool.stop()
     front.stop()
+
+
+def test_buffer_remove_where():
+    b = ReadyBuffer()
+    for gid in (1, 2, 3):
+        b.add(_group(gid, [0.0, 1.0]))
+    assert [g.request.group_id for g in b.remove_where(lambda g: g.request.group_id != 2)] == [1, 3]
+    assert b.group_ids() == [2]

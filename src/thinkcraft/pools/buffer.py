@@ -10,7 +10,7 @@ and more groups are sampled until the batch is full.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from thinkcraft.pools.contract import GroupResult
 
@@ -45,6 +45,13 @@ class ReadyBuffer:
             return None
         ids = sorted(self._groups)[:num_groups]
         return [self._groups.pop(g) for g in ids]
+
+    def remove_where(self, pred: Callable[[GroupResult], bool]) -> list[GroupResult]:
+        """Remove and return the groups for which `pred` holds (e.g. too stale to train)."""
+        gone = [g for gid, g in sorted(self._groups.items()) if pred(g)]
+        for g in gone:
+            del self._groups[g.request.group_id]
+        return gone
 
     def group_ids(self) -> list[int]:
         return sorted(self._groups)

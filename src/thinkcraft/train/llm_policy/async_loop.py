@@ -186,13 +186,13 @@ class Coordinator:
     def maybe_train(self) -> None:
         if self.training is not None:
             return
-        for gid in self.buffer.group_ids():  # the per-trajectory guard: nothing older than η versions trains
-            g = self.buffer._groups[gid]
-            if any(S.too_stale(self.st, self.version, t.oldest_version) for t in g.trajectories):
-                self.buffer._groups.pop(gid)
-                self.st = S.on_discard(self.st, self.G)
-                self.counts["rollout/too_stale"] += 1
-                self._again(g.request)
+        # the per-trajectory guard: nothing generated more than η versions ago trains; played again instead
+        stale = self.buffer.remove_where(
+            lambda g: any(S.too_stale(self.st, self.version, t.oldest_version) for t in g.trajectories))
+        for g in stale:
+            self.st = S.on_discard(self.st, self.G)
+            self.counts["rollout/too_stale"] += 1
+            self._again(g.request)
         batch = self.buffer.take(self.P)
         if batch is None:
             return

@@ -1,0 +1,236 @@
+"""Asynchronous vs synchronous llm-policy (GRPO) at the same hyperparameters: samples/s, s/step, GPU idle
+share, reward against trained samples (one PNG), with and without a slow env.
+
+    # CPU plumbing check (tiny random model; seconds):
+    .venv/bin/python bench/async_llm_policy.py --quick
+    # one GPU: sync vs async (η = 1) on arith and a GSM8K-layout task; then the 200 ms env with N workers
+    .venv/bin/python bench/async_llm_policy.py --gpus 1
+    # two GPUs: async with an engine on each GPU (the learner time-sliced with the engine on cuda:0)
+    CUDA_VISIBLE_DEVICES=0,1 .venv/bin/python bench/async_llm_policy.py --gpus 2
+    # the CPU learning check of issue 20: the bundled model on arith, async η = 1, 30 steps (about an hour here)
+    .venv/bin/python bench/async_llm_policy.py --learning-check
+
+Placement (`--gpus`): sync always runs on one GPU (generate, then train, on cuda:0: today's loop, the
+reference). Async on one GPU: one engine sharing the learner's weights on cuda:0 (generation and training
+take turns; env steps, rewards and the next batch's prompts overlap them). Async on two GPUs: engines on
+cuda:0 (shared with the learner, time-sliced) and cuda:1 (a copy, updated after every step), so generation
+uses both GPUs while the learner trains on cuda:0.
+
+Model (GPU): the Qwen2.5-0.5B body with random weights and a 2,048-token BPE (the TRL comparison shape of
+bench/grpo_arith.py), LoRA. Rewards of a random model are ~0, so reward curves say little there; the speed
+rows are what the GPU run is for (the CPU learning check shows that async learns).
+
+Metrics per run (steady state: the first update, which pays warm-up, is left out): samples_per_s =
+trained trajectories / wall seconds; s_per_step = median seconds per update; gpu_idle_share = sync:
+1 - (generate + train) / step (the loop's own phase times), async: the loop's `gpu/idle_share` (per device,
+1 - (engine generate time + learner update time on it) / wall). Writes bench/results/async_llm_policy.json
+rows {task, mode, gpus, env_latency_ms, max_staleness, rollout_workers, samples_per_s, s_per_step,
+gpu_idle_share, reward_final, card, date} (merged by task/mode/gpus/latency/η) and the curves PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import card, print_table, today, write_records  # noqa: E402
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
+    p.add_argument("--model", default="random:qwen2.5-0.5b")
+    p.add_argument("--tasks", default="arith,gsm8k", help="comma-separated: arith, gsm8k (a GSM8K-layout file)")
+    p.add_argument("--gsm8k-path", default=None, help="a GSM8K-layout JSONL (default: one written from arith problems)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--rollout-workers", type=int, default=32)
+    p.add_argument("--slow-env-ms", type=float, default=200.0, help="the slow-env case's latency per step")
+    p.add_argument("--slow-env-workers", type=int, default=128, help="rollout workers in the slow-env case (N)")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="CPU plumbing check: tiny model, 3 steps, 50 ms env")
+    p.add_argument("--learning-check", action="store_true",
+                   help="the bundled model on arith, async η = 1, 30 steps (CPU): does reward rise?")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model, a.tasks, a.steps, a.prompts, a.samples, a.max_new_tokens = "random:tiny", "arith,gsm8k", 3, 2, 2, 8
+        a.rollout_workers, a.slow_env_ms, a.slow_env_workers, a.micro_batch_size = 4, 50.0, 8, 4
+    if a.learning_check:
+        a.model, a.tasks, a.steps, a.prompts, a.samples, a.max_new_tokens = "default", "arith", 30, 8, 4, 96
+        a.rollout_workers, a.micro_batch_size = 8, 16
+    return a
+
+
+def gsm8k_layout_file(path: Path, n: int = 512) -> Path:
+    """A GSM8K-layout JSONL (question, worked answer ending in '#### <n>') from arith problems of difficulty
+    3 (three operations): the gsm8k env's code path with nothing downloaded."""
+    from thinkcraft.envs.textenvs import ArithTask
+
+    task = ArithTask(3)
+    with open(path, "w", encoding="utf-8") as f:
+        for s in range(n):
+            p = task.problem(10_000 + s)
+            f.write(json.dumps({"question": p.question, "answer": f"Work it out step by step.\n#### {p.answer}"}) + "\n")
+    return path
+
+
+def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_path: str | None):
+    from thinkcraft.train.llm_policy import LLMPolicyConfig
+
+    kw: dict = {}
+    if mode == "async":
+        workers = a.slow_env_workers if latency_ms else a.rollout_workers
+        kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers)
+        if a.gpus == 2:
+            kw["rollout_devices"] = "cuda:0,cuda:1"
+    return LLMPolicyConfig(
+        env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
+        group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune="lora", format_weight=0.1,
+        lenient_answer=False, micro_batch_size=a.micro_batch_size, seed=a.seed, checkpoint_every=0,
+        store=False, plot=False, log_every_s=30.0, gsm8k_path=gsm8k_path if task == "gsm8k" else None,
+        env_latency_ms=latency_ms, **kw,
+    )
+
+
+def _measure(a, cfg, mode: str) -> dict:
+    from thinkcraft.train.llm_policy import run
+    from thinkcraft.utils.metrics import read_metrics
+
+    t0 = time.time()
+    run(cfg)
+    recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    steady = recs[1:] or recs
+    wall = sum(r["timing/step"] for r in steady)
+    batch = a.prompts * a.samples
+    if mode == "sync":
+        idle = [1.0 - (r.get("timing/generate", 0.0) + r.get("timing/train", 0.0)) / r["timing/step"] for r in steady]
+    else:
+        idle = [r["gpu/idle_share"] for r in steady]
+    k = max(1, min(5, len(recs) // 3))
+    return {
+        "samples_per_s": batch * len(steady) / wall, "s_per_step": statistics.median(r["timing/step"] for r in steady),
+        "gpu_idle_share": statistics.mean(idle), "reward_final": statistics.mean(r["reward/mean"] for r in recs[-k:]),
+        "reward_first": statistics.mean(r["reward/mean"] for r in recs[:k]), "wall_s": time.time() - t0,
+        "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
+        "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
+        "failed": recs[-1].get("rollout/failed", 0),
+    }
+
+
+def _plot(rows: list[dict], out_png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for r in rows:
+        xs, ys = zip(*r["curve"])
+        label = f"{r['task']} {r['mode']} gpus={r['gpus']} env={r['env_latency_ms']:g}ms"
+        ax.plot(xs, ys, marker=".", linestyle="-" if r["mode"] == "async" else "--", label=label)
+    ax.set_xlabel("trained samples")
+    ax.set_ylabel("reward/mean")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def _sync_reference(a) -> list[dict]:
+    """The synchronous loop's curve at the same hyperparameters, from bench/grpo_arith.py's CPU run (30 steps,
+    8 x 4, 96 tokens, lr 2e-4, format 0.1), when that file is there."""
+    p = ROOT / "bench" / "results" / "grpo_arith.json"
+    if not p.exists():
+        return []
+    d = json.loads(p.read_text())
+    s = d["summary"]
+    if (s.get("prompts"), s.get("samples"), s.get("max_new_tokens"), s.get("model")) != (a.prompts, a.samples,
+                                                                                         a.max_new_tokens, "default"):
+        return []
+    batch = a.prompts * a.samples
+    return [{"task": "arith", "mode": "sync", "gpus": 1, "env_latency_ms": 0.0,
+             "curve": [(batch * r["step"], r["reward_mean"]) for r in d["steps"]]}]
+
+
+def _plan(a) -> list[tuple[str, str, float]]:
+    """(task, mode, env latency) runs: sync and async per task; the slow env on the first task."""
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    if a.learning_check:
+        return [("arith", "async", 0.0)]
+    plan = []
+    for t in tasks:
+        if a.gpus == 1:
+            plan.append((t, "sync", 0.0))
+        plan.append((t, "async", 0.0))
+    if a.slow_env_ms:
+        if a.gpus == 1:
+            plan.append((tasks[0], "sync", a.slow_env_ms))
+        plan.append((tasks[0], "async", a.slow_env_ms))
+    return plan
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        # one intra-op thread: on a small shared CPU, a main thread's 2-thread OpenMP regions ran ~10x slower than
+        # the same work on a worker thread (spin-waits under load), which would flatter async for the wrong reason
+        torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
+    gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
+    rows = []
+    for task, mode, latency in _plan(a):
+        cfg = _config(a, task, mode, latency, tmp / f"{task}-{mode}-{latency:g}", gsm)
+        m = _measure(a, cfg, mode)
+        rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
+                     "max_staleness": a.max_staleness if mode == "async" else 0,
+                     "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
+                     "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
+                     **m, "card": card(), "date": today()})
+        print(f"{task} {mode} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
+              f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",
+              flush=True)
+    name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
+    if a.learning_check:
+        rows_plot = rows + _sync_reference(a)
+        _plot(rows_plot, out.with_suffix(".png"), f"GRPO on arith, bundled model: async η={a.max_staleness} vs sync "
+                                                  f"({card()})")
+    else:
+        _plot(rows, out.with_suffix(".png"), f"GRPO sync vs async (η={a.max_staleness}), {a.model}, {card()}")
+    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness")
+    write_records(out, rows, merge_keys=keys)
+    print_table(rows, ["task", "mode", "gpus", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",
+                       "s_per_step", "gpu_idle_share", "reward_final"])
+    for r in rows:  # async speed-up against sync at the same task and latency
+        ref = next((s for s in rows if s["mode"] == "sync" and s["task"] == r["task"]
+                    and s["env_latency_ms"] == r["env_latency_ms"]), None)
+        if r["mode"] == "async" and ref:
+            print(f"{r['task']} env={r['env_latency_ms']:g}ms: async/sync samples/s = "
+                  f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
