@@ -23,7 +23,7 @@ from thinkcraft.llm.protocol import EngineError, SamplingParams
 from thinkcraft.llm.serve import make_app
 from thinkcraft.llm.testing import save_tiny, tiny_llama
 from thinkcraft.pools import EngineFront, EngineSlot, HTTPWeights, SharedWeights, WeightUpdate, trainable_state
-from thinkcraft.pools.weights import lora_meta
+from thinkcraft.llm.weight_files import lora_meta, write_hf_weights, write_weight_file
 from thinkcraft.utils.retry import RetryPolicy
 
 FAST = HTTPOptions(retry=RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.1, jitter=0.0), timeout_s=30)
@@ -63,9 +63,7 @@ def test_serve_update_weights_full_versioned_atomic_idempotent(tiny, servers, tm
     assert old.status_code == 409 and "older" in old.json()["error"]["message"]
     bad_state = {n: torch.zeros_like(p) for n, p in learner.named_parameters()}
     bad_state["model.norm.weight"] = torch.zeros(3)
-    from thinkcraft.pools.weights import write_state
-
-    path = write_state(tmp_path / "bad.pt", WeightUpdate(4, bad_state))
+    path = write_weight_file(tmp_path / "bad.pt", WeightUpdate(4, bad_state))
     r = httpx.post(url + "/update_weights", json={"path": str(path), "version": 4})
     assert r.status_code == 400 and "shape" in r.json()["error"]["message"]
     assert httpx.get(url + "/weights_version").json() == {"version": 3}
@@ -206,8 +204,6 @@ def test_vllm_weights_client_requests(servers, tmp_path, tiny):
 
 def test_hf_adapter_folder_is_a_peft_folder(tiny, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
-
-    from thinkcraft.pools.weights import write_hf_weights
 
     model, tok = tiny
     policy = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))

@@ -4,6 +4,7 @@ Top to bottom; a module may import only from lower layers or from its own packag
 
     __main__ -> cli               the entry point (`python -m thinkcraft`, the `thinkcraft` script)
     train, label, analysis        the jobs (loops, labelling, offline analysis)
+    pools                         rollout / reward / training pools of the async llm-policy (contract, local backend)
     rl, llm, data                 RL maths (JAX and torch), language-model engines, the trajectory store
     envs                          Craftax (batched env, names, unroll patch, env-step scan), text/, textenvs/
     utils                         errors, io, metrics, timing, progress, plots, retries
@@ -22,8 +23,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "thinkcraft"
 
 LAYERS: dict[str, int] = {
-    "__main__": 6, "cli": 5,
-    "train": 4, "label": 4, "analysis": 4,
+    "__main__": 7, "cli": 6,
+    "train": 5, "label": 5, "analysis": 5,
+    "pools": 4,
     "rl": 3, "llm": 3, "data": 3,
     "envs": 2,
     "utils": 1,

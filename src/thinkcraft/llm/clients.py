@@ -366,9 +366,9 @@ class ThinkcraftWeightsClient:
     def write(self, update: Any, out_dir: Any) -> str:
         from pathlib import Path
 
-        from thinkcraft.pools.weights import write_state
+        from thinkcraft.llm.weight_files import write_weight_file
 
-        return str(write_state(Path(out_dir) / f"weights-v{update.version:08d}.pt", update))
+        return str(write_weight_file(Path(out_dir) / f"weights-v{update.version:08d}.pt", update))
 
     def update_weights(self, path: str, version: int, kind: str) -> None:
         out = run_sync(self.http.post("/update_weights", {"path": path, "version": int(version)}))
@@ -393,7 +393,7 @@ class SGLangWeightsClient:
     def write(self, update: Any, out_dir: Any) -> str:
         from pathlib import Path
 
-        from thinkcraft.pools.weights import write_hf_weights
+        from thinkcraft.llm.weight_files import write_hf_weights
 
         return str(write_hf_weights(update, Path(out_dir) / f"hf-v{update.version:08d}", self.base_model_dir))
 

@@ -5,8 +5,7 @@ a file and tells the server to load them, with a version.
                            -> {"success": true, "version": 7, "message": "..."}
     GET  /weights_version  -> {"version": 7}
 
-The file is what `thinkcraft.pools.weights.write_state` writes (torch format): {"version", "kind",
-"state", "meta"}. kind "full": parameters by name, copied into the served model. kind "lora": PEFT adapter
+The file is a thinkcraft weight file (llm/weight_files.py): {"version", "kind", "state", "meta"}. kind "full": parameters by name, copied into the served model. kind "lora": PEFT adapter
 tensors (`...<module>.lora_A.<adapter>.weight`, `...lora_B...`) and meta["lora_scaling"] (alpha / r); the
 server keeps the base weights of the adapted linears and serves W = W_base + scaling · B @ A.
 
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from thinkcraft.llm.serve_requests import RequestError
+from thinkcraft.llm.weight_files import read_weight_file
 
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -47,11 +47,9 @@ class WeightLoader:
         if not p.is_file():
             raise RequestError(f"no weight file at {path} (the path is read by the server)", "path")
         try:
-            data = torch.load(p, map_location="cpu", weights_only=True)
+            data = read_weight_file(p)
         except Exception as e:  # noqa: BLE001 - a torn or foreign file
             raise RequestError(f"cannot read {path}: {type(e).__name__}: {e}", "path") from None
-        if not isinstance(data, dict) or not isinstance(data.get("state"), dict):
-            raise RequestError(f"{path} is not a thinkcraft weight file ({{version, kind, state}})", "path")
         if int(data.get("version", version)) != version:
             raise RequestError(f"{path} holds version {data.get('version')}, not {version}", "version", status=409,
                                code="version_mismatch")

@@ -8,7 +8,8 @@ version the engine actually holds.
 - `CopyWeights`: the engine has its own copy of the model (same or another device). `apply` checks every
   tensor (name, shape) before copying any, so a bad update leaves the old weights whole (atomic); an update
   not newer than the engine's version is ignored (the version check). LoRA runs ship the adapters only.
-- `HTTPWeights`: the learner writes the state to a file (atomically) and the engine's server loads it
+- `HTTPWeights`: the learner writes the state to a file (atomically, llm/weight_files.py) and the engine's server
+  loads it
   (`thinkcraft serve` POST /update_weights, SGLang /update_weights_from_disk, vLLM /collective_rpc or
   /v1/load_lora_adapter: llm/clients.py); the server's reported version is checked after the call.
 
@@ -23,6 +24,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from thinkcraft.llm.weight_files import lora_meta  # noqa: F401 - what a LoRA WeightUpdate's meta holds
 
 log = logging.getLogger(__name__)
 
@@ -106,53 +109,6 @@ class CopyWeights:
         self._version = update.version
         if self.on_change is not None:
             self.on_change()
-
-
-def lora_meta(model: Any) -> dict[str, Any]:
-    """What a server needs besides the adapter tensors: the scaling alpha / r and the PEFT config."""
-    import json
-
-    cfg = model.peft_config["default"]
-    plain = json.loads(json.dumps(cfg.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-    return {"lora_scaling": float(cfg.lora_alpha) / float(cfg.r), "peft_config": plain}  # plain JSON values
-
-
-def write_state(path: Path, update: WeightUpdate) -> Path:
-    """The update as a thinkcraft weight file (`thinkcraft serve` /update_weights), written atomically."""
-    import torch
-
-    from thinkcraft.utils.io import atomic_path
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        torch.save({"version": update.version, "kind": update.kind, "state": update.state, "meta": update.meta}, tmp)
-    return path
-
-
-def write_hf_weights(update: WeightUpdate, out_dir: Path, base_model_dir: str) -> Path:
-    """The update as an HF folder for SGLang / vLLM: full weights as model.safetensors beside the base model's
-    config and tokenizer files; LoRA as a PEFT adapter folder (adapter_model.safetensors, adapter_config.json).
-    Written to a temporary folder and renamed, so a server never reads half a folder."""
-    import json
-
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in (update.state or {}).items()}
-    if update.kind == "lora":
-        save_file({k.replace(".default.", "."): v for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps((update.meta or {}).get("peft_config", {}), default=str))
-    else:
-        for f in Path(base_model_dir).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf", ".pt")) and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, tmp / f.name)
-        save_file(state, str(tmp / "model.safetensors"))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    return out_dir
 
 
 class HTTPWeights:

@@ -24,7 +24,7 @@ from thinkcraft.pools import (
     CopyWeights, EngineFront, EngineSlot, EnvSpec, GroupResult, HTTPWeights, LocalPool, RewardPool, RolloutPool,
     RolloutSettings, SharedWeights, WeightUpdate, trainable_state,
 )
-from thinkcraft.pools.weights import lora_meta
+from thinkcraft.llm.weight_files import lora_meta
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import Learner, build_rows, row_scores_and_groups
 from thinkcraft.train.llm_policy.rollout import Episode, build_messages, encode_prompt
