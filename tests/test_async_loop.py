@@ -160,3 +160,18 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
 def test_async_config_rejects_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
         _cfg(tmp_path, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(weight_sync="copy"), dict(rollout_devices="cpu,cpu")])
+def test_copy_engines_follow_the_learner(tmp_path, monkeypatch, kw):
+    """An engine on its own copy of the weights (and two engines, the second a copy: the two-GPU layout on
+    CPU) takes each published version; versions and the staleness bound hold."""
+    patch_reward(monkeypatch)
+    cfg = _cfg(tmp_path, steps=3, mode="async", max_staleness=1, rollout_workers=3, **kw)
+    last = LP.run(cfg)
+    assert last["policy_version"] == 3 and last["staleness/max"] <= 1
+    assert last["engine/min_version"] >= 2 and last["weights/update_failures"] == 0
+    j = journal(cfg.run_dir)
+    groups = [g for line in j for g in line["groups"]]
+    assert len(groups) == len(set(groups)) == 6

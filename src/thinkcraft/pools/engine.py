@@ -58,6 +58,8 @@ class EngineSlot:
     sync: Any
     """A pools.weights.WeightSync: shared parameters, an in-process copy, or an HTTP endpoint."""
     name: str = "engine0"
+    device: str | None = None
+    """The device it generates on ("cuda:1"); None for a remote (HTTP) engine."""
     gen_context: Callable[[], Any] | None = None
     """Context entered around each generate call (e.g. bf16 autocast)."""
     lock: threading.Lock = field(default_factory=threading.Lock)

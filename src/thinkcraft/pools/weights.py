@@ -52,10 +52,12 @@ class WeightSync(Protocol):
         ...
 
 
-def trainable_state(model: Any, lora: bool) -> dict[str, Any]:
-    """Detached CPU copies of what changes in training: LoRA adapter tensors, or every parameter."""
-    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
-            if (p.requires_grad if lora else True)}
+def trainable_state(model: Any, lora: bool, device: str | None = "cpu") -> dict[str, Any]:
+    """Detached copies of what changes in training: LoRA adapter tensors, or every parameter. On the CPU by
+    default (picklable: any backend can ship them); `device=None` keeps them on the learner's device, for
+    in-process engine copies on other GPUs (a device-to-device copy, peer-to-peer over NVLink where there is one)."""
+    return {n: (p.detach().clone() if device is None else p.detach().to(device, copy=True))
+            for n, p in model.named_parameters() if (p.requires_grad if lora else True)}
 
 
 class SharedWeights:

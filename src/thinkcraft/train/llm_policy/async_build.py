@@ -87,12 +87,22 @@ def make_prompt_fn(tokenizer: Any, history_turns: int) -> Any:
 # -------------------------------------------------------------------------------------------- engines
 
 
-def _devices(cfg: LLMPolicyConfig, learner_device: Any) -> list[Any]:
+def device_name(device: Any) -> str:
+    """"cuda" as "cuda:<current>", so that one GPU has one name."""
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def _devices(cfg: LLMPolicyConfig, learner_device: Any) -> list[str]:
     from thinkcraft.train.llm_policy.model import _device
 
     if not cfg.rollout_devices and not cfg.rollout_servers:
-        return [learner_device]
-    return [_device(d.strip()) for d in cfg.rollout_devices.split(",") if d.strip()]
+        return [device_name(learner_device)]
+    return [device_name(_device(d.strip())) for d in cfg.rollout_devices.split(",") if d.strip()]
 
 
 def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engine: Any, model_lock: threading.Lock,
@@ -104,19 +114,20 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
 
     lora = cfg.finetune == "lora"
     slots: list[EngineSlot] = []
+    learner_dev = device_name(learner.device)
     for k, dev in enumerate(_devices(cfg, learner.device)):
-        if dev == learner.device and cfg.weight_sync == "shared":
+        if dev == learner_dev and cfg.weight_sync == "shared":
             # the learner's own parameters: one lock for both, so an update never overlaps a batch
-            slots.append(EngineSlot(own_engine, SharedWeights(version), f"{dev}-shared", learner.autocast,
+            slots.append(EngineSlot(own_engine, SharedWeights(version), f"engine{k}-shared", dev, learner.autocast,
                                     lock=model_lock))
             continue
         twin = copy.deepcopy(learner.model).to(dev).eval().requires_grad_(False)
         engine = make_engine(twin, tokenizer, cfg)
         slots.append(EngineSlot(engine, CopyWeights(twin, version, on_change=engine.invalidate_prefix_cache),
-                                f"{dev}-copy{k}", _autocast(dev, learner)))
+                                f"engine{k}-copy", dev, _autocast(dev, learner)))
     for k, spec in enumerate(s.strip() for s in cfg.rollout_servers.split(",") if s.strip()):
         engine, client = weights_client(spec, model_dir, lora, HTTPOptions(timeout_s=cfg.rollout_timeout_s))
-        slots.append(EngineSlot(engine, HTTPWeights(client, run_dir / "weights", version=-1), f"http{k}"))
+        slots.append(EngineSlot(engine, HTTPWeights(client, run_dir / "weights", version=-1), f"http{k}", None))
     return slots
 
 
@@ -124,7 +135,7 @@ def _autocast(device: Any, learner: Learner) -> Any:
     """bf16 autocast around a copy engine's generate on a GPU (as the learner's own `autocast`)."""
     import torch
 
-    if learner.autocast_dtype is None or device.type != "cuda":
+    if learner.autocast_dtype is None or not str(device).startswith("cuda"):
         return None
     return lambda: torch.autocast("cuda", dtype=learner.autocast_dtype)
 
@@ -134,8 +145,10 @@ def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> We
     lora = learner.cfg.finetune == "lora"
     if all(isinstance(s.sync, SharedWeights) for s in slots):
         return WeightUpdate(version)
-    return WeightUpdate(version, trainable_state(learner.model, lora), "lora" if lora else "full",
-                        meta=lora_meta(learner.model) if lora else None)
+    # only in-process copies: the tensors stay on the learner's device (device to device); else via the CPU
+    local = all(isinstance(s.sync, (SharedWeights, CopyWeights)) for s in slots)
+    return WeightUpdate(version, trainable_state(learner.model, lora, device=None if local else "cpu"),
+                        "lora" if lora else "full", meta=lora_meta(learner.model) if lora else None)
 
 
 def build_front(cfg: LLMPolicyConfig, slots: list[EngineSlot], pool: RolloutPool) -> EngineFront:

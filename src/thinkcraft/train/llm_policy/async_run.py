@@ -19,8 +19,8 @@ import numpy as np
 
 from thinkcraft.pools import Failure, SharedWeights
 from thinkcraft.train.llm_policy.async_build import (
-    TrainResult, TrainWorker, build_front, build_reward_pool, build_rollout_pool, build_slots, env_spec,
-    seed_everything, weight_update,
+    TrainResult, TrainWorker, build_front, build_reward_pool, build_rollout_pool, build_slots, device_name,
+    env_spec, seed_everything, weight_update,
 )
 from thinkcraft.train.llm_policy.async_loop import Coordinator, ResumeState, group_seed_fn
 from thinkcraft.utils.errors import ConfigError, UserError
@@ -105,7 +105,7 @@ class AsyncRun:
         resume = ResumeState.from_checkpoint(extra, version, cfg.prompts_per_step)
         self.coord = Coordinator(cfg, version, resume, group_seed_fn(cfg, v_star), self.rollout, self.reward,
                                  self.train_pool)
-        self.learner_device = device
+        self.learner_device = device_name(device)
         self._t_last = time.perf_counter()
         self._prev = self._busy_snapshot()
         return self
@@ -252,11 +252,9 @@ def _pool_metrics(prev: dict[str, Any], now: dict[str, Any], dt: float, coord: A
     learner_busy = now["learner_busy_s"] - prev["learner_busy_s"]
     per_device: dict[str, float] = {}
     for s, b in zip(slots, busy):
-        if s.name.startswith("http"):
-            continue
-        dev = s.name.split("-")[0]
-        per_device[dev] = per_device.get(dev, 0.0) + b
-    per_device[str(learner_device)] = per_device.get(str(learner_device), 0.0) + learner_busy
+        if s.device is not None:  # remote engines' devices are not ours to count
+            per_device[s.device] = per_device.get(s.device, 0.0) + b
+    per_device[learner_device] = per_device.get(learner_device, 0.0) + learner_busy
     out["gpu/idle_share"] = float(np.mean([1.0 - min(1.0, b / dt) for b in per_device.values()]))
     failed = {k: v for k, v in coord.counts.items()}
     out["rollout/failed"] = sum(v for k, v in failed.items() if k.startswith("rollout/failed/"))
