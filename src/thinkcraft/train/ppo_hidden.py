@@ -281,8 +281,9 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         # "never": exactly the plain PPO path (same kernels, same speed, no LLM)
         from thinkcraft.train.ppo import run as run_ppo
 
-        return run_ppo(dataclasses.replace(cfg.ppo_config(), run_name=cfg.run_name or
-                                           f"ppo-hidden-never-{cfg.env_name}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        named = cfg.run_dir or cfg.run_name
+        return run_ppo(cfg.ppo_config() if named else dataclasses.replace(
+            cfg.ppo_config(), run_name=f"ppo-hidden-never-{cfg.run_label()}-{time.strftime('%Y%m%d-%H%M%S')}"))
     # JAX must not grab most of the GPU: torch (the LLM) shares it
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
@@ -301,8 +302,8 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     from thinkcraft.utils.progress import console
 
     session = TrainSession(cfg, "ppo-hidden", shape_fields=SHAPE_FIELDS, defaults=PPOHiddenConfig(),
-                           total_steps=cfg.num_updates * cfg.batch_size,
-                           title=f"PPO+LLM {cfg.env_name} skip_n={cfg.skip_n}",
+                           total_steps=lambda c: c.num_updates * c.batch_size,
+                           title=lambda c: f"PPO+LLM {c.env_name} skip_n={c.skip_n}",
                            plot_keys=("episode/return", "achievements/mean_rate", "sps", "llm/share"))
     cfg = session.cfg
 
@@ -480,7 +481,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
             session.maybe_checkpoint(update, update * cfg.batch_size, state, state.runner.train_state.params, force=True)
     except EngineFailed as e:
         raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
-                        f"continue with --resume {session.run_dir}") from None
+                        f"continue with {session.resume_command}") from None
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
