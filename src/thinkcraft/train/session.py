@@ -162,7 +162,7 @@ class TrainSession:
         self.derived: dict[str, Any] = {"command": command}
         self.timer = PhaseTimer()
         self.summary: dict[str, Any] = {"run_dir": str(run_dir)}
-        self._stop = StopRequest(f"stopping after the {update_word} in flight and saving a checkpoint "
+        self._stop = StopRequest("stopping after the chunk in flight and saving a checkpoint "
                                  "(an abort keeps the previous one)")
         self._last_ckpt_time = time.time()
         self._last_ckpt_update: int | None = self.checkpoint.update if self.checkpoint else None

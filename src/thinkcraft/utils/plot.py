@@ -48,12 +48,15 @@ def plot_curves(
     if not present:
         return None
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), squeeze=False)
     for ax, k in zip(axes[:, 0], present):
         xs = [r[x_key] for r in recs if k in r]
         ys = [r[k] for r in recs if k in r]
         ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
         ax.set_ylabel(k)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and updates are counts
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel(x_label)
     if title:
