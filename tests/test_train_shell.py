@@ -114,6 +114,20 @@ def test_every_train_command_refuses_an_existing_run_dir(tmp_path, capsys, comma
     assert "not a thinkcraft run directory" in capsys.readouterr().err
 
 
+def test_overwrite_deletes_only_what_looks_like_a_run(tmp_path):
+    from thinkcraft.train.checkpoint import prepare_run_dir
+    from thinkcraft.utils.errors import UserError
+
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert prepare_run_dir(run, overwrite=True) == run and not any(run.iterdir())
+    (tmp_path / "src").mkdir()
+    with pytest.raises(UserError, match="holds run, src, which no training run writes"):
+        prepare_run_dir(tmp_path, overwrite=True)
+    assert (tmp_path / "src").is_dir()
+
+
 def _ppo_cfg(**kw):
     from thinkcraft.train.ppo import PPOConfig
 

@@ -323,15 +323,22 @@ def load_params(run_dir: str | Path, template: Any) -> Any:
     return flax.serialization.from_bytes(template, cp.files["params.msgpack"])
 
 
+# what a training run leaves in its directory: --overwrite deletes a directory holding only these
+RUN_DIR_ENTRIES = frozenset({"config.json", "metrics.jsonl", CHECKPOINT_DIR, "curve.png", "trajectories", "tb",
+                             "wandb", "eval.json"})
+
+
 def prepare_run_dir(d: Path, overwrite: bool) -> Path:
-    """A fresh run directory: refuse an existing non-empty one unless `overwrite` (then empty it)."""
+    """A fresh run directory: refuse an existing non-empty one unless `overwrite` (then empty it; only a
+    directory that looks like a run's - a mistyped --run-dir . --overwrite must not delete a project)."""
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         if not overwrite:
             raise UserError(f"run directory {d} already exists; pass --resume --run-dir {d} to continue it, "
                             "--overwrite to replace it, or another --run-dir/--run-name")
-        if d.is_dir():
-            shutil.rmtree(d)
-        else:
-            d.unlink()
+        other = sorted(p.name for p in d.iterdir() if p.name not in RUN_DIR_ENTRIES) if d.is_dir() else [d.name]
+        if other:
+            raise UserError(f"--overwrite: {d} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which "
+                            "no training run writes; not deleting it (remove it yourself or pick another --run-dir)")
+        shutil.rmtree(d)
     d.mkdir(parents=True, exist_ok=True)
     return d
