@@ -72,7 +72,6 @@ class PPOConfig(RunOptions):
 
     def __post_init__(self) -> None:
         from thinkcraft.envs.craftax import canonical_env_name
-        from thinkcraft.envs.unroll import UNROLL_SETTINGS
 
         try:
             self.env_name = canonical_env_name(self.env_name)
@@ -81,6 +80,8 @@ class PPOConfig(RunOptions):
         super().__post_init__()
 
     def validate(self) -> None:
+        from thinkcraft.envs.unroll import UNROLL_SETTINGS
+
         for f in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches",
                   "layer_width", "updates_per_chunk"):
             check(getattr(self, f) > 0, f, f"must be > 0, got {getattr(self, f)}")
