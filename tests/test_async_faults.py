@@ -34,6 +34,13 @@ def _cfg(tmp_path, **kw):
     return LP.LLMPolicyConfig(**base)
 
 
+def _ckpt(run_dir) -> dict:
+    from thinkcraft.train.checkpoint import TORCH_CODEC, read_checkpoint
+
+    cp, _ = read_checkpoint(Path(run_dir))
+    return TORCH_CODEC.decode(cp.files, None)
+
+
 def _journal(run_dir) -> list[dict]:
     p = Path(run_dir) / "consumed.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
@@ -174,7 +181,7 @@ def test_engine_dying_stops_cleanly_and_resumes_elsewhere(tmp_path, tiny_dir, se
         LP.run(cfg)
     t.join(5)
     done = len(_journal(cfg.run_dir))
-    assert 1 <= done < 4 and (Path(cfg.run_dir) / "checkpoint.pt").exists()
+    assert 1 <= done < 4 and _ckpt(cfg.run_dir)["step"] == done
     url2 = servers.serve("--model", str(tiny_dir))  # the engine is back (elsewhere): resume there
     last = LP.run(_cfg(tmp_path, model=str(tiny_dir), rollout_servers=f"thinkcraft+{url2}", steps=4, resume=True))
     assert last["policy_version"] == 4
@@ -196,7 +203,7 @@ def _trained_once(run_dir, steps=5) -> None:
     assert [line["step"] for line in j] == list(range(1, steps + 1))
     groups = [g for line in j for g in line["groups"]]
     assert len(groups) == len(set(groups)) == 2 * steps  # nothing trained twice (η = 1: ids may skip ahead)
-    st = torch.load(Path(run_dir) / "checkpoint.pt", weights_only=False)
+    st = _ckpt(run_dir)
     assert st["step"] == steps and sorted(st["extra"]["async"]["consumed"]) == sorted(groups)
     from thinkcraft.data.reader import read_table
     from thinkcraft.data.schema import table_to_records
@@ -225,8 +232,8 @@ def test_ctrl_c_drains_the_pools_and_checkpoints(tmp_path):
     p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
-    assert "stopping" in out
-    st = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert "stopping" in out and "continue with: thinkcraft train llm-policy --resume" in out
+    st = _ckpt(run_dir)
     assert 1 <= st["step"] < 5 and st["step"] == len(_journal(run_dir))  # the update in flight finished first
     p2 = _cli(run_dir, "--resume")
     out, _ = p2.communicate(timeout=600)

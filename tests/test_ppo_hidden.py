@@ -174,8 +174,10 @@ def test_skip_n_never_is_plain_ppo_bit_for_bit(tmp_path):
     assert main(["train", "ppo-hidden", *TINY, "--skip-n", "0", "--runs-dir", runs, "--run-name", "never"]) == 0
     import flax.serialization
 
-    a = flax.serialization.msgpack_restore((tmp_path / "plain/checkpoint/params.msgpack").read_bytes())
-    b = flax.serialization.msgpack_restore((tmp_path / "never/checkpoint/params.msgpack").read_bytes())
+    from thinkcraft.train.checkpoint import read_checkpoint
+
+    a, b = (flax.serialization.msgpack_restore(read_checkpoint(tmp_path / n)[0].files["params.msgpack"])
+            for n in ("plain", "never"))
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
 

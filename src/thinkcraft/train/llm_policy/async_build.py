@@ -11,14 +11,11 @@ plus one HTTP engine per `--rollout-servers` entry (its server loads each versio
 from __future__ import annotations
 
 import copy
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from thinkcraft.pools import (
     CopyWeights, EngineFront, EngineSlot, EnvSpec, GroupResult, HTTPWeights, LocalPool, RewardPool, RolloutPool,
@@ -26,7 +23,7 @@ from thinkcraft.pools import (
 )
 from thinkcraft.llm.weight_files import lora_meta
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
-from thinkcraft.train.llm_policy.learner import Learner, build_rows, row_scores_and_groups
+from thinkcraft.train.llm_policy.learner import Learner
 from thinkcraft.train.llm_policy.rollout import Episode, build_messages, encode_prompt
 
 
@@ -55,21 +52,12 @@ class TrainResult:
 # ------------------------------------------------------------------------------------------- policy
 
 
-def seed_everything(seed: int) -> None:
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def env_spec(cfg: LLMPolicyConfig, latency: bool = True) -> EnvSpec:
-    """The rollout workers' env (with the injected latency unless `latency=False`: the coordinator's own
-    env, for the tokenizer corpus and the judge's problems, never steps)."""
+def env_spec(cfg: LLMPolicyConfig) -> EnvSpec:
+    """The rollout workers' env, as a picklable spec (each worker, thread or process, builds its own)."""
     return EnvSpec(cfg.env, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path, max_turns=cfg.max_turns,
                    format_penalty=cfg.format_penalty, reward="deferred" if cfg.reward == "judge" else "rule",
                    answer_weight=cfg.answer_weight, format_weight=cfg.format_weight, lenient=cfg.lenient_answer,
-                   latency_ms=cfg.env_latency_ms if latency else 0.0)
+                   latency_ms=cfg.env_latency_ms)
 
 
 def make_prompt_fn(tokenizer: Any, history_turns: int) -> Any:
@@ -171,11 +159,10 @@ def build_rollout_pool(cfg: LLMPolicyConfig, tokenizer: Any, sampling: Any) -> R
                        max_queued=cfg.rollout_workers * 2, group_size=cfg.samples_per_prompt)
 
 
-def build_reward_pool(cfg: LLMPolicyConfig, judge: Any, lock: Any) -> RewardPool | None:
-    """The judge's pool (None for rule rewards, scored inline by the env)."""
+def build_reward_pool(cfg: LLMPolicyConfig, judge: Any, task: Any, lock: Any) -> RewardPool | None:
+    """The judge's pool (None for rule rewards, scored inline by the env); `task` maps seeds to problems."""
     if cfg.reward != "judge":
         return None
-    task = env_spec(cfg, latency=False).build().task
     return RewardPool(judge, task.problem, max_groups=cfg.judge_batch_groups, lock=lock)
 
 
@@ -184,16 +171,15 @@ def build_reward_pool(cfg: LLMPolicyConfig, judge: Any, lock: Any) -> RewardPool
 
 class TrainWorker:
     """The training pool's one worker: a TrainBatch -> advantages -> learner update -> WeightUpdate v+1
-    published to the engines. Holds the learner's carry (REINFORCE's baseline, A*-PO's V* table)."""
+    published to the engines."""
 
     def __init__(self, cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, front: EngineFront,
-                 slots: list[EngineSlot], model_lock: threading.Lock, version: int,
-                 baseline: float | None, v_star: dict[int, float] | None) -> None:
+                 slots: list[EngineSlot], model_lock: threading.Lock, version: int, carry: Any) -> None:
         self.cfg, self.learner, self.tokenizer, self.front, self.slots = cfg, learner, tokenizer, front, slots
         self.model_lock = model_lock
         self.version = version
-        self.baseline = baseline
-        self.v_star = v_star
+        self.carry = carry
+        """loop.Carry: REINFORCE's baseline, A*-PO's V* table (checkpointed with the weights)."""
         self.busy_s = 0.0
         """Seconds spent updating (holding the model lock): the learner's device time."""
 
@@ -201,34 +187,15 @@ class TrainWorker:
         return LocalPool("train", lambda b, ctx: self.train(b), num_workers=1, max_queued=1)
 
     def train(self, batch: TrainBatch) -> TrainResult:
-        import torch
+        """One update: the synchronous loop's phase 4 (loop.update_on) on the batch's episodes."""
+        from thinkcraft.train.llm_policy.loop import update_on
 
-        from thinkcraft.rl import llm_losses as L
-
-        cfg = self.cfg
         trajs = [t for g in batch.groups for t in g.trajectories]
         episodes = [Episode(seed=t.seed, group=gi, turns=t.turns, terminated=t.terminated, truncated=t.truncated,
                             wall_time_s=t.wall_time_s) for gi, g in enumerate(batch.groups) for t in g.trajectories]
-        turns = [t for e in episodes for t in e.turns]
-        scores, groups = row_scores_and_groups(episodes, cfg.gamma, cfg.max_turns)
-        sc, gid = torch.tensor(scores, dtype=torch.float32), torch.tensor(groups, dtype=torch.long)
-        v_rows = None
-        if cfg.algo == "grpo":
-            adv = L.grpo_advantages(sc, gid, scale_by_std=cfg.scale_adv_by_std)
-        elif cfg.algo == "rloo":
-            adv = L.rloo_advantages(sc, gid)
-        elif cfg.algo == "reinforce":
-            adv = L.reinforce_advantages(sc, float(sc.mean()) if self.baseline is None else self.baseline)
-            self.baseline = L.update_running_baseline(self.baseline, sc, cfg.baseline_momentum)
-        else:
-            assert self.v_star is not None
-            v_rows = torch.tensor([self.v_star[e.seed] for e in episodes for _ in e.turns], dtype=torch.float32,
-                                  device=self.learner.device)
-            adv = sc - v_rows.cpu()
-        rows = build_rows(turns, adv.tolist(), scores, self.tokenizer.pad_token_id, self.learner.device)
         with self.model_lock:  # shared-parameter engines wait; the version changes with the weights
             t0 = time.perf_counter()
-            stats = self.learner.update(rows, v_star=v_rows)
+            stats, self.carry = update_on(self.cfg, self.learner, self.tokenizer, episodes, self.carry)
             self.version += 1
             for s in self.slots:
                 if isinstance(s.sync, SharedWeights):
@@ -236,7 +203,6 @@ class TrainWorker:
             train_s = time.perf_counter() - t0
         self.busy_s += train_s
         self.front.publish(weight_update(self.learner, self.version, self.slots))
-        stats["advantage/abs_mean"] = float(adv.abs().mean())
         return TrainResult(self.version, stats, [g.request.group_id for g in batch.groups],
                            [t.traj_id for t in trajs], [batch.version - t.oldest_version for t in trajs], episodes,
                            train_s)

@@ -18,8 +18,9 @@ The coordinator (this thread) repeats, without ever waiting on one pool while an
 η = 0 admits exactly one batch per version and the engine batches on all waiting episodes: the same
 prompts, batches, samples and updates as the synchronous loop (tests/test_async_loop.py).
 
-Stop and resume. Ctrl-C (or SIGTERM) stops admitting, lets the update in flight finish, abandons the
-rollouts in flight and checkpoints; a second Ctrl-C aborts at once (the previous checkpoint stays valid).
+Stop and resume (the training shell, train/session.py). Ctrl-C (or SIGTERM) stops admitting, lets the
+update in flight finish, abandons the rollouts in flight and checkpoints; a second one aborts at once (the
+previous checkpoint stays valid).
 The checkpoint records the learner's state, the ids of the groups trained (consumed), dropped (no signal)
 and abandoned, the next new id, and the queue policy. Rollouts in flight or buffered at a stop or a kill are
 not in the checkpoint: on resume they are played again from their recorded seeds under the same ids, with
@@ -30,16 +31,9 @@ kill (`consumed.jsonl` is truncated to the checkpoint, like metrics.jsonl and th
 from __future__ import annotations
 
 import collections
-import json
 import random
-import signal
-import threading
-import time
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any
-
-import numpy as np
 
 from thinkcraft.pools import staleness as S
 from thinkcraft.pools.buffer import ReadyBuffer, group_has_signal
@@ -230,65 +224,49 @@ def group_seed_fn(cfg: Any, v_star: dict[int, float] | None) -> Any:
     return apo_seed
 
 
-class _Stop:
-    """First Ctrl-C / SIGTERM: stop after the update in flight and checkpoint; second: abort now."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._prev: dict[int, Any] = {}
-
-    def __enter__(self) -> "_Stop":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._prev[sig] = signal.signal(sig, self._on)
-        return self
-
-    def _on(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        from thinkcraft.utils.progress import console
-
-        console.print("\n[yellow]stopping: the update in flight finishes, rollouts in flight are dropped (played "
-                      "again on resume), then a checkpoint (press again to abort now)[/yellow]")
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, h in self._prev.items():
-            signal.signal(sig, h)
-
-
 def run_async(cfg: Any) -> dict[str, Any]:
-    """The asynchronous loop (module docstring): build, resume, then steps 1-4 until `cfg.steps` updates or
-    a stop; the pools are stopped and a checkpoint written on the way out."""
-    from thinkcraft.train.llm_policy.async_run import build_run
+    """The asynchronous loop (module docstring) inside the training shell: build, resume, then steps 1-4 until
+    `cfg.steps` updates or a stop; the pools are stopped and a checkpoint written on the way out."""
+    from thinkcraft.train.checkpoint import TORCH_CODEC
+    from thinkcraft.train.llm_policy.async_run import PLOT_KEYS, AsyncRun
+    from thinkcraft.train.llm_policy.config import SHAPE_FIELDS, LLMPolicyConfig
+    from thinkcraft.train.session import TrainSession
+    from thinkcraft.utils.progress import console
 
-    run = build_run(cfg)
-    try:
-        with _Stop() as stop:
-            _loop(run, stop)
-        run.summary["interrupted"] = stop.requested
-    finally:
-        run.close()
-    return run.summary
+    session = TrainSession(cfg, "llm-policy", shape_fields=SHAPE_FIELDS, defaults=LLMPolicyConfig(),
+                           total_steps=lambda c: c.steps,
+                           title=lambda c: f"llm-policy {c.algo} on {c.env} (async, η={c.max_staleness})",
+                           plot_keys=PLOT_KEYS, codec=TORCH_CODEC, x_label="learner steps", update_word="step")
+    cfg = session.cfg
+    with session:
+        run = AsyncRun(cfg, session)
+        try:
+            run.build()
+            session.start(run.coord.version)
+            _loop(run, session)
+        finally:
+            run.close()
+        s, c = session.summary, run.coord
+        console.print(f"done: {c.version:,}/{cfg.steps:,} steps; reward {s.get('reward/mean', float('nan')):.3f}; "
+                      f"staleness {s.get('staleness/mean', 0):.2f}; GPU idle {100 * s.get('gpu/idle_share', 0):.0f}%; "
+                      f"groups failed {sum(v for k, v in c.counts.items() if k.startswith('rollout/failed/'))}, "
+                      f"abandoned {len(c.abandoned)}; run dir {session.run_dir}", soft_wrap=True)
+    return session.summary
 
 
-def _loop(run: Any, stop: _Stop) -> None:
-    from thinkcraft.utils.progress import RunProgress
-
+def _loop(run: Any, session: Any) -> None:
     cfg, coord = run.cfg, run.coord
-    with RunProgress(cfg.steps, "llm-policy async", log_every_s=cfg.log_every_s) as progress:
-        run.progress = progress
-        while coord.version < cfg.steps and not stop.requested:
-            if run.front.fatal:
-                raise UserError(f"{run.front.fatal}; the last checkpoint is intact: fix the engine, then --resume")
-            coord.admit()
-            coord.collect(0.01)
-            coord.maybe_train()
-            for res in run.train_pool.poll(4, 0.0):
-                run.on_trained(res)
-        if coord.training is not None:  # a stop: the update in flight finishes first (its groups are consumed)
-            while coord.training is not None:
-                for res in run.train_pool.poll(4, 1.0):
-                    run.on_trained(res)
-        run.stop_pools()
-        run.checkpoint(force=True)
+    while session.running(coord.version, cfg.steps):
+        if run.front.fatal:
+            raise UserError(f"{run.front.fatal}; the last checkpoint is intact: fix the engine, then --resume")
+        coord.admit()
+        coord.collect(0.01)
+        coord.maybe_train()
+        for res in run.train_pool.poll(4, 0.0):
+            run.on_trained(res)
+    while coord.training is not None:  # a stop: the update in flight finishes first (its groups are consumed)
+        for res in run.train_pool.poll(4, 1.0):
+            run.on_trained(res)
+    run.stop_pools()
+    coord.collect(0.0)  # count what the stop abandoned (played again on resume)
+    run.checkpoint(force=True)
