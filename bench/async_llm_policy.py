@@ -11,7 +11,8 @@ share, reward against trained samples (one PNG), with and without a slow env.
     .venv/bin/python bench/async_llm_policy.py --learning-check
 
 Placement (`--gpus`): sync always runs on one GPU (generate, then train, on cuda:0: today's loop, the
-reference). Async on one GPU: one engine sharing the learner's weights on cuda:0 (generation and training
+reference, measured in the same command as the async rows). Its slow env sleeps once per batched step (all
+episodes' envs step together: the case most favourable to sync); async envs sleep per group step. Async on one GPU: one engine sharing the learner's weights on cuda:0 (generation and training
 take turns; env steps, rewards and the next batch's prompts overlap them). Async on two GPUs: engines on
 cuda:0 (shared with the learner, time-sliced) and cuda:1 (a copy, updated after every step), so generation
 uses both GPUs while the learner trains on cuda:0.
@@ -54,12 +55,16 @@ def _args(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--rollout-workers", type=int, default=32)
     p.add_argument("--slow-env-ms", type=float, default=200.0, help="the slow-env case's latency per step")
     p.add_argument("--slow-env-workers", type=int, default=128, help="rollout workers in the slow-env case (N)")
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--finetune", choices=["lora", "full"], default=None,
+                   help="default: full for a random-weight shape (bench/grpo_arith.py's GPU reference), lora otherwise")
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-6 full, 2e-4 LoRA")
+    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="static KV cache + compiled decode step (default: on with a GPU, as the sync reference)")
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="CPU plumbing check: tiny model, 3 steps, 50 ms env")
@@ -73,6 +78,14 @@ def _args(argv=None):
     if a.learning_check:
         a.model, a.tasks, a.steps, a.prompts, a.samples, a.max_new_tokens = "default", "arith", 30, 8, 4, 96
         a.rollout_workers, a.micro_batch_size = 8, 16
+    if a.finetune is None:
+        a.finetune = "full" if a.model.startswith("random:") and not a.quick else "lora"
+    if a.lr is None:
+        a.lr = 1e-6 if a.finetune == "full" else 2e-4
+    if a.compile_decode is None:
+        import torch
+
+        a.compile_decode = torch.cuda.is_available()
     return a
 
 
@@ -100,7 +113,8 @@ def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_pat
             kw["rollout_devices"] = "cuda:0,cuda:1"
     return LLMPolicyConfig(
         env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
-        group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune="lora", format_weight=0.1,
+        group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune=a.finetune, format_weight=0.1,
+        kv_cache="static" if a.compile_decode else "dynamic", compile_decode=a.compile_decode,
         lenient_answer=False, micro_batch_size=a.micro_batch_size, seed=a.seed, checkpoint_every=0,
         store=False, plot=False, log_every_s=30.0, gsm8k_path=gsm8k_path if task == "gsm8k" else None,
         env_latency_ms=latency_ms, **kw,
@@ -139,7 +153,7 @@ def _plot(rows: list[dict], out_png: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for r in rows:
+    for r in (r for r in rows if "curve" in r):
         xs, ys = zip(*r["curve"])
         label = f"{r['task']} {r['mode']} gpus={r['gpus']} env={r['env_latency_ms']:g}ms"
         ax.plot(xs, ys, marker=".", linestyle="-" if r["mode"] == "async" else "--", label=label)
@@ -175,15 +189,11 @@ def _plan(a) -> list[tuple[str, str, float]]:
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if a.learning_check:
         return [("arith", "async", 0.0)]
-    plan = []
+    plan = []  # the sync reference (one GPU) runs in the same command as the async rows it is compared with
     for t in tasks:
-        if a.gpus == 1:
-            plan.append((t, "sync", 0.0))
-        plan.append((t, "async", 0.0))
+        plan += [(t, "sync", 0.0), (t, "async", 0.0)]
     if a.slow_env_ms:
-        if a.gpus == 1:
-            plan.append((tasks[0], "sync", a.slow_env_ms))
-        plan.append((tasks[0], "async", a.slow_env_ms))
+        plan += [(tasks[0], "sync", a.slow_env_ms), (tasks[0], "async", a.slow_env_ms)]
     return plan
 
 
@@ -200,11 +210,19 @@ def main(argv=None) -> int:
     rows = []
     for task, mode, latency in _plan(a):
         cfg = _config(a, task, mode, latency, tmp / f"{task}-{mode}-{latency:g}", gsm)
-        m = _measure(a, cfg, mode)
+        try:
+            m = _measure(a, cfg, mode)
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others' rows
+            print(f"{task} {mode} env={latency:g}ms FAILED: {type(e).__name__}: {e}", flush=True)
+            rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
+                         "max_staleness": a.max_staleness if mode == "async" else 0, "error": f"{type(e).__name__}: {e}",
+                         "card": card(), "date": today()})
+            continue
         rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
                      "max_staleness": a.max_staleness if mode == "async" else 0,
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
+                     "finetune": a.finetune, "compile_decode": a.compile_decode,
                      **m, "card": card(), "date": today()})
         print(f"{task} {mode} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",
@@ -219,10 +237,11 @@ def main(argv=None) -> int:
         _plot(rows, out.with_suffix(".png"), f"GRPO sync vs async (η={a.max_staleness}), {a.model}, {card()}")
     keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness")
     write_records(out, rows, merge_keys=keys)
-    print_table(rows, ["task", "mode", "gpus", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",
-                       "s_per_step", "gpu_idle_share", "reward_final"])
-    for r in rows:  # async speed-up against sync at the same task and latency
-        ref = next((s for s in rows if s["mode"] == "sync" and s["task"] == r["task"]
+    ok = [r for r in rows if "error" not in r]
+    print_table(ok, ["task", "mode", "gpus", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",
+                     "s_per_step", "gpu_idle_share", "reward_final"])
+    for r in ok:  # async speed-up against sync at the same task and latency
+        ref = next((s for s in ok if s["mode"] == "sync" and s["task"] == r["task"]
                     and s["env_latency_ms"] == r["env_latency_ms"]), None)
         if r["mode"] == "async" and ref:
             print(f"{r['task']} env={r['env_latency_ms']:g}ms: async/sync samples/s = "
