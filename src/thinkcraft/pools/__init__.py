@@ -5,7 +5,8 @@
         | GroupResult: G trajectories, token ids + behaviour logprobs + policy version per turn
     RewardPool    judge rewards, batched (rule rewards are scored inline by the env)
         | scored groups -> ReadyBuffer (dynamic sampling) -> batch of the lowest group ids
-    TrainPool     the learner (a LocalPool of one worker); publishes WeightUpdate v+1 to the EngineFront
+    TrainPool     the learner: a LocalPool of one worker (train/llm_policy/async_build.py: TrainWorker) that
+                  publishes WeightUpdate v+1 to the EngineFront
 
 Admission by the StalenessManager rule (pools.staleness): with η = 0 the synchronous loop. Every pool
 has the same four verbs (pools.contract.Pool: submit / poll / health / stop) and exchanges only picklable

@@ -12,6 +12,10 @@ One synchronous step (each phase timed, `timing/<phase>`):
 
 The learner owns the torch model; the sampler reads the same parameters (no copy), so after step 4 the
 next rollout is on-policy with `policy_version = step`.
+
+`--mode async` (async_loop.py, async_build.py, async_run.py on thinkcraft.pools) runs the same phases at
+once in three pools - rollouts, rewards, the learner - under a staleness bound `--max-staleness η`; η = 0
+gives this loop's samples and updates exactly.
 """
 
 from thinkcraft.train.llm_policy.config import ALGOS_NEEDING_LOGPROBS, Algo, EnvName, LLMPolicyConfig
