@@ -148,10 +148,11 @@ class AsyncRun:
 
     def stop_pools(self) -> None:
         """Stop every pool (rollouts in flight are abandoned: played again on resume); idempotent."""
-        self.rollout.stop(drain=False, timeout_s=10.0)
+        self.rollout.stop(drain=False, timeout_s=0.0)  # first mark the workers stopping (their groups: "stopped"),
+        self.front.stop(timeout_s=10.0)  # then release the ones waiting for the engine,
+        self.rollout.stop(drain=False, timeout_s=10.0)  # then wait for them
         if self.reward is not None:
             self.reward.stop(drain=False, timeout_s=10.0)
-        self.front.stop(timeout_s=10.0)
         self.train_pool.stop(drain=True, timeout_s=60.0)
 
     def close(self) -> None:
