@@ -21,6 +21,11 @@ Model (GPU): the Qwen2.5-0.5B body with random weights and a 2,048-token BPE (th
 bench/grpo_arith.py), LoRA. Rewards of a random model are ~0, so reward curves say little there; the speed
 rows are what the GPU run is for (the CPU learning check shows that async learns).
 
+Slow env: with whole-call batching (until issue 19's continuous batching) workers whose rows all fit one
+engine batch step their envs in lockstep, and the engine then waits env / (env + generate) of the time; with
+1,024-token generations of seconds a 200 ms env is a few percent of that. tests/test_pools.py shows the
+engine kept busy once the rows in flight exceed one batch (`--max-generate-batch`).
+
 Metrics per run (steady state: the first update, which pays warm-up, is left out): samples_per_s =
 trained trajectories / wall seconds; s_per_step = median seconds per update; gpu_idle_share = sync:
 1 - (generate + train) / step (the loop's own phase times), async: the loop's `gpu/idle_share` (per device,
@@ -57,9 +62,11 @@ def _args(argv=None):
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--max-staleness", type=int, default=1)
-    p.add_argument("--rollout-workers", type=int, default=32)
+    p.add_argument("--rollout-workers", type=int, default=None, help="default (η + 1) x prompts")
     p.add_argument("--slow-env-ms", type=float, default=200.0, help="the slow-env case's latency per step")
-    p.add_argument("--slow-env-workers", type=int, default=128, help="rollout workers in the slow-env case (N)")
+    p.add_argument("--slow-env-workers", type=int, default=None,
+                   help="rollout workers in the slow-env case, N (default (η + 1) x prompts: every group the "
+                        "staleness bound admits runs at once; more would idle)")
     p.add_argument("--finetune", choices=["lora", "full"], default=None,
                    help="default: full for a random-weight shape (bench/grpo_arith.py's GPU reference), lora otherwise")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-6 full, 2e-4 LoRA")
@@ -82,6 +89,10 @@ def _args(argv=None):
         a.finetune = "full" if a.model.startswith("random:") and not a.quick else "lora"
     if a.lr is None:
         a.lr = 1e-6 if a.finetune == "full" else 2e-4
+    if a.rollout_workers is None:
+        a.rollout_workers = (a.max_staleness + 1) * a.prompts
+    if a.slow_env_workers is None:
+        a.slow_env_workers = (a.max_staleness + 1) * a.prompts
     if a.compile_decode is None:
         import torch
 

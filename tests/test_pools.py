@@ -413,3 +413,36 @@ def test_buffer_remove_where():
         b.add(_group(gid, [0.0, 1.0]))
     assert [g.request.group_id for g in b.remove_where(lambda g: g.request.group_id != 2)] == [1, 3]
     assert b.group_ids() == [2]
+
+
+def _idle_share_with_slow_env(workers: int, max_batch_rows: int, seconds: float = 2.5) -> float:
+    """A 50 ms-per-batch engine (a GPU-bound engine's shape) and a 100 ms env step: the engine's idle share
+    while `workers` rollout workers (2 rows each) keep playing groups."""
+    slow_engine = ScriptedEngine(delay_s=0.05)
+    settings = RolloutSettings(env=EnvSpec("arith", latency_ms=100), sampling=SP)
+    pool = RolloutPool(settings, lambda system, hist, obs: [1, 2, 3], num_workers=workers, max_queued=2 * workers,
+                       group_size=2)
+    front = EngineFront([EngineSlot(slow_engine, SharedWeights())], batch_wait_s=0.02, max_batch_rows=max_batch_rows,
+                        expected_rows=pool.expected_rows)
+    pool.attach(front)
+    t0, gid, s0 = time.perf_counter(), 0, None
+    while time.perf_counter() - t0 < seconds:
+        while pool.submit(GroupRequest(gid, seed=gid, num_samples=2), timeout_s=0.0):
+            gid += 1
+        pool.poll(256, 0.02)
+        if s0 is None and time.perf_counter() - t0 > 0.5:  # past the start-up
+            s0 = front.stats()
+    s1 = front.stats()
+    pool.stop()
+    front.stop()
+    return 1.0 - (s1.busy_s[0] - s0.busy_s[0]) / (s1.wall_s - s0.wall_s)
+
+
+def test_a_slow_env_keeps_the_engine_busy_given_enough_workers():
+    """With whole-call batching, workers whose rows all fit one batch step their envs in lockstep and the
+    engine waits for the env (idle ~ env / (env + generate)); once their rows exceed a batch, some groups step
+    while others generate and the engine stays busy. (Continuous batching, issue 19, removes the lockstep.)"""
+    one = _idle_share_with_slow_env(1, max_batch_rows=8)
+    many = _idle_share_with_slow_env(12, max_batch_rows=8)
+    assert one > 0.5  # one worker: the engine waits for the env two thirds of the time
+    assert many < 0.2, many
