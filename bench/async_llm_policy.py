@@ -73,6 +73,7 @@ def _args(argv=None):
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="static KV cache + compiled decode step (default: on with a GPU, as the sync reference)")
     p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--max-generate-batch", type=int, default=1024, help="rows per engine batch (both loops)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="CPU plumbing check: tiny model, 3 steps, 50 ms env")
     p.add_argument("--learning-check", action="store_true",
@@ -126,6 +127,7 @@ def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_pat
         env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
         group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune=a.finetune, format_weight=0.1,
         kv_cache="static" if a.compile_decode else "dynamic", compile_decode=a.compile_decode,
+        max_generate_batch=a.max_generate_batch,
         lenient_answer=False, micro_batch_size=a.micro_batch_size, seed=a.seed, checkpoint_every=0,
         store=False, plot=False, log_every_s=30.0, gsm8k_path=gsm8k_path if task == "gsm8k" else None,
         env_latency_ms=latency_ms, **kw,
