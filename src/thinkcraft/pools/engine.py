@@ -38,7 +38,7 @@ class EngineFault(RuntimeError):
     """A generate call failed (the engine raised, timed out, or the front stopped)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     prompts: list[list[int]]
     keys: list[Any]
@@ -132,9 +132,8 @@ class EngineFront:
             self._pending.append(req)
             self._cv.notify_all()
         if not req.done.wait(timeout_s):
-            with self._cv:
-                if req in self._pending:
-                    self._pending.remove(req)
+            with self._cv:  # by identity: another request may hold equal prompts
+                self._pending = [r for r in self._pending if r is not req]
             raise EngineFault(f"no completion within {timeout_s:g}s (engine busy, hung or dead)")
         if req.error is not None:
             raise EngineFault(f"{type(req.error).__name__}: {req.error}") from req.error
