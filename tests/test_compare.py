@@ -115,7 +115,7 @@ def test_errors_are_one_line(runs: Path, tmp_path: Path, capsys):
     rc, _, err = _compare([str(tmp_path / "empty")], capsys)
     assert rc == 2 and "has no metrics.jsonl" in err
     rc, _, err = _compare([str(runs / "ppo-b"), "--metric", "episode/retrun"], capsys)
-    assert rc == 2 and "--metric episode/retrun: no run logged it; available: achievements/mean_rate, episode/return" in err
+    assert rc == 2 and "--metric episode/retrun: no run logged it; available: achievements/mean_rate, episode/length, episode/return" in err
     assert "achievements/<name> (2 names" in err and "Traceback" not in err
     rc, _, err = _compare([str(runs / "ppo-b"), "--group-by", "nope"], capsys)
     assert rc == 2 and "--group-by nope: no run's config has that field" in err
@@ -141,3 +141,117 @@ def test_mixed_seed_index_is_an_error(tmp_path: Path, capsys):
         f.write(json.dumps({"step": 5, "episode/return": 1.0}) + "\n")
     rc, _, err = _compare([str(d)], capsys)
     assert rc == 2 and "some records carry seed_index and some do not" in err
+
+
+def test_metric_glob_patterns(runs: Path, tmp_path: Path, capsys):
+    rc, out, err = _compare([str(runs / "ppo-b"), "--metric", "achievements/*", "--no-plot", "--out", str(tmp_path / "o")],
+                            capsys)
+    assert rc == 0, err
+    res = json.loads((tmp_path / "o" / "compare.json").read_text())
+    assert sorted(res["groups"][0]["metrics"]) == ["achievements/collect_wood", "achievements/mean_rate",
+                                                   "achievements/place_table"]
+    assert not (tmp_path / "o" / "compare.png").exists()
+    rc, _, err = _compare([str(runs / "ppo-b"), "--metric", "losses/*"], capsys)
+    assert rc == 2 and "--metric losses/*: no run logged it" in err
+
+
+# --- bench/baselines_adapter.py and bench/ppo_parity.py (the logic; the real runs are GPU work) -------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_baselines_log_conversion():
+    adapter = _bench_module("baselines_adapter")
+    log = {"episode_return": np.float32(3.0), "episode_length": np.float32(150.0),
+           "Achievements/collect_wood": np.float32(80.0), "Achievements/place_table": np.float32(20.0),
+           "achievements": np.float32(1.0)}
+    rec = adapter.convert_log(log, update_step=0, num_envs=16, num_steps=8, max_return=22.0)
+    assert rec["step"] == 128 and rec["update"] == 1
+    assert rec["episode/return"] == 3.0 and rec["episode/length"] == 150.0
+    assert rec["achievements/collect_wood"] == pytest.approx(0.8) and rec["achievements/place_table"] == pytest.approx(0.2)
+    assert rec["achievements/mean_rate"] == pytest.approx(0.5)
+    assert rec["episode/return_pct_max"] == pytest.approx(100 * 3 / 22)
+    # an update in which no episode ended: their means are 0/0 = NaN -> absent, as in our metrics
+    nan = {k: np.float32("nan") for k in log}
+    assert adapter.convert_log(nan, 4, 16, 8, 22.0) == {"step": 640, "update": 5}
+
+
+def test_baselines_seed_recorder_orders_and_checks_seeds():
+    adapter = _bench_module("baselines_adapter")
+    recs: list[dict] = []
+    r = adapter.SeedRecorder(recs.append)
+    r.configure({"ENV_NAME": "Craftax-Classic-Symbolic-v1", "NUM_REPEATS": 2, "NUM_ENVS": 4, "NUM_STEPS": 2,
+                 "NUM_UPDATES": 2})
+    log = {"episode_return": 1.0, "episode_length": 2.0, "Achievements/collect_wood": 100.0}
+    for u in (0, 0, 1):
+        r(np.int32(u), log)
+    assert [(x["step"], x["seed_index"]) for x in recs] == [(8, 0), (8, 1), (16, 0)]
+    with pytest.raises(RuntimeError, match="logged 2 of 2 updates; updates not logged once per seed"):
+        r.check_complete()
+    r(1, log)
+    r.check_complete()
+    with pytest.raises(RuntimeError, match="more than NUM_REPEATS=2"):
+        r(1, log)
+
+
+def test_ppo_parity_dry_mode(tmp_path: Path, capsys):
+    """The parity script's whole path after training: run dirs of both systems -> compare (curves, tables,
+    achievements) -> verdict -> result rows."""
+    parity = _bench_module("ppo_parity")
+    assert parity.main(["--dry", "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ours IQM" in out and "Baselines' IQM 95% CI" in out and "collect_wood" in out
+    rows = json.loads((tmp_path / "ppo_parity.json").read_text())
+    assert {(r["system"], r["seed"]) for r in rows} == {("thinkcraft", 0), ("thinkcraft", 1), ("baselines", 0),
+                                                        ("baselines", 1)}
+    for r in rows:
+        assert {"system", "policy", "seed", "steps", "final_return"} <= set(r) and r["policy"] == "mlp"
+        assert r["steps"] > 0 and np.isfinite(r["final_return"])
+    cmp_dir = tmp_path / "compare-mlp"
+    assert (cmp_dir / "compare.png").exists() and (cmp_dir / "achievements.json").exists()
+    res = json.loads((cmp_dir / "compare.json").read_text())
+    finals = {g["label"]: [f["final"] for f in g["metrics"]["episode/return"]["finals"]] for g in res["groups"]}
+    assert sorted(r["final_return"] for r in rows if r["system"] == "baselines") == sorted(finals["system=baselines"])
+    assert parity.verdict(*(parity.Interval(*x) for x in [(5, 4, 6), (3, 2, 4)])) == "above"
+
+
+@pytest.mark.slow
+def test_baselines_adapter_runs_their_ppo(tmp_path: Path):
+    """Their unmodified ppo.py (Classic, 2 seeds, tiny) through the adapter: one record per update and seed,
+    in our field names; compare reads the result. Needs a Craftax_Baselines checkout (.ref/ or
+    $CRAFTAX_BASELINES_DIR)."""
+    import os
+    import subprocess
+    import sys
+
+    bdir = Path(os.environ.get("CRAFTAX_BASELINES_DIR", ROOT / ".ref" / "Craftax_Baselines"))
+    if not (bdir / "ppo.py").exists():
+        pytest.skip(f"no Craftax_Baselines checkout at {bdir}")
+    out = tmp_path / "bl"
+    cmd = [sys.executable, str(ROOT / "bench" / "baselines_adapter.py"), "--baselines-dir", str(bdir), "--out", str(out),
+           "--", "--env_name", "Craftax-Classic-Symbolic-v1", "--num_envs", "16", "--num_steps", "16",
+           "--total_timesteps", "1024", "--num_repeats", "2", "--seed", "0", "--layer_size", "64",
+           "--num_minibatches", "2", "--update_epochs", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["system"] == "baselines" and cfg["policy"] == "mlp" and cfg["num_seeds"] == 2
+    assert cfg["_derived"]["num_updates"] == 4
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["seed_index"]) for r in recs] == [(s * 256, i) for s in range(1, 5) for i in range(2)]
+    for r in recs:
+        for k, v in r.items():
+            if k.startswith("achievements/"):
+                assert 0.0 <= v <= 1.0
+    seeds, _ = load_seed_runs(out)
+    assert [(s.seed_index, s.seed) for s in seeds] == [(0, 0), (1, 1)]

@@ -9,7 +9,7 @@ from scipy.stats import trim_mean
 
 from thinkcraft.analysis.stats import (
     bootstrap_ci, bootstrap_mean_band, common_grid, final_value, interpolate_to_grid, iqm,
-    probability_of_improvement, probability_of_improvement_ci, stat_mean,
+    probability_of_improvement, probability_of_improvement_ci, stat_mean, trailing_mean,
 )
 
 
@@ -120,3 +120,11 @@ def test_final_value():
     assert final_value(steps, vals, 0.1) == pytest.approx(np.mean(np.arange(91, 101)))  # steps 910..1000
     assert final_value(steps, vals, 0.0) == 100.0
     assert final_value(np.array([500, 1000]), np.array([1.0, 2.0]), 0.1) == 2.0  # sparse logging: last record
+
+
+def test_trailing_mean():
+    steps = np.array([1.0, 2, 3, 4, 6])
+    vals = np.array([1.0, 2, 3, 4, 5])
+    np.testing.assert_allclose(trailing_mean(steps, vals, 2.0), [1.0, 1.5, 2.5, 3.5, 5.0])  # (s - 2, s]
+    np.testing.assert_allclose(trailing_mean(steps, vals, 0.0), vals)
+    np.testing.assert_allclose(trailing_mean(steps, vals, 100.0), np.cumsum(vals) / np.arange(1, 6))

@@ -10,7 +10,8 @@
    `--grid-points` evenly spaced steps over the range every seed of the group covers (no extrapolation:
    a seed that stopped early shortens its group's curve; runs log at different steps, e.g. Baselines per
    update and thinkcraft per chunk of updates, so raw points would not line up). The line is the mean over
-   seeds, the band its 95% percentile bootstrap over seeds.
+   seeds, the band its 95% percentile bootstrap over seeds. `--smooth-steps W` first averages each seed's
+   values over a trailing window of W steps (a run logged per update next to one logged per chunk).
 3. Final performance: per seed, the mean of the values logged in the last `--final-frac` of its steps;
    per group, the interquartile mean (IQM) and the mean of those finals with 95% stratified percentile
    bootstrap CIs, and the probability of improvement P(X > Y) between groups - rliable's method (Agarwal et
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from thinkcraft.analysis.runs import (
 )
 from thinkcraft.analysis.stats import (
     Interval, bootstrap_ci, bootstrap_mean_band, common_grid, final_value, interpolate_to_grid,
-    probability_of_improvement_ci, stat_iqm, stat_mean,
+    probability_of_improvement_ci, stat_iqm, stat_mean, trailing_mean,
 )
 from thinkcraft.utils.errors import UserError, check
 
@@ -47,7 +49,7 @@ class CompareConfig:
     run_dirs: tyro.conf.Positional[list[str]]
     """Run directories or glob patterns (quote them to let thinkcraft expand them: 'runs/ppo-*')."""
     metric: list[str] = field(default_factory=lambda: ["episode/return"])
-    """Metrics to compare (several: one panel and one table each)."""
+    """Metrics to compare (several: one panel and one table each); glob patterns match logged names ('achievements/*')."""
     group_by: str | None = None
     """Comma-separated config fields that define the groups (default: every field that differs between runs)."""
     label: tyro.conf.UseAppendAction[list[str]] = field(default_factory=list)
@@ -58,6 +60,9 @@ class CompareConfig:
     """Bootstrap resamples for every confidence interval and band."""
     confidence: float = 0.95
     """Confidence level of the intervals and bands."""
+    smooth_steps: float = 0.0
+    """Curves only: average each seed's values over a trailing window of this many steps before
+    interpolating (e.g. one logging chunk, to compare a run logged per update with one logged per chunk)."""
     grid_points: int = 100
     """Points of the common step grid the seeds' curves are interpolated onto."""
     x_key: str = "step"
@@ -68,6 +73,8 @@ class CompareConfig:
     """Output directory (default: ./compare-<time>)."""
     show_seeds: bool = False
     """Also draw each seed's interpolated curve, thin."""
+    plot: bool = True
+    """Write compare.png (a panel per metric)."""
 
     def __post_init__(self) -> None:
         check(len(self.run_dirs) > 0, "run_dirs", "give at least one run directory or glob")
@@ -75,6 +82,7 @@ class CompareConfig:
         check(0.0 <= self.final_frac <= 1.0, "final_frac", f"must be in [0, 1], got {self.final_frac}")
         check(self.bootstrap_samples >= 1, "bootstrap_samples", f"must be >= 1, got {self.bootstrap_samples}")
         check(0.0 < self.confidence < 1.0, "confidence", f"must be in (0, 1), got {self.confidence}")
+        check(self.smooth_steps >= 0, "smooth_steps", f"must be >= 0, got {self.smooth_steps}")
         check(self.grid_points >= 2, "grid_points", f"must be >= 2, got {self.grid_points}")
 
     @property
@@ -96,6 +104,7 @@ class Final(NamedTuple):
     run: str  # run dir, [seed_index] for a multi-seed dir
     seed: int | None
     value: float
+    steps: float  # the seed's last x (its length)
 
 
 class GroupResult(NamedTuple):
@@ -115,19 +124,31 @@ class Comparison(NamedTuple):
     warnings: list[str]
 
 
+def expand_metrics(patterns: list[str], available: list[str]) -> list[str]:
+    """Metric names, glob patterns (`achievements/*`) expanded over the logged names, in order, once each."""
+    out: list[str] = []
+    for p in patterns:
+        names = fnmatch.filter(available, p) if any(c in p for c in "*?[") else [p] if p in available else []
+        if not names:
+            raise UserError(f"--metric {p}: no run logged it; available: {describe_metrics(available)}")
+        out += [n for n in names if n not in out]
+    return out
+
+
 def group_result(seeds: list[SeedRun], metric: str, cfg: CompareConfig) -> GroupResult | None:
     """Finals, IQM / mean with CIs and the gridded curve of `metric` over a group's seeds (None: no seed has it)."""
     series = [(s, *s.series(metric, cfg.x_key)) for s in seeds]
     series = [(s, x, y) for s, x, y in series if len(x)]
     if not series:
         return None
-    finals = [Final(s.name, s.seed, final_value(x, y, cfg.final_frac)) for s, x, y in series]
+    finals = [Final(s.name, s.seed, final_value(x, y, cfg.final_frac), float(x.max())) for s, x, y in series]
     values = np.array([f.value for f in finals])
     kw = dict(reps=cfg.bootstrap_samples, confidence=cfg.confidence, seed=cfg.seed)
     curve = None
     grid = common_grid([x for _, x, _ in series], cfg.grid_points)
     if len(grid):
-        per_seed = np.stack([interpolate_to_grid(x, y, grid) for _, x, y in series])
+        per_seed = np.stack([interpolate_to_grid(x, trailing_mean(x, y, cfg.smooth_steps), grid)
+                             for _, x, y in series])
         curve = Curve(grid, *bootstrap_mean_band(per_seed, **kw), seeds=per_seed)
     return GroupResult(finals, bootstrap_ci(values, stat_iqm, **kw), bootstrap_ci(values, stat_mean, **kw), curve)
 
@@ -138,9 +159,7 @@ def compare_groups(groups: dict[str, list[SeedRun]], group_fields: list[str], cf
     all_runs = [s for seeds in groups.values() for s in seeds]
     results: dict[str, dict[str, GroupResult]] = {}
     improvement: dict[str, list[dict[str, Any]]] = {}
-    for metric in cfg.metric:
-        if not any(metric in s.metric_names() for s in all_runs):
-            raise UserError(f"--metric {metric}: no run logged it; available: {describe_metrics(available_metrics(all_runs))}")
+    for metric in expand_metrics(cfg.metric, available_metrics(all_runs)):
         results[metric] = {}
         for name, seeds in groups.items():
             missing = [s.name for s in seeds if metric not in s.metric_names()]
@@ -189,7 +208,7 @@ def run(cfg: CompareConfig) -> dict[str, Any]:
     out = Path(cfg.out or f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_comparison_json(out / "compare.json", comparison, cfg)
-    png_path = plot_comparison(out / "compare.png", comparison, cfg)
+    png_path = plot_comparison(out / "compare.png", comparison, cfg) if cfg.plot else None
     print_comparison(comparison, cfg)
     for w in comparison.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")

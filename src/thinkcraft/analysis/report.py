@@ -38,7 +38,7 @@ def comparison_dict(c: "Comparison", cfg: "CompareConfig") -> dict[str, Any]:
             if r is None:
                 continue
             metrics[metric] = {
-                "finals": [{"run": f.run, "seed": f.seed, "final": _num(f.value)} for f in r.finals],
+                "finals": [{"run": f.run, "seed": f.seed, "final": _num(f.value), "steps": _num(f.steps)} for f in r.finals],
                 "n_seeds": len(r.finals),
                 "iqm": _interval(r.iqm),
                 "mean": _interval(r.mean),
@@ -54,7 +54,7 @@ def comparison_dict(c: "Comparison", cfg: "CompareConfig") -> dict[str, Any]:
         "method": "final = mean over the last final_frac of each seed's steps; IQM and mean with stratified "
                   "percentile bootstrap CIs, probability of improvement (rliable, Agarwal et al. NeurIPS 2021); "
                   "curves linearly interpolated per seed onto a common grid, mean with a bootstrap band",
-        "x_key": cfg.x_key, "final_frac": cfg.final_frac, "bootstrap_samples": cfg.bootstrap_samples,
+        "x_key": cfg.x_key, "smooth_steps": cfg.smooth_steps, "final_frac": cfg.final_frac, "bootstrap_samples": cfg.bootstrap_samples,
         "confidence": cfg.confidence, "seed": cfg.seed, "group_fields": c.group_fields,
         "groups": groups,
         "probability_of_improvement": {m: [{"x": d["x"], "y": d["y"], "p": _num(d["point"]), "low": _num(d["low"]),

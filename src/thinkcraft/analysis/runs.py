@@ -58,12 +58,14 @@ class SeedRun:
         return self.run_dir if self.seed_index is None else f"{self.run_dir}[{self.seed_index}]"
 
     def series(self, metric: str, x_key: str = "step") -> tuple[np.ndarray, np.ndarray]:
-        """(x, value) of the records that carry a finite `metric` (and `x_key`)."""
+        """(x, value) of the records that carry a finite `metric` (and `x_key`), sorted by x."""
         pts = [(r[x_key], r[metric]) for r in self.records
                if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
                and isinstance(r.get(x_key), (int, float))]
         xs, ys = zip(*pts) if pts else ((), ())
-        return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+        x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+        order = np.argsort(x, kind="stable")
+        return x[order], y[order]
 
     def metric_names(self) -> set[str]:
         return {k for r in self.records for k, v in r.items()

@@ -132,6 +132,18 @@ def interpolate_to_grid(steps: np.ndarray, values: np.ndarray, grid: np.ndarray)
     return out
 
 
+def trailing_mean(steps: np.ndarray, values: np.ndarray, window: float) -> np.ndarray:
+    """Each value replaced by the mean of the values logged in the trailing `window` of steps (step - window,
+    step]: puts a run logged every update on the footing of one logged per chunk of updates. Sorted steps."""
+    s, v = np.asarray(steps, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    if window <= 0 or len(v) == 0:
+        return v
+    csum = np.r_[0.0, np.cumsum(v)]
+    first = np.searchsorted(s, s - window, side="right")  # first index inside the window
+    last = np.arange(1, len(v) + 1)
+    return (csum[last] - csum[first]) / (last - first)
+
+
 def common_grid(step_series: list[np.ndarray], num_points: int) -> np.ndarray:
     """`num_points` evenly spaced steps over the range every series covers: [max of firsts, min of lasts].
     Empty when the series do not overlap."""
