@@ -5,7 +5,11 @@ mean with 95% stratified-bootstrap CIs, P(ours > Baselines)); one row per seed i
 
     # GPU (source bench/gpu_env.sh first): 5 seeds x 20M steps x 1024 envs each, Craftax-Symbolic
     python bench/ppo_parity.py --policy mlp --baselines-dir .ref/Craftax_Baselines
-    python bench/ppo_parity.py --policy rnn --baselines-dir .ref/Craftax_Baselines
+    # the same in parts (run dirs accumulate under --runs-dir; each call compares all that match):
+    python bench/ppo_parity.py --systems thinkcraft
+    python bench/ppo_parity.py --systems baselines --seed 0 --seeds 3
+    python bench/ppo_parity.py --systems baselines --seed 3 --seeds 2
+    python bench/ppo_parity.py --policy rnn ...   # ours needs `train ppo --policy rnn` (issue 18 item 4)
     python bench/ppo_parity.py --quick   # CPU: Craftax-Classic, 16 envs, 2 seeds, tiny nets - the plumbing
     python bench/ppo_parity.py --dry     # no training: tiny fake run dirs through compare and the rows
 
@@ -77,7 +81,11 @@ def run_logged(cmd: list[str], log_path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def run_ours(a: argparse.Namespace, runs: Path) -> tuple[list[Path], float]:
+def seeds_tag(a: argparse.Namespace) -> str:
+    return f"s{a.seed}-{a.seed + a.seeds - 1}"
+
+
+def run_ours(a: argparse.Namespace, runs: Path) -> float:
     """`thinkcraft train ppo` for K seeds: one --num-seeds K run, or K runs where that flag does not exist yet."""
     base = [sys.executable, "-m", "thinkcraft", "train", "ppo", "--env-name", a.env, "--num-envs", str(a.num_envs),
             "--total-timesteps", str(a.steps), "--runs-dir", str(runs), "--overwrite", "--no-plot"]
@@ -87,42 +95,55 @@ def run_ours(a: argparse.Namespace, runs: Path) -> tuple[list[Path], float]:
         base += ["--policy", a.policy]
     if a.quick:
         base += [x for _, ours, v in QUICK_SHAPES for x in (ours, str(v))]
-    name = f"thinkcraft-{a.policy}"
     if ours_supports("num_seeds"):
+        name = f"thinkcraft-{a.policy}-{seeds_tag(a)}"
         cmd = base + ["--seed", str(a.seed), "--num-seeds", str(a.seeds), "--run-name", name]
-        return [runs / name], run_logged(cmd, runs / f"{name}.log")
+        return run_logged(cmd, runs / f"{name}.log")
     print(f"note: `train ppo` has no --num-seeds here: {a.seeds} separate runs")
-    dirs, wall = [], 0.0
+    wall = 0.0
     for i in range(a.seeds):
-        cmd = base + ["--seed", str(a.seed + i), "--run-name", f"{name}-s{a.seed + i}"]
-        wall += run_logged(cmd, runs / f"{name}-s{a.seed + i}.log")
-        dirs.append(runs / f"{name}-s{a.seed + i}")
-    return dirs, wall
+        name = f"thinkcraft-{a.policy}-s{a.seed + i}"
+        wall += run_logged(base + ["--seed", str(a.seed + i), "--run-name", name], runs / f"{name}.log")
+    return wall
 
 
-def run_theirs(a: argparse.Namespace, runs: Path) -> tuple[Path, float]:
-    out = runs / f"baselines-{a.policy}"
+def run_theirs(a: argparse.Namespace, runs: Path) -> float:
+    name = f"baselines-{a.policy}-{seeds_tag(a)}"
     their = ["--env_name", a.env, "--num_envs", str(a.num_envs), "--total_timesteps", str(a.steps),
              "--num_repeats", str(a.seeds), "--seed", str(a.seed)]
     if a.quick:
         their += [x for theirs, _, v in QUICK_SHAPES for x in (theirs, str(v))]
     cmd = [sys.executable, str(ROOT / "bench" / "baselines_adapter.py"), "--baselines-dir", a.baselines_dir,
-           "--script", SCRIPT[a.policy], "--out", str(out), "--overwrite", "--", *their]
-    return out, run_logged(cmd, runs / f"baselines-{a.policy}.log")
+           "--script", SCRIPT[a.policy], "--out", str(runs / name), "--overwrite", "--", *their]
+    return run_logged(cmd, runs / f"{name}.log")
 
 
-def write_fake_runs(a: argparse.Namespace, runs: Path) -> tuple[list[Path], Path]:
+def write_fake_runs(a: argparse.Namespace, runs: Path) -> None:
     """--dry: K-seed run dirs of both systems in the real layout, with made-up curves (analysis.testing)."""
     from thinkcraft.analysis.testing import write_fake_run
 
     shared = {"env_name": a.env, "num_envs": a.num_envs, "total_timesteps": a.steps}
     log_every = max(a.steps // 40, 1)
-    ours = write_fake_run(runs / f"thinkcraft-{a.policy}", {**shared, "policy": a.policy}, num_seeds=a.seeds,
-                          total_steps=a.steps, log_every=log_every, final_return=10.0, seed=a.seed)
-    theirs = write_fake_run(runs / f"baselines-{a.policy}", {**shared, "system": "baselines", "policy": a.policy},
-                            num_seeds=a.seeds, total_steps=a.steps, log_every=log_every, final_return=10.5,
-                            seed=a.seed, noise_seed=a.seed + 1000)
-    return [ours], theirs
+    write_fake_run(runs / f"thinkcraft-{a.policy}-{seeds_tag(a)}", {**shared, "policy": a.policy},
+                   num_seeds=a.seeds, total_steps=a.steps, log_every=log_every, final_return=10.0, seed=a.seed)
+    write_fake_run(runs / f"baselines-{a.policy}-{seeds_tag(a)}", {**shared, "system": "baselines", "policy": a.policy},
+                   num_seeds=a.seeds, total_steps=a.steps, log_every=log_every, final_return=10.5, seed=a.seed,
+                   noise_seed=a.seed + 1000)
+
+
+def find_run_dirs(a: argparse.Namespace, runs: Path) -> list[Path]:
+    """Every run dir of this policy under `runs` (from this call or earlier ones: seeds may come in batches)
+    whose env, num_envs and steps are this call's; others are listed and left out."""
+    found, other = [], []
+    for d in sorted([*runs.glob(f"thinkcraft-{a.policy}-s*"), *runs.glob(f"baselines-{a.policy}-s*")]):
+        if not (d / "metrics.jsonl").exists() or not (d / "config.json").exists():
+            continue
+        c = json.loads((d / "config.json").read_text())
+        same = (c.get("env_name"), c.get("num_envs"), c.get("total_timesteps")) == (a.env, a.num_envs, a.steps)
+        (found if same else other).append(d)
+    if other:
+        print(f"left out (other env / num_envs / steps): {', '.join(d.name for d in other)}")
+    return found
 
 
 def logging_window(run_dirs: list[Path]) -> float:
@@ -143,7 +164,7 @@ def verdict(ours: Interval, theirs: Interval) -> str:
     return "inside" if ours.point >= theirs.low else "below"
 
 
-def summarise(a: argparse.Namespace, run_dirs: list[Path], out: Path, walls: dict[str, float]) -> list[dict]:
+def summarise(a: argparse.Namespace, run_dirs: list[Path], out: Path) -> list[dict]:
     """compare: curves + tables (PNG/JSON in `out`), then per-achievement finals; returns the result rows."""
     from thinkcraft.analysis.compare import CompareConfig, compare_groups, load_groups
     from thinkcraft.analysis.compare import run as compare_run
@@ -176,7 +197,7 @@ def summarise(a: argparse.Namespace, run_dirs: list[Path], out: Path, walls: dic
         for f in m["finals"]:
             rows.append({"system": system, "policy": a.policy, "seed": f["seed"], "steps": int(f["steps"]),
                          "final_return": f["final"], "final_achievement_mean_rate": rates.get(f["run"]),
-                         "env": a.env, "num_envs": a.num_envs, "run": f["run"], "wall_s_all_seeds": walls.get(system),
+                         "env": a.env, "num_envs": a.num_envs, "run": f["run"],
                          "mode": "dry" if a.dry else "quick" if a.quick else "full", "card": card(), "date": today(),
                          "compare_dir": str(out)})
     return rows
@@ -206,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="first seed (ours: seed..seed+K-1; Baselines: split(PRNGKey(seed), K))")
     ap.add_argument("--num-envs", type=int, default=1024)
     ap.add_argument("--baselines-dir", default=str(ROOT / ".ref" / "Craftax_Baselines"))
-    ap.add_argument("--systems", nargs="+", choices=["thinkcraft", "baselines"], default=["thinkcraft", "baselines"],
-                    help="which to (re)run; the other's run dir under --runs-dir is reused")
+    ap.add_argument("--systems", nargs="*", choices=["thinkcraft", "baselines"], default=["thinkcraft", "baselines"],
+                    help="which to run now (none: only compare); every matching run dir under --runs-dir is compared, "
+                         "so seeds can come in batches (--seed 0 --seeds 3, then --seed 3 --seeds 2)")
     ap.add_argument("--runs-dir", default=None, help="default: runs/parity (--quick, --dry: runs/parity-quick, -dry)")
     ap.add_argument("--results", default=None, help="default: bench/results/ppo_parity.json "
                     "(--quick / --dry: <runs-dir>/ppo_parity.json)")
@@ -223,20 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(a.results or (runs / "ppo_parity.json" if a.dry or a.quick else
                                  ROOT / "bench" / "results" / "ppo_parity.json"))
 
-    walls: dict[str, float] = {}
-    ours_dirs = sorted(runs.glob(f"thinkcraft-{a.policy}*/")) if "thinkcraft" not in a.systems else []
-    theirs_dir = runs / f"baselines-{a.policy}"
     if a.dry:
-        ours_dirs, theirs_dir = write_fake_runs(a, runs)
-    else:
-        if "thinkcraft" in a.systems:
-            ours_dirs, walls["thinkcraft"] = run_ours(a, runs)
-        if "baselines" in a.systems:
-            theirs_dir, walls["baselines"] = run_theirs(a, runs)
-    missing = [str(d) for d in [*ours_dirs, theirs_dir] if not (d / "metrics.jsonl").exists()] or ([] if ours_dirs else ["thinkcraft run"])
-    if missing:
-        raise SystemExit(f"missing run dirs: {', '.join(missing)} (run without --systems to make them)")
-    rows = summarise(a, [*ours_dirs, theirs_dir], runs / f"compare-{a.policy}", walls)
+        write_fake_runs(a, runs)
+    for system, fn in (("thinkcraft", run_ours), ("baselines", run_theirs)):
+        if system in a.systems and not a.dry:
+            print(f"{system}: {a.seeds} seeds x {a.steps:,} steps in {fn(a, runs):.0f} s (compile included)")
+    dirs = find_run_dirs(a, runs)
+    if not dirs:
+        raise SystemExit(f"no run dirs for policy {a.policy} under {runs}")
+    rows = summarise(a, dirs, runs / f"compare-{a.policy}")
     print_table(rows, ["system", "policy", "seed", "steps", "final_return", "final_achievement_mean_rate"])
     write_records(results, rows, merge_keys=("system", "policy", "env", "num_envs", "seed", "mode"))
     print(f"wrote {results} and {runs / f'compare-{a.policy}'}/ (compare.png, compare.json, achievements.json)")
