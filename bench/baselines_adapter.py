@@ -71,6 +71,7 @@ def with_cpu_deadlock_flag(env: dict[str, str]) -> dict[str, str]:
     flags = env.get("XLA_FLAGS", "")
     return env if CPU_VMAP_DEADLOCK_FLAG in flags else {**env, "XLA_FLAGS": f"{flags} {CPU_VMAP_DEADLOCK_FLAG}".strip()}
 
+
 SCRIPTS = {"ppo.py": "mlp", "ppo_rnn.py": "rnn"}
 
 

@@ -97,6 +97,16 @@ def test_groups_ignore_names_seeds_and_logging(runs: Path):
     assert fields == ["lr"] and [len(v) for v in groups.values()] == [3, 4]
 
 
+def test_labels_name_the_fewest_separating_fields():
+    from thinkcraft.analysis.runs import label_fields
+
+    mlp = {"policy": "mlp", "lr": 2e-4, "icm_lr": 3e-4, "train_icm": False}  # fields only one script has
+    rnn = {"policy": "rnn", "lr": 2e-4}
+    configs = [mlp, rnn, {**rnn, "lr": 1e-3}]
+    assert label_fields(configs, differing_fields(configs)) == ["lr", "policy"]
+    assert label_fields(configs[:2], differing_fields(configs[:2])) == ["policy"]
+
+
 def test_system_defaults_to_thinkcraft(tmp_path: Path, capsys):
     write_fake_run(tmp_path / "ours", BASE, num_seeds=2)
     write_fake_run(tmp_path / "theirs", {**BASE, "system": "baselines"}, num_seeds=2, seed=5)

@@ -162,7 +162,7 @@ def compare_groups(groups: dict[str, list[SeedRun]], group_fields: list[str], cf
     for metric in expand_metrics(cfg.metric, available_metrics(all_runs)):
         results[metric] = {}
         for name, seeds in groups.items():
-            missing = [s.name for s in seeds if metric not in s.metric_names()]
+            missing = [s.name for s in seeds if metric not in s.metric_names]
             if missing:
                 warnings.append(f"{metric}: {len(missing)} seed(s) of '{name}' never logged it: {', '.join(missing)}")
             r = group_result(seeds, metric, cfg)

@@ -16,6 +16,7 @@ thinkcraft (`system: thinkcraft`); bench/baselines_adapter.py writes `system: ba
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -33,11 +34,16 @@ IGNORED_FIELDS = frozenset({
     "_derived", "run_name", "run_dir", "runs_dir", "seed", "num_seeds", "resume", "overwrite",
     "checkpoint_every_updates", "checkpoint_every_minutes", "checkpoint_every", "tensorboard", "wandb_project",
     "plot", "stop_after_updates", "updates_per_chunk", "unroll_env_scans", "log_every", "source",
+    "their_argv", "baselines_dir", "baselines_commit",  # bench/baselines_adapter.py's provenance
+    "minibatch_size", "num_updates",  # derived (Baselines' make_train writes them into its config)
 })
 """Config fields that never define a group (they name, place, seed, log or speed up a run)."""
 
 CONFIG_DEFAULTS = {"system": "thinkcraft"}
 """Values of fields a config may lack (our own configs do not say `system`)."""
+
+PREFERRED_LABEL_FIELDS = ("system", "policy", "env_name", "env", "model")
+"""Fields a short group label names first when several would separate the groups."""
 
 RECORD_KEYS = frozenset({"step", "time_s", "seed_index", "update"})
 """Record fields that are bookkeeping, not metrics."""
@@ -67,9 +73,10 @@ class SeedRun:
         order = np.argsort(x, kind="stable")
         return x[order], y[order]
 
-    def metric_names(self) -> set[str]:
-        return {k for r in self.records for k, v in r.items()
-                if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    @functools.cached_property
+    def metric_names(self) -> frozenset[str]:
+        return frozenset(k for r in self.records for k, v in r.items()
+                         if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def expand_run_dirs(patterns: Sequence[str]) -> tuple[list[Path], list[str]]:
@@ -144,6 +151,36 @@ def differing_fields(configs: Sequence[dict[str, Any]]) -> list[str]:
             and len({_fmt_value(_field_value(c, k)) for c in configs}) > 1]
 
 
+def label_fields(configs: Sequence[dict[str, Any]], fields: Sequence[str]) -> list[str]:
+    """The fewest of `fields` whose values still separate the configs exactly as all `fields` do: short group
+    labels (`policy=rnn`, not the dozen fields only one script's config has), the same groups. Greedy, trying
+    PREFERRED_LABEL_FIELDS first, then fields every config has, then by name."""
+
+    def key(c: dict[str, Any], ks: Sequence[str]) -> tuple[str, ...]:
+        return tuple(_fmt_value(_field_value(c, k)) for k in ks)
+
+    def partition(ks: Sequence[str]) -> set[frozenset[int]]:
+        blocks: dict[tuple[str, ...], set[int]] = defaultdict(set)
+        for i, c in enumerate(configs):
+            blocks[key(c, ks)].add(i)
+        return {frozenset(b) for b in blocks.values()}
+
+    target = partition(fields)
+
+    def rank(k: str) -> tuple[int, bool, str]:
+        pref = PREFERRED_LABEL_FIELDS.index(k) if k in PREFERRED_LABEL_FIELDS else len(PREFERRED_LABEL_FIELDS)
+        return pref, not all(k in c or k in CONFIG_DEFAULTS for c in configs), k
+
+    ordered = sorted(fields, key=rank)
+    chosen: list[str] = []
+    for k in ordered:
+        if partition(chosen) == target:
+            break
+        if len(partition([*chosen, k])) > len(partition(chosen)):
+            chosen.append(k)
+    return [k for k in fields if k in chosen]
+
+
 def parse_labels(labels: Sequence[str]) -> dict[str, str]:
     """`DIR=name` pairs -> {resolved dir: name}."""
     out = {}
@@ -170,7 +207,7 @@ def assign_groups(runs: Sequence[SeedRun], group_by: Sequence[str] = (), labels:
                 raise UserError(f"--group-by {k}: no run's config has that field; fields: {', '.join(known)}")
         fields_ = list(group_by)
     else:
-        fields_ = differing_fields([r.config for r in unlabelled])
+        fields_ = label_fields([r.config for r in unlabelled], differing_fields([r.config for r in unlabelled]))
     groups: dict[str, list[SeedRun]] = {}
     for r in runs:
         name = labels.get(str(Path(r.run_dir).resolve()))
@@ -197,7 +234,7 @@ def group_warnings(groups: dict[str, list[SeedRun]]) -> list[str]:
 
 
 def available_metrics(runs: Sequence[SeedRun]) -> list[str]:
-    return sorted(set().union(*(r.metric_names() for r in runs)))
+    return sorted(set().union(*(r.metric_names for r in runs)))
 
 
 def describe_metrics(names: Sequence[str], max_shown: int = 40) -> str:
