@@ -19,17 +19,27 @@ bench/baselines_adapter.py runs their unmodified `ppo.py` / `ppo_rnn.py` with `-
 logging. Both get the same env, num_envs, total steps, seed and (in --quick) the same small shapes; every
 other hyperparameter is each side's default, and ours are Baselines' (train/ppo.py).
 
-Definitions side by side (what makes the numbers comparable):
-| quantity | Craftax_Baselines ppo.py (their logging) | thinkcraft train ppo |
-| episode return | per update: mean of LogWrapper's `returned_episode_returns` over the (step, env) pairs of the update's rollout where an episode ended | per logged chunk (`updates_per_chunk` updates, default 8): sum of the returns of episodes ended in the chunk / their count - the same episode-weighted mean over a window of 8 updates |
-| achievement rate | `Achievements/x` = 100 x unlocked x done averaged over ended episodes: % of episodes that unlocked x (the adapter divides by 100) | `achievements/x`: fraction of ended episodes that unlocked x; `achievements/mean_rate` the mean over x (the adapter writes the same) |
-| step | (update + 1) x num_envs x num_steps | update x num_envs x num_steps at the chunk's end |
-| seeds | NUM_REPEATS vmapped, keys split(PRNGKey(seed), K) | --num-seeds K vmapped (seed_index i) |
-| resets | optimistic, ratio 16: random.choice(p=done) over the done envs when >= num_envs/16 are done, else an argsort; extra done envs share a world | optimistic, ratio 16: done envs ranked from a random offset, the k-th takes fresh world k (mod num_envs/16) |
-| lr annealing | linear to 0: lr x (1 - (count // (minibatches x epochs)) / num_updates) | the same formula (rl/ppo.make_optimizer) |
-| initialisation | orthogonal(sqrt 2) hidden, 0.01 actor head, 1.0 critic head, zero biases | the same (rl/networks.ActorCritic); the PRNG key split differs (same distribution) |
+Definitions side by side (Baselines = their ppo.py and its logging; ours = `thinkcraft train ppo`):
+* episode return - Baselines: per update, the mean of LogWrapper's `returned_episode_returns` over the
+  (step, env) pairs of the update's rollout where an episode ended. Ours: per logged chunk
+  (`updates_per_chunk`, default 8, cut to a divisor of the number of updates), the sum of the returns of the
+  episodes ended in the chunk over their count: the same episode-weighted mean over a longer window (the
+  curves are averaged over that window on both sides: compare --smooth-steps).
+* achievement rate - Baselines: `Achievements/x` = 100 x unlocked x done, averaged over ended episodes (the
+  adapter divides by 100). Ours: `achievements/x`, the fraction of ended episodes that unlocked x;
+  `achievements/mean_rate` is the mean over x on both sides (the adapter computes it).
+* step - Baselines: (update + 1) x num_envs x num_steps. Ours: the same count at the chunk's end.
+* seeds - Baselines: NUM_REPEATS vmapped, keys split(PRNGKey(seed), K). Ours: --num-seeds K vmapped.
+* resets - both optimistic, ratio 16 (num_envs / 16 fresh worlds per step). Baselines: random.choice(p=done)
+  picks the done envs that get a unique world when >= num_envs / 16 are done, else an argsort; the other
+  done envs share worlds. Ours: done envs ranked from a random offset, the k-th takes world k mod num_envs/16.
+  Same distribution of starts.
+* lr annealing - both linear to 0: lr x (1 - (count // (minibatches x epochs)) / num_updates).
+* initialisation - both orthogonal(sqrt 2) hidden layers, 0.01 actor head, 1.0 critic head, zero biases, 3 x
+  512 tanh; the PRNG key splits differ (same distribution).
 Final performance = mean of a seed's values over the last 10% of its steps (compare --final-frac): at 20M
-steps and 1024 envs that is ~30 Baselines updates and ~4 of our 8-update chunks, the same expectation.
+steps and 1024 envs (305 updates of 65,536 steps) that is Baselines' last ~30 updates and our last 6 chunks
+of 5 updates (8 is cut to 5, a divisor of 305): the same steps, the same expectation.
 """
 
 from __future__ import annotations
