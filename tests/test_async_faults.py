@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from thinkcraft.envs.textenvs import ArithTask
 from thinkcraft.envs.textenvs import TaskEnv

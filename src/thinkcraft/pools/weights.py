@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from thinkcraft.llm.weight_files import lora_meta  # noqa: F401 - what a LoRA WeightUpdate's meta holds
-
 log = logging.getLogger(__name__)
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from thinkcraft.llm.weight_files import lora_meta
 from thinkcraft.pools import (
     CopyWeights, EngineFront, EngineSlot, EnvSpec, GroupResult, HTTPWeights, LocalPool, RewardPool, RolloutPool,
     RolloutSettings, SharedWeights, WeightUpdate, trainable_state,
 )
-from thinkcraft.llm.weight_files import lora_meta
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import Learner
 from thinkcraft.train.llm_policy.rollout import Episode, build_messages, encode_prompt
