@@ -4,7 +4,7 @@ share, reward against trained samples (one PNG), with and without a slow env.
     # CPU plumbing check (tiny random model; seconds):
     .venv/bin/python bench/async_llm_policy.py --quick
     # one GPU: sync vs async (η = 1) on arith and a GSM8K-layout task; then the 200 ms env with N workers
-    .venv/bin/python bench/async_llm_policy.py --gpus 1
+    .venv/bin/python bench/async_llm_policy.py --gpus 1      # (or in parts: --tasks arith --cases base, ...)
     # two GPUs: async with an engine on each GPU (the learner time-sliced with the engine on cuda:0)
     CUDA_VISIBLE_DEVICES=0,1 .venv/bin/python bench/async_llm_policy.py --gpus 2
     # the CPU learning check of issue 20: the bundled model on arith, async η = 1, 30 steps (about an hour here)
@@ -64,6 +64,7 @@ def _args(argv=None):
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--rollout-workers", type=int, default=None, help="default (η + 1) x prompts")
     p.add_argument("--slow-env-ms", type=float, default=200.0, help="the slow-env case's latency per step")
+    p.add_argument("--cases", default="base,slow", help="base (each task, no latency), slow (first task, slow env)")
     p.add_argument("--slow-env-workers", type=int, default=None,
                    help="rollout workers in the slow-env case, N (default (η + 1) x prompts: every group the "
                         "staleness bound admits runs at once; more would idle)")
@@ -202,10 +203,12 @@ def _plan(a) -> list[tuple[str, str, float]]:
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if a.learning_check:
         return [("arith", "async", 0.0)]
+    cases = {c.strip() for c in a.cases.split(",")}
     plan = []  # the sync reference (one GPU) runs in the same command as the async rows it is compared with
-    for t in tasks:
-        plan += [(t, "sync", 0.0), (t, "async", 0.0)]
-    if a.slow_env_ms:
+    if "base" in cases:
+        for t in tasks:
+            plan += [(t, "sync", 0.0), (t, "async", 0.0)]
+    if "slow" in cases and a.slow_env_ms:
         plan += [(tasks[0], "sync", a.slow_env_ms), (tasks[0], "async", a.slow_env_ms)]
     return plan
 
