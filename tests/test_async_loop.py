@@ -67,6 +67,47 @@ def store_records(run_dir):
     return table_to_records(read_table(Path(run_dir) / "trajectories"))
 
 
+def _same_runs(sync, asy, n_records: int) -> None:
+    """The two runs' trajectories (token ids, logprobs, rewards) and updates (LoRA weights, losses) agree."""
+    key = lambda r: (r.metadata.policy_version, r.task_id, r.metadata.extra["group"],  # noqa: E731
+                     r.turns[0].response_token_ids.tobytes())
+    a, b = sorted(store_records(sync.run_dir), key=key), sorted(store_records(asy.run_dir), key=key)
+    assert len(a) == len(b) == n_records
+    for x, y in zip(a, b):
+        assert x.task_id == y.task_id and x.metadata.policy_version == y.metadata.policy_version
+        assert len(x.turns) == len(y.turns)
+        for tx, ty in zip(x.turns, y.turns):
+            assert np.array_equal(tx.prompt_token_ids, ty.prompt_token_ids)
+            assert np.array_equal(tx.response_token_ids, ty.response_token_ids)
+            np.testing.assert_allclose(tx.logprobs, ty.logprobs, atol=1e-6)
+            assert tx.reward == ty.reward
+    (sa, wa), (sb, wb) = lora(sync.run_dir), lora(asy.run_dir)
+    assert sa == sb == sync.steps
+    assert any(v.abs().sum() > 0 for n, v in wa.items() if "lora_B" in n)
+    for n in wa:
+        assert torch.allclose(wa[n], wb[n], atol=1e-6), n
+    ms = [json.loads(x) for x in (Path(sync.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    ma = [json.loads(x) for x in (Path(asy.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["losses/loss"] for m in ms] == pytest.approx([m["losses/loss"] for m in ma], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_eta_zero_reproduces_the_synchronous_loop_multi_turn(tmp_path, monkeypatch):
+    """A 3-turn env (every episode's turns batched across the group workers as the sync loop batches them)."""
+    import thinkcraft.pools.envproc as envproc
+    import thinkcraft.train.llm_policy.loop as loop
+    from test_llm_policy import CountdownEnv
+
+    monkeypatch.setattr(loop, "make_env_and_reward", lambda *a, **k: CountdownEnv())
+    monkeypatch.setattr(envproc.EnvSpec, "build", lambda self: CountdownEnv())
+    sync = _cfg(tmp_path / "sync", steps=2, group_size=2, max_new_tokens=4)
+    LP.run(sync)
+    asy = _cfg(tmp_path / "async", steps=2, group_size=2, max_new_tokens=4, mode="async", max_staleness=0,
+               rollout_workers=2, gen_batch_wait_ms=60_000)
+    LP.run(asy)
+    _same_runs(sync, asy, 2 * 2 * 2)
+
+
 @pytest.mark.slow
 def test_eta_zero_reproduces_the_synchronous_loop(tmp_path, monkeypatch):
     patch_reward(monkeypatch)
@@ -77,25 +118,7 @@ def test_eta_zero_reproduces_the_synchronous_loop(tmp_path, monkeypatch):
                gen_batch_wait_ms=60_000)
     last = LP.run(asy)
     assert last["policy_version"] == 3 and last["staleness/max"] == 0
-    # the same trajectories (token ids, logprobs, rewards) ...
-    key = lambda r: (r.metadata.policy_version, r.task_id, r.turns[0].response_token_ids.tobytes())  # noqa: E731
-    a, b = sorted(store_records(sync.run_dir), key=key), sorted(store_records(asy.run_dir), key=key)
-    assert len(a) == len(b) == 3 * 2 * 3
-    for x, y in zip(a, b):
-        assert x.task_id == y.task_id and x.metadata.policy_version == y.metadata.policy_version
-        assert np.array_equal(x.turns[0].prompt_token_ids, y.turns[0].prompt_token_ids)
-        assert np.array_equal(x.turns[0].response_token_ids, y.turns[0].response_token_ids)
-        np.testing.assert_allclose(x.turns[0].logprobs, y.turns[0].logprobs, atol=1e-6)
-        assert x.turns[0].reward == y.turns[0].reward
-    # ... and the same updates
-    (sa, wa), (sb, wb) = lora(sync.run_dir), lora(asy.run_dir)
-    assert sa == sb == 3
-    assert any(v.abs().sum() > 0 for n, v in wa.items() if "lora_B" in n)
-    for n in wa:
-        assert torch.allclose(wa[n], wb[n], atol=1e-6), n
-    ms = [json.loads(x) for x in (Path(sync.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    ma = [json.loads(x) for x in (Path(asy.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [m["losses/loss"] for m in ms] == pytest.approx([m["losses/loss"] for m in ma], abs=1e-6)
+    _same_runs(sync, asy, 3 * 2 * 3)
 
 
 @pytest.mark.slow
