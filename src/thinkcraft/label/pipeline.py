@@ -1,11 +1,17 @@
 """`thinkcraft label`: label items with a local engine or remote OpenAI-compatible endpoints, resumably.
 
 Phases: (1) read the input (Parquet file/folder or JSONL) and render each item through the template;
-(2) key every item by hash(prompt, model, template) and skip keys already stored in `out_dir`;
-(3) label the rest — local: large batches through one engine with the shared prefix passed apart so
-it is prefilled once; remote: jobs of `pack_size` items over every endpoint within its limits;
-(4) validate each answer (a packed answer item by item; bad ones are re-asked alone); store it at once
-(journal + atomic Parquet shards, see store.py); (5) print and save the report (`report.json`).
+(2) key every item by hash(prompt, model, template, prompt format) and skip keys already stored in
+`out_dir`; (3) label the rest — local: large batches through one engine, prompted through the model's
+chat template (prompts.py) with the shared prefix passed apart so it is prefilled once, and decoding
+constrained to the JSON schema (llm/constrained.py) so every answer parses; remote: jobs of `pack_size`
+items over every endpoint within its limits, the schema sent as `response_format` where the endpoint
+accepts it; (4) validate each answer (a packed answer item by item; bad ones are re-asked alone, a
+truncated one with twice the token budget); store it at once (journal + atomic Parquet shards, see
+store.py); (5) print and save the cumulative report (`report.json`, `failures.jsonl`; report.py).
+
+Exit code of `thinkcraft label`: 0 when every item the run attempted has a label, 1 when some stay
+unlabelled (failures.jsonl lists them with the raw answer; re-running retries them), 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -13,20 +19,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import pyarrow as pa
 
+from thinkcraft.label.prompts import PromptFormat, make_prompts, resolved_format
+from thinkcraft.label.report import Tracker, print_report, save_report
 from thinkcraft.label.store import ResultStore, read_results
 from thinkcraft.label.template import (
-    OutputSpec, Template, item_key, load_template, pack_prompt, parse_output, parse_packed, schema_from_fields,
+    OutputSpec, Template, check_schema, item_key, load_template, pack_prompt, parse_output, parse_packed,
+    schema_from_fields,
 )
+from thinkcraft.label.threads import ThreadPolicy
 from thinkcraft.utils.errors import ConfigError, UserError, check
-from thinkcraft.utils.io import atomic_write_json, atomic_write_text
-from thinkcraft.utils.progress import RunProgress, console
+from thinkcraft.utils.io import atomic_write_json
+from thinkcraft.utils.progress import RunProgress
 
 
 @dataclass
@@ -34,7 +44,9 @@ class LabelConfig:
     input: str
     """Items to label: a Parquet file, a folder of Parquet files (e.g. `thinkcraft collect` output), or JSONL."""
     out_dir: str = "runs/label"
-    """Where results go (Parquet shards, journal, report.json). Re-running with the same one resumes."""
+    """Where results go (Parquet shards, journal, report.json, failures.jsonl). Re-running with the same one
+    resumes and retries what failed. Exit code: 0 = every item this run attempted is labelled, 1 = some
+    stay unlabelled (listed in failures.jsonl with the raw answer), 2 = usage error."""
     template: str | None = None
     """TOML/JSON file with `prefix`, `item` and optionally `fields` or `schema` (overrides the three flags below)."""
     prefix: str = "You label states of the game Craftax.\n"
@@ -46,8 +58,23 @@ class LabelConfig:
     schema: str | None = None
     """Path to a JSON-Schema (object) the JSON output must satisfy; alternative to --fields."""
     engine: str = "auto:default"
-    """Local engine spec: `auto:<model>` (vLLM offline when installed and a GPU is present, else hf),
-    `hf:<model>`, `vllm:<path>`; <model> is `default` (bundled) or a local folder. Unused with --endpoints."""
+    """Engine spec: `auto:<model>` (vLLM offline when installed and a GPU is present, else hf),
+    `hf:<model>`, `vllm:<path>`; <model> is `default` (bundled) or a local folder. An HTTP server,
+    `openai+http://host:port/v1` or `sglang+http://host:port`, is asked through chat completions (as one
+    endpoint; --endpoints for limits and several). Unused with --endpoints."""
+    prompt_format: PromptFormat = "auto"
+    """Local engines: `chat` = instructions as the system turn and the item as the user turn of the model's
+    chat template (shared prefix still prefilled once); `raw` = instructions + item as plain text (base
+    models, hand-written few-shot prompts); `auto` = chat when the tokenizer has a chat template."""
+    constrain: bool = True
+    """With --fields/--schema: decode local answers under the schema (xgrammar), so each one parses by
+    construction and ends at the closing brace; remote endpoints get the schema as `response_format`
+    (OpenAI structured outputs; vLLM/SGLang guided decoding) and fall back to parse-and-re-ask where
+    refused. --no-constrain: parse and re-ask only."""
+    threads: int = 0
+    """CPU threads for torch (local CPU engines); 0 = auto: usable cores (os.sched_getaffinity) minus the
+    cores other processes keep busy, re-read before every batch, at least 1. torch's default (one per
+    core) ran ~9x slower beside a single busy process on a 2-core machine."""
     endpoints: str | None = None
     """TOML/JSON file of OpenAI-compatible endpoints (keys, RPM/TPM/concurrency, weights): label remotely."""
     batch_size: int = 64
@@ -75,10 +102,18 @@ class LabelConfig:
         check(self.shard_items >= 1, "shard_items", "must be >= 1")
         check(self.limit is None or self.limit >= 0, "limit", "must be >= 0")
         check(not (self.fields and self.schema), "schema", "give --fields or --schema, not both")
+        check(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")
+        check(self.prompt_format in ("auto", "chat", "raw"), "prompt_format", "must be auto, chat or raw")
         check(Path(self.input).exists(), "input", f"{self.input} does not exist")
         check(self.endpoints is None or Path(self.endpoints).exists(), "endpoints", f"{self.endpoints} does not exist")
-        check(self.pack_size == 1 or self.endpoints is not None, "pack_size",
+        check(self.pack_size == 1 or self.endpoints is not None or is_http_spec(self.engine), "pack_size",
               "packing is for remote endpoints (--endpoints); local engines batch instead (--batch-size)")
+        # template, item format and schema errors are one line here, before any model loads
+        template = build_template(self, columns=None)
+        if template.output.is_json and self.constrain and self.endpoints is None and not is_http_spec(self.engine):
+            from thinkcraft.llm.constrained import check_schema as check_grammar
+
+            check_grammar(dict(template.output.schema))  # type: ignore[arg-type]
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -112,7 +147,9 @@ def read_input(path: str | Path) -> pa.Table:
     return table
 
 
-def build_template(cfg: LabelConfig, columns: Sequence[str]) -> Template:
+def build_template(cfg: LabelConfig, columns: Sequence[str] | None) -> Template:
+    """The run's template; `columns=None` (config validation, before the input is read) checks all but
+    the default item column."""
     if cfg.template:
         return load_template(cfg.template)
     schema = None
@@ -121,10 +158,13 @@ def build_template(cfg: LabelConfig, columns: Sequence[str]) -> Template:
     elif cfg.schema:
         try:
             schema = json.loads(Path(cfg.schema).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError("schema", f"cannot read {cfg.schema}: {e}") from None
+        check_schema(schema, f"--schema {cfg.schema}")
     item = cfg.item
-    if item is None:
+    if item is None and columns is None:
+        item = "{text}"  # placeholder: the real default needs the input's columns
+    elif item is None:
         col = next((c for c in ("prompt", "text", "compact_text") if c in columns), None)
         if col is None:
             raise ConfigError("item", f"the input has no prompt/text/compact_text column ({list(columns)}); "
@@ -142,13 +182,15 @@ class WorkItem:
     """The rendered per-item part (sent after the shared prefix)."""
 
 
-def prepare_items(table: pa.Table, template: Template, model: str) -> tuple[list[WorkItem], int]:
-    """Rendered, keyed, de-duplicated items (first occurrence wins) and the number of duplicates."""
+def prepare_items(table: pa.Table, template: Template, model: str, prompt_format: str = "raw"
+                  ) -> tuple[list[WorkItem], int]:
+    """Rendered, keyed, de-duplicated items (first occurrence wins) and the number of duplicates.
+    A chat-formatted prompt is another prompt: its keys differ from raw ones (raw keys are unchanged)."""
     cols = [c for c in dict.fromkeys(template.columns)]
     missing = [c for c in cols if c not in table.column_names]
     if missing:
         raise UserError(f"template uses columns {missing} that the input lacks (it has {table.column_names})")
-    digest = template.digest()
+    digest = template.digest() + ("" if prompt_format == "raw" else f"+{prompt_format}")
     instr = template.instructions
     out: list[WorkItem] = []
     seen: set[str] = set()
@@ -161,54 +203,7 @@ def prepare_items(table: pa.Table, template: Template, model: str) -> tuple[list
     return out, table.num_rows - len(out)
 
 
-# --- progress and report --------------------------------------------------------------------------
-
-
-@dataclass
-class Tracker:
-    """Counts shown on the progress bar and written to the report."""
-
-    total: int
-    progress: RunProgress | None = None
-    labelled: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    reasked: int = 0
-    errors: Counter = field(default_factory=Counter)
-    invalid: int = 0
-    failed: int = 0
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    t0: float = field(default_factory=time.monotonic)
-
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.t0
-
-    def ok(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
-        self.labelled += 1
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
-        self.cached_tokens += cached_tokens
-        self.tick()
-
-    def fail(self, item: WorkItem, kind: str, message: str) -> None:
-        self.errors[kind] += 1
-        if kind == "schema":
-            self.invalid += 1
-        else:
-            self.failed += 1
-        self.failures.append({"key": item.key, "row": item.row, "kind": kind, "error": message[:500]})
-        self.tick()
-
-    def tick(self) -> None:
-        if self.progress is None:
-            return
-        dt = max(self.elapsed_s(), 1e-9)
-        finished = self.labelled + self.invalid + self.failed
-        rate = self.labelled / dt
-        eta_s = (self.total - finished) / rate if rate > 0 else float("nan")
-        self.progress.update(finished, items_per_s=rate, tok_per_s=self.completion_tokens / dt,
-                             errors=sum(self.errors.values()), eta_s=eta_s)
+# --- storing -------------------------------------------------------------------------------------
 
 
 def _store_row(item: WorkItem, value: Any, text: str, model: str, endpoint: str, prompt_tokens: int,
@@ -228,33 +223,51 @@ def _store_row(item: WorkItem, value: Any, text: str, model: str, endpoint: str,
 
 def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template, model: str, store: ResultStore,
                       tracker: Tracker, batch_size: int, max_new_tokens: int, temperature: float,
-                      schema_retries: int, seed: int = 0, endpoint_name: str = "local") -> None:
-    """Large batches through one in-process engine; the shared prefix goes apart (`Batch.prefix`)."""
-    from thinkcraft.llm.protocol import Batch, SamplingParams
+                      schema_retries: int, seed: int = 0, endpoint_name: str = "local", prompts: Any = None,
+                      structured: Any = None, threads: ThreadPolicy | None = None) -> None:
+    """Large batches through one in-process engine; the shared prefix goes apart (`Batch.prefix`).
 
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, logprobs=False, seed=seed)
-    queue: deque[tuple[WorkItem, int]] = deque((it, 1) for it in items)
-    prefix = template.instructions
+    `prompts` (prompts.py; default raw) turns item texts into engine batches; `structured` (a
+    `StructuredOutput`) constrains decoding. A failed answer is re-asked (up to `schema_retries` times),
+    with twice the token budget when it was cut by the length limit."""
+    from thinkcraft.label.prompts import RawPrompts
+    from thinkcraft.llm.protocol import SamplingParams
+
+    prompts = prompts or RawPrompts(template.instructions)
+    queue: deque[tuple[WorkItem, int, int]] = deque((it, 1, max_new_tokens) for it in items)
     while queue:
-        chunk = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
+        budget = queue[0][2]  # a batch shares one token budget: take the queue's head run of it
+        chunk = []
+        while queue and len(chunk) < batch_size and queue[0][2] == budget:
+            chunk.append(queue.popleft())
+        if threads is not None:
+            threads.apply()
+        sampling = SamplingParams(max_new_tokens=budget, temperature=temperature, logprobs=False, seed=seed,
+                                  structured=structured)
         t0 = time.monotonic()
-        comps = engine.generate(Batch(items=[it.text for it, _ in chunk], prefix=prefix), sampling)
+        comps: list[Any] = [None] * len(chunk)
+        for pb in prompts.batches([it.text for it, _, _ in chunk]):
+            out = engine.generate(pb.batch, sampling)
+            if len(out) != len(pb.positions):
+                raise RuntimeError(f"engine returned {len(out)} completions for {len(pb.positions)} items")
+            for pos, c in zip(pb.positions, out):
+                comps[pos] = c
         latency_s = time.monotonic() - t0
-        if len(comps) != len(chunk):
-            raise RuntimeError(f"engine returned {len(comps)} completions for {len(chunk)} items")
-        for (it, attempt), c in zip(chunk, comps):
+        for (it, attempt, _), c in zip(chunk, comps):
             p_tok = len(c.prompt_token_ids)
             c_tok = len(c.token_ids)
             parsed = parse_output(c.text, template.output)
             if parsed.error is None:
                 store.add(_store_row(it, parsed.value, c.text, model, endpoint_name, p_tok, c_tok, 0,
                                      latency_s, 1, attempt))
-                tracker.ok(p_tok, c_tok)
+                tracker.ok(p_tok, c_tok, attempt=attempt)
             elif attempt <= schema_retries:
                 tracker.reasked += 1
-                queue.append((it, attempt + 1))
+                cut = c.finish_reason == "length"
+                queue.append((it, attempt + 1, budget * 2 if cut else budget))
             else:
-                tracker.fail(it, "schema", parsed.error)
+                why = parsed.error + (f" (cut at {budget} new tokens)" if c.finish_reason == "length" else "")
+                tracker.fail(it, "schema", why, answer=c.text, attempts=attempt)
 
 
 # --- remote endpoints -----------------------------------------------------------------------------
@@ -264,15 +277,22 @@ def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template
 class _Job:
     items: list[WorkItem]
     attempt: int = 1
+    first: bool = True
+    """The items' first answer (not a re-ask of a packed item): counts for the first-pass rate."""
 
 
 async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template: Template, store: ResultStore,
                        tracker: Tracker, pack_size: int, max_new_tokens: int, temperature: float,
-                       schema_retries: int, seed: int = 0) -> list[Any]:
-    """Label over every endpoint; returns the Endpoint objects (their stats go into the report)."""
+                       schema_retries: int, seed: int = 0, structured: bool = False) -> list[Any]:
+    """Label over every endpoint; returns the Endpoint objects (their stats go into the report).
+    `structured`: single-item requests carry the schema as `response_format` (packed ones are parsed)."""
     import httpx
 
-    from thinkcraft.label.providers import Endpoint, EndpointStopped, JobBoard, RequestFailed, serve_jobs
+    from thinkcraft.label.providers import (
+        Endpoint, EndpointStopped, JobBoard, RequestFailed, response_format, serve_jobs,
+    )
+
+    fmt = response_format(dict(template.output.schema)) if structured and template.output.is_json else None  # type: ignore[arg-type]
 
     sampling = {"temperature": temperature, "seed": seed}
     n_conn = sum(e.max_concurrency for e in endpoints_file.endpoints)
@@ -290,7 +310,7 @@ async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template:
             else:
                 system, user = template.prefix, pack_prompt(template, [it.text for it in job.items])
             try:
-                ans = await ep.complete(system, user, max_new_tokens * k)
+                ans = await ep.complete(system, user, max_new_tokens * k, fmt if k == 1 else None)
             except EndpointStopped:
                 raise
             except RequestFailed as e:
@@ -312,23 +332,23 @@ async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template:
                     text = ans.text if k == 1 else (parsed.value if isinstance(parsed.value, str) else json.dumps(parsed.value))
                     store.add(_store_row(it, parsed.value, text, model, ep.cfg.name, p_tok, c_tok, cached,
                                          ans.latency_s, k, job.attempt))
-                    tracker.ok(p_tok, c_tok, cached)
+                    tracker.ok(p_tok, c_tok, cached, attempt=job.attempt if job.first else job.attempt + 1)
                 elif k > 1:
                     # malformed or missing in a packed answer: ask this item alone
                     tracker.reasked += 1
-                    board.put(_Job([it], job.attempt))
+                    board.put(_Job([it], job.attempt, first=False))
                 elif job.attempt <= schema_retries:
                     tracker.reasked += 1
-                    board.put(_Job([it], job.attempt + 1))
+                    board.put(_Job([it], job.attempt + 1, first=False))
                 else:
-                    tracker.fail(it, "schema", parsed.error)
+                    tracker.fail(it, "schema", parsed.error, answer=ans.text, attempts=job.attempt)
 
         await serve_jobs(eps, board, handle)
         remaining = [it for q in board.queues.values() for job in q for it in job.items]
         for it in remaining:
             tracker.errors["not_sent"] += 1
             tracker.failures.append({"key": it.key, "row": it.row, "kind": "not_sent",
-                                     "error": "every endpoint stopped"})
+                                     "error": "every endpoint stopped", "attempts": 0, "answer": None})
         return eps
 
 
@@ -358,29 +378,81 @@ def make_local_engine(spec: str) -> Any:
     return make_engine(resolve_engine_spec(spec))
 
 
-def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = None) -> dict[str, Any]:
-    """Run the pipeline; returns the report (also saved as `<out_dir>/report.json`).
+def is_http_spec(spec: str) -> bool:
+    return spec.startswith(("openai+http://", "openai+https://", "sglang+http://", "sglang+https://"))
+
+
+def http_endpoints(spec: str) -> Any:
+    """An HTTP engine spec as one chat-completions endpoint: `openai+<base>/v1` as is; `sglang+http://host:port`
+    -> its OpenAI-compatible `/v1`. The model name comes from the server's `/models`."""
+    import httpx
+
+    from thinkcraft.label.providers import EndpointConfig, EndpointsFile
+
+    base = spec.split("+", 1)[1].rstrip("/")
+    if spec.startswith("sglang+") and not base.endswith("/v1"):
+        base += "/v1"
+    try:
+        r = httpx.get(base + "/models", timeout=30.0)
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ConfigError("engine", f"cannot list the models of {base} ({e}); is the server up? "
+                          "(or describe it in an --endpoints file)") from None
+    return EndpointsFile((EndpointConfig(name="engine", base_url=base, model=model),), model)
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a local engine spec's model (small and fast: read before the model loads, it decides
+    the prompt format and with it the item keys)."""
+    from transformers import AutoTokenizer
+
+    from thinkcraft.llm.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(_model_of(resolve_engine_spec(spec)))))
+
+
+def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = None,
+          tokenizer: Any | None = None) -> dict[str, Any]:
+    """Run the pipeline; returns this run's report (merged into the cumulative `<out_dir>/report.json`).
 
     `engine` (an object with the Engine protocol's `generate`) overrides `cfg.engine`, for callers that
-    already hold a model (distill); `model_name` then names it in the item keys."""
+    already hold a model (distill); `model_name` then names it in the item keys, and `tokenizer` (the
+    engine's) enables the chat prompt format (without it such an engine is prompted raw)."""
     from thinkcraft.label.providers import all_stopped_error, load_endpoints
+    from thinkcraft.llm.constrained import StructuredOutput
 
     out_dir = Path(cfg.out_dir)
-    ep_file = load_endpoints(cfg.endpoints) if cfg.endpoints else None  # config errors before any work
+    ep_file = None  # config errors before any work
+    if cfg.endpoints:
+        ep_file = load_endpoints(cfg.endpoints)
+    elif engine is None and is_http_spec(cfg.engine):
+        ep_file = http_endpoints(cfg.engine)
     table = read_input(cfg.input)
     template = build_template(cfg, table.column_names)
     # keys name the model, not the backend: hf and vllm runs of one model share their labels
     model = ep_file.model if ep_file else (model_name or _model_of(cfg.engine))
-    items, n_dup = prepare_items(table, template, model)
+    threads = ThreadPolicy(cfg.threads) if ep_file is None else None
+    if ep_file is None:
+        threads.apply()  # type: ignore[union-attr]
+        if engine is None and cfg.prompt_format != "raw":
+            tokenizer = load_tokenizer(cfg.engine)
+        fmt = resolved_format(cfg.prompt_format, tokenizer)
+    else:
+        fmt = "chat" if all(e.api == "chat" for e in ep_file.endpoints) else "completions"
+    structured = cfg.constrain and template.output.is_json
+    items, n_dup = prepare_items(table, template, model, fmt if ep_file is None else "raw")
 
     report: dict[str, Any] = {
         "input": str(cfg.input), "out_dir": str(out_dir), "model": model,
-        "engine": f"endpoints:{cfg.endpoints}" if ep_file else (model_name or resolve_engine_spec(cfg.engine)),
+        "engine": (f"endpoints:{cfg.endpoints}" if cfg.endpoints else cfg.engine) if ep_file
+        else (model_name or resolve_engine_spec(cfg.engine)),
+        "prompt_format": fmt, "constrained": structured,
         "template_digest": template.digest(), "items_in_input": table.num_rows,
         "duplicates_in_input": n_dup, "unique_items": len(items),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "label_config.json", {**asdict(cfg), "model": model,
+    atomic_write_json(out_dir / "label_config.json", {**asdict(cfg), "model": model, "prompt_format_used": fmt,
                                                       "template": asdict(template)})
     eps: list[Any] = []
     with ResultStore(out_dir, shard_items=cfg.shard_items) as store:
@@ -400,13 +472,16 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
                     if ep_file is not None:
                         eps = asyncio.run(label_remote(ep_file, todo, template, store, tracker, cfg.pack_size,
                                                        cfg.max_new_tokens, cfg.temperature, cfg.schema_retries,
-                                                       cfg.seed))
+                                                       cfg.seed, structured=structured))
                     else:
                         own = engine is None
                         eng = make_local_engine(cfg.engine) if own else engine
+                        prompts = make_prompts(fmt, tokenizer, template.instructions)
+                        spec = StructuredOutput.from_schema(template.output.schema) if structured else None
                         try:
                             label_with_engine(eng, todo, template, model, store, tracker, cfg.batch_size,
-                                              cfg.max_new_tokens, cfg.temperature, cfg.schema_retries, cfg.seed)
+                                              cfg.max_new_tokens, cfg.temperature, cfg.schema_retries, cfg.seed,
+                                              prompts=prompts, structured=spec, threads=threads)
                         finally:
                             if own and hasattr(eng, "close"):
                                 eng.close()
@@ -414,14 +489,16 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
             interrupted = True
             raise
         finally:
-            report.update(_tracker_report(tracker, eps))
+            report.update(tracker.run_report(eps))
             report["interrupted"] = interrupted
+            report["threads"] = threads.summary() if threads is not None else None
             report["shards_written"] = store.num_shards_written + (1 if store._buffer else 0)
-            _save_report(out_dir, report, tracker)
+            saved = save_report(out_dir, report, tracker, store.done_keys(), {it.key for it in items})
     if not interrupted:
-        print_report(report)
+        print_report(report, saved)
     if eps and not any(e.alive for e in eps) and report["remaining"] > 0:
         raise all_stopped_error(eps, report["remaining"])
+    report["labelled_total"], report["unlabelled"] = saved["labelled"], saved["unlabelled"]
     return report
 
 
@@ -430,56 +507,9 @@ def _model_of(spec: str) -> str:
     return spec.split(":", 1)[1] if ":" in spec and not spec.startswith(("openai+", "sglang+")) else spec
 
 
-def _tracker_report(tr: Tracker, eps: Sequence[Any]) -> dict[str, Any]:
-    dt = max(tr.elapsed_s(), 1e-9)
-    return {
-        "labelled": tr.labelled, "invalid": tr.invalid, "failed": tr.failed,
-        "remaining": tr.total - tr.labelled, "reasked": tr.reasked,
-        "errors": dict(tr.errors), "elapsed_s": round(dt, 3),
-        "items_per_s": tr.labelled / dt, "tokens_per_s": tr.completion_tokens / dt,
-        "prompt_tokens": tr.prompt_tokens, "completion_tokens": tr.completion_tokens,
-        "cached_tokens": tr.cached_tokens,
-        "endpoints": {e.cfg.name: asdict(e.stats) for e in eps},
-        "failures_sample": tr.failures[:20],
-    }
-
-
-def _save_report(out_dir: Path, report: dict[str, Any], tr: Tracker) -> None:
-    atomic_write_json(out_dir / "report.json", report)
-    atomic_write_text(out_dir / "failures.jsonl", "".join(json.dumps(f) + "\n" for f in tr.failures))
-
-
-def print_report(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"label report — {report['out_dir']}", show_header=False)
-    rows = [
-        ("model", report["model"]), ("items in input", report["items_in_input"]),
-        ("duplicates in input", report["duplicates_in_input"]), ("already done (skipped)", report["already_done"]),
-        ("labelled now", report["labelled"]), ("invalid (schema)", report["invalid"]),
-        ("failed (requests)", report["failed"]), ("not labelled", report["remaining"]),
-        ("re-asked", report["reasked"]), ("items/s", f"{report['items_per_s']:.2f}"),
-        ("tokens/s (generated)", f"{report['tokens_per_s']:.1f}"), ("elapsed", f"{report['elapsed_s']:.1f} s"),
-    ]
-    if report["cached_tokens"]:
-        rows.append(("cached prompt tokens", report["cached_tokens"]))
-    for k, v in sorted(report["errors"].items()):
-        rows.append((f"errors: {k}", v))
-    for name, st in report["endpoints"].items():
-        parts = [f"{st['ok']}/{st['requests']} ok", f"{st['items']} items"]
-        for k in ("http_429", "http_5xx", "http_4xx", "timeouts", "connect_errors", "retries", "failed_requests"):
-            if st[k]:
-                parts.append(f"{k} {st[k]}")
-        if st["stopped"]:
-            parts.append(f"[red]STOPPED: {st['stopped']}[/red]")
-        rows.append((f"endpoint {name}", ", ".join(parts)))
-    for k, v in rows:
-        t.add_row(k, str(v))
-    console.print(t)
-
-
 def run(cfg: LabelConfig) -> int:
-    """CLI entry: 0 when every item is labelled, 1 when some are not (see report.json / failures.jsonl)."""
+    """CLI entry. Exit code: 0 when every item this run attempted got a label; 1 when some stay
+    unlabelled (report.json counts them, failures.jsonl lists them with the raw answer; re-run to retry)."""
     report = label(cfg)
     return 0 if report["remaining"] == 0 else 1
 

@@ -226,6 +226,8 @@ class EndpointStats:
     failed_requests: int = 0
     rate_wait_s: float = 0.0
     stopped: str | None = None
+    structured: bool | None = None
+    """Structured outputs (`response_format`): True = accepted, False = refused (parse and re-ask), None = not asked."""
 
 
 class Endpoint:
@@ -247,9 +249,12 @@ class Endpoint:
         if self.stats.stopped is None:
             self.stats.stopped = reason
 
-    def _request(self, system: str, user: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    def _request(self, system: str, user: str, max_tokens: int, response_format: dict[str, Any] | None = None
+                 ) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": self.cfg.model, **self.sampling, "max_tokens": max_tokens,
                                 **self.cfg.extra_body}
+        if response_format is not None:
+            body["response_format"] = response_format
         if self.cfg.api == "chat":
             content: Any = system
             if self.cfg.cache_control:
@@ -258,9 +263,31 @@ class Endpoint:
             return self.cfg.base_url + "/chat/completions", {**body, "messages": msgs}
         return self.cfg.base_url + "/completions", {**body, "prompt": system + user}
 
-    async def complete(self, system: str, user: str, max_tokens: int) -> Answer:
-        """One answer, with this endpoint's limits and bounded retries; raises EndpointStopped/RequestFailed."""
-        url, body = self._request(system, user, max_tokens)
+    async def complete(self, system: str, user: str, max_tokens: int, response_format: dict[str, Any] | None = None
+                       ) -> Answer:
+        """One answer, with this endpoint's limits and bounded retries; raises EndpointStopped/RequestFailed.
+
+        With `response_format` (structured outputs, chat API only): an endpoint that refuses it (HTTP 400/422
+        before it ever accepted one) is asked again without it, and from then on never with it: its answers
+        are parsed and re-asked instead."""
+        if response_format is None or self.cfg.api != "chat" or self.stats.structured is False:
+            return await self._complete(system, user, max_tokens, None)
+        try:
+            ans = await self._complete(system, user, max_tokens, response_format)
+        except RequestFailed as e:
+            cause = e.__cause__
+            refused = isinstance(cause, HTTPStatusError) and cause.status in (400, 422)
+            if not refused or self.stats.structured:
+                raise
+            self.stats.structured = False
+            self.stats.failed_requests -= 1  # not a failed item: asked again below
+            return await self._complete(system, user, max_tokens, None)
+        self.stats.structured = True
+        return ans
+
+    async def _complete(self, system: str, user: str, max_tokens: int, response_format: dict[str, Any] | None
+                        ) -> Answer:
+        url, body = self._request(system, user, max_tokens, response_format)
         # TPM budgets count prompt + requested tokens; ~4 characters per token until usage says better
         est_tokens = (len(system) + len(user)) / 4.0 + max_tokens
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
@@ -328,6 +355,33 @@ class Endpoint:
             raise EndpointStopped(self.stats.stopped) from last
         self.stats.failed_requests += 1
         raise RequestFailed(f"{self.cfg.name}: gave up after {self.policy.max_attempts} attempts: {last}") from last
+
+
+def response_format(schema: dict[str, Any], name: str = "label") -> dict[str, Any]:
+    """OpenAI structured outputs for an object schema (also what vLLM's and SGLang's servers accept).
+    `strict` (OpenAI's exact mode) needs every property required and no extra properties: it is on when
+    the schema has every property required, with `additionalProperties: false` added where unset."""
+    import copy
+
+    out = copy.deepcopy(schema)
+    strict = True
+
+    def walk(s: Any) -> None:
+        nonlocal strict
+        if not isinstance(s, dict):
+            return
+        props = s.get("properties")
+        if isinstance(props, dict):
+            if set(s.get("required", [])) != set(props):
+                strict = False
+            s.setdefault("additionalProperties", False)
+            for sub in props.values():
+                walk(sub)
+        if "items" in s:
+            walk(s["items"])
+
+    walk(out)
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": out if strict else schema, "strict": strict}}
 
 
 def _parse_answer(data: dict[str, Any], api: str, latency_s: float) -> Answer:

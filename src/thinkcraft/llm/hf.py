@@ -37,6 +37,7 @@ from thinkcraft.llm.attention import (
     PREFIX_KV_KWARG, probe_gqa_native, probe_varlen, register_cascade_attention, register_decode_attention,
 )
 from thinkcraft.llm.batching import plan_chunks
+from thinkcraft.llm.constrained import start_guide
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, SamplingParams
 from thinkcraft.llm.quant import check_fp8_device, quantize_fp8_
 from thinkcraft.llm.sm_partition import SMPartition
@@ -665,8 +666,12 @@ class HFEngine:
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         eos = torch.tensor(sorted(self.eos_ids) or [-1], device=self.device)
         steps = 0
+        guide = start_guide(sampling, self.tokenizer, self.eos_ids, logits)  # structured outputs (constrained.py)
         for step in range(new):
-            tok, logp = self._choose(logits, sampling, gen)
+            if guide is not None:  # structured outputs: mask disallowed tokens, then sample
+                tok, logp = guide.choose(logits, lambda z: self._choose(z, sampling, gen), sampling.logprobs)
+            else:
+                tok, logp = self._choose(logits, sampling, gen)
             if host:  # one device->host copy per step, edited on the host, copied back
                 tok_list = tok.tolist()
                 self._host_step(states, tok_list, budget, close_ids)
@@ -674,6 +679,8 @@ class HFEngine:
             else:
                 tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             toks[:, step] = tok
+            if guide is not None:  # structured outputs: matchers accept the tokens (before the next forward)
+                guide.advance(tok)
             if sampling.logprobs:
                 lps[:, step] = logp.gather(1, tok[:, None]).squeeze(1)
             steps = step + 1
