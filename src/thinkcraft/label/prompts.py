@@ -127,9 +127,7 @@ class ChatPrompts:
 
 def make_prompts(fmt: PromptFormat, tokenizer: Any, instructions: str) -> RawPrompts | ChatPrompts:
     """`auto` = chat when the tokenizer has a chat template, else raw."""
-    if fmt not in ("auto", "chat", "raw"):
-        raise UserError(f"--prompt-format must be auto, chat or raw, not {fmt!r}")
-    if fmt == "raw" or (fmt == "auto" and not has_chat_template(tokenizer)):
+    if resolved_format(fmt, tokenizer) == "raw":
         return RawPrompts(instructions)
     if tokenizer is None:
         raise UserError("--prompt-format chat needs the model's tokenizer (this engine gives none); use raw")
@@ -137,4 +135,6 @@ def make_prompts(fmt: PromptFormat, tokenizer: Any, instructions: str) -> RawPro
 
 
 def resolved_format(fmt: PromptFormat, tokenizer: Any) -> Literal["chat", "raw"]:
+    if fmt not in ("auto", "chat", "raw"):
+        raise UserError(f"--prompt-format must be auto, chat or raw, not {fmt!r}")
     return "raw" if fmt == "raw" or (fmt == "auto" and not has_chat_template(tokenizer)) else "chat"
