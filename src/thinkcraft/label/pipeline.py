@@ -221,6 +221,19 @@ def _store_row(item: WorkItem, value: Any, text: str, model: str, endpoint: str,
 # --- local engine ---------------------------------------------------------------------------------
 
 
+def generate_completions(engine: Any, prompts: Any, texts: Sequence[str], sampling: Any) -> list[Any]:
+    """One completion per text, in order: the texts go through `prompts` (chat or raw, prompts.py) into
+    one or two engine batches."""
+    comps: list[Any] = [None] * len(texts)
+    for pb in prompts.batches(texts):
+        out = engine.generate(pb.batch, sampling)
+        if len(out) != len(pb.positions):
+            raise RuntimeError(f"engine returned {len(out)} completions for {len(pb.positions)} items")
+        for pos, c in zip(pb.positions, out):
+            comps[pos] = c
+    return comps
+
+
 def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template, model: str, store: ResultStore,
                       tracker: Tracker, batch_size: int, max_new_tokens: int, temperature: float,
                       schema_retries: int, seed: int = 0, endpoint_name: str = "local", prompts: Any = None,
@@ -245,13 +258,7 @@ def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template
         sampling = SamplingParams(max_new_tokens=budget, temperature=temperature, logprobs=False, seed=seed,
                                   structured=structured)
         t0 = time.monotonic()
-        comps: list[Any] = [None] * len(chunk)
-        for pb in prompts.batches([it.text for it, _, _ in chunk]):
-            out = engine.generate(pb.batch, sampling)
-            if len(out) != len(pb.positions):
-                raise RuntimeError(f"engine returned {len(out)} completions for {len(pb.positions)} items")
-            for pos, c in zip(pb.positions, out):
-                comps[pos] = c
+        comps = generate_completions(engine, prompts, [it.text for it, _, _ in chunk], sampling)
         latency_s = time.monotonic() - t0
         for (it, attempt, _), c in zip(chunk, comps):
             p_tok = len(c.prompt_token_ids)
@@ -441,7 +448,8 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
     else:
         fmt = "chat" if all(e.api == "chat" for e in ep_file.endpoints) else "completions"
     structured = cfg.constrain and template.output.is_json
-    items, n_dup = prepare_items(table, template, model, fmt if ep_file is None else "raw")
+    key_format = fmt if ep_file is None else "raw"  # remote keys predate prompt formats: kept as they were
+    items, n_dup = prepare_items(table, template, model, key_format)
 
     report: dict[str, Any] = {
         "input": str(cfg.input), "out_dir": str(out_dir), "model": model,
@@ -453,6 +461,7 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "label_config.json", {**asdict(cfg), "model": model, "prompt_format_used": fmt,
+                                                      "key_format": key_format,
                                                       "template": asdict(template)})
     eps: list[Any] = []
     with ResultStore(out_dir, shard_items=cfg.shard_items) as store:
