@@ -8,7 +8,7 @@ import time
 import pytest
 
 from thinkcraft.label.pipeline import LabelConfig, label
-from thinkcraft.label.providers import response_format
+from thinkcraft.label.template import response_format
 
 from test_label_remote import _free_port, endpoints_toml, write_items
 

@@ -22,16 +22,19 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import pyarrow as pa
 
+from thinkcraft.label.engines import (
+    http_endpoints, is_http_spec, load_tokenizer, make_local_engine, model_of, resolve_engine_spec,
+)
 from thinkcraft.label.prompts import PromptFormat, make_prompts, resolved_format
+from thinkcraft.label.remote import label_remote
 from thinkcraft.label.report import Tracker, print_report, save_report
-from thinkcraft.label.store import ResultStore, read_results
+from thinkcraft.label.store import ResultStore, read_results, result_row
 from thinkcraft.label.template import (
-    OutputSpec, Template, check_schema, item_key, load_template, pack_prompt, parse_output, parse_packed,
-    schema_from_fields,
+    OutputSpec, Template, check_schema, item_key, load_template, parse_output, schema_from_fields,
 )
 from thinkcraft.label.threads import ThreadPolicy
 from thinkcraft.utils.errors import ConfigError, UserError, check
@@ -203,21 +206,6 @@ def prepare_items(table: pa.Table, template: Template, model: str, prompt_format
     return out, table.num_rows - len(out)
 
 
-# --- storing -------------------------------------------------------------------------------------
-
-
-def _store_row(item: WorkItem, value: Any, text: str, model: str, endpoint: str, prompt_tokens: int,
-               completion_tokens: int, cached_tokens: int, latency_s: float, pack_size: int, attempts: int
-               ) -> dict[str, Any]:
-    return {
-        "key": item.key, "row": item.row, "output": text,
-        "parsed_json": json.dumps(value) if not isinstance(value, str) else None,
-        "model": model, "endpoint": endpoint, "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, "latency_s": latency_s,
-        "pack_size": pack_size, "attempts": attempts,
-    }
-
-
 # --- local engine ---------------------------------------------------------------------------------
 
 
@@ -265,7 +253,7 @@ def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template
             c_tok = len(c.token_ids)
             parsed = parse_output(c.text, template.output)
             if parsed.error is None:
-                store.add(_store_row(it, parsed.value, c.text, model, endpoint_name, p_tok, c_tok, 0,
+                store.add(result_row(it, parsed.value, c.text, model, endpoint_name, p_tok, c_tok, 0,
                                      latency_s, 1, attempt))
                 tracker.ok(p_tok, c_tok, attempt=attempt)
             elif attempt <= schema_retries:
@@ -277,146 +265,60 @@ def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template
                 tracker.fail(it, "schema", why, answer=c.text, attempts=attempt)
 
 
-# --- remote endpoints -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    items: list[WorkItem]
-    attempt: int = 1
-    first: bool = True
-    """The items' first answer (not a re-ask of a packed item): counts for the first-pass rate."""
-
-
-async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template: Template, store: ResultStore,
-                       tracker: Tracker, pack_size: int, max_new_tokens: int, temperature: float,
-                       schema_retries: int, seed: int = 0, structured: bool = False) -> list[Any]:
-    """Label over every endpoint; returns the Endpoint objects (their stats go into the report).
-    `structured`: single-item requests carry the schema as `response_format` (packed ones are parsed)."""
-    import httpx
-
-    from thinkcraft.label.providers import (
-        Endpoint, EndpointStopped, JobBoard, RequestFailed, response_format, serve_jobs,
-    )
-
-    fmt = response_format(dict(template.output.schema)) if structured and template.output.is_json else None  # type: ignore[arg-type]
-
-    sampling = {"temperature": temperature, "seed": seed}
-    n_conn = sum(e.max_concurrency for e in endpoints_file.endpoints)
-    model = endpoints_file.model
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n_conn + 4)) as client:
-        eps = [Endpoint(c, client, sampling) for c in endpoints_file.endpoints]
-        board = JobBoard(eps)
-        for i in range(0, len(items), pack_size):
-            board.put(_Job(list(items[i:i + pack_size])))
-
-        async def handle(ep: Endpoint, job: _Job) -> None:
-            k = len(job.items)
-            if k == 1:
-                system, user = template.instructions, job.items[0].text
-            else:
-                system, user = template.prefix, pack_prompt(template, [it.text for it in job.items])
-            try:
-                ans = await ep.complete(system, user, max_new_tokens * k, fmt if k == 1 else None)
-            except EndpointStopped:
-                raise
-            except RequestFailed as e:
-                kind = "request"
-                cause = e.__cause__
-                if cause is not None and hasattr(cause, "status"):
-                    kind = f"http_{cause.status}"
-                elif cause is not None and "Timeout" in type(cause).__name__:
-                    kind = "timeout"
-                for it in job.items:
-                    tracker.fail(it, kind, str(e))
-                return
-            ep.stats.items += k
-            # a packed request's usage is shared evenly by its items
-            p_tok, c_tok, cached = ans.prompt_tokens // k, ans.completion_tokens // k, ans.cached_tokens // k
-            results = [parse_output(ans.text, template.output)] if k == 1 else parse_packed(ans.text, k, template.output)
-            for it, parsed in zip(job.items, results):
-                if parsed.error is None:
-                    text = ans.text if k == 1 else (parsed.value if isinstance(parsed.value, str) else json.dumps(parsed.value))
-                    store.add(_store_row(it, parsed.value, text, model, ep.cfg.name, p_tok, c_tok, cached,
-                                         ans.latency_s, k, job.attempt))
-                    tracker.ok(p_tok, c_tok, cached, attempt=job.attempt if job.first else job.attempt + 1)
-                elif k > 1:
-                    # malformed or missing in a packed answer: ask this item alone
-                    tracker.reasked += 1
-                    board.put(_Job([it], job.attempt, first=False))
-                elif job.attempt <= schema_retries:
-                    tracker.reasked += 1
-                    board.put(_Job([it], job.attempt + 1, first=False))
-                else:
-                    tracker.fail(it, "schema", parsed.error, answer=ans.text, attempts=job.attempt)
-
-        await serve_jobs(eps, board, handle)
-        remaining = [it for q in board.queues.values() for job in q for it in job.items]
-        for it in remaining:
-            tracker.errors["not_sent"] += 1
-            tracker.failures.append({"key": it.key, "row": it.row, "kind": "not_sent",
-                                     "error": "every endpoint stopped", "attempts": 0, "answer": None})
-        return eps
-
-
 # --- command --------------------------------------------------------------------------------------
 
 
-def resolve_engine_spec(spec: str) -> str:
-    """`auto:<model>` -> `vllm:<folder>` when vLLM is installed and CUDA is present, else `hf:<model>`."""
-    if not spec.startswith("auto:"):
-        return spec
-    import importlib.util
+@dataclass
+class RunPlan:
+    """What a run will do, decided before any model loads (config and input errors surface here)."""
 
-    model = spec[len("auto:"):] or "default"
-    if importlib.util.find_spec("vllm") is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            from thinkcraft.llm.models import resolve_model
-
-            return f"vllm:{resolve_model(model)}"
-    return f"hf:{model}"
-
-
-def make_local_engine(spec: str) -> Any:
-    from thinkcraft.llm import make_engine
-
-    return make_engine(resolve_engine_spec(spec))
+    endpoints: Any
+    """An EndpointsFile (remote run) or None (local engine)."""
+    template: Template
+    model: str
+    """The model name item keys carry (not the backend: hf and vllm runs of one model share labels)."""
+    prompt_format: str
+    key_format: str
+    structured: bool
+    tokenizer: Any
+    threads: ThreadPolicy | None
+    items: list[WorkItem]
+    report: dict[str, Any]
+    """The report's head: what the run is about."""
 
 
-def is_http_spec(spec: str) -> bool:
-    return spec.startswith(("openai+http://", "openai+https://", "sglang+http://", "sglang+https://"))
+def plan_run(cfg: LabelConfig, engine: Any | None, model_name: str | None, tokenizer: Any | None) -> RunPlan:
+    from thinkcraft.label.providers import load_endpoints
 
-
-def http_endpoints(spec: str) -> Any:
-    """An HTTP engine spec as one chat-completions endpoint: `openai+<base>/v1` as is; `sglang+http://host:port`
-    -> its OpenAI-compatible `/v1`. The model name comes from the server's `/models`."""
-    import httpx
-
-    from thinkcraft.label.providers import EndpointConfig, EndpointsFile
-
-    base = spec.split("+", 1)[1].rstrip("/")
-    if spec.startswith("sglang+") and not base.endswith("/v1"):
-        base += "/v1"
-    try:
-        r = httpx.get(base + "/models", timeout=30.0)
-        r.raise_for_status()
-        model = r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
-        raise ConfigError("engine", f"cannot list the models of {base} ({e}); is the server up? "
-                          "(or describe it in an --endpoints file)") from None
-    return EndpointsFile((EndpointConfig(name="engine", base_url=base, model=model),), model)
-
-
-def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of a local engine spec's model (small and fast: read before the model loads, it decides
-    the prompt format and with it the item keys)."""
-    from transformers import AutoTokenizer
-
-    from thinkcraft.llm.models import resolve_model
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(_model_of(resolve_engine_spec(spec)))))
+    ep_file = None
+    if cfg.endpoints:
+        ep_file = load_endpoints(cfg.endpoints)
+    elif engine is None and is_http_spec(cfg.engine):
+        ep_file = http_endpoints(cfg.engine)
+    table = read_input(cfg.input)
+    template = build_template(cfg, table.column_names)
+    model = ep_file.model if ep_file else (model_name or model_of(cfg.engine))
+    threads = None
+    if ep_file is None:
+        threads = ThreadPolicy(cfg.threads)
+        threads.apply()
+        if engine is None and cfg.prompt_format != "raw":
+            tokenizer = load_tokenizer(cfg.engine)
+        fmt = resolved_format(cfg.prompt_format, tokenizer)
+    else:
+        fmt = "chat" if all(e.api == "chat" for e in ep_file.endpoints) else "completions"
+    structured = cfg.constrain and template.output.is_json
+    key_format = fmt if ep_file is None else "raw"  # remote keys predate prompt formats: kept as they were
+    items, n_dup = prepare_items(table, template, model, key_format)
+    head = {
+        "input": str(cfg.input), "out_dir": str(cfg.out_dir), "model": model,
+        "engine": (f"endpoints:{cfg.endpoints}" if cfg.endpoints else cfg.engine) if ep_file
+        else (model_name or resolve_engine_spec(cfg.engine)),
+        "prompt_format": fmt, "constrained": structured,
+        "template_digest": template.digest(), "items_in_input": table.num_rows,
+        "duplicates_in_input": n_dup, "unique_items": len(items),
+    }
+    return RunPlan(ep_file, template, model, fmt, key_format, structured, tokenizer, threads, items, head)
 
 
 def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = None,
@@ -426,43 +328,17 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
     `engine` (an object with the Engine protocol's `generate`) overrides `cfg.engine`, for callers that
     already hold a model (distill); `model_name` then names it in the item keys, and `tokenizer` (the
     engine's) enables the chat prompt format (without it such an engine is prompted raw)."""
-    from thinkcraft.label.providers import all_stopped_error, load_endpoints
+    from thinkcraft.label.providers import all_stopped_error
     from thinkcraft.llm.constrained import StructuredOutput
 
     out_dir = Path(cfg.out_dir)
-    ep_file = None  # config errors before any work
-    if cfg.endpoints:
-        ep_file = load_endpoints(cfg.endpoints)
-    elif engine is None and is_http_spec(cfg.engine):
-        ep_file = http_endpoints(cfg.engine)
-    table = read_input(cfg.input)
-    template = build_template(cfg, table.column_names)
-    # keys name the model, not the backend: hf and vllm runs of one model share their labels
-    model = ep_file.model if ep_file else (model_name or _model_of(cfg.engine))
-    threads = ThreadPolicy(cfg.threads) if ep_file is None else None
-    if ep_file is None:
-        threads.apply()  # type: ignore[union-attr]
-        if engine is None and cfg.prompt_format != "raw":
-            tokenizer = load_tokenizer(cfg.engine)
-        fmt = resolved_format(cfg.prompt_format, tokenizer)
-    else:
-        fmt = "chat" if all(e.api == "chat" for e in ep_file.endpoints) else "completions"
-    structured = cfg.constrain and template.output.is_json
-    key_format = fmt if ep_file is None else "raw"  # remote keys predate prompt formats: kept as they were
-    items, n_dup = prepare_items(table, template, model, key_format)
-
-    report: dict[str, Any] = {
-        "input": str(cfg.input), "out_dir": str(out_dir), "model": model,
-        "engine": (f"endpoints:{cfg.endpoints}" if cfg.endpoints else cfg.engine) if ep_file
-        else (model_name or resolve_engine_spec(cfg.engine)),
-        "prompt_format": fmt, "constrained": structured,
-        "template_digest": template.digest(), "items_in_input": table.num_rows,
-        "duplicates_in_input": n_dup, "unique_items": len(items),
-    }
+    plan = plan_run(cfg, engine, model_name, tokenizer)
+    template, items, threads = plan.template, plan.items, plan.threads
+    report: dict[str, Any] = dict(plan.report)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "label_config.json", {**asdict(cfg), "model": model, "prompt_format_used": fmt,
-                                                      "key_format": key_format,
-                                                      "template": asdict(template)})
+    atomic_write_json(out_dir / "label_config.json", {
+        **asdict(cfg), "model": plan.model, "prompt_format_used": plan.prompt_format, "key_format": plan.key_format,
+        "template": asdict(template)})
     eps: list[Any] = []
     with ResultStore(out_dir, shard_items=cfg.shard_items) as store:
         done = store.done_keys()
@@ -478,17 +354,17 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
             if todo:
                 with RunProgress(len(todo), "label", log_every_s=5.0, unit="items") as prog:
                     tracker.progress = prog
-                    if ep_file is not None:
-                        eps = asyncio.run(label_remote(ep_file, todo, template, store, tracker, cfg.pack_size,
+                    if plan.endpoints is not None:
+                        eps = asyncio.run(label_remote(plan.endpoints, todo, template, store, tracker, cfg.pack_size,
                                                        cfg.max_new_tokens, cfg.temperature, cfg.schema_retries,
-                                                       cfg.seed, structured=structured))
+                                                       cfg.seed, structured=plan.structured))
                     else:
                         own = engine is None
                         eng = make_local_engine(cfg.engine) if own else engine
-                        prompts = make_prompts(fmt, tokenizer, template.instructions)
-                        spec = StructuredOutput.from_schema(template.output.schema) if structured else None
+                        prompts = make_prompts(plan.prompt_format, plan.tokenizer, template.instructions)
+                        spec = StructuredOutput.from_schema(template.output.schema) if plan.structured else None
                         try:
-                            label_with_engine(eng, todo, template, model, store, tracker, cfg.batch_size,
+                            label_with_engine(eng, todo, template, plan.model, store, tracker, cfg.batch_size,
                                               cfg.max_new_tokens, cfg.temperature, cfg.schema_retries, cfg.seed,
                                               prompts=prompts, structured=spec, threads=threads)
                         finally:
@@ -509,11 +385,6 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
         raise all_stopped_error(eps, report["remaining"])
     report["labelled_total"], report["unlabelled"] = saved["labelled"], saved["unlabelled"]
     return report
-
-
-def _model_of(spec: str) -> str:
-    """`hf:default` / `auto:default` / `vllm:/m/x` -> the model part (greedy answers depend on it alone)."""
-    return spec.split(":", 1)[1] if ":" in spec and not spec.startswith(("openai+", "sglang+")) else spec
 
 
 def run(cfg: LabelConfig) -> int:

@@ -357,33 +357,6 @@ class Endpoint:
         raise RequestFailed(f"{self.cfg.name}: gave up after {self.policy.max_attempts} attempts: {last}") from last
 
 
-def response_format(schema: dict[str, Any], name: str = "label") -> dict[str, Any]:
-    """OpenAI structured outputs for an object schema (also what vLLM's and SGLang's servers accept).
-    `strict` (OpenAI's exact mode) needs every property required and no extra properties: it is on when
-    the schema has every property required, with `additionalProperties: false` added where unset."""
-    import copy
-
-    out = copy.deepcopy(schema)
-    strict = True
-
-    def walk(s: Any) -> None:
-        nonlocal strict
-        if not isinstance(s, dict):
-            return
-        props = s.get("properties")
-        if isinstance(props, dict):
-            if set(s.get("required", [])) != set(props):
-                strict = False
-            s.setdefault("additionalProperties", False)
-            for sub in props.values():
-                walk(sub)
-        if "items" in s:
-            walk(s["items"])
-
-    walk(out)
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": out if strict else schema, "strict": strict}}
-
-
 def _parse_answer(data: dict[str, Any], api: str, latency_s: float) -> Answer:
     choice = data["choices"][0]
     text = choice["message"]["content"] if api == "chat" else choice["text"]

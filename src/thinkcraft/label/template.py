@@ -269,6 +269,33 @@ def _check_types(schema: Any, where: str, path: str) -> None:
         _check_types(schema["items"], where, f"{path}[]")
 
 
+def response_format(schema: dict[str, Any], name: str = "label") -> dict[str, Any]:
+    """OpenAI structured outputs for an object schema (also what vLLM's and SGLang's servers accept).
+    `strict` (OpenAI's exact mode) needs every property required and no extra properties: it is on when
+    the schema has every property required, with `additionalProperties: false` added where unset."""
+    import copy
+
+    out = copy.deepcopy(schema)
+    strict = True
+
+    def walk(s: Any) -> None:
+        nonlocal strict
+        if not isinstance(s, dict):
+            return
+        props = s.get("properties")
+        if isinstance(props, dict):
+            if set(s.get("required", [])) != set(props):
+                strict = False
+            s.setdefault("additionalProperties", False)
+            for sub in props.values():
+                walk(sub)
+        if "items" in s:
+            walk(s["items"])
+
+    walk(out)
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": out if strict else schema, "strict": strict}}
+
+
 # --- packing: K items per request ---------------------------------------------------------------
 
 
