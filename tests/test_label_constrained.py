@@ -55,6 +55,8 @@ def test_random_model_only_parses_under_the_constraint(engine):
     greedy = engine.generate(Batch(items=PROMPTS), SamplingParams(max_new_tokens=48, temperature=0.0, logprobs=False,
                                                                   structured=spec))
     assert all(validate(json.loads(c.text), SCHEMA) == [] for c in greedy)
+    # decoding stops one step after the last answer's stop token (not at the next 16-step check)
+    assert engine.last_generate_timing["decode_steps"] == max(len(c.token_ids) for c in greedy) < 48
 
 
 def _replay(engine, prompt_ids, gen_ids, spec):

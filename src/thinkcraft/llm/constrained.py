@@ -212,6 +212,12 @@ class GuideState:
         tok, logp = choose_fn(self.apply(logits))
         return tok, (model_logp if model_logp is not None else logp)
 
+    @property
+    def finished(self) -> bool:
+        """Every row's answer ended (as of the tokens accepted so far: the engine learns it one step late,
+        without waiting for the device)."""
+        return bool(self.terminated.all())
+
     def is_done(self, row: int) -> bool:
         """Has this row's answer ended (complete value + stop token)?"""
         self._accept_pending()

@@ -681,6 +681,8 @@ class HFEngine:
             toks[:, step] = tok
             if guide is not None:  # structured outputs: matchers accept the tokens (before the next forward)
                 guide.advance(tok)
+                if guide.finished:  # every answer ended by the previous step: this one is all padding
+                    break
             if sampling.logprobs:
                 lps[:, step] = logp.gather(1, tok[:, None]).squeeze(1)
             steps = step + 1
