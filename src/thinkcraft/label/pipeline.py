@@ -89,7 +89,8 @@ class LabelConfig:
     temperature: float = 0.0
     """0 = greedy."""
     schema_retries: int = 1
-    """How many times an answer that fails validation is asked again alone."""
+    """How many times an answer that fails validation is asked again alone (local engines: with twice the
+    token budget when it was cut at --max-new-tokens)."""
     limit: int | None = None
     """Label at most this many of the not-yet-labelled items (for trial runs)."""
     shard_items: int = 500

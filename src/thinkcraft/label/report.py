@@ -191,6 +191,9 @@ def print_report(report: dict[str, Any], saved: dict[str, Any]) -> None:
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
-    if saved["unlabelled"]:
-        console.print(f"{saved['unlabelled']} item(s) have no label yet: see {report['out_dir']}/failures.jsonl; "
-                      "re-running the same command retries them (exit code 1 while some stay unlabelled).")
+    if report["remaining"]:
+        console.print(f"{report['remaining']} item(s) of this run stay unlabelled (exit code 1): see "
+                      f"{report['out_dir']}/failures.jsonl; re-running the same command retries them.")
+    untried = saved["unlabelled"] - report["remaining"]
+    if untried > 0:
+        console.print(f"{untried} item(s) of the input were not attempted (--limit): re-run to label them.")

@@ -97,12 +97,19 @@ class CompiledGuide:
         return GuideState(self, rows, torch.device(device), logprobs)
 
 
-_COMPILERS: "OrderedDict[tuple, Any]" = OrderedDict()
-_GUIDES: "OrderedDict[tuple, CompiledGuide]" = OrderedDict()
+@dataclass
+class _CompilerEntry:
+    tokenizer: Any
+    """A weak reference to the tokenizer the compiler was built for (ids of dead objects get reused)."""
+    compiler: Any
+    guides: "OrderedDict[str, CompiledGuide]"
+
+
+_COMPILERS: "OrderedDict[tuple, _CompilerEntry]" = OrderedDict()
 _CACHE_SIZE = 8
 
 
-def _lru_put(cache: OrderedDict, key: tuple, value: Any) -> Any:
+def _lru_put(cache: OrderedDict, key: Any, value: Any) -> Any:
     cache[key] = value
     while len(cache) > _CACHE_SIZE:
         cache.popitem(last=False)
@@ -113,23 +120,27 @@ def compile_guide(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int], spec
     """Compile `spec` for this tokenizer; cached (the tokenizer's vocabulary scan and the schema compile
     run once per tokenizer / schema, not per call). `vocab_size` is the model's logits width (it may
     exceed the tokenizer's: padded LM heads), `stop_ids` the engine's EOS ids."""
+    import weakref
+
     xgr = _xgr()
     stops = tuple(sorted(int(s) for s in stop_ids))
     ckey = (id(tokenizer), int(vocab_size), stops)
-    gkey = (*ckey, spec.json_schema)
-    if gkey in _GUIDES:
-        _GUIDES.move_to_end(gkey)
-        return _GUIDES[gkey]
-    compiler = _COMPILERS.get(ckey)
-    if compiler is None:
+    entry = _COMPILERS.get(ckey)
+    if entry is None or entry.tokenizer() is not tokenizer:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=int(vocab_size), stop_token_ids=list(stops))
-        compiler = _lru_put(_COMPILERS, ckey, xgr.GrammarCompiler(info))
-    try:
-        compiled = compiler.compile_json_schema(spec.json_schema, any_whitespace=False, separators=JSON_SEPARATORS)
-    except Exception as e:  # noqa: BLE001 - see check_schema
-        msg = str(e).strip().splitlines()
-        raise UserError(f"schema cannot be turned into a grammar: {msg[0] if msg else type(e).__name__}") from None
-    return _lru_put(_GUIDES, gkey, CompiledGuide(compiled, int(vocab_size), stops))
+        entry = _lru_put(_COMPILERS, ckey, _CompilerEntry(weakref.ref(tokenizer), xgr.GrammarCompiler(info),
+                                                          OrderedDict()))
+    _COMPILERS.move_to_end(ckey)
+    guide = entry.guides.get(spec.json_schema)
+    if guide is None:
+        try:
+            compiled = entry.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,
+                                                          separators=JSON_SEPARATORS)
+        except Exception as e:  # noqa: BLE001 - see check_schema
+            msg = str(e).strip().splitlines()
+            raise UserError(f"schema cannot be turned into a grammar: {msg[0] if msg else type(e).__name__}") from None
+        guide = _lru_put(entry.guides, spec.json_schema, CompiledGuide(compiled, int(vocab_size), stops))
+    return guide
 
 
 def start_guide(sampling: Any, tokenizer: Any, stop_ids: Sequence[int], logits: torch.Tensor) -> "GuideState | None":
