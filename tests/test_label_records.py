@@ -110,6 +110,8 @@ def test_failures_keep_the_raw_answer_and_the_report_is_cumulative(tmp_path):
     saved2 = json.loads((tmp_path / "o" / "report.json").read_text())
     assert saved2["labelled"] == 3 and len(saved2["runs"]) == 2 and saved2["reasked"] == saved["reasked"] + 1
     assert saved2["completion_tokens"] == saved["completion_tokens"]
+    # a retried item's first pass was in the first run: the first-pass rate stays 2 of the 4 first asked
+    assert rep2["first_asked"] == 0 and saved2["first_pass_valid_frac"] == 0.5
     # once labelled, the item leaves failures.jsonl; a no-op run keeps every number
     inp2 = _input(tmp_path, ["a", "b", "fixed", "long1"])
     cfg2 = LabelConfig(input=inp2, out_dir=str(tmp_path / "o"), fields="action:string", max_new_tokens=8)

@@ -31,7 +31,7 @@ from thinkcraft.label.engines import (
 )
 from thinkcraft.label.prompts import PromptFormat, make_prompts, resolved_format
 from thinkcraft.label.remote import label_remote
-from thinkcraft.label.report import Tracker, print_report, save_report
+from thinkcraft.label.report import Tracker, print_report, read_failures, save_report
 from thinkcraft.label.store import ResultStore, read_results, result_row
 from thinkcraft.label.template import (
     OutputSpec, Template, check_schema, item_key, load_template, parse_output, schema_from_fields,
@@ -256,7 +256,7 @@ def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template
             if parsed.error is None:
                 store.add(result_row(it, parsed.value, c.text, model, endpoint_name, p_tok, c_tok, 0,
                                      latency_s, 1, attempt))
-                tracker.ok(p_tok, c_tok, attempt=attempt)
+                tracker.ok(p_tok, c_tok, attempt=attempt, key=it.key)
             elif attempt <= schema_retries:
                 tracker.reasked += 1
                 cut = c.finish_reason == "length"
@@ -349,7 +349,8 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
         if cfg.limit is not None:
             todo = todo[: cfg.limit]
         report["to_label"] = len(todo)
-        tracker = Tracker(total=len(todo))
+        earlier_failures = {f["key"] for f in read_failures(out_dir)}
+        tracker = Tracker(total=len(todo), retried={it.key for it in todo if it.key in earlier_failures})
         interrupted = False
         try:
             if todo:

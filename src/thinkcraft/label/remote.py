@@ -76,7 +76,8 @@ async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template:
                     text = ans.text if k == 1 else (parsed.value if isinstance(parsed.value, str) else json.dumps(parsed.value))
                     store.add(result_row(it, parsed.value, text, model, ep.cfg.name, p_tok, c_tok, cached,
                                          ans.latency_s, k, job.attempt))
-                    tracker.ok(p_tok, c_tok, cached, attempt=job.attempt if job.first else job.attempt + 1)
+                    tracker.ok(p_tok, c_tok, cached, attempt=job.attempt if job.first else job.attempt + 1,
+                               key=it.key)
                 elif k > 1:
                     # malformed or missing in a packed answer: ask this item alone
                     tracker.reasked += 1

@@ -23,7 +23,8 @@ from thinkcraft.utils.progress import RunProgress, console
 
 _ANSWER_CHARS = 2000
 """Raw answers kept per failure record (enough to see what the model did)."""
-_RUN_FIELDS = ("to_label", "labelled", "invalid", "failed", "reasked", "first_pass_valid", "first_pass_valid_frac",
+_RUN_FIELDS = ("to_label", "labelled", "invalid", "failed", "reasked", "first_asked", "first_pass_valid",
+               "first_pass_valid_frac",
                "elapsed_s", "items_per_s", "tokens_per_s", "prompt_tokens", "completion_tokens", "cached_tokens",
                "interrupted", "threads")
 _SUMMED = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasked", "elapsed_s")
@@ -37,7 +38,9 @@ class Tracker:
     progress: RunProgress | None = None
     labelled: int = 0
     first_pass_valid: int = 0
-    """Items labelled by their first answer (no re-ask)."""
+    """Items never asked before (not retries of an earlier run's failures) labelled by their first answer."""
+    retried: set[str] = field(default_factory=set)
+    """Keys of this run's items that an earlier run failed to label (their first pass was then)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -51,9 +54,10 @@ class Tracker:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.t0
 
-    def ok(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, attempt: int = 1) -> None:
+    def ok(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, attempt: int = 1,
+           key: str | None = None) -> None:
         self.labelled += 1
-        self.first_pass_valid += attempt == 1
+        self.first_pass_valid += attempt == 1 and key not in self.retried
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         self.cached_tokens += cached_tokens
@@ -86,8 +90,9 @@ class Tracker:
         return {
             "labelled": self.labelled, "invalid": self.invalid, "failed": self.failed,
             "remaining": self.total - self.labelled, "reasked": self.reasked,
-            "first_pass_valid": self.first_pass_valid,
-            "first_pass_valid_frac": self.first_pass_valid / self.total if self.total else None,
+            "first_pass_valid": self.first_pass_valid, "first_asked": self.total - len(self.retried),
+            "first_pass_valid_frac": (self.first_pass_valid / (self.total - len(self.retried))
+                                      if self.total > len(self.retried) else None),
             "errors": dict(self.errors), "elapsed_s": round(d, 3),
             "items_per_s": self.labelled / d, "tokens_per_s": self.completion_tokens / d,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -151,7 +156,8 @@ def save_report(out_dir: Path, run: dict[str, Any], tracker: Tracker, labelled_k
 
 
 def _first_pass(runs: Sequence[dict[str, Any]]) -> float | None:
-    tried = sum(r.get("to_label") or 0 for r in runs)
+    """Of the items asked for the first time (over all runs), the fraction labelled by their first answer."""
+    tried = sum(r.get("first_asked") or 0 for r in runs)
     return sum(r.get("first_pass_valid") or 0 for r in runs) / tried if tried else None
 
 
@@ -165,7 +171,7 @@ def print_report(report: dict[str, Any], saved: dict[str, Any]) -> None:
         ("constrained decoding", report.get("constrained", "-")), ("items in input", report["items_in_input"]),
         ("duplicates in input", report["duplicates_in_input"]), ("already done (skipped)", report["already_done"]),
         ("labelled now", report["labelled"]),
-        ("first-pass valid", f"{report['first_pass_valid']}/{report['to_label']}" + (f" ({fp:.1%})" if fp is not None else "")),
+        ("first-pass valid", f"{report['first_pass_valid']}/{report['first_asked']}" + (f" ({fp:.1%})" if fp is not None else "")),
         ("invalid (schema)", report["invalid"]), ("failed (requests)", report["failed"]),
         ("not labelled (this run)", report["remaining"]), ("re-asked", report["reasked"]),
         ("items/s", f"{report['items_per_s']:.2f}"), ("tokens/s (generated)", f"{report['tokens_per_s']:.1f}"),
