@@ -330,7 +330,6 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
     already hold a model (distill); `model_name` then names it in the item keys, and `tokenizer` (the
     engine's) enables the chat prompt format (without it such an engine is prompted raw)."""
     from thinkcraft.label.providers import all_stopped_error
-    from thinkcraft.llm.constrained import StructuredOutput
 
     out_dir = Path(cfg.out_dir)
     plan = plan_run(cfg, engine, model_name, tokenizer)
@@ -361,6 +360,8 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
                                                        cfg.max_new_tokens, cfg.temperature, cfg.schema_retries,
                                                        cfg.seed, structured=plan.structured))
                     else:
+                        from thinkcraft.llm.constrained import StructuredOutput  # torch: local runs only
+
                         own = engine is None
                         eng = make_local_engine(cfg.engine) if own else engine
                         prompts = make_prompts(plan.prompt_format, plan.tokenizer, template.instructions)
