@@ -2,15 +2,13 @@
 again without it and their answers parsed and re-asked; `--engine openai+http://...` uses chat completions."""
 
 import json
-import threading
-import time
 
 import pytest
 
 from thinkcraft.label.pipeline import LabelConfig, label
 from thinkcraft.label.template import response_format
 
-from test_label_remote import _free_port, endpoints_toml, write_items
+from test_label_remote import endpoints_toml, write_items
 
 
 def _app(log: list, refuse: bool):
@@ -35,26 +33,12 @@ def _app(log: list, refuse: bool):
 
 
 @pytest.fixture
-def server():
-    import uvicorn
-
-    started = []
-
+def server(servers):
     def start(refuse=False):
         log: list = []
-        port = _free_port()
-        srv = uvicorn.Server(uvicorn.Config(_app(log, refuse), host="127.0.0.1", port=port, log_level="error"))
-        th = threading.Thread(target=srv.run, daemon=True)
-        th.start()
-        while not srv.started:
-            time.sleep(0.01)
-        started.append((srv, th))
-        return f"http://127.0.0.1:{port}/v1", log
+        return servers.app(_app(log, refuse)) + "/v1", log
 
-    yield start
-    for srv, th in started:
-        srv.should_exit = True
-        th.join(timeout=5)
+    return start
 
 
 def _cfg(tmp_path, url, **kw):
