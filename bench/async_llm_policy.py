@@ -62,6 +62,8 @@ def _args(argv=None):
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--offpolicy", choices=["none", "decoupled", "tis"], default="none",
+                   help="the async runs' off-policy correction (the sync rows use none: on-policy, ratio 1)")
     p.add_argument("--rollout-workers", type=int, default=None, help="default (η + 1) x prompts")
     p.add_argument("--slow-env-ms", type=float, default=200.0, help="the slow-env case's latency per step")
     p.add_argument("--cases", default="base,slow", help="base (each task, no latency), slow (first task, slow env)")
@@ -121,7 +123,7 @@ def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_pat
     kw: dict = {}
     if mode == "async":
         workers = a.slow_env_workers if latency_ms else a.rollout_workers
-        kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers)
+        kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy)
         if a.gpus == 2:
             kw["rollout_devices"] = "cuda:0,cuda:1"
     return LLMPolicyConfig(
@@ -170,6 +172,8 @@ def _plot(rows: list[dict], out_png: Path, title: str) -> None:
     for r in (r for r in rows if "curve" in r):
         xs, ys = zip(*r["curve"])
         label = f"{r['task']} {r['mode']} gpus={r['gpus']} env={r['env_latency_ms']:g}ms"
+        if r["mode"] == "async":
+            label += f" η={r.get('max_staleness')} {r.get('offpolicy', 'none')}"
         ax.plot(xs, ys, marker=".", linestyle="-" if r["mode"] == "async" else "--", label=label)
     ax.set_xlabel("trained samples")
     ax.set_ylabel("reward/mean")
@@ -180,6 +184,13 @@ def _plot(rows: list[dict], out_png: Path, title: str) -> None:
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
+
+
+def _merged_rows(out: Path, rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """This run's rows plus the file's earlier rows of other keys (what write_records will keep)."""
+    old = json.loads(out.read_text()) if out.exists() else []
+    new = {tuple(r.get(k) for k in keys) for r in rows}
+    return [r for r in old if tuple(r.get(k, "none" if k == "offpolicy" else None) for k in keys) not in new] + rows
 
 
 def _sync_reference(a) -> list[dict]:
@@ -236,6 +247,7 @@ def main(argv=None) -> int:
             continue
         rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
                      "max_staleness": a.max_staleness if mode == "async" else 0,
+                     "offpolicy": a.offpolicy if mode == "async" else "none",
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
@@ -245,13 +257,13 @@ def main(argv=None) -> int:
               flush=True)
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    if a.learning_check:
-        rows_plot = rows + _sync_reference(a)
+    if a.learning_check:  # every async run of the file so far (e.g. each correction) beside the sync reference
+        rows_plot = _merged_rows(out, rows, keys) + _sync_reference(a)
         _plot(rows_plot, out.with_suffix(".png"), f"GRPO on arith, bundled model: async η={a.max_staleness} vs sync "
                                                   f"({card()})")
     else:
         _plot(rows, out.with_suffix(".png"), f"GRPO sync vs async (η={a.max_staleness}), {a.model}, {card()}")
-    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness")
+    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy")
     write_records(out, rows, merge_keys=keys)
     ok = [r for r in rows if "error" not in r]
     print_table(ok, ["task", "mode", "gpus", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",
