@@ -2,6 +2,7 @@
 
 import json
 import logging
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,8 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
     assert "--overlap-env-sms: must be >= 0" in capsys.readouterr().err
     assert main(["train", "ppo-hidden", "--engine", "sglang+http://127.0.0.1:9", "--engine-quantize", "fp8"]) == 2
     assert "applies to the in-process hf engine" in capsys.readouterr().err
+    assert main(["train", "ppo-hidden", "--engine", "sglang+http://127.0.0.1:9", "--engine-random-weights", "1"]) == 2
+    assert "--engine-random-weights: applies to the in-process hf engine" in capsys.readouterr().err
 
 
 def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
@@ -132,12 +135,15 @@ def test_overlapped_schedule_installs_the_previous_snapshot_one_interval_old():
 
     installs = []
 
-    def install(state, hidden, age, valid):
+    def install(state, hidden, age, valid, pool_hidden, keep):
+        assert pool_hidden is None and not np.asarray(keep).any()
         installs.append((hidden, int(age), np.asarray(valid).tolist()))
         return state
 
-    cfg = PPOHiddenConfig(num_steps=16, skip_n=8, overlap=True, overlap_env_sms=0)
-    with OverlappedRefresh(cfg, _FakeSource(), install, engine=None) as schedule:
+    # the masked scheme (no reset pool): envs whose episode ended since the snapshot are masked
+    cfg = PPOHiddenConfig(num_steps=16, skip_n=8, overlap=True, overlap_env_sms=0, reset_pool_size=0)
+    kernels = SimpleNamespace(install=install)
+    with OverlappedRefresh(cfg, _FakeSource(), kernels, engine=None) as schedule:
         # the first refresh is synchronous: this snapshot, age 0, every env valid
         assert schedule.before_window(_fake_state("a", [False, True]), 0)[1] is None
         assert installs == [("h-a", 0, [True, True])]
@@ -155,7 +161,8 @@ def test_sync_schedule_refreshes_at_refresh_points_only():
     from thinkcraft.train.ppo_hidden.schedule import SyncRefresh, make_schedule
 
     # skip_n = 2 x num_steps: every other update refreshes (before its one window)
-    schedule = make_schedule(PPOHiddenConfig(num_steps=16, skip_n=32), _FakeSource(), install=None, engine=None)
+    schedule = make_schedule(PPOHiddenConfig(num_steps=16, skip_n=32, reset_pool_size=0), _FakeSource(),
+                             kernels=None, engine=None)
     assert isinstance(schedule, SyncRefresh)
     state = _fake_state("a", [False])
     assert schedule.before_window(state, 0) == (state, "h-a")
@@ -199,7 +206,11 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
               "hidden/age_mean", "hidden/valid_frac", "llm/prompt_suffix_tokens"):
         assert k in last, k
     assert last["llm/refreshes"] == 2  # two windows of 4 steps per 8-step update
-    assert last["hidden/norm_count"] == 2 * 2 * 2  # 2 updates × 2 refreshes × 2 envs
+    # 2 updates × 2 refreshes × (2 envs + a reset pool of 2 worlds: num_envs / optimistic_reset_ratio)
+    assert last["hidden/norm_count"] == 2 * 2 * (2 + 2)
+    assert last["hidden/valid_frac"] == 1.0 and "hidden/pool_draws_per_world" in last
+    for k in ("losses/policy", "losses/value", "losses/entropy", "episode/count"):  # learning metrics
+        assert k in last, k
     assert 0 < last["llm/share"] < 1
     cfg = json.loads((tmp_path / "h/config.json").read_text())
     assert cfg["_derived"]["hidden_size"] == 576
@@ -207,7 +218,9 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
     # overlap mode runs too (hidden states one refresh old: age starts at skip_n)
     caplog.clear()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        assert main(args[:-2] + ["--run-name", "o", "--overlap"]) == 0
+        # (and the random-weights control engine: same shapes, so no new compile)
+        assert main(args[:-2] + ["--run-name", "o", "--overlap", "--engine-random-weights", "3"]) == 0
+    assert json.loads((tmp_path / "o/config.json").read_text())["engine_random_weights"] == 3
     # the install of a refresh compiles once: the first (synchronous) refresh and the later ones (one
     # refresh old) pass arrays of the same kind (an uncommitted "all valid" once cost a second compile)
     compiles = [r for r in caplog.records if "Compiling jit(_install)" in r.getMessage()]
@@ -215,8 +228,37 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
     last_o = json.loads((tmp_path / "o/metrics.jsonl").read_text().splitlines()[-1])
     assert last_o["hidden/age_mean"] > last["hidden/age_mean"]
     assert 0 <= last_o["llm/wait_share"] <= 1 and last["llm/wait_share"] == last["llm/share"]
+    assert last_o["hidden/valid_frac"] == 1.0
     # the worker's LLM time overlaps the loop's phases and is not subtracted from the loop's wall twice
     assert last_o["timing/other"] >= 0 and last["timing/other"] >= 0
+
+
+def test_random_weights_engine_keeps_the_shapes_and_draws_seeded_weights(tmp_path):
+    """--engine-random-weights: the model's own architecture and tokenizer, weights re-initialised by the
+    model's initialiser from the seed (the control arm of bench/llm_features.py)."""
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.llm.testing import save_tiny, tiny_llama
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, engine_options
+
+    path = save_tiny(tmp_path / "m", *tiny_llama())
+    real = HFEngine(str(path), device="cpu")
+    a, b, c = (HFEngine(str(path), device="cpu", random_weights=s) for s in (0, 0, 1))
+    sr, sa, sb, sc = (e.model.state_dict() for e in (real, a, b, c))
+    assert sr.keys() == sa.keys() and all(sr[k].shape == sa[k].shape and sr[k].dtype == sa[k].dtype for k in sr)
+    matrices = [k for k in sr if sr[k].dim() >= 2]
+    assert all(torch.equal(sa[k], sb[k]) for k in sr)  # deterministic by seed
+    assert all(not torch.equal(sa[k], sr[k]) and not torch.equal(sa[k], sc[k]) for k in matrices)
+    assert a.tokenizer.get_vocab() == real.tokenizer.get_vocab() and a.hidden_size == real.hidden_size
+    # the torch global RNG is not consumed by the initialisation
+    torch.manual_seed(5)
+    x = torch.rand(3)
+    torch.manual_seed(5)
+    HFEngine(str(path), device="cpu", random_weights=7)
+    assert torch.equal(torch.rand(3), x)
+    batch = Batch(["a tree", "water"], prefix="obs: ")
+    assert not np.allclose(a.hidden_states(batch), real.hidden_states(batch))
+    assert engine_options(PPOHiddenConfig(engine_random_weights=4))["random_weights"] == 4
 
 
 def test_refresh_token_path_equals_tokenizing_the_rendered_text():

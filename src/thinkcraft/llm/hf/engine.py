@@ -30,6 +30,22 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def random_init_model(path: Any, seed: int, dtype: torch.dtype = torch.float32, **kwargs: Any) -> torch.nn.Module:
+    """The causal LM of the HF folder `path` (its config: same architecture and shapes) with weights drawn
+    by the model's own initialiser (transformers' `_init_weights`: e.g. normal(0, initializer_range) for
+    Llama), seeded: the same seed gives the same weights on any device (drawn on the CPU, in float32, then
+    cast). The torch global RNG is left as it was."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserError(f"random_weights must be an integer seed, got {seed!r}")
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    return lm.to(dtype)
+
+
 class HFEngine(PrefillMixin, DecodeMixin):
     """In-process transformers engine (see the package docstring). Hidden states: `PrefillMixin`;
     generation: `DecodeMixin`; both read the model facts `_setup` records here."""
@@ -52,7 +68,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
         quantize: Literal["none", "fp8"] = "none",
+        random_weights: int | None = None,
     ) -> None:
+        """`random_weights`: a seed - the model's architecture and tokenizer with freshly initialised weights
+        (a control with no pretrained knowledge; see `random_init_model`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from thinkcraft.llm.models import resolve_model
@@ -64,7 +83,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         else:
             dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         tok = AutoTokenizer.from_pretrained(str(path))
-        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+        if random_weights is None:
+            lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+        else:
+            lm = random_init_model(path, random_weights, dtype=dt, attn_implementation=attn_implementation)
         lm.to(dev).eval()
         lm.requires_grad_(False)
         self._setup(

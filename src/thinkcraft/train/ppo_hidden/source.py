@@ -1,7 +1,7 @@
 """The hidden-state source: env states -> text (or token ids) -> engine -> JAX (N, H) on the policy's device.
 
     src = HiddenStateSource(engine, cfg, env_kind, timer)
-    fresh = src.hidden(src.texts(env_state))        # phases "render" and "llm" on `timer`
+    fresh = src.hidden(src.texts(env_state, pool.env_state))   # phases "render" and "llm" on `timer`
 
 Two paths, chosen once per engine by `engine_takes_token_ids`: an in-process engine that tokenizes and
 returns device tensors gets compact observations rendered straight to token ids (each piece tokenized
@@ -77,15 +77,18 @@ class HiddenStateSource:
         self._prefix_ids: list[int] | None = None
         self._token_renderer: Any = None
 
-    def texts(self, env_state: Any) -> list[str] | list[list[int]]:
-        """The envs' observations as text, or - compact format on the token path - straight as token ids
+    def texts(self, *env_states: Any) -> list[str] | list[list[int]]:
+        """The observations of one or more batches of env states (the envs, then a reset pool's worlds), in
+        order, as text, or - compact format on the token path - straight as token ids
         (CompactTokenRenderer: each piece tokenized once, equal to tokenizing the text)."""
         import jax
 
         from thinkcraft.envs.text import CompactTokenRenderer, extract, render
 
         with self.timer.phase("render"):
-            sem = jax.device_get(extract(env_state))
+            # one extract per batch (the envs' states are not copied into one array), one device_get for all
+            sems = jax.device_get([extract(s) for s in env_states])
+            sem = sems[0] if len(sems) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *sems)
             if self.cfg.text_format == "compact" and self.token_path:
                 if self._token_renderer is None:
                     self._token_renderer = CompactTokenRenderer(self.engine.tokenizer)
