@@ -315,3 +315,69 @@ def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
     assert restore == (None,) and engine.sm_limit == total - 16
     engine.set_sm_limit(restore[0])
     assert engine.sm_limit is None
+
+
+def _llm_features():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "llm_features.py"
+    spec = importlib.util.spec_from_file_location("llm_features", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["llm_features"] = mod  # (its dataclass resolves annotations through its module)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llm_features_jobs_resume_and_stop_by_the_run_dirs(tmp_path):
+    """bench/llm_features.py's plumbing: which process each (env, arm, seed) gets, from the state of its run
+    dir (new / died before a checkpoint / part-way / done), one process per run (lock), SIGINT at the limit."""
+    import argparse
+    import sys
+    import time
+
+    lf = _llm_features()
+    a = argparse.Namespace(
+        envs=["classic", "craftax"], arms=list(lf.ARMS), seeds=3, first_seed=0, seed_mode="separate",
+        num_envs=1024, num_steps=50, total_timesteps=20_000_000, skip_n=25, engine="hf:default", extra=[],
+        hidden_extra=[], session_flags=["--checkpoint-every-minutes", "3"])
+    jobs = lf.make_jobs(a)
+    assert len(jobs) == 2 * 3 * 3 and len({j.name for j in jobs}) == len(jobs)
+    by = {j.name: j.argv(a) for j in jobs}
+    assert by["classic-ppo-s1"][:2] == ["train", "ppo"] and "--engine" not in by["classic-ppo-s1"]
+    assert by["craftax-llm-s2"][:2] == ["train", "ppo-hidden"] and "--engine-random-weights" not in by["craftax-llm-s2"]
+    rnd = by["craftax-random-llm-s2"]
+    assert rnd[rnd.index("--engine-random-weights") + 1] == "2" and rnd[rnd.index("--seed") + 1] == "2"
+    for argv in by.values():  # every arm: the same env steps, envs and rollout length
+        assert [argv[argv.index(f) + 1] for f in ("--num-envs", "--num-steps", "--total-timesteps")] == ["1024", "50", "20000000"]
+    if not lf.supports_num_seeds():
+        with pytest.raises(SystemExit, match="no --num-seeds yet"):
+            lf.make_jobs(argparse.Namespace(**{**vars(a), "seed_mode": "vmapped"}))
+
+    job, run = jobs[0], tmp_path / jobs[0].name
+    assert lf.job_state(run)[0] == "new" and "--overwrite" in lf.command_for(job, a, tmp_path)
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"_derived": {"num_updates": 4, "batch_size": 100}}))
+    assert lf.job_state(run) == ("broken", 0, 400) and "--overwrite" in lf.command_for(job, a, tmp_path)
+    (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 200, "update": 2}))
+    assert lf.job_state(run) == ("partial", 200, 400)
+    cmd = lf.command_for(job, a, tmp_path)
+    assert cmd[-5:] == ["ppo", "--resume", str(run), "--checkpoint-every-minutes", "3"]
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 400, "update": 4}))
+    assert lf.job_state(run)[0] == "done" and lf.command_for(job, a, tmp_path) is None
+
+    lock = tmp_path / "x.lock"
+    assert lf.take_lock(lock) and not lf.take_lock(lock)  # held by a live process (us)
+    lock.write_text("999999999")  # a dead one's: taken over
+    assert lf.take_lock(lock)
+
+    # the time limit: the child gets SIGINT (a training run then checkpoints and exits)
+    marker = tmp_path / "sigint"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGINT, lambda *a: (pathlib.Path({str(marker)!r}).write_text('x'), sys.exit(0)))\n"
+             f"time.sleep(60)\n")
+    t0 = time.time()
+    rc = lf.run_child([sys.executable, "-c", child], tmp_path / "c.log", None, deadline=time.time() + 2)
+    assert rc == 0 and marker.exists() and time.time() - t0 < 30
