@@ -7,8 +7,8 @@ Craftax-Symbolic, the same env steps, envs, rollout length and seeds:
                 SEED`, the run's seed): same architecture, tokenizer and input width, no pretrained knowledge -
                 the control that separates "an LLM's knowledge" from "more inputs"
 
-Every (env, arm) is an independent, resumable process (`thinkcraft train ... --resume`), so runs cut by a time
-limit continue where their last checkpoint left them. Subcommands:
+Every (env, arm) is an independent, resumable process (`thinkcraft train ... --resume --run-dir`), so runs cut
+by a time limit continue where their last checkpoint left them. Subcommands:
 
     python bench/llm_features.py run --gpu 0 --env classic --arm llm --background   # detached, pinned to GPU 0
     python bench/llm_features.py run --gpu 1 --time-limit-min 9    # what is left, in turn; SIGINT at 9 min
@@ -19,7 +19,8 @@ limit continue where their last checkpoint left them. Subcommands:
 
 `run` starts what has no run dir, resumes what has a checkpoint short of the total, restarts what died before
 its first checkpoint, and skips what is finished or running (a lock file per run). `--time-limit-min M`: at M
-minutes the running child gets SIGINT (it stops after its update and checkpoints) and no new one starts.
+minutes the running child gets SIGINT (it stops after its update or chunk and checkpoints; during the engine
+load or the compile it stops at once) and no new one starts.
 Seeds: `--seed-mode vmapped` = one `--num-seeds K` run per (env, arm) (once `train ppo`/`ppo-hidden` have it);
 `separate` = K runs; `auto` picks vmapped where the configs have `num_seeds`.
 `collect` writes bench/results/llm_features.json rows `{env, arm, seed, steps, final_return, ...}` (final =
@@ -101,25 +102,28 @@ def make_jobs(a: argparse.Namespace) -> list[Job]:
 
 def job_state(run_dir: Path) -> tuple[str, int, int | None]:
     """(new | broken | partial | done, env steps checkpointed, total steps or None)."""
+    from thinkcraft.train.checkpoint import has_checkpoint, latest_meta
+
     if not (run_dir / "config.json").exists():
         return "new", 0, None
     derived = json.loads((run_dir / "config.json").read_text()).get("_derived", {})
     total = derived["num_updates"] * derived["batch_size"] if {"num_updates", "batch_size"} <= derived.keys() else None
-    latest = run_dir / "checkpoint" / "latest.json"
-    if not latest.exists():
+    if not has_checkpoint(run_dir):
         return "broken", 0, total  # died before its first checkpoint: start it again
-    steps = int(json.loads(latest.read_text())["env_steps"])
+    steps = int((latest_meta(run_dir) or {}).get("env_steps", 0))
     return ("done" if total is not None and steps >= total else "partial"), steps, total
 
 
 def command_for(job: Job, a: argparse.Namespace, runs: Path) -> list[str] | None:
     state, _, _ = job_state(runs / job.name)
     base = [sys.executable, "-m", "thinkcraft"]
+    run_dir = ["--run-dir", str(runs / job.name)]
     if state == "done":
         return None
     if state == "partial":  # the saved config holds every shape field; these only change the checkpoint cadence
-        return base + [*job.argv(a)[:2], "--resume", str(runs / job.name), *a.session_flags]
-    return base + [*job.argv(a), "--runs-dir", str(runs), "--run-name", job.name, "--overwrite", *a.session_flags]
+        # (--resume-fallback: a checkpoint torn by a hard kill falls back to the one before it)
+        return base + [*job.argv(a)[:2], "--resume", *run_dir, "--resume-fallback", *a.session_flags]
+    return base + [*job.argv(a), *run_dir, "--overwrite", *a.session_flags]
 
 
 def _alive(pid: int) -> bool:

@@ -181,8 +181,10 @@ def test_skip_n_never_is_plain_ppo_bit_for_bit(tmp_path):
     assert main(["train", "ppo-hidden", *TINY, "--skip-n", "0", "--runs-dir", runs, "--run-name", "never"]) == 0
     import flax.serialization
 
-    a = flax.serialization.msgpack_restore((tmp_path / "plain/checkpoint/params.msgpack").read_bytes())
-    b = flax.serialization.msgpack_restore((tmp_path / "never/checkpoint/params.msgpack").read_bytes())
+    from thinkcraft.train.checkpoint import read_checkpoint
+
+    a, b = (flax.serialization.msgpack_restore(read_checkpoint(tmp_path / n)[0].files["params.msgpack"])
+            for n in ("plain", "never"))
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
 
@@ -360,12 +362,13 @@ def test_llm_features_jobs_resume_and_stop_by_the_run_dirs(tmp_path):
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"_derived": {"num_updates": 4, "batch_size": 100}}))
     assert lf.job_state(run) == ("broken", 0, 400) and "--overwrite" in lf.command_for(job, a, tmp_path)
-    (run / "checkpoint").mkdir()
-    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 200, "update": 2}))
+    (run / "checkpoint" / "00000002").mkdir(parents=True)
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 200, "update": 2, "checkpoint": "00000002"}))
     assert lf.job_state(run) == ("partial", 200, 400)
     cmd = lf.command_for(job, a, tmp_path)
-    assert cmd[-5:] == ["ppo", "--resume", str(run), "--checkpoint-every-minutes", "3"]
-    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 400, "update": 4}))
+    assert cmd[cmd.index("thinkcraft") + 1:] == ["train", "ppo", "--resume", "--run-dir", str(run), "--resume-fallback",
+                                                 "--checkpoint-every-minutes", "3"]
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 400, "update": 4, "checkpoint": "00000002"}))
     assert lf.job_state(run)[0] == "done" and lf.command_for(job, a, tmp_path) is None
 
     lock = tmp_path / "x.lock"

@@ -121,6 +121,7 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
     from thinkcraft.utils.io import atomic_path, atomic_write_json
     from thinkcraft.utils.jaxcache import enable_compilation_cache
     from thinkcraft.utils.progress import RunProgress, console
+    from thinkcraft.utils.signals import StopRequest
     from thinkcraft.utils.timing import PhaseTimer
 
     out = Path(cfg.out)
@@ -148,7 +149,7 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
     rows = 0
     t_global = 0
     num_calls = -(-cfg.num_steps // cfg.steps_per_call)
-    with RunProgress(cfg.num_steps * n, "collect", unit="steps") as prog:
+    with RunProgress(cfg.num_steps * n, "collect", unit="steps") as prog, StopRequest("stopping after the call in flight") as stop:
         for call in range(num_calls):
             with timer.phase("rollout" if call else "compile+rollout"):
                 carry, (sem, obs_b, action, reward, done) = play(carry)
@@ -186,8 +187,13 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
                         pq.write_table(table, tmp)
                 rows += table.num_rows
             prog.update(t_global * n, rows=rows)
+            if stop.requested:  # Ctrl-C / SIGTERM: the shards so far are complete; collect does not resume
+                num_calls = call + 1
+                console.print(f"{stop.name}: stopped after {t_global:,} of {cfg.num_steps:,} steps per env; "
+                              f"{out} holds a complete smaller collection (collect does not resume: rerun with --overwrite)")
+                break
     report = {"out": str(out), "env": env_name, "policy": cfg.policy, "rows": rows, "num_envs": n,
-              "num_steps": cfg.num_steps, "shards": num_calls, **timer.metrics(),
+              "num_steps": t_global, "shards": num_calls, "interrupted": stop.requested, **timer.metrics(),
               "episodes_finished": int(episode.sum()), "config": asdict(cfg)}
     atomic_write_json(out / "_collect.json", report)  # "_": Parquet readers skip it
     console.print(f"collect: wrote {rows:,} states to {out} ({num_calls} shards); "

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from thinkcraft.train.session import RunOptions
 from thinkcraft.utils.errors import ConfigError, UserError, check
 
 SHAPE_FIELDS = (
@@ -23,7 +24,7 @@ SHAPE_FIELDS = (
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(RunOptions):
     """PPO on Craftax. Defaults equal Craftax_Baselines `ppo.py` except total_timesteps."""
 
     env_name: str = "Craftax-Symbolic-v1"
@@ -66,35 +67,21 @@ class PPOConfig:
     """Random seed (parameters, env worlds, actions)."""
     updates_per_chunk: int = 8
     """PPO updates per jitted call; adjusted down to a divisor of the number of updates. Larger = fewer host round trips."""
-    run_name: str | None = None
-    """Run directory name under runs_dir (default: ppo-<env>-s<seed>-<time>)."""
-    runs_dir: str = "runs"
-    """Where run directories go."""
-    resume: str | None = None
-    """Continue the run in this directory from its last checkpoint (exactly, on CPU)."""
-    overwrite: bool = False
-    """Replace an existing run directory of the same name."""
-    checkpoint_every_updates: int = 0
-    """Checkpoint every N updates (0 = only by time and at the end)."""
-    checkpoint_every_minutes: float = 10.0
-    """Checkpoint at the first chunk end after this many minutes (0 = off)."""
-    tensorboard: bool = False
-    """Also log to TensorBoard (runs/<name>/tb)."""
-    wandb_project: str | None = None
-    """Also log to this Weights & Biases project."""
-    plot: bool = True
-    """Write runs/<name>/curve.png at the end."""
     stop_after_updates: int = 0
     """Stop (with a checkpoint) after this many updates in this session, to --resume later (0 = run to the end). For time-sliced jobs."""
 
     def __post_init__(self) -> None:
         from thinkcraft.envs.craftax import canonical_env_name
-        from thinkcraft.envs.unroll import UNROLL_SETTINGS
 
         try:
             self.env_name = canonical_env_name(self.env_name)
         except UserError as e:
             raise ConfigError("env_name", str(e)) from None
+        super().__post_init__()
+
+    def validate(self) -> None:
+        from thinkcraft.envs.unroll import UNROLL_SETTINGS
+
         for f in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches",
                   "layer_width", "updates_per_chunk"):
             check(getattr(self, f) > 0, f, f"must be > 0, got {getattr(self, f)}")
@@ -113,6 +100,9 @@ class PPOConfig:
               f"must be a multiple of the chunk size ({self.chunk_updates} updates) so that the run stops at a chunk end")
         check(self.compute_dtype in ("float32", "bfloat16"), "compute_dtype", "float32 or bfloat16")
         check(self.unroll_env_scans in UNROLL_SETTINGS, "unroll_env_scans", "auto, on or off")
+
+    def run_label(self) -> str:
+        return f"{self.env_name}-s{self.seed}"
 
     @property
     def batch_size(self) -> int:
@@ -201,36 +191,35 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     from thinkcraft.utils.progress import console
 
     session = TrainSession(cfg, "ppo", shape_fields=SHAPE_FIELDS, defaults=PPOConfig(),
-                           total_steps=cfg.num_updates * cfg.batch_size, title=f"PPO {cfg.env_name}")
+                           total_steps=lambda c: c.num_updates * c.batch_size, title=lambda c: f"PPO {c.env_name}")
     cfg = session.cfg
-    session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
     enable_compilation_cache()
-
-    # 1. build and initialise (or restore)
-    env, network, tx = build(cfg)
-    init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
-    rng = jax.random.PRNGKey(cfg.seed)
-    runner = session.restore(jax.eval_shape(init, rng)) if session.resuming else init(rng)
-    start_update = int(runner.update)
-
-    K = cfg.chunk_updates
-    chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
-    names = achievement_names(cfg.env_name)
-    max_return = float(sum(achievement_weights(cfg.env_name)))
-
-    # 2. compile once (AOT, timed apart from the steady-state SPS)
-    t0 = time.perf_counter()
-    compiled = chunk.lower(runner).compile()
-    compile_s = time.perf_counter() - t0
-    console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s")
-    session.summary["compile_s"] = compile_s
-
-    # 3. chunks: one device call each (runner donated), one host sync for the metrics
-    end_update = cfg.num_updates
-    if cfg.stop_after_updates:
-        end_update = min(end_update, start_update + cfg.stop_after_updates)
-    update = start_update
     with session:
+        # 1. build and initialise (or restore)
+        env, network, tx = build(cfg)
+        init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
+        rng = jax.random.PRNGKey(cfg.seed)
+        runner = session.restore(jax.eval_shape(init, rng)) if session.resuming else init(rng)
+        start_update = int(runner.update)
+        session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
+
+        K = cfg.chunk_updates
+        chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
+        names = achievement_names(cfg.env_name)
+        max_return = float(sum(achievement_weights(cfg.env_name)))
+
+        # 2. compile once (AOT, timed apart from the steady-state SPS)
+        t0 = time.perf_counter()
+        compiled = chunk.lower(runner).compile()
+        compile_s = time.perf_counter() - t0
+        console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s", soft_wrap=True)
+        session.summary["compile_s"] = compile_s
+
+        # 3. chunks: one device call each (runner donated), one host sync for the metrics
+        end_update = cfg.num_updates
+        if cfg.stop_after_updates:
+            end_update = min(end_update, start_update + cfg.stop_after_updates)
+        update = start_update
         session.start(update)
         while session.running(update, end_update):
             t0 = time.perf_counter()
@@ -246,11 +235,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             session.log(update, update * cfg.batch_size, rec, sps=sps, ret=rec.get("episode/return", float("nan")))
             session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params)
         session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params, force=True)
-    summary = session.summary
-    summary.update({"update": update, "env_steps": update * cfg.batch_size})
-    console.print(
-        f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
-        f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
-        f"run dir {session.run_dir}"
-    )
+        summary = session.summary
+        summary.update({"update": update, "env_steps": update * cfg.batch_size})
+        console.print(
+            f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
+            f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
+            f"run dir {session.run_dir}", soft_wrap=True)
     return summary

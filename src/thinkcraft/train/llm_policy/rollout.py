@@ -127,13 +127,15 @@ def episode_record(e: Episode, env_name: str, policy_version: int, extra: dict[s
 
 # ================================================================================================ run
 
-def make_env_and_reward(cfg: LLMPolicyConfig, judge_engine_factory=None):
+def make_env_and_reward(cfg: LLMPolicyConfig, judge: tuple[Any, Any] | None = None):
+    """The text env with its reward. arith/gsm8k: the `####` rule reward, or with `judge` = (engine, prompt
+    format) an LLM judge (`--reward judge`; the loop builds the judge once the policy exists, `make_judge`)."""
     from thinkcraft.envs.textenvs import JudgeReward, RuleReward, make_text_env
 
     reward_fn = None
     if cfg.env in ("arith", "gsm8k"):
-        if cfg.reward == "judge":
-            engine, fmt = judge_engine_factory()
+        if judge is not None:
+            engine, fmt = judge
             reward_fn = JudgeReward(engine, answer_weight=cfg.answer_weight, format_weight=cfg.format_weight,
                                     format_prompt=fmt)
         else:
@@ -165,6 +167,3 @@ def _token_batch(prompts: list[list[int]]):
     from thinkcraft.llm.protocol import Batch
 
     return Batch(items=prompts)
-
-
-# ====================================================================================== train batches

@@ -66,8 +66,8 @@ class PPOHiddenConfig(PPOConfig):
     """With --overlap and an in-process LLM on the policy's GPU: SMs kept free of LLM work for the env steps
     (the LLM runs on a CUDA green context of the others). 0 = no partition (the two then nearly serialise)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         check(self.skip_n >= 0, "skip_n", "must be >= 0 (0 = never)")
         if self.skip_n > 0:
             T, S = self.num_steps, self.skip_n

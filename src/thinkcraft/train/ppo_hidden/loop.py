@@ -24,68 +24,31 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         return _run_never(cfg)
     # JAX must not grab most of the GPU: torch (the LLM) shares it
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import jax
-
-    from thinkcraft.envs.craftax import env_kind
     from thinkcraft.llm import make_engine
-    from thinkcraft.train.ppo import build_env, build_optimizer
-    from thinkcraft.train.ppo_hidden.kernels import build_kernels, build_network, make_init
-    from thinkcraft.train.ppo_hidden.schedule import make_schedule
-    from thinkcraft.train.ppo_hidden.source import HiddenStateSource
     from thinkcraft.train.session import TrainSession
-    from thinkcraft.utils.jaxcache import enable_compilation_cache
     from thinkcraft.utils.progress import console
 
     session = TrainSession(cfg, "ppo-hidden", shape_fields=SHAPE_FIELDS, defaults=PPOHiddenConfig(),
-                           total_steps=cfg.num_updates * cfg.batch_size,
-                           title=f"PPO+LLM {cfg.env_name} skip_n={cfg.skip_n}",
+                           total_steps=lambda c: c.num_updates * c.batch_size,
+                           title=lambda c: f"PPO+LLM {c.env_name} skip_n={c.skip_n}",
                            plot_keys=("episode/return", "achievements/mean_rate", "sps", "llm/share"))
     cfg = session.cfg
 
-    # 1. the engine first: hidden-state support and size are checked before anything compiles
+    # 1. the engine first: hidden-state support and size are checked before anything compiles (inside the
+    # session, so that Ctrl-C / SIGTERM during the load or the compile stops cleanly too)
     own_engine = engine is None
-    if own_engine:
-        engine = make_engine(cfg.engine, **engine_options(cfg))
-    try:
-        H = _hidden_size(engine, cfg, session)
-        session.save_config(num_updates=cfg.num_updates, batch_size=cfg.batch_size, hidden_size=H,
-                            windows_per_update=cfg.windows_per_update, updates_per_refresh=cfg.updates_per_refresh)
-        enable_compilation_cache()
-
-        # 2. env, network, optimizer, state (restored when resuming)
-        env = build_env(cfg)
-        network = build_network(cfg, env)
-        init = make_init(cfg, env, network, build_optimizer(cfg), H)
-        rng = jax.random.PRNGKey(cfg.seed)
-        state = session.restore(jax.eval_shape(init, rng)) if session.resuming else jax.jit(init)(rng)
-        # Committed to the policy's device like everything the loop feeds back (the hidden states arrive
-        # committed through DLPack): a jitted call whose inputs go from uncommitted to committed compiles
-        # again, and for the fused refresh+window that is a second compile of the whole rollout (~40 s on a GPU).
-        state = jax.device_put(state, jax.devices()[0])
-
-        # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update) and the hidden-state source
-        kernels = build_kernels(cfg, env, network)
-        src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer)
-        console.print(f"ppo-hidden: {cfg.num_envs} envs, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
-                      f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
-                      f"{', overlap' if cfg.overlap else ''}; "
-                      + (f"resets draw from a pool of {cfg.pool_size} worlds per refresh" if cfg.pool_size
-                         else "hidden input masked after a reset until the next refresh (no reset pool)"))
-
-        # 4. updates: windows (each after the schedule's refresh), the PPO update, log, checkpoint
-        try:
-            with make_schedule(cfg, src, kernels, engine) as schedule, session:
-                update = _train(cfg, session, state, kernels, schedule)
-        except EngineFailed as e:
-            raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
-                            f"continue with --resume {session.run_dir}") from None
-    finally:
+    with session:
         if own_engine:
-            engine.close()
+            engine = make_engine(cfg.engine, **engine_options(cfg))
+        try:
+            update = _setup_and_train(cfg, session, engine)
+        finally:
+            if own_engine:
+                engine.close()
 
     # 5. summary
     summary = session.summary
-    summary.update({"update": update, "env_steps": update * cfg.batch_size, "hidden_size": H})
+    summary.update({"update": update, "env_steps": update * cfg.batch_size})
     console.print(f"done: {update:,} updates, {update * cfg.batch_size:,} steps; return "
                   f"{summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
                   f"LLM share {100 * summary.get('llm/share', 0):.0f}%"
@@ -94,12 +57,62 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     return summary
 
 
+def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
+    """Steps 1-4 after the engine exists: check it, build and restore, compile, train. Returns the update
+    count reached."""
+    import jax
+
+    from thinkcraft.envs.craftax import env_kind
+    from thinkcraft.train.ppo import build_env, build_optimizer
+    from thinkcraft.train.ppo_hidden.kernels import build_kernels, build_network, make_init
+    from thinkcraft.train.ppo_hidden.schedule import make_schedule
+    from thinkcraft.train.ppo_hidden.source import HiddenStateSource
+    from thinkcraft.utils.jaxcache import enable_compilation_cache
+    from thinkcraft.utils.progress import console
+
+    H = _hidden_size(engine, cfg, session)
+    enable_compilation_cache()
+
+    # 2. env, network, optimizer, state (restored when resuming)
+    env = build_env(cfg)
+    network = build_network(cfg, env)
+    init = make_init(cfg, env, network, build_optimizer(cfg), H)
+    rng = jax.random.PRNGKey(cfg.seed)
+    state = session.restore(jax.eval_shape(init, rng)) if session.resuming else jax.jit(init)(rng)
+    # written only now: a resumed run's checkpoint has been verified by `restore` first
+    session.save_config(num_updates=cfg.num_updates, batch_size=cfg.batch_size, hidden_size=H,
+                        windows_per_update=cfg.windows_per_update, updates_per_refresh=cfg.updates_per_refresh)
+    # Committed to the policy's device like everything the loop feeds back (the hidden states arrive
+    # committed through DLPack): a jitted call whose inputs go from uncommitted to committed compiles
+    # again, and for the fused refresh+window that is a second compile of the whole rollout (~40 s on a GPU).
+    state = jax.device_put(state, jax.devices()[0])
+
+    # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update) and the hidden-state source
+    kernels = build_kernels(cfg, env, network)
+    src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer)
+    console.print(f"ppo-hidden: {cfg.num_envs} envs, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
+                  f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
+                  f"{', overlap' if cfg.overlap else ''}; "
+                  + (f"resets draw from a pool of {cfg.pool_size} worlds per refresh" if cfg.pool_size
+                     else "hidden input masked after a reset until the next refresh (no reset pool)"))
+
+    # 4. updates: windows (each after the schedule's refresh), the PPO update, log, checkpoint
+    session.summary["hidden_size"] = H
+    try:
+        with make_schedule(cfg, src, kernels, engine) as schedule:
+            return _train(cfg, session, state, kernels, schedule)
+    except EngineFailed as e:
+        raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
+                        f"continue with {session.resume_command}") from None
+
+
 def _run_never(cfg: PPOHiddenConfig) -> dict[str, Any]:
     """skip_n = 0, "never": exactly the plain PPO path (same kernels, same speed, no LLM)."""
     from thinkcraft.train.ppo import run as run_ppo
 
-    return run_ppo(dataclasses.replace(cfg.ppo_config(), run_name=cfg.run_name or
-                                       f"ppo-hidden-never-{cfg.env_name}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    named = cfg.run_dir or cfg.run_name
+    return run_ppo(cfg.ppo_config() if named else dataclasses.replace(
+        cfg.ppo_config(), run_name=f"ppo-hidden-never-{cfg.run_label()}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
 def _hidden_size(engine: Any, cfg: PPOHiddenConfig, session: Any) -> int:
