@@ -196,6 +196,15 @@ def test_sync_reset_envs_act_on_the_pool_worlds_state_and_hidden_state():
     want = jax.tree.map(lambda x: np.asarray(x[walk[(T - 1, last[0])]]), pool.env_state)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     assert int(state.runner.rollout.env_state.pool.cursor) == len(walk)
+    # a window without a refresh (skip_n > num_steps): the resets walk on through the same pool
+    state_b, traj_b, _, info_b = kernels.window(state)
+    walk_b = _walk(np.asarray(traj_b.done), cursor=len(walk))
+    assert walk_b and float(info_b["valid"]) == 1.0
+    for (t, i), w in walk_b.items():
+        if t + 1 < T:
+            np.testing.assert_array_equal(np.asarray(traj_b.obs.obs)[t + 1, i], np.asarray(pool.obs[w]))
+            np.testing.assert_allclose(np.asarray(traj_b.obs.hidden)[t + 1, i], want_h[w], rtol=1e-4, atol=1e-4)
+    assert int(state_b.runner.rollout.env_state.pool.cursor) == len(walk) + len(walk_b)
     # the pool and its walk are deterministic given the rng; another seed draws other worlds
     (state2, traj2, _, _), pool2 = one_window(0)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(pool), jax.tree.leaves(pool2)))
