@@ -197,6 +197,10 @@ def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch
     records = table_to_records(read_table(tmp_path / "b" / "run" / "trajectories"))
     assert len(records) == 2 * 2 * 3
     assert sorted({r.metadata.policy_version for r in records}) == [0, 1]
+    from thinkcraft.data.summary import summarize_store
+
+    summary, _ = summarize_store(tmp_path / "b" / "run" / "trajectories")  # `data inspect` numbers steps as metrics do
+    assert (summary.learner_steps.min, summary.learner_steps.max) == (1, 2) and summary.policy_lag.max == 1
     t = records[0].turns[0]
     assert len(t.response_token_ids) == len(t.logprobs) == len(t.loss_mask) > 0 and len(t.prompt_token_ids) > 0
 

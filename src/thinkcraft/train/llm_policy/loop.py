@@ -127,7 +127,7 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
                 if writer is not None:
                     with timer.phase("store"):
                         for e in episodes:
-                            writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step)
+                            writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step + 1)
                 # 4. train
                 with timer.phase("train"):
                     scores, groups = row_scores_and_groups(episodes, cfg.gamma, cfg.max_turns)
