@@ -97,7 +97,7 @@ def test_render_prints_rollout(capsys):
 def test_render_default_walk_visibly_plays(capsys):
     # 8 envs: the compiled reset/step of the test above; most of env 0's frames differ, each names its action
     assert main(["render", "--env", "craftax", "--num-envs", "8", "--steps", "12", "--seed", "1"]) == 0
-    frames = [f for f in capsys.readouterr().out.split("=== step ")[1:] if f.split(" ===")[0].split(",")[1:2] in ([], [" env 0"])]
+    frames = [f for f in capsys.readouterr().out.split("=== step ")[1:] if f.split(" ===")[0].split(", ")[1:2] == ["env 0"]]
     assert len(frames) == 13
     headers = [f.splitlines()[0] for f in frames]
     assert headers[0] == "0, env 0 ===" and all(", after: " in h for h in headers[1:])

@@ -3,7 +3,8 @@
 Uniformly random actions seldom change a Craftax frame (most of the 43 actions are crafts that fail, and
 a move is one in ten), so by default the player follows a scripted walk (`ExploreWalk`): it interacts with
 what it faces and can use (chops, mines with the pickaxe it needs, drinks when thirsty, hits), tries a
-craft now and then, and otherwise walks on, turning at obstacles. Each printed frame names the actions taken since the previous one.
+craft now and then, and otherwise walks on, turning at obstacles. Each printed frame names the actions
+taken since the previous one.
 """
 
 from __future__ import annotations
