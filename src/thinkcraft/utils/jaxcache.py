@@ -16,8 +16,9 @@ from pathlib import Path
 
 DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "thinkcraft" / "jax"
 
-# cache everything that takes half a second or more: CPU compiles of small functions still add up
-MIN_COMPILE_TIME_S = 0.5
+# cache every program, the eager ops' small ones too: on a 2-core CPU they are ~1.5 s of the 10 s that
+# `render --steps 5` still takes with its rollout programs cached (8.6 s with them cached as well)
+MIN_COMPILE_TIME_S = 0.0
 # -1: no size floor, and JAX may not override it
 MIN_ENTRY_SIZE_BYTES = -1
 
