@@ -280,8 +280,8 @@ class Batcher:
         return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.eng.dtype
 
     def _ensure_kv(self) -> None:
-        """Allocate the cache, or grow it while nothing runs: slots for the queue, columns for its longest
-        request (rounded, so that growing episodes do not reallocate at every turn)."""
+        """Allocate the cache, or grow it while nothing runs (parked episodes' KV is carried over): slots for
+        the queue, columns for its longest request (rounded, so that growing episodes rarely reallocate)."""
         q = list(self._queue)
         want_slots, want_tokens, want_prefix = self._reserve
         want_slots = max(want_slots, min(self.max_slots, _round_up(len(q), 8)))
@@ -292,16 +292,32 @@ class Batcher:
         if kv is not None and kv.dtype == dtype and want_tokens <= kv.tokens and want_slots <= kv.slots \
                 and want_prefix <= kv.prefix_cap:
             return
-        if kv is not None and (bool(self.h_run.any()) or self._collected < self._iter):
+        if kv is not None and bool(self.h_run.any()):
             if kv.dtype != dtype:
                 raise UserError(f"the engine's KV cache holds {kv.dtype} and this call computes in {dtype} while "
                                 "sequences run: use one autocast setting for all calls")
             return  # requests that do not fit wait until the running ones end
+        old = (kv, self.table, self._prefix) if kv is not None and kv.dtype == dtype else None
         if kv is not None:
-            self.counters["evictions"] += self.table.drop_parked()
+            self._collect(drain=True)
             want_slots, want_tokens = max(want_slots, kv.slots), max(want_tokens, kv.tokens)
             want_prefix = max(want_prefix, kv.prefix_cap)
+            if old is None:
+                self.counters["evictions"] += self.table.drop_parked()
         self._allocate(want_slots, want_tokens, want_prefix, dtype)
+        if old is not None:
+            self._carry_over(*old)
+
+    def _carry_over(self, kv: SlotKV, table: SlotTable, prefix: np.ndarray | None) -> None:
+        """Parked episodes and the shared prefix from a smaller cache into the new one (same slot indices)."""
+        new = self.kv
+        for src, dst in zip(kv.keys + kv.values, new.keys + new.values):
+            dst[: kv.slots, :, : kv.tokens].copy_(src[:, :, : kv.tokens])  # not the old scratch column
+        for src, dst in zip(kv.prefix_keys + kv.prefix_values, new.prefix_keys + new.prefix_values):
+            dst[:, :, : src.shape[2]].copy_(src)
+        new.prefix_len, self._prefix = kv.prefix_len, prefix
+        self.prefix_mask.copy_((new.pcols < new.prefix_len)[None, :].expand_as(self.prefix_mask))
+        self.table.adopt(table)
 
     def _allocate(self, slots: int, tokens: int, prefix_cap: int, dtype: torch.dtype) -> None:
         eng = self.eng

@@ -117,6 +117,16 @@ class SlotTable:
         """Does a running or parked slot read the shared prefix (columns after an offset)?"""
         return bool(np.any((self.status != FREE) & (self.offset > 0)))
 
+    def adopt(self, old: "SlotTable") -> None:
+        """Take over a smaller table's parked slots (the cache grew; slot indices are kept)."""
+        n = len(old)
+        for s in np.flatnonzero(old.status == PARKED):
+            s = int(s)
+            self.status[s], self.episode[s], self.tokens[s] = PARKED, old.episode[s], old.tokens[s]
+            self._by_episode[old.episode[s]] = s
+        self.offset[:n], self.version[:n], self.parked_at[:n] = old.offset, old.version, old.parked_at
+        self._clock, self.evictions = old._clock, old.evictions
+
     def _unlink(self, slot: int) -> None:
         ep = self.episode[slot]
         if ep is not None and self._by_episode.get(ep) == slot:
