@@ -6,6 +6,8 @@
 
 `step` takes and returns entries for the *active* episodes only, in the order of `env.active_indices()`
 before the call; finished episodes drop out (a batch of LLM calls never pays for finished episodes).
+`step(actions, indices=[...])` steps only those active episodes (in that order) and leaves the others as
+they are: episodes of a continuous-batching rollout move on as soon as their own turn is generated.
 
 Kinds:
 - `TaskEnv` (arith, gsm8k): one turn; the completion is graded by a reward function (rule or judge).
@@ -42,7 +44,7 @@ class TextEnv(Protocol):
 
     def reset(self, seeds: Sequence[int]) -> list[str]: ...
 
-    def step(self, actions_text: Sequence[str]) -> StepResult: ...
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult: ...
 
     def active_indices(self) -> list[int]: ...
 
@@ -52,6 +54,17 @@ class TextEnv(Protocol):
 def _check_len(actions: Sequence[str], active: list[int]) -> None:
     if len(actions) != len(active):
         raise ValueError(f"step got {len(actions)} actions for {len(active)} active episodes")
+
+
+def _stepped(active: list[int], indices: Sequence[int] | None) -> list[int]:
+    """The episodes a step moves: all active ones, or `indices` (each active, no repeats)."""
+    if indices is None:
+        return active
+    idx = [int(i) for i in indices]
+    live = set(active)
+    if len(set(idx)) != len(idx) or not set(idx) <= live:
+        raise ValueError(f"step indices must be distinct active episodes; got {idx}, active {sorted(live)}")
+    return idx
 
 
 # ----------------------------------------------------------------------------------- single-turn tasks
@@ -80,9 +93,10 @@ class TaskEnv:
     def active_indices(self) -> list[int]:
         return list(self._active)
 
-    def step(self, actions_text: Sequence[str]) -> StepResult:
-        _check_len(actions_text, self._active)
-        probs = [self.problems[i] for i in self._active]
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
+        stepped = _stepped(self._active, indices)
+        _check_len(actions_text, stepped)
+        probs = [self.problems[i] for i in stepped]
         results = self.reward_fn(probs, list(actions_text))
         n = len(results)
         self._num_answers += n
@@ -92,7 +106,8 @@ class TaskEnv:
              "gold": p.answer}
             for r, p in zip(results, probs)
         ]
-        self._active = []
+        gone = set(stepped)
+        self._active = [i for i in self._active if i not in gone]
         return StepResult(
             observations=[""] * n,
             rewards=np.array([r.reward for r in results], dtype=np.float32),
@@ -186,11 +201,11 @@ class CraftaxTextEnv:
     def active_indices(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(~self._done)]
 
-    def step(self, actions_text: Sequence[str]) -> StepResult:
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
         jax = self._jax
         import jax.numpy as jnp
 
-        active = self.active_indices()
+        active = _stepped(self.active_indices(), indices)
         _check_len(actions_text, active)
         n = len(self._done)
         actions = np.full(n, self._noop, dtype=np.int32)
@@ -203,12 +218,15 @@ class CraftaxTextEnv:
                 actions[i] = a
         self._num_actions += len(active)
         self._num_invalid += int(invalid.sum())
+        # finished episodes keep their final state (no auto-reset), and so do the ones not stepped now; only
+        # stepped episodes advance their keys (an episode's randomness does not depend on the others' steps)
+        still = np.ones(n, dtype=bool)
+        still[active] = False
+        keep = jnp.asarray(still)
         split = jax.vmap(lambda k: jax.random.split(k))(self._keys)
-        self._keys, step_keys = split[:, 0], split[:, 1]
+        self._keys, step_keys = jnp.where(keep[:, None], self._keys, split[:, 0]), split[:, 1]
         prev_state = self._state
         _, new_state, reward, done, _info = self._step(step_keys, prev_state, jnp.asarray(actions))
-        # finished episodes keep their final state (no auto-reset): select per row
-        keep = jnp.asarray(self._done)
         self._state = jax.tree_util.tree_map(
             lambda old, new: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), old, new), prev_state, new_state
         )

@@ -44,8 +44,9 @@ class LLMPolicyConfig:
     """Nucleus sampling."""
     thinking_budget: int | None = None
     """For <think> models: close the thought after this many tokens (forced tokens are not trained)."""
-    history_turns: int = 2
-    """Multi-turn envs: how many past (observation, action) turns the prompt shows."""
+    history_turns: int = -1
+    """Multi-turn envs: how many past (observation, action) turns the prompt shows; -1 = all of them (prompts
+    only grow, so the engine keeps each episode's KV between turns and prefills only the new tokens)."""
     max_turns: int = 8
     """Craftax: decisions per episode (the episode step cap)."""
     format_penalty: float = 0.0
@@ -103,10 +104,12 @@ class LLMPolicyConfig:
     """A*-PO: regression weight of log πθ/πref."""
     apo_pool_size: int = 64
     """A*-PO: prompts (seeds) in the training pool whose V* is estimated offline."""
-    kv_cache: Literal["dynamic", "static"] = "dynamic"
-    """Engine KV cache during generation; static (+ --compile-decode) lets CUDA graphs replay the decode step."""
-    compile_decode: bool = False
-    """torch.compile the engine's decode step (GPU; first step pays the compile)."""
+    kv_cache: Literal["auto", "dynamic", "static"] = "auto"
+    """Decode attention width: static (the whole slot every step: one shape, one CUDA graph) or dynamic (a
+    bucket of the longest running sequence); auto = static with a compiled step, else dynamic."""
+    compile_decode: bool | None = None
+    """torch.compile the engine's decode step (CUDA graphs; the first steps pay the compile). None = auto: on
+    where the device supports it (CUDA), off elsewhere."""
     max_generate_batch: int = 1024
     """Sequences per engine decode batch."""
     seed: int = 0

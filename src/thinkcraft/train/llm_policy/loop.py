@@ -120,8 +120,9 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
                     seeds = [pool_seeds[rng.randrange(len(pool_seeds))] for _ in range(cfg.prompts_per_step)]
                 else:
                     seeds = [_seed_of(cfg, step + 1, i) for i in range(cfg.prompts_per_step)]
+                roll_metrics: dict[str, float] = {}
                 episodes = rollout(env, engine, tok, seeds, cfg.samples_per_prompt, sampling, cfg.history_turns, timer,
-                                   gen_context=learner.autocast)
+                                   gen_context=learner.autocast, metrics=roll_metrics)
                 turns = [t for e in episodes for t in e.turns]
                 # 3. store
                 if writer is not None:
@@ -169,6 +170,7 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
                     "policy_version": policy_version,
                     "advantage/abs_mean": float(adv.abs().mean()),
                     **loss_stats,
+                    **roll_metrics,
                     **timer.metrics(),
                 }
                 if cfg.env in ("arith", "gsm8k"):

@@ -90,12 +90,22 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
 
 # =========================================================================================== sampler
 
+def decode_path(device_type: str, kv_cache: str = "auto", compile_decode: bool | None = None) -> tuple[str, bool]:
+    """(kv_cache, compile_decode) for the engine: the fastest path the device supports unless forced - a
+    compiled CUDA-graph step over the static width on CUDA, the eager step with a dynamic width elsewhere."""
+    compiled = device_type == "cuda" if compile_decode is None else bool(compile_decode)
+    width = ("static" if compiled else "dynamic") if kv_cache == "auto" else kv_cache
+    return width, compiled
+
+
 def make_engine(model, tokenizer, cfg: "LLMPolicyConfig"):
     """The in-process engine over the learner's model: `HFEngine.from_model` shares the parameters (no
     copy), so every rollout samples from the weights the learner just updated."""
     from thinkcraft.llm.hf import HFEngine
 
-    return HFEngine.from_model(model, tokenizer, kv_cache=cfg.kv_cache, compile_decode=cfg.compile_decode,
+    device = next(model.parameters()).device
+    kv_cache, compiled = decode_path(device.type, cfg.kv_cache, cfg.compile_decode)
+    return HFEngine.from_model(model, tokenizer, kv_cache=kv_cache, compile_decode=compiled,
                                max_batch_size=cfg.max_generate_batch)
 
 def check_engine_for_algo(capabilities, algo: str) -> None:
