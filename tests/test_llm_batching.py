@@ -173,8 +173,16 @@ def test_one_episode_too_large_is_a_clear_error(tiny) -> None:
     eng = HFEngine.from_model(model, tok, max_seq_len=32)
     with pytest.raises(UserError, match=r"needs 38 tokens of KV .* at most 32 \(max_seq_len\)"):
         eng.submit(GenerationRequest(list(range(10, 40)), SamplingParams(max_new_tokens=8)))
-    with pytest.raises(UserError, match="max_seq_len"):
-        eng.reserve(4, 64)
+    eng.reserve(4, 64)  # a reservation is capped at max_seq_len
+    assert eng._batcher._reserve == (4, 32, 0)
+    # a KV budget that cannot hold one sequence is a clear error too
+    small = HFEngine.from_model(model, tok, kv_cache_gb=1e-6)
+    with pytest.raises(UserError, match="more than the KV cache budget"):
+        small.generate(Batch(items=[list(range(10, 40))]), SamplingParams(max_new_tokens=8))
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x head dim 16 x fp32
+    few = HFEngine.from_model(model, tok, kv_cache_gb=2.5 * 65 * per_token / 2**30)  # 2 slots of 64 (+ scratch)
+    out = few.generate(Batch(items=[[10 + i, 11, 12] for i in range(5)]), SamplingParams(max_new_tokens=3))
+    assert len(out) == 5 and few.decode_metrics()["slots"] <= 2
 
 
 def test_reuse_len_rules() -> None:

@@ -81,8 +81,9 @@ class Batcher:
     """The continuous-batching scheduler of one `HFEngine` (see the module docstring)."""
 
     def __init__(self, eng: Any, *, max_slots: int, max_seq_len: int | None, evict: str, width: str,
-                 compile_step: bool) -> None:
+                 compile_step: bool, kv_cache_gb: float | None = None) -> None:
         self.eng = eng
+        self.kv_cache_gb = kv_cache_gb
         self.max_slots, self.max_seq_len, self.evict, self.width = max_slots, max_seq_len, evict, width
         self.compile_step = compile_step
         self._cv = threading.Condition(threading.RLock())
@@ -159,9 +160,10 @@ class Batcher:
     def reserve(self, slots: int, tokens: int, prefix_tokens: int = 0) -> None:
         """Size the cache for at least `slots` sequences of `tokens` KV columns each (after a shared prefix of
         up to `prefix_tokens`): allocated at the next admission if nothing runs (a rollout calls this once, so
-        the cache - and a compiled step's graphs - are not rebuilt as episodes grow)."""
-        if self.max_seq_len is not None and tokens > self.max_seq_len:
-            raise UserError(f"reserve: {tokens} tokens per slot exceeds max_seq_len {self.max_seq_len}")
+        the cache - and a compiled step's graphs - are not rebuilt as episodes grow). Capped by `max_slots` and
+        `max_seq_len`; the KV budget may give fewer slots (`_fit_slots`)."""
+        if self.max_seq_len is not None:
+            tokens = min(tokens, self.max_seq_len)
         self._reserve = (min(slots, self.max_slots), tokens, prefix_tokens)
 
     def step(self) -> bool:
@@ -243,6 +245,14 @@ class Batcher:
                 self._cv.notify_all()
             t.join()
 
+    def free(self) -> None:
+        """Drop the cache (and anything queued, running or unpolled): the engine is closing."""
+        with self._step_lock, self._cv:
+            self.kv, self._step_fn, self._prefix = None, None, None
+            self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
+            self._queue.clear()
+            self._done.clear()
+
     def metrics(self) -> dict[str, float]:
         c = dict(self.counters)
         c["evictions"] = float(self.table.evictions)
@@ -289,30 +299,48 @@ class Batcher:
         want_prefix = _round_up(max([want_prefix] + [s.req.prefix_len for s in q]), _ROUND_TOKENS)
         dtype = self._kv_dtype()
         kv = self.kv
-        if kv is not None and kv.dtype == dtype and want_tokens <= kv.tokens and want_slots <= kv.slots \
-                and want_prefix <= kv.prefix_cap:
+        if kv is not None and kv.dtype == dtype and want_tokens <= kv.tokens and want_prefix <= kv.prefix_cap \
+                and (want_slots <= kv.slots or self._budget_limited):
             return
         if kv is not None and bool(self.h_run.any()):
             if kv.dtype != dtype:
                 raise UserError(f"the engine's KV cache holds {kv.dtype} and this call computes in {dtype} while "
                                 "sequences run: use one autocast setting for all calls")
             return  # requests that do not fit wait until the running ones end
-        old = (kv, self.table, self._prefix) if kv is not None and kv.dtype == dtype else None
+        old = None
         if kv is not None:
             self._collect(drain=True)
             want_slots, want_tokens = max(want_slots, kv.slots), max(want_tokens, kv.tokens)
             want_prefix = max(want_prefix, kv.prefix_cap)
-            if old is None:
+            if kv.dtype == dtype and bool((self.table.status == PARKED).any()):
+                old = (kv, self.table, self._prefix)
+            else:
                 self.counters["evictions"] += self.table.drop_parked()
-        self._allocate(want_slots, want_tokens, want_prefix, dtype)
+        try:
+            self._allocate(want_slots, want_tokens, want_prefix, dtype)
+        except torch.OutOfMemoryError:
+            if old is None:
+                raise
+            # the old cache and the new one do not fit together: drop the parked episodes' KV instead
+            self.counters["evictions"] += old[1].drop_parked()
+            old = None
+            self._allocate(want_slots, want_tokens, want_prefix, dtype)
         if old is not None:
             self._carry_over(*old)
 
     def _carry_over(self, kv: SlotKV, table: SlotTable, prefix: np.ndarray | None) -> None:
-        """Parked episodes and the shared prefix from a smaller cache into the new one (same slot indices)."""
+        """Parked episodes and the shared prefix from the old cache into the new, larger one (same slot
+        indices; episodes whose slot no longer exists - a smaller KV budget - are evicted)."""
         new = self.kv
-        for src, dst in zip(kv.keys + kv.values, new.keys + new.values):
-            dst[: kv.slots, :, : kv.tokens].copy_(src[:, :, : kv.tokens])  # not the old scratch column
+        parked = np.flatnonzero(table.status == PARKED)
+        lost = parked[parked >= new.slots]
+        for s in lost:
+            table.free(int(s))
+        table.evictions += len(lost)
+        keep = torch.as_tensor(parked[parked < new.slots], device=new.device)
+        if len(keep):
+            for src, dst in zip(kv.keys + kv.values, new.keys + new.values):
+                dst[keep, :, : kv.tokens] = src[keep, :, : kv.tokens]  # not the old scratch column
         for src, dst in zip(kv.prefix_keys + kv.prefix_values, new.prefix_keys + new.prefix_values):
             dst[:, :, : src.shape[2]].copy_(src)
         new.prefix_len, self._prefix = kv.prefix_len, prefix
@@ -326,6 +354,9 @@ class Batcher:
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         dev = eng.device
         self.kv = None  # free the old buffers first
+        wanted = slots
+        slots = self._fit_slots(slots, tokens, prefix_cap, SlotKV.bytes_per_token(eng.num_layers, hkv, head_dim, dtype))
+        self._budget_limited = slots < wanted
         self.kv = SlotKV(eng.num_layers, slots, tokens, hkv, head_dim, prefix_cap, dtype, dev,
                          static_addresses=self.compile_step)
         self.table = SlotTable(slots, self.evict)  # type: ignore[arg-type]
@@ -353,6 +384,27 @@ class Batcher:
         self._iter = self._collected = 0
         self._think_key: Any = None
         self._step_fn = self._compiled_step() if self.compile_step else self._forward_last
+
+    def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> int:
+        """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default 90% of the
+        free memory): fewer slots than episodes means parked episodes get evicted (memory stays bounded).
+        One sequence that alone exceeds the budget is a clear error."""
+        budget = self.kv_cache_gb * 2**30 if self.kv_cache_gb is not None else None
+        if budget is None and self.eng.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.eng.device)
+            budget = 0.9 * free
+        if budget is None:
+            return slots
+        per_slot = (tokens + 1) * per_token
+        fit = int((budget - prefix_cap * per_token) // per_slot)
+        if fit < 1:
+            raise UserError(f"one sequence of {tokens} KV tokens needs {per_slot / 2**30:.2f} GiB, more than the KV "
+                            f"cache budget of {budget / 2**30:.2f} GiB: shorten the episode, or raise kv_cache_gb / "
+                            "free device memory")
+        if fit < slots:
+            log.warning("KV cache: %d of the %d wanted slots fit in %.1f GiB (%d tokens each); parked episodes will "
+                        "be evicted", fit, slots, budget / 2**30, tokens)
+        return min(slots, fit)
 
     def _grow_host(self, cap: int) -> None:
         old = getattr(self, "h_tok", None)

@@ -38,11 +38,13 @@ class DecodeMixin:
     `_autocast_embeddings`, `_attn_impl`), `_encode`, `tokenize_batch` and the prefill's cached `_prefix_kv`."""
 
     def _init_decode(self, kv_cache: str, compile_decode: bool, thinking_close_text: str, max_slots: int | None,
-                     max_seq_len: int | None, evict: str) -> None:
+                     max_seq_len: int | None, evict: str, kv_cache_gb: float | None) -> None:
         if evict not in ("oldest", "longest"):
             raise UserError(f"evict must be 'oldest' or 'longest', got {evict!r}")
         if max_slots is not None and max_slots < 1:
             raise UserError(f"max_slots must be >= 1, got {max_slots}")
+        if kv_cache_gb is not None and kv_cache_gb <= 0:
+            raise UserError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
         self.kv_cache = kv_cache
         self.compile_decode = compile_decode
         self.last_generate_timing: dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -53,7 +55,7 @@ class DecodeMixin:
         self.think_open_id = vocab.get("<think>")
         self.think_close_id = vocab.get("</think>")
         self._batcher = Batcher(self, max_slots=max_slots or self.max_batch_size, max_seq_len=max_seq_len,
-                                evict=evict, width=kv_cache, compile_step=compile_decode)
+                                evict=evict, width=kv_cache, compile_step=compile_decode, kv_cache_gb=kv_cache_gb)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

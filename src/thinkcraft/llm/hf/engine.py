@@ -55,6 +55,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         max_slots: int | None = None,
         max_seq_len: int | None = None,
         evict: Literal["oldest", "longest"] = "oldest",
+        kv_cache_gb: float | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,7 +76,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
             prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
             thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
             sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens, quantize=quantize,
-            max_slots=max_slots, max_seq_len=max_seq_len, evict=evict,
+            max_slots=max_slots, max_seq_len=max_seq_len, evict=evict, kv_cache_gb=kv_cache_gb,
         )
         self.model_path = path
 
@@ -108,6 +109,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         max_slots: int | None = None,
         max_seq_len: int | None = None,
         evict: str = "oldest",
+        kv_cache_gb: float | None = None,
     ) -> None:
         """Model facts, then the prefill's and the decode's own state (each mixin's `_init_*`)."""
         if kv_cache not in ("dynamic", "static"):
@@ -137,7 +139,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self._init_prefill(max_batch_tokens, max_batch_size, prefix_reuse, prefix_cache_size, compile_prefill,
                            chunk_overhead_tokens, quantize)
-        self._init_decode(kv_cache, compile_decode, thinking_close_text, max_slots, max_seq_len, evict)
+        self._init_decode(kv_cache, compile_decode, thinking_close_text, max_slots, max_seq_len, evict, kv_cache_gb)
 
     # --- protocol -------------------------------------------------------------------------------------
 
@@ -153,10 +155,8 @@ class HFEngine(PrefillMixin, DecodeMixin):
 
     def close(self) -> None:
         self._batcher.stop()
+        self._batcher.free()
         self._prefix_cache.clear()
-        self._batcher = type(self._batcher)(self, max_slots=self._batcher.max_slots,
-                                            max_seq_len=self._batcher.max_seq_len, evict=self._batcher.evict,
-                                            width=self.kv_cache, compile_step=self.compile_decode)
 
     def invalidate_prefix_cache(self) -> None:
         """Forget cached prefix KV (call after changing the weights the engine reads)."""

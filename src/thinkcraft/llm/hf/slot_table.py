@@ -119,12 +119,12 @@ class SlotTable:
 
     def adopt(self, old: "SlotTable") -> None:
         """Take over a smaller table's parked slots (the cache grew; slot indices are kept)."""
-        n = len(old)
-        for s in np.flatnonzero(old.status == PARKED):
+        n = min(len(old), len(self))
+        for s in np.flatnonzero(old.status[:n] == PARKED):
             s = int(s)
             self.status[s], self.episode[s], self.tokens[s] = PARKED, old.episode[s], old.tokens[s]
             self._by_episode[old.episode[s]] = s
-        self.offset[:n], self.version[:n], self.parked_at[:n] = old.offset, old.version, old.parked_at
+        self.offset[:n], self.version[:n], self.parked_at[:n] = old.offset[:n], old.version[:n], old.parked_at[:n]
         self._clock, self.evictions = old._clock, old.evictions
 
     def _unlink(self, slot: int) -> None:

@@ -194,6 +194,10 @@ class _Continuous:
         n = len(self.episodes)
         with self.phase("generate"):
             self._submit(list(range(n)), [None] * n)
+            if self.append_only:  # size the cache for whole episodes once (no reallocation as they grow)
+                first = max(len(c.ids) for c in self.chats) - len(self.prefix)
+                per_turn = first + self.sampling.max_new_tokens + 16
+                self.engine.reserve(n, per_turn * max(int(self.env.max_turns), 1), len(self.prefix))
         waiting: list[Any] = []
         while self.in_flight or waiting:
             if self.in_flight:
