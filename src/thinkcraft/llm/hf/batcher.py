@@ -39,7 +39,6 @@ from thinkcraft.llm.protocol import GenerationRequest, GenerationResult, WeightU
 from thinkcraft.utils.errors import UserError
 
 
-
 @dataclass
 class _Update:
     state: Any
