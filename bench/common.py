@@ -74,20 +74,25 @@ def cuda_timed(fn: Any, n: int = 20, warmup: int = 3) -> float:
 
 
 def random_action_window(env: Any, steps: int) -> Any:
-    """A jitted `lax.scan` of `steps` random-action steps of a thinkcraft `VecEnv`: carry (rng, env state)
-    -> carry. The env-only window the probes time."""
+    """A jitted scan (`thinkcraft.envs.scan`) of `steps` random-action steps of a thinkcraft `VecEnv`:
+    EnvCarry(env_state, None, rng) -> carry. Observations are not carried (as before: an env-only window
+    whose observation rendering XLA drops). The env-only window the probes time."""
     import jax
 
-    n = env.num_envs
+    from thinkcraft.envs.scan import make_env_scan, random_actions
 
-    def body(carry, _):  # noqa: ANN001, ANN202
-        rng, st = carry
-        rng, k1, k2 = jax.random.split(rng, 3)
-        act = jax.random.randint(k1, (n,), 0, env.num_actions)
-        _, st, _, _, _ = env.step(k2, st, act)
-        return (rng, st), None
+    scan = make_env_scan(env, random_actions(env), steps)
+    return jax.jit(lambda c: scan(c)[0])
 
-    return jax.jit(lambda c: jax.lax.scan(body, c, None, steps)[0])
+
+def random_action_carry(env: Any, seed_reset: int = 0, seed_actions: int = 1) -> Any:
+    """The first carry of `random_action_window`: a reset batch (jitted reset) and an action key."""
+    import jax
+
+    from thinkcraft.envs.scan import EnvCarry
+
+    _, st = jax.jit(env.reset)(jax.random.PRNGKey(seed_reset))
+    return EnvCarry(st, None, jax.random.PRNGKey(seed_actions))
 
 
 def print_table(records: list[dict[str, Any]], cols: list[str]) -> None:

@@ -124,8 +124,8 @@ def run_trl(a) -> tuple[dict, list[dict], Path | None]:
         raise SystemExit(f"--trl needs TRL and datasets (`pip install trl datasets`): {e}")
     import torch
 
-    from thinkcraft.envs.tasks import ArithTask, RuleReward
-    from thinkcraft.envs.tasks.base import Problem
+    from thinkcraft.envs.textenvs import ArithTask, RuleReward
+    from thinkcraft.envs.textenvs.base import Problem
     from thinkcraft.train import llm_policy as LP
 
     if not a.model_shape:

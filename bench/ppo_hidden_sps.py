@@ -145,7 +145,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from thinkcraft.llm.protocol import Batch
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, make_prompt_prefix
     from thinkcraft.utils.jaxcache import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/thinkcraft-jax-cache"))
@@ -162,7 +162,7 @@ def main() -> None:
     unrolls = {"off": [False], "on": [True], "both": [False, True]}[args.unroll_env_scans]
     for n in args.num_envs:
         tokens, rate = prefill_rate(engine, env_name, n)
-        prefix_ids, _ = engine.tokenize_batch(Batch([""], prefix=_make_prompt_prefix(PPOHiddenConfig())))
+        prefix_ids, _ = engine.tokenize_batch(Batch([""], prefix=make_prompt_prefix(PPOHiddenConfig())))
         _, rate_prefix = prefill_rate(engine, env_name, n, prefix_ids)
         print(f"[{n} envs] compact suffix {tokens:.1f} tokens/env, raw prefill {rate:,.0f} tok/s "
               f"→ LLM-bound limit at skip_n=1: {rate / tokens:,.0f} SPS; after the {len(prefix_ids)}-token "

@@ -8,7 +8,7 @@ For each num_envs it measures, all with num_steps=64 and Baselines' defaults:
                         (init + compile + first chunk);
   * `thinkcraft-env`  — thinkcraft's VecEnv alone (random actions, optimistic resets, episode logging);
   * with `--looped`, `thinkcraft-looped` and `thinkcraft-looped-env`: the same with craftax's inner loops left
-    as loops (`unroll_env_scans=off`; the default, auto, unrolls them on a GPU — envs/craftax.py);
+    as loops (`unroll_env_scans=off`; the default, auto, unrolls them on a GPU — envs/unroll.py);
   * `baselines`       — Craftax_Baselines `ppo.py` `make_train` (K updates per call), steady = second call;
   * `baselines-env`   — Baselines' LogWrapper + OptimisticResetVecEnvWrapper alone, random actions.
 `--baselines-dir` is a checkout of github.com/MichaelTMatthews/Craftax_Baselines (its distrax, wandb, ICM and
@@ -29,16 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
 
 
-def time_env_only(step_fn, reset_carry, num_steps: int, repeats: int) -> tuple[float, float]:
-    """(first call s, median steady s) of a jitted scan of `num_steps` random-action env steps.
+def time_env_only(window, reset_carry, repeats: int) -> tuple[float, float]:
+    """(first call s, median steady s) of `window(carry) -> carry` (a scan of random-action env steps), jitted.
 
     A second warm-up call runs before timing: a reset state's weak-typed leaves become strong-typed after
     one call, which retraces once (timing that call would count a compile as steady time)."""
     import jax
 
-    @jax.jit
-    def env_only(carry):
-        return jax.lax.scan(step_fn, carry, None, num_steps)[0]
+    env_only = jax.jit(window)
 
     t0 = time.perf_counter()
     carry = jax.block_until_ready(env_only(reset_carry))
@@ -77,24 +75,20 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     steps = updates * cfg.batch_size
-    name = "thinkcraft" + ("" if cfg.unrolled_env_scans else "-looped") + ("" if dtype == "float32" else f"-{dtype}")
+    name = "thinkcraft" + ("" if env.unroll_env_scans else "-looped") + ("" if dtype == "float32" else f"-{dtype}")
     recs = [{"system": name, "env": env_name, "num_envs": num_envs, "sps_steady": steps / statistics.median(times),
-             "first_call_s": first_call_s, "steps_per_call": steps, "unroll_env_scans": cfg.unrolled_env_scans}]
+             "first_call_s": first_call_s, "steps_per_call": steps, "unroll_env_scans": env.unroll_env_scans}]
     if not env_floor:
         return recs
 
-    # environment alone, same wrapper and reset ratio, random actions
-    def env_step(carry, _):
-        state, obs, rng = carry
-        rng, k_a, k = jax.random.split(rng, 3)
-        a = jax.random.randint(k_a, (num_envs,), 0, env.num_actions)
-        obs, state, r, d, info = env.step(k, state, a)
-        return (state, obs, rng), None
+    # environment alone, same wrapper and reset ratio, random actions (observations carried, as Baselines')
+    from thinkcraft.envs.scan import EnvCarry, make_env_scan, random_actions
 
+    env_only = make_env_scan(env, random_actions(env), updates * cfg.num_steps)
     obs, state = jax.jit(env.reset)(jax.random.PRNGKey(1))
-    first, steady = time_env_only(env_step, (state, obs, jax.random.PRNGKey(2)), updates * cfg.num_steps, repeats)
+    first, steady = time_env_only(lambda c: env_only(c)[0], EnvCarry(state, obs, jax.random.PRNGKey(2)), repeats)
     recs.append({"system": name + "-env", "env": env_name, "num_envs": num_envs, "sps_steady": steps / steady,
-                 "first_call_s": first, "steps_per_call": steps, "unroll_env_scans": cfg.unrolled_env_scans})
+                 "first_call_s": first, "steps_per_call": steps, "unroll_env_scans": env.unroll_env_scans})
     return recs
 
 
@@ -167,7 +161,7 @@ def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: i
     env = OptimisticResetVecEnvWrapper(LogWrapper(base), num_envs=num_envs, reset_ratio=min(16, num_envs))
     num_actions = base.action_space(params).n
 
-    def env_step(carry, _):
+    def env_step(carry, _):  # Baselines' wrappers take `params`: not thinkcraft's VecEnv, so its own scan
         state, obs, rng = carry
         rng, k_a, k = jax.random.split(rng, 3)
         a = jax.random.randint(k_a, (num_envs,), 0, num_actions)
@@ -175,7 +169,8 @@ def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: i
         return (state, obs, rng), None
 
     obs, state = env.reset(jax.random.PRNGKey(1), params)
-    first, steady = time_env_only(env_step, (state, obs, jax.random.PRNGKey(2)), updates * 64, repeats)
+    first, steady = time_env_only(lambda c: jax.lax.scan(env_step, c, None, updates * 64)[0],
+                                  (state, obs, jax.random.PRNGKey(2)), repeats)
     recs.append({"system": "baselines-env", "env": env_name, "num_envs": num_envs,
                  "sps_steady": steps / steady, "first_call_s": first, "steps_per_call": steps})
     return recs

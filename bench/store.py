@@ -86,10 +86,11 @@ def _rollout_texts(env: str, num_envs: int, num_steps: int, seed: int) -> tuple[
             return render(jax.device_get(extract(states)), "compact")
 
         how = "thinkcraft.envs.text.render.render(extract(states), 'compact')"
-    from thinkcraft.envs.text.names import ACTION_NAMES, check_env_kind
+    from thinkcraft.envs.craftax import env_kind
+    from thinkcraft.envs.text.names import ACTION_NAMES
     from thinkcraft.envs.text.rollout import random_rollout
 
-    kind = check_env_kind(env)
+    kind = env_kind(env)
     per_env: list[list[str]] = [[] for _ in range(num_envs)]
     for _, states in random_rollout(env, num_envs, num_steps - 1, seed=seed):
         for e, text in enumerate(render_fn(states)):

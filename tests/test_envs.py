@@ -1,12 +1,18 @@
-"""The Craftax wrapper's unrolled inner loops (`VecEnv.unroll_inner_scans`): same states, no loops left."""
+"""envs/: the env-name table, the state unwrapper, the shared env-step scan, and the unrolled inner loops
+(`unroll_env_scans`: same states, no loops left)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from thinkcraft.envs.craftax import make_env, unrolled_scans
+from thinkcraft.envs.craftax import (
+    ENV_KINDS, ENV_NAMES, canonical_env_name, env_kind, make_env, symbolic_env_name, unwrap_env_state,
+)
+from thinkcraft.envs.scan import EnvCarry, make_env_scan, random_actions
+from thinkcraft.envs.unroll import resolve_unroll_env_scans, unroll_env_scans
 from thinkcraft.train.ppo import PPOConfig
+from thinkcraft.utils.errors import UserError
 
 
 def _rolled_loops(env) -> int:
@@ -40,7 +46,7 @@ def _rolled_loops(env) -> int:
 def test_unrolled_step_has_no_loops_left(name):
     # Tracing only (no compile). craftax's step holds short scans and jax.random.choice's binary searches
     assert _rolled_loops(make_env(name, 4, 2)) > 10
-    assert _rolled_loops(make_env(name, 4, 2, unroll_inner_scans=True)) == 0
+    assert _rolled_loops(make_env(name, 4, 2, unroll_env_scans=True)) == 0
     # the swap is undone after the trace
     assert jax.lax.scan.__module__.startswith("jax") and jnp.searchsorted.__module__.startswith("jax")
 
@@ -49,36 +55,37 @@ def test_unrolled_env_gives_the_same_states_bit_for_bit():
     n, steps = 4, 6
     out = {}
     for unroll in (False, True):
-        env = make_env("Craftax-Classic-Symbolic-v1", n, 2, unroll_inner_scans=unroll)
+        env = make_env("Craftax-Classic-Symbolic-v1", n, 2, unroll_env_scans=unroll)
+        scan = make_env_scan(env, random_actions(env), steps, record=lambda s: (s.next_obs, s.reward, s.done))
 
-        def run(rng, env=env):
+        def run(rng, env=env, scan=scan):
             obs, st = env.reset(rng)
-
-            def body(st, k):
-                a = jax.random.randint(k, (n,), 0, env.num_actions)
-                obs, st, r, d, _ = env.step(k, st, a)
-                return st, (obs, r, d)
-
-            return jax.lax.scan(body, st, jax.random.split(rng, steps))
+            return scan(EnvCarry(st, obs, rng))
 
         out[unroll] = jax.device_get(jax.jit(run)(jax.random.PRNGKey(3)))
     a, b = jax.tree.leaves(out[False]), jax.tree.leaves(out[True])
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_unrolled_scans_disabled_is_a_no_op():
+def test_unroll_env_scans_disabled_is_a_no_op():
     before = jax.lax.scan
-    with unrolled_scans(False):
+    with unroll_env_scans(False):
         assert jax.lax.scan is before
-    with unrolled_scans(True):
+    with unroll_env_scans(True):
         assert jax.lax.scan is not before
     assert jax.lax.scan is before
 
 
 def test_unroll_env_scans_auto_follows_the_backend():
-    assert PPOConfig(unroll_env_scans="auto").unrolled_env_scans == (jax.default_backend() == "gpu")
-    assert PPOConfig(unroll_env_scans="on").unrolled_env_scans is True
-    assert PPOConfig(unroll_env_scans="off").unrolled_env_scans is False
+    assert resolve_unroll_env_scans("auto") == (jax.default_backend() == "gpu")
+    assert resolve_unroll_env_scans("on") is True and resolve_unroll_env_scans("off") is False
+    assert resolve_unroll_env_scans(True) is True
+    # the config's setting reaches the env (build_env -> make_env resolves it)
+    from thinkcraft.train.ppo import build_env
+
+    for setting, want in (("on", True), ("off", False), ("auto", jax.default_backend() == "gpu")):
+        cfg = PPOConfig(env_name="craftax-classic", num_envs=4, total_timesteps=256, unroll_env_scans=setting)
+        assert build_env(cfg).unroll_env_scans is want
 
 
 def test_bad_unroll_env_scans_is_a_clear_error(capsys):
@@ -89,3 +96,67 @@ def test_bad_unroll_env_scans_is_a_clear_error(capsys):
         PPOConfig(unroll_env_scans="maybe")
     assert main(["train", "ppo", "--unroll-env-scans", "maybe"]) == 2
     assert "unroll-env-scans" in capsys.readouterr().err
+
+
+def test_one_env_name_table():
+    assert canonical_env_name("craftax") == "Craftax-Symbolic-v1" == canonical_env_name("Craftax")
+    assert canonical_env_name("classic") == "Craftax-Classic-Symbolic-v1"
+    for name in ENV_NAMES:
+        assert canonical_env_name(name) == name
+        assert env_kind(name) == ("craftax-classic" if "Classic" in name else "craftax")
+    for kind in ENV_KINDS:  # a kind is its game's symbolic env
+        assert env_kind(kind) == kind and env_kind(symbolic_env_name(kind)) == kind
+    assert symbolic_env_name("Craftax-Classic-Pixels-v1") == "Craftax-Classic-Symbolic-v1"
+    with pytest.raises(UserError, match="valid names: Craftax-Symbolic-v1"):
+        env_kind("minecraft")
+
+
+def test_one_state_unwrapper_finds_the_craftax_state_inside_wrappers():
+    from craftax.craftax_classic.envs.craftax_state import EnvState
+    from flax import struct
+
+    env = make_env("Craftax-Classic-Symbolic-v1", 2, 1)
+    _, st = jax.eval_shape(env.reset, jax.random.PRNGKey(0))  # tracing only
+
+    @struct.dataclass
+    class Outer:  # like LogWrapper: the env state sits in .env_state
+        env_state: object
+
+    assert isinstance(unwrap_env_state(Outer(st)), EnvState) and unwrap_env_state(st) is st.env_state
+    assert unwrap_env_state(st.env_state) is st.env_state
+
+
+class _CountingEnv:
+    """A stand-in for VecEnv: state counts steps, obs = state, reward = action, never done."""
+
+    num_envs, num_actions = 3, 5
+
+    def step(self, rng, state, action):
+        state = state + 1
+        obs = state[:, None].astype(jnp.float32)
+        done = jnp.zeros_like(state, bool)
+        return obs, state, action.astype(jnp.float32), done, None
+
+
+def test_env_scan_keys_actions_and_records():
+    env = _CountingEnv()
+    scan = make_env_scan(env, random_actions(env), 4, record=lambda s: (s.env_state, s.obs, s.action, s.reward))
+    rng = jax.random.PRNGKey(7)
+    st0 = jnp.zeros(3, jnp.int32)
+    carry, (st, obs, action, reward) = jax.jit(scan)(EnvCarry(st0, st0[:, None].astype(jnp.float32), rng))
+    assert isinstance(carry, EnvCarry) and action.shape == (4, 3)
+    # the documented key convention: rng, k_act, k_env = split(rng, 3); the action from k_act
+    want, r = [], rng
+    for _ in range(4):
+        r, k_act, _ = jax.random.split(r, 3)
+        want.append(jax.random.randint(k_act, (3,), 0, 5))
+    np.testing.assert_array_equal(np.asarray(action), np.stack(want))
+    np.testing.assert_array_equal(np.asarray(carry.rng), np.asarray(r))
+    # record sees the state and observation the action was taken in, and the step's reward
+    np.testing.assert_array_equal(np.asarray(st)[:, 0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(obs)[:, 0, 0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(reward), np.asarray(action, np.float32))
+    assert int(carry.env_state[0]) == 4 and float(carry.obs[0, 0]) == 4
+    # observations not carried (an env-only window): they stay None
+    carry, out = jax.jit(make_env_scan(env, random_actions(env), 2))(EnvCarry(st0, None, rng))
+    assert carry.obs is None and out is None and int(carry.env_state[0]) == 2

@@ -61,15 +61,14 @@ def test_ppo_policy_loads_from_a_run_dir(tmp_path):
     import numpy as np
 
     from thinkcraft.label.collect import _make_policy
-    from thinkcraft.train.checkpoint import save_config
+    from thinkcraft.train.checkpoint import commit_checkpoint, save_config
     from thinkcraft.train.ppo import PPOConfig, build
 
     pcfg = PPOConfig(env_name="Craftax-Classic-Symbolic-v1", num_envs=4, layer_width=32)
     env, network, _ = build(pcfg)
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, env.obs_dim), np.float32))
     save_config(tmp_path, pcfg)
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "params.msgpack").write_bytes(flax.serialization.to_bytes(params))
+    commit_checkpoint(tmp_path, {"params.msgpack": flax.serialization.to_bytes(params)}, {"update": 1, "env_steps": 1})
     cfg = CollectConfig(policy=f"ppo:{tmp_path}", num_envs=2)
     venv, act, name = _make_policy(cfg)
     assert name == "Craftax-Classic-Symbolic-v1" and venv.num_envs == 2

@@ -135,3 +135,36 @@ def test_broadcast_and_sequence_logprob():
     tok = L.broadcast_to_tokens(torch.tensor([2.0, -1.0]), mask)
     assert tok.tolist() == [[0, 2, 2], [-1, 0, 0]]
     assert L.sequence_logprob(torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -5.0, -5.0]]), mask).tolist() == [-5.0, -1.0]
+
+
+# --- the estimator table: one entry per --algo, one signature, hand-computed values ---------------------
+_S = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 6.0])
+_G = torch.tensor([0, 0, 0, 0, 3, 3])
+_V = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0])
+ESTIMATOR_CASES = [
+    # algo, baseline in, options, advantages, baseline out
+    ("grpo", None, L.AdvantageOptions(), [1.0, -1.0, -1.0, 1.0, -1.0, 1.0], None),
+    ("grpo", None, L.AdvantageOptions(scale_by_std=False), [0.5, -0.5, -0.5, 0.5, -2.0, 2.0], None),
+    ("rloo", None, L.AdvantageOptions(), [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3, -4.0, 4.0], None),
+    # first batch: its own mean (10/6) is the baseline; the running baseline starts there
+    ("reinforce", None, L.AdvantageOptions(), [x - 10 / 6 for x in (1, 0, 0, 1, 2, 6)], 10 / 6),
+    ("reinforce", 1.0, L.AdvantageOptions(baseline_momentum=0.5), [0.0, -1.0, -1.0, 0.0, 1.0, 5.0], 0.5 + 0.5 * 10 / 6),
+    ("apo", None, L.AdvantageOptions(), [0.5, -0.5, -0.5, 0.5, 1.0, 5.0], None),
+]
+
+
+@pytest.mark.parametrize("algo,baseline,opts,expected,baseline_out", ESTIMATOR_CASES)
+def test_advantage_estimator_table(algo, baseline, opts, expected, baseline_out):
+    out = L.ADVANTAGE_ESTIMATORS[algo](L.AdvantageInputs(_S, _G, _V, baseline), opts)
+    assert torch.allclose(out.values, torch.tensor(expected), atol=1e-3), out.values
+    assert (out.baseline is None) == (baseline_out is None)
+    if baseline_out is not None:
+        assert out.baseline == pytest.approx(baseline_out)
+
+
+def test_every_algo_has_an_estimator():
+    from typing import get_args
+
+    from thinkcraft.train.llm_policy.config import Algo
+
+    assert set(L.ADVANTAGE_ESTIMATORS) == set(get_args(Algo))

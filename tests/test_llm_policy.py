@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from thinkcraft.envs.tasks import ArithTask, RewardResult
-from thinkcraft.envs.textenv import StepResult, TaskEnv
+from thinkcraft.envs.textenvs import ArithTask, RewardResult, StepResult, TaskEnv
 from thinkcraft.llm.protocol import Capabilities, SamplingParams
 from thinkcraft.train import llm_policy as LP
 from thinkcraft.utils.errors import ConfigError, UserError
@@ -163,30 +162,52 @@ class _ParityReward:
 def _patch_reward(monkeypatch):
     import thinkcraft.train.llm_policy.loop as loop  # where run() looks it up
 
-    monkeypatch.setattr(loop, "make_env_and_reward", lambda cfg, f=None: TaskEnv(ArithTask(1), _ParityReward()))
+    monkeypatch.setattr(loop, "make_env_and_reward", lambda cfg, judge=None: TaskEnv(ArithTask(1), _ParityReward()))
 
 
 def _lora(run_dir):
-    st = torch.load(Path(run_dir) / "checkpoint.pt", weights_only=False)
+    from thinkcraft.train.checkpoint import TORCH_CODEC, read_checkpoint
+
+    cp, _ = read_checkpoint(run_dir)
+    st = TORCH_CODEC.decode(cp.files, None)
     return st["step"], st["trainable"]
 
 
 @pytest.mark.slow
-def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch):
+def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch, capsys):
+    from thinkcraft.train.checkpoint import CheckpointError
+
     _patch_reward(monkeypatch)
-    straight = _cfg(tmp_path / "a", steps=2, checkpoint_every=0)
+    figures = []
+    import thinkcraft.utils.plot as plot
+
+    real_save = plot.save_figure
+    monkeypatch.setattr(plot, "save_figure", lambda fig, out: figures.append(fig.axes[-1].get_xlabel()) or real_save(fig, out))
+    straight = _cfg(tmp_path / "a", steps=2, checkpoint_every=0, plot=True)
     LP.run(straight)
-    LP.run(_cfg(tmp_path / "b", steps=1, checkpoint_every=1))
-    with pytest.raises(UserError, match="--resume"):
+    assert figures == ["learner steps"]  # the x axis says what it plots
+    assert "done: 2/2 steps; reward" in capsys.readouterr().err  # a final summary line, as ppo's
+    b = tmp_path / "b" / "run"
+    LP.run(_cfg(tmp_path / "b", steps=2, checkpoint_every=1))  # checkpoints at steps 1 and 2
+    with pytest.raises(UserError, match="--resume"):  # an existing run dir is never reused silently
         LP.run(_cfg(tmp_path / "b", steps=2))
-    LP.run(_cfg(tmp_path / "b", steps=2, resume=True))
+    # step 2's checkpoint is damaged: named; --resume-fallback replays step 2 from step 1's, exactly
+    state = b / "checkpoint" / "00000002" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="00000002/state.pt is corrupt"):
+        LP.run(_cfg(tmp_path / "b", resume=True))
+    capsys.readouterr()
+    LP.run(_cfg(tmp_path / "b", resume=True, resume_fallback=True))
+    assert f"resuming {b} from step 1" in capsys.readouterr().err
     step_a, wa = _lora(straight.run_dir)
-    step_b, wb = _lora(tmp_path / "b" / "run")
+    step_b, wb = _lora(b)
     assert step_a == step_b == 2
     assert any(v.abs().sum() > 0 for n, v in wa.items() if "lora_B" in n)  # LoRA moved (B starts at 0)
     for n in wa:
         assert torch.allclose(wa[n], wb[n], atol=1e-6), n
-    recs = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     for k in ("reward/mean", "format/invalid_rate", "timing/generate", "timing/train", "perf/samples_per_s",
               "perf/tokens_per_s"):
@@ -194,11 +215,48 @@ def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch
     from thinkcraft.data.reader import read_table
     from thinkcraft.data.schema import table_to_records
 
-    records = table_to_records(read_table(tmp_path / "b" / "run" / "trajectories"))
+    # step 2's episodes were played twice; the store holds them once
+    records = table_to_records(read_table(b / "trajectories"))
     assert len(records) == 2 * 2 * 3
-    assert sorted({r.metadata.policy_version for r in records}) == [0, 1]
+    assert sorted(r.metadata.policy_version for r in records) == [0] * 6 + [1] * 6
     t = records[0].turns[0]
     assert len(t.response_token_ids) == len(t.logprobs) == len(t.loss_mask) > 0 and len(t.prompt_token_ids) > 0
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_after_the_step_in_flight_and_exits_0(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d = tmp_path / "run"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["--model", "random:tiny", "--steps", "500", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--checkpoint-every", "0", "--no-plot", "--no-store"]
+    p = subprocess.Popen([sys.executable, "-m", "thinkcraft", "train", "llm-policy", *args, "--run-dir", str(d)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = d / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert p.poll() is None, p.communicate()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    step, _ = _lora(d)
+    assert 1 <= step < 500
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, step + 1))
+    assert f"SIGTERM: stopped at step {step} with a checkpoint" in err
+    assert f"continue with: thinkcraft train llm-policy --resume --run-dir {d}" in err
+    from thinkcraft.cli import main
+
+    assert main(["train", "llm-policy", "--resume", "--run-dir", str(d), "--steps", str(step + 1)]) == 0
+    assert _lora(d)[0] == step + 1
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, step + 2))
 
 
 @pytest.mark.slow

@@ -82,7 +82,8 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
 
 def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
     from thinkcraft.llm.protocol import Capabilities
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _partition_for_overlap
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden.schedule import _partition_for_overlap
 
     class Engine:
         capabilities = Capabilities(hidden_states=True, generate=False, logprobs=False, prefix_reuse=True,
@@ -101,6 +102,67 @@ def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
     assert e.calls == []
 
 
+
+class _FakeSource:
+    """A hidden-state source whose 'hidden states' name the snapshot they were computed from."""
+
+    def __init__(self):
+        from thinkcraft.utils.timing import PhaseTimer
+
+        self.timer = PhaseTimer()
+
+    def texts(self, env_state):
+        return env_state
+
+    def hidden(self, texts):
+        from thinkcraft.train.ppo_hidden.source import FreshHidden
+
+        return FreshHidden(f"h-{texts}", float(len(texts)))
+
+
+def _fake_state(snapshot, done):
+    from types import SimpleNamespace as NS
+
+    return NS(runner=NS(rollout=NS(env_state=snapshot)), done_since_snapshot=jnp.asarray(done))
+
+
+def test_overlapped_schedule_installs_the_previous_snapshot_one_interval_old():
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden.schedule import OverlappedRefresh
+
+    installs = []
+
+    def install(state, hidden, age, valid):
+        installs.append((hidden, int(age), np.asarray(valid).tolist()))
+        return state
+
+    cfg = PPOHiddenConfig(num_steps=16, skip_n=8, overlap=True, overlap_env_sms=0)
+    with OverlappedRefresh(cfg, _FakeSource(), install, engine=None) as schedule:
+        # the first refresh is synchronous: this snapshot, age 0, every env valid
+        assert schedule.before_window(_fake_state("a", [False, True]), 0)[1] is None
+        assert installs == [("h-a", 0, [True, True])]
+        # later ones install the previous snapshot's, one interval old, masked where an episode ended since
+        schedule.before_window(_fake_state("bb", [False, True]), 0)
+        assert installs[-1] == ("h-a", 8, [True, False])
+        schedule.before_window(_fake_state("ccc", [False, False]), 1)
+        assert installs[-1] == ("h-bb", 8, [True, True])
+        assert schedule.pop_suffix_tokens() == [1.0, 1.0, 2.0] and schedule.pop_suffix_tokens() == []
+    assert schedule._executor._shutdown  # the worker is stopped on exit
+
+
+def test_sync_schedule_refreshes_at_refresh_points_only():
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden.schedule import SyncRefresh, make_schedule
+
+    # skip_n = 2 x num_steps: every other update refreshes (before its one window)
+    schedule = make_schedule(PPOHiddenConfig(num_steps=16, skip_n=32), _FakeSource(), install=None, engine=None)
+    assert isinstance(schedule, SyncRefresh)
+    state = _fake_state("a", [False])
+    assert schedule.before_window(state, 0) == (state, "h-a")
+    assert schedule.before_window(state, 1) == (state, None)
+    assert schedule.before_window(state, 2) == (state, "h-a")
+    assert schedule.pop_suffix_tokens() == [1.0, 1.0]
+
 TINY = ["--env-name", "craftax-classic", "--num-envs", "8", "--num-steps", "16", "--layer-width", "64",
         "--total-timesteps", "512", "--updates-per-chunk", "2", "--optimistic-reset-ratio", "4", "--no-plot"]
 
@@ -112,8 +174,10 @@ def test_skip_n_never_is_plain_ppo_bit_for_bit(tmp_path):
     assert main(["train", "ppo-hidden", *TINY, "--skip-n", "0", "--runs-dir", runs, "--run-name", "never"]) == 0
     import flax.serialization
 
-    a = flax.serialization.msgpack_restore((tmp_path / "plain/checkpoint/params.msgpack").read_bytes())
-    b = flax.serialization.msgpack_restore((tmp_path / "never/checkpoint/params.msgpack").read_bytes())
+    from thinkcraft.train.checkpoint import read_checkpoint
+
+    a, b = (flax.serialization.msgpack_restore(read_checkpoint(tmp_path / n)[0].files["params.msgpack"])
+            for n in ("plain", "never"))
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
 
@@ -165,7 +229,8 @@ def test_refresh_token_path_equals_tokenizing_the_rendered_text():
     from thinkcraft.llm.hf import HFEngine
     from thinkcraft.llm.protocol import Batch
     from thinkcraft.llm.testing import tiny_llama
-    from thinkcraft.train.ppo_hidden import HiddenStateSource, PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.source import HiddenStateSource
     from thinkcraft.utils.timing import PhaseTimer
 
     env = make_env("Craftax-Classic-Symbolic-v1", 4, 1)
@@ -175,10 +240,10 @@ def test_refresh_token_path_equals_tokenizing_the_rendered_text():
     src = HiddenStateSource(engine, cfg, "craftax-classic", PhaseTimer())
     ids = src.texts(state.env_state)
     texts = render(jax.device_get(extract(state.env_state)), fmt="compact", env_kind="craftax-classic")
-    _, want = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(cfg)))
+    _, want = engine.tokenize_batch(Batch(texts, prefix=make_prompt_prefix(cfg)))
     assert ids == want
     got = np.asarray(src.hidden(ids).hidden)
-    ref = engine.hidden_states(Batch(texts, prefix=_make_prompt_prefix(cfg)))
+    ref = engine.hidden_states(Batch(texts, prefix=make_prompt_prefix(cfg)))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -187,10 +252,10 @@ def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or jax.devices()[0].platform != "gpu":
         pytest.skip("needs two CUDA GPUs visible to both torch and JAX (none here)")
-    from thinkcraft.train.ppo_hidden import HiddenStateSource
+    from thinkcraft.train.ppo_hidden.source import to_policy_device
 
     h = torch.randn(4, 8, device="cuda:1")
-    x = HiddenStateSource._to_policy(h)
+    x = to_policy_device(h)
     assert x.devices() == {jax.devices()[0]}
     np.testing.assert_allclose(np.asarray(x), h.cpu().numpy())
 
@@ -200,7 +265,8 @@ def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
         pytest.skip("needs a CUDA GPU visible to both torch and JAX (none here)")
     from thinkcraft.llm.hf import HFEngine
     from thinkcraft.llm.testing import tiny_llama
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _partition_for_overlap
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden.schedule import _partition_for_overlap
 
     model, tok = tiny_llama()
     engine = HFEngine.from_model(model.to("cuda"), tok)

@@ -1,13 +1,13 @@
 """The `####` rule reward grades numerically equal answers as equal in the forms GSM8K graders accept, and
-refuses the forms documented as rejected in envs/tasks/rewards.py (a table of both)."""
+refuses the forms documented as rejected in envs/textenvs/rewards.py (a table of both)."""
 
 from __future__ import annotations
 
 import pytest
 
-from thinkcraft.envs.tasks import RuleReward
-from thinkcraft.envs.tasks.base import Problem
-from thinkcraft.envs.tasks.rewards import extract_hash_answer, extract_last_number, normalize_number
+from thinkcraft.envs.textenvs import RuleReward
+from thinkcraft.envs.textenvs.base import Problem
+from thinkcraft.envs.textenvs.rewards import extract_hash_answer, extract_last_number, normalize_number
 
 # (completion's final line, gold answer): graded correct
 ACCEPTED = [

@@ -15,9 +15,9 @@ from craftax.craftax.constants import BlockType
 from craftax.craftax.renderer import render_craftax_text
 from flax import struct
 
+from thinkcraft.envs.craftax import ENV_KINDS
 from thinkcraft.envs.text import (
     COMPACT_FORMAT_DOC,
-    ENV_KINDS,
     FORMATS,
     env_kind_of,
     extract,

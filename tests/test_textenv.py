@@ -5,11 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from thinkcraft.envs.tasks import (
-    ArithTask, GSM8KTask, JudgeReward, RuleReward, extract_hash_answer, load_gsm8k, numbers_equal, parse_verdict,
+from thinkcraft.envs.textenvs import (
+    ArithTask, GSM8KTask, JudgeReward, Problem, RuleReward, TaskEnv, TextEnv, extract_hash_answer, load_gsm8k,
+    make_text_env, numbers_equal, parse_verdict,
 )
-from thinkcraft.envs.tasks.base import Problem
-from thinkcraft.envs.textenv import TaskEnv, TextEnv, make_text_env
 from thinkcraft.llm.protocol import Capabilities, Completion
 from thinkcraft.utils.errors import ConfigError, UserError
 

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.slow  # compiles a Craftax-Classic reset/step (~1 min o
 
 
 def test_craftax_classic_text_env_reset_step_truncate():
-    from thinkcraft.envs.textenv import CraftaxTextConfig, CraftaxTextEnv, TextEnv
+    from thinkcraft.envs.textenvs import CraftaxTextConfig, CraftaxTextEnv, TextEnv
 
     env = CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", max_steps=3, format_penalty=0.5))
     assert isinstance(env, TextEnv)

@@ -1,25 +1,34 @@
 """Craftax wrappers and `thinkcraft train ppo` / `eval` end to end, on tiny Craftax-Classic shapes.
 
-Every run here shares one config shape (so the persistent JAX cache compiles the chunk once).
+Every run here shares one config shape (so the persistent JAX cache compiles the chunk once): 512 updates
+of which each test runs a few (--stop-after-updates), so that a SIGTERM lands mid-run.
 """
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import flax.serialization
 import numpy as np
 import pytest
 
 from thinkcraft.cli import main
 from thinkcraft.envs.craftax import fresh_world_index, make_env
+from thinkcraft.train.checkpoint import latest_meta
 from thinkcraft.utils.errors import UserError
 
 pytestmark = pytest.mark.slow
 
 TINY = [
     "--env-name", "craftax-classic", "--num-envs", "8", "--num-steps", "16", "--layer-width", "64",
-    "--total-timesteps", "512", "--updates-per-chunk", "2", "--optimistic-reset-ratio", "4",
+    "--total-timesteps", "65536", "--updates-per-chunk", "2", "--optimistic-reset-ratio", "4",
 ]
 
 
@@ -74,46 +83,93 @@ def test_bad_input_fails_fast_with_clear_errors(tmp_path, capsys):
 
 
 def _params(run_dir):
-    from thinkcraft.train.checkpoint import latest_meta
+    from thinkcraft.train.checkpoint import read_checkpoint
 
-    meta = latest_meta(run_dir)
-    import flax.serialization
-
-    return flax.serialization.msgpack_restore((run_dir / "checkpoint" / "params.msgpack").read_bytes()), meta
+    cp, _ = read_checkpoint(run_dir)
+    return jax.tree_util.tree_leaves(flax.serialization.msgpack_restore(cp.files["params.msgpack"])), cp.meta
 
 
-def test_train_resume_equals_uninterrupted_and_eval(tmp_path):
-    runs = str(tmp_path / "runs")
+def _same(a, b):
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_train_resume_equals_uninterrupted_and_eval(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    full, cut = runs / "full", runs / "cut"
     # uninterrupted: 4 updates in 2 chunks
-    assert main(["train", "ppo", *TINY, "--runs-dir", runs, "--run-name", "full", "--no-plot"]) == 0
+    assert main(["train", "ppo", *TINY, "--run-dir", str(full), "--no-plot", "--stop-after-updates", "4"]) == 0
     # interrupted after the first chunk, then resumed
-    assert main(["train", "ppo", *TINY, "--runs-dir", runs, "--run-name", "cut", "--stop-after-updates", "2"]) == 0
-    p_cut, meta = _params(tmp_path / "runs" / "cut")
+    assert main(["train", "ppo", *TINY, "--run-dir", str(cut), "--stop-after-updates", "2"]) == 0
+    p_cut, meta = _params(cut)
     assert meta["update"] == 2
+    assert main(["train", "ppo", *TINY, "--run-dir", str(cut)]) == 2  # never silently reused
     # a shape-changing field that differs from the saved run is refused before compiling
-    assert main(["train", "ppo", "--resume", f"{runs}/cut", "--num-envs", "16"]) == 2
-    assert main(["train", "ppo", "--resume", f"{runs}/cut"]) == 0
+    assert main(["train", "ppo", "--resume", "--run-dir", str(cut), "--num-envs", "16"]) == 2
+    capsys.readouterr()
+    # every field from the saved run (Classic, 8 envs, 2 more updates), title and totals included
+    assert main(["train", "ppo", "--resume", "--run-dir", str(cut)]) == 0
+    err = capsys.readouterr().err
+    assert f"resuming {cut} from update 2 (256 steps)" in err
+    assert "PPO Craftax-Classic-Symbolic-v1: 512/65,536 steps" in err
+    assert "Craftax-Symbolic-v1" not in err
 
-    p_full, meta_full = _params(tmp_path / "runs" / "full")
-    p_res, meta_res = _params(tmp_path / "runs" / "cut")
+    p_full, meta_full = _params(full)
+    p_res, meta_res = _params(cut)
     assert meta_full["update"] == meta_res["update"] == 4
-    flat_full = jax.tree_util.tree_leaves(p_full)
-    flat_res = jax.tree_util.tree_leaves(p_res)
-    assert all(np.array_equal(a, b) for a, b in zip(flat_full, flat_res))
-    assert not all(np.array_equal(a, b) for a, b in zip(flat_full, jax.tree_util.tree_leaves(p_cut)))
+    assert _same(p_full, p_res) and not _same(p_full, p_cut)
 
-    def recs(name):
-        lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    def recs(d):
+        lines = (d / "metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(l).items() if not k.startswith("timing") and k not in ("time_s", "sps")}
                 for l in lines]
 
-    assert recs("full") == recs("cut")  # same losses and episode stats, no duplicated lines after resume
-    assert (tmp_path / "runs" / "cut" / "curve.png").stat().st_size > 1000
-    keys = recs("full")[-1].keys()
+    assert recs(full) == recs(cut)  # same losses and episode stats, no duplicated lines after resume
+    assert (cut / "curve.png").stat().st_size > 1000
+    keys = recs(full)[-1].keys()
     assert {"losses/total", "losses/entropy", "episode/count", "update"} <= set(keys)
 
+    # a damaged checkpoint: one line naming the file; --resume-fallback redoes the lost chunk exactly
+    state = cut / "checkpoint" / "00000004" / "state.msgpack"
+    b = bytearray(state.read_bytes())
+    b[len(b) // 3] ^= 0x01
+    state.write_bytes(bytes(b))
+    capsys.readouterr()
+    assert main(["train", "ppo", "--resume", "--run-dir", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert f"{state} is corrupt" in err and "--resume-fallback" in err
+    assert main(["train", "ppo", "--resume", "--run-dir", str(cut), "--resume-fallback"]) == 0
+    assert f"resuming {cut} from update 2 (256 steps)" in capsys.readouterr().err
+    assert _same(_params(cut)[0], p_full) and recs(full) == recs(cut)
+
     # eval the trained policy
-    assert main(["eval", f"{runs}/full", "--episodes", "4", "--num-envs", "4", "--steps-per-call", "64"]) == 0
-    report = json.loads((tmp_path / "runs" / "full" / "eval.json").read_text())
+    assert main(["eval", str(full), "--episodes", "4", "--num-envs", "4", "--steps-per-call", "64"]) == 0
+    report = json.loads((full / "eval.json").read_text())
     assert report["episodes"] == 4 and np.isfinite(report["return_mean"])
     assert set(report["achievement_rates"]) >= {"collect_wood", "place_table"}
+
+
+def test_sigterm_checkpoints_after_the_chunk_in_flight_and_exits_0(tmp_path):
+    """A scheduler's preemption: SIGTERM mid-run -> the chunk in flight finishes, a checkpoint, exit 0 and
+    the resume command printed; the run then continues from there."""
+    d = tmp_path / "run"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "thinkcraft", "train", "ppo", *TINY, "--run-dir", str(d), "--no-plot"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = d / "metrics.jsonl"
+    deadline = time.time() + 900
+    while not (metrics.exists() and metrics.read_text().strip()):  # training is under way
+        assert p.poll() is None, p.communicate()
+        assert time.time() < deadline, "no metrics after 15 min"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    meta = latest_meta(d)
+    assert 2 <= meta["update"] < 512, "the run should stop mid-way"
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps[-1] == meta["env_steps"]
+    assert f"SIGTERM: stopped at update {meta['update']}" in err
+    assert f"continue with: thinkcraft train ppo --resume --run-dir {d}" in err
+    assert main(["train", "ppo", "--resume", "--run-dir", str(d), "--stop-after-updates", "2", "--no-plot"]) == 0
+    assert latest_meta(d)["update"] == meta["update"] + 2

@@ -93,14 +93,14 @@ def engine_rates(num_envs: int, layer: int) -> list[dict]:
     from thinkcraft.envs.craftax import make_env
     from thinkcraft.envs.text import render_states
     from thinkcraft.llm.protocol import Batch
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, make_prompt_prefix
     from ppo_hidden_sps import build_engine
 
     engine, desc = build_engine(False)
     env = make_env("Craftax-Symbolic-v1", num_envs, 1)
     _, state = jax.jit(env.reset)(jax.random.PRNGKey(0))
     texts = render_states(state, "compact")
-    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(PPOHiddenConfig())))
+    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=make_prompt_prefix(PPOHiddenConfig())))
     n_tok = sum(len(i) for i in items)
     native = A._GQA_NATIVE.get("cuda", False)
     chosen = A._VARLEN.get("cuda")  # the engine's choice, restored at the end

@@ -5,7 +5,7 @@
     python bench/probes/env_host_probe.py --quick             # CPU smoke run (Classic, 4 envs, 8 steps)
 
 Part 1, for craftax's inner scans traced as loops (as craftax writes them) and fully unrolled
-(`VecEnv.unroll_inner_scans`): compile time, the compiled program's while / conditional / fusion counts,
+(`VecEnv.unroll_env_scans`): compile time, the compiled program's while / conditional / fusion counts,
 the time for the jitted call to return (dispatch) vs to finish, the window's median time, and whether the
 two variants give the same states (they must).
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
-from common import card, random_action_window, today, write_records  # noqa: E402
+from common import card, random_action_carry, random_action_window, today, write_records  # noqa: E402
 
 
 def hlo_counts(text: str) -> dict[str, int]:
@@ -46,8 +46,7 @@ def measure_env(env, steps: int, repeats: int) -> tuple[dict, object, object]:
     import jax
 
     window = random_action_window(env, steps)
-    _, st = jax.jit(env.reset)(jax.random.PRNGKey(0))
-    carry = (jax.random.PRNGKey(1), st)
+    carry = random_action_carry(env)
     t0 = time.perf_counter()
     compiled = window.lower(carry).compile()
     compile_s = time.perf_counter() - t0
@@ -217,9 +216,9 @@ def main() -> None:
             "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     recs, firsts, windows = [], {}, {}
     for unroll in (False, True):
-        env = make_env(a.env, a.num_envs, min(16, a.num_envs), unroll_inner_scans=unroll)
+        env = make_env(a.env, a.num_envs, min(16, a.num_envs), unroll_env_scans=unroll)
         rec, windows[unroll], firsts[unroll] = measure_env(env, a.steps, a.repeats)
-        rec = {**base, "unroll_inner_scans": unroll, **rec}
+        rec = {**base, "unroll_env_scans": unroll, **rec}
         print(json.dumps(rec), flush=True)
         recs.append(rec)
     same = all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(firsts[False])),
@@ -229,9 +228,9 @@ def main() -> None:
         r["same_states_as_looped"] = same
     if a.loads and not a.quick:
         for unroll in (False, True):
-            print(f"-- loads beside the env window (unroll_inner_scans={unroll})", flush=True)
+            print(f"-- loads beside the env window (unroll_env_scans={unroll})", flush=True)
             recs[int(unroll)].update(loads_part(windows[unroll], firsts[unroll], a.repeats, a.load_ms))
-    write_records(a.out, recs, merge_keys=("env", "num_envs", "steps", "card", "unroll_inner_scans", "xla_flags"))
+    write_records(a.out, recs, merge_keys=("env", "num_envs", "steps", "card", "unroll_env_scans", "xla_flags"))
     print(json.dumps(recs, indent=1))
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (common.py)
-from common import card, random_action_window, today, write_records  # noqa: E402
+from common import card, random_action_carry, random_action_window, today, write_records  # noqa: E402
 
 
 def _med(f, repeats: int) -> float:
@@ -68,8 +68,7 @@ def main() -> None:
     env = make_env(env_name, N, min(16, N))
 
     window = random_action_window(env, S)
-    _, st = jax.jit(env.reset)(jax.random.PRNGKey(0))
-    carry = (jax.random.PRNGKey(1), st)
+    carry = random_action_carry(env)
     t0 = time.perf_counter()
     carry = jax.block_until_ready(window(carry))
     compile_s = time.perf_counter() - t0
@@ -101,11 +100,11 @@ def main() -> None:
     from ppo_hidden_sps import build_engine
     from thinkcraft.envs.text import render_states
     from thinkcraft.llm.protocol import Batch
-    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, _make_prompt_prefix
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, make_prompt_prefix
 
     engine, model_desc = build_engine(a.quick)
     texts = render_states(holder["c"][1], "compact")
-    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=_make_prompt_prefix(PPOHiddenConfig())))
+    prefix_ids, items = engine.tokenize_batch(Batch(texts, prefix=make_prompt_prefix(PPOHiddenConfig())))
     cuda = torch.cuda.is_available()
 
     def llm(stream=None):

@@ -1,7 +1,7 @@
 """thinkcraft: online reinforcement learning with language models in the loop.
 
-Layers (dependencies point downwards only; see DESIGN.md):
-    cli.py   -> train/ (loops) -> rl/ (maths) -> envs/, llm/, data/ -> utils/
+Layers (dependencies point downwards only; tests/test_layers.py checks them):
+    cli.py -> train/, label/ (jobs) -> rl/, llm/, data/ -> envs/ -> utils/
 """
 
 __version__ = "0.1.0"

@@ -158,11 +158,9 @@ def plot_summary(arrays: dict[str, np.ndarray], out_png: str | os.PathLike, titl
     """Histograms of total reward, turns and tokens per trajectory (headless)."""
     if not arrays:
         return None
-    import matplotlib
+    from thinkcraft.utils.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = {"total_reward": "total reward", "turns": "turns per trajectory", "total_tokens": "tokens per trajectory"}
     fig, axes = plt.subplots(1, len(arrays), figsize=(4.2 * len(arrays), 3.2), squeeze=False)
     for ax, (k, v) in zip(axes[0], arrays.items()):
@@ -173,9 +171,4 @@ def plot_summary(arrays: dict[str, np.ndarray], out_png: str | os.PathLike, titl
     axes[0, 0].set_ylabel("trajectories")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)

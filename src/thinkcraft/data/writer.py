@@ -35,6 +35,18 @@ def partition_dir(root: str | os.PathLike, run: str, learner_step: int) -> Path:
     return Path(root) / f"run={run}" / f"step={learner_step:08d}"
 
 
+def drop_partitions_from(root: str | os.PathLike, run: str, learner_step: int) -> list[Path]:
+    """Delete run `run`'s partitions of learner steps >= `learner_step` (a resumed run regenerates them:
+    without this, episodes of the steps after its checkpoint would be in the store twice)."""
+    import shutil
+
+    run_dir = Path(root) / f"run={run}"
+    gone = [d for d in run_dir.glob("step=*") if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) >= learner_step]
+    for d in gone:
+        shutil.rmtree(d)
+    return gone
+
+
 def write_marker(root: str | os.PathLike) -> None:
     path = Path(root) / MARKER_NAME
     if not path.exists():

@@ -1,7 +1,12 @@
 """Craftax environments, batched, with episode logging and (optimistic) auto-reset, in one wrapper.
 
 `make_env("Craftax-Symbolic-v1", num_envs=1024, reset_ratio=16)` returns a `VecEnv` whose `reset` and
-`step` are pure functions of (rng, state, action) over a batch, ready for `jax.lax.scan`.
+`step` are pure functions of (rng, state, action) over a batch, ready for `jax.lax.scan` (`envs.scan` holds
+the one scan of env steps the tools share; training's rollout is `rl.ppo.make_rollout`).
+
+This module is also the one place for Craftax's names: the env-name table (`ENV_NAMES`, `ALIASES`,
+`ENV_KINDS`; `canonical_env_name`, `env_kind`, `symbolic_env_name`) and the state unwrapper
+(`unwrap_env_state`).
 
 Reset schemes (`reset_ratio`):
 * `1`  — plain auto-reset: a fresh world is generated for every env at every step and selected where the
@@ -19,17 +24,17 @@ Timeouts and deaths both end an episode (`done`), as in craftax and Craftax_Base
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from craftax.craftax.craftax_state import EnvState as CraftaxState
+from craftax.craftax_classic.envs.craftax_state import EnvState as ClassicState
 from flax import struct
 
+from thinkcraft.envs.unroll import UnrollSetting, resolve_unroll_env_scans, unroll_env_scans
 from thinkcraft.utils.errors import UserError
 
 ENV_NAMES: tuple[str, ...] = (
@@ -43,9 +48,13 @@ ALIASES = {
     "craftax-classic": "Craftax-Classic-Symbolic-v1",
     "classic": "Craftax-Classic-Symbolic-v1",
 }
+ENV_KINDS: tuple[str, ...] = ("craftax", "craftax-classic")
+"""The two games (the text package's renderers and action tables are per kind; pixels and symbolic
+observations of a game share its states). A kind is also an alias of the game's symbolic env."""
 
 
 def canonical_env_name(name: str) -> str:
+    """An env name or alias (case-insensitive) -> its name in ENV_NAMES; a clear error otherwise."""
     n = ALIASES.get(name.lower(), name)
     if n not in ENV_NAMES:
         raise UserError(
@@ -55,8 +64,22 @@ def canonical_env_name(name: str) -> str:
 
 
 def env_kind(name: str) -> str:
-    """'craftax' or 'craftax-classic' (the text package's env kinds)."""
+    """'craftax' or 'craftax-classic' for an env name, alias or kind."""
     return "craftax-classic" if "Classic" in canonical_env_name(name) else "craftax"
+
+
+def symbolic_env_name(name: str) -> str:
+    """The symbolic env of a name, alias or kind's game (what text envs and random rollouts build)."""
+    return ALIASES[env_kind(name)]
+
+
+def unwrap_env_state(state: Any) -> Any:
+    """Follow `.env_state` (VecEnvState, LogWrapper, nested wrappers) down to the craftax EnvState."""
+    for _ in range(32):
+        if isinstance(state, (CraftaxState, ClassicState)) or not hasattr(state, "env_state"):
+            break
+        state = state.env_state
+    return state
 
 
 def achievement_names(name: str) -> tuple[str, ...]:
@@ -102,10 +125,10 @@ class VecEnv:
     reset_ratio: int
     base: Any  # the craftax NoAutoReset environment
     params: Any
-    unroll_inner_scans: bool = False
+    unroll_env_scans: bool = False
     """Trace craftax's own short `lax.scan`s (mob / projectile / plant slots, world-generation rooms and
     ores: 2-10 iterations each) and jax.random.choice's binary searches fully unrolled. Same results;
-    no host-driven GPU loop iterations inside a step (see `unrolled_scans`)."""
+    no host-driven GPU loop iterations inside a step (envs/unroll.py)."""
 
     @property
     def num_actions(self) -> int:
@@ -121,7 +144,7 @@ class VecEnv:
         return self.num_envs // self.reset_ratio
 
     def _reset_batch(self, rng: jax.Array, n: int) -> tuple[jax.Array, Any]:
-        with unrolled_scans(self.unroll_inner_scans):
+        with unroll_env_scans(self.unroll_env_scans):
             obs, st = jax.vmap(self.base.reset_env, in_axes=(0, None))(jax.random.split(rng, n), self.params)
         # craftax's world generation leaves some leaves weakly typed; after one step they are strong. Make
         # them strong now so a jitted function sees one type signature (no second compile after update 1).
@@ -136,7 +159,7 @@ class VecEnv:
         self, rng: jax.Array, state: VecEnvState, action: jax.Array
     ) -> tuple[jax.Array, VecEnvState, jax.Array, jax.Array, EpisodeInfo]:
         rng_step, rng_reset, rng_rank = jax.random.split(rng, 3)
-        with unrolled_scans(self.unroll_inner_scans):
+        with unroll_env_scans(self.unroll_env_scans):
             obs_st, env_st, reward, done, _ = jax.vmap(self.base.step_env, in_axes=(0, 0, 0, None))(
                 jax.random.split(rng_step, self.num_envs), state.env_state, action, self.params
             )
@@ -163,52 +186,6 @@ class VecEnv:
         return obs, new_state, reward, done, info
 
 
-_UNROLL_LOCK = threading.RLock()  # re-entrant: a trace may nest these contexts
-
-
-@contextlib.contextmanager
-def unrolled_scans(enabled: bool = True) -> Iterator[None]:
-    """While tracing craftax code: every `jax.lax.scan` it calls runs with `unroll=True`, and every
-    `searchsorted` (inside `jax.random.choice(..., p=...)`, 8-10 per step) with method "scan_unrolled".
-
-    Why: on a GPU each XLA while-loop iteration is driven by the host, and a Craftax step holds eight
-    short scans (mob / projectile / plant slots), world generation's, and ~100 binary-search iterations;
-    at 128 envs the env is bound by those round trips, not by the GPU. Unrolled, XLA fuses across the
-    iterations. Same algorithms, so the same states (tests/test_envs.py checks it bit for bit).
-    craftax and jax.random reach both through module attributes, which are swapped for the duration of
-    the trace only (a lock keeps two tracing threads from interleaving the swap); our own scans are
-    entered before it. If a JAX version lacks one of them, that one is left as it is.
-    """
-    if not enabled:
-        yield
-        return
-    import jax._src.numpy as jnp_internal  # what jax.random's choice calls searchsorted through
-
-    with _UNROLL_LOCK:
-        orig_scan = jax.lax.scan
-        orig_ss = {m: getattr(m, "searchsorted", None) for m in (jnp, jnp_internal)}
-
-        def scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):  # noqa: ANN001, ANN202, ARG001
-            return orig_scan(f, init, xs, length, reverse=reverse, unroll=True, **kw)
-
-        def searchsorted_for(orig):  # noqa: ANN001, ANN202
-            def searchsorted(a, v, side="left", sorter=None, *, method="scan_unrolled"):  # noqa: ANN001, ANN202
-                return orig(a, v, side=side, sorter=sorter, method=method)
-            return searchsorted
-
-        jax.lax.scan = scan
-        for m, orig in orig_ss.items():
-            if orig is not None:
-                m.searchsorted = searchsorted_for(orig)
-        try:
-            yield
-        finally:
-            jax.lax.scan = orig_scan
-            for m, orig in orig_ss.items():
-                if orig is not None:
-                    m.searchsorted = orig
-
-
 def fresh_world_index(done: jax.Array, num_fresh: int, rng: jax.Array) -> jax.Array:
     """Which of `num_fresh` fresh worlds each env would take if it were done: (N,) int32.
 
@@ -224,8 +201,10 @@ def fresh_world_index(done: jax.Array, num_fresh: int, rng: jax.Array) -> jax.Ar
     return jnp.where(done, rank % num_fresh, 0).astype(jnp.int32)
 
 
-def make_env(name: str, num_envs: int = 1, reset_ratio: int = 1, unroll_inner_scans: bool = False) -> VecEnv:
-    """Build a batched Craftax env. `reset_ratio` must divide `num_envs` (1 = fresh world every step)."""
+def make_env(name: str, num_envs: int = 1, reset_ratio: int = 1,
+             unroll_env_scans: UnrollSetting | bool = False) -> VecEnv:
+    """Build a batched Craftax env. `reset_ratio` must divide `num_envs` (1 = fresh world every step);
+    `unroll_env_scans`: a bool or auto/on/off (envs/unroll.py)."""
     name = canonical_env_name(name)
     if num_envs < 1:
         raise UserError(f"num_envs must be >= 1, got {num_envs}")
@@ -238,11 +217,4 @@ def make_env(name: str, num_envs: int = 1, reset_ratio: int = 1, unroll_inner_sc
 
     base = make_craftax_env_from_name(name, auto_reset=False)
     return VecEnv(name=name, num_envs=num_envs, reset_ratio=reset_ratio, base=base, params=base.default_params,
-                  unroll_inner_scans=unroll_inner_scans)
-
-
-def unwrap_env_state(state: Any) -> Any:
-    """Follow `.env_state` to the innermost craftax EnvState."""
-    while hasattr(state, "env_state"):
-        state = state.env_state
-    return state
+                  unroll_env_scans=resolve_unroll_env_scans(unroll_env_scans))

@@ -65,17 +65,12 @@ class CollectConfig:
 
 def _make_policy(cfg: CollectConfig) -> tuple[Any, Callable[[Any, Any], Any], str]:
     """(VecEnv, act(obs, key) -> actions, env name)."""
-    import jax
-
     if cfg.policy == "random":
         from thinkcraft.envs.craftax import make_env
+        from thinkcraft.envs.scan import random_actions
 
         env = make_env(cfg.env_name, cfg.num_envs, reset_ratio=1)
-
-        def act(obs: Any, key: Any) -> Any:
-            return jax.random.randint(key, (cfg.num_envs,), 0, env.num_actions)
-
-        return env, act, env.name
+        return env, random_actions(env), env.name
     # ppo:<run_dir>: through the evaluation loader (same network, exact resets)
     try:
         from thinkcraft.train.evaluate import load_ppo_policy
@@ -93,23 +88,17 @@ def _make_policy(cfg: CollectConfig) -> tuple[Any, Callable[[Any, Any], Any], st
 
 
 def _rollout_fn(env: Any, act: Callable, steps: int) -> Callable:
+    """Jitted: carry -> (carry, (semantic arrays of the state each action was taken in, obs, action,
+    reward, done)), each (T, N, ...)."""
     import jax
 
+    from thinkcraft.envs.scan import make_env_scan
     from thinkcraft.envs.text.semantic import extract
 
-    def step(carry: Any, _: Any) -> Any:
-        env_state, obs, rng = carry
-        rng, k_act, k_env = jax.random.split(rng, 3)
-        action = act(obs, k_act)
-        sem = extract(env_state.env_state)  # of the state the action is taken in
-        next_obs, env_state, reward, done, _ = env.step(k_env, env_state, action)
-        return (env_state, next_obs, rng), (sem, obs, action, reward, done)
+    def record(s: Any) -> Any:
+        return extract(s.env_state.env_state), s.obs, s.action, s.reward, s.done
 
-    @jax.jit
-    def play(carry: Any) -> Any:
-        return jax.lax.scan(step, carry, None, steps)
-
-    return play
+    return jax.jit(make_env_scan(env, act, steps, record))
 
 
 def _table(cols: dict[str, Any], obs: np.ndarray | None) -> Any:
@@ -127,10 +116,12 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
     import jax
     import pyarrow.parquet as pq
 
+    from thinkcraft.envs.scan import EnvCarry
     from thinkcraft.envs.text.render import render
     from thinkcraft.utils.io import atomic_path, atomic_write_json
     from thinkcraft.utils.jaxcache import enable_compilation_cache
     from thinkcraft.utils.progress import RunProgress, console
+    from thinkcraft.utils.signals import StopRequest
     from thinkcraft.utils.timing import PhaseTimer
 
     out = Path(cfg.out)
@@ -151,14 +142,14 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
         obs, env_state = jax.jit(env.reset)(k)  # eager reset is slower than its (cached) compile
     # reset leaves some leaves weakly typed (player_direction); the scan's output carry is strongly
     # typed, so without this the second call would compile the whole scan again (minutes on CPU)
-    carry = jax.tree.map(lambda x: jax.numpy.array(x, dtype=x.dtype), (env_state, obs, rng))
+    carry = jax.tree.map(lambda x: jax.numpy.array(x, dtype=x.dtype), EnvCarry(env_state, obs, rng))
     n = cfg.num_envs
     episode = np.zeros(n, np.int64)
     ep_step = np.zeros(n, np.int64)
     rows = 0
     t_global = 0
     num_calls = -(-cfg.num_steps // cfg.steps_per_call)
-    with RunProgress(cfg.num_steps * n, "collect", unit="steps") as prog:
+    with RunProgress(cfg.num_steps * n, "collect", unit="steps") as prog, StopRequest("stopping after the call in flight") as stop:
         for call in range(num_calls):
             with timer.phase("rollout" if call else "compile+rollout"):
                 carry, (sem, obs_b, action, reward, done) = play(carry)
@@ -196,8 +187,13 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
                         pq.write_table(table, tmp)
                 rows += table.num_rows
             prog.update(t_global * n, rows=rows)
+            if stop.requested:  # Ctrl-C / SIGTERM: the shards so far are complete; collect does not resume
+                num_calls = call + 1
+                console.print(f"{stop.name}: stopped after {t_global:,} of {cfg.num_steps:,} steps per env; "
+                              f"{out} holds a complete smaller collection (collect does not resume: rerun with --overwrite)")
+                break
     report = {"out": str(out), "env": env_name, "policy": cfg.policy, "rows": rows, "num_envs": n,
-              "num_steps": cfg.num_steps, "shards": num_calls, **timer.metrics(),
+              "num_steps": t_global, "shards": num_calls, "interrupted": stop.requested, **timer.metrics(),
               "episodes_finished": int(episode.sum()), "config": asdict(cfg)}
     atomic_write_json(out / "_collect.json", report)  # "_": Parquet readers skip it
     console.print(f"collect: wrote {rows:,} states to {out} ({num_calls} shards); "

@@ -22,6 +22,7 @@ from thinkcraft.label.pipeline import LabelConfig, label, prepare_items, read_in
 from thinkcraft.label.template import OutputSpec, Template, parse_output
 from thinkcraft.utils.errors import ConfigError, UserError, check
 from thinkcraft.utils.io import atomic_write_json
+from thinkcraft.utils.signals import sigterm_as_interrupt
 
 
 @dataclass
@@ -210,6 +211,8 @@ def _teacher(cfg: DistillConfig) -> tuple[dict[str, Any], Template]:
     return saved, Template(prefix=t["prefix"], item=t["item"], output=OutputSpec(t["output"]["schema"]))
 
 
+@sigterm_as_interrupt("run the same command again: the student's training starts over (it takes minutes and is "
+                      "not checkpointed); its labelling of the rest continues from its journal")
 def run(cfg: DistillConfig) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model

@@ -27,6 +27,7 @@ from thinkcraft.label.template import (
 from thinkcraft.utils.errors import ConfigError, UserError, check
 from thinkcraft.utils.io import atomic_write_json, atomic_write_text
 from thinkcraft.utils.progress import RunProgress, console
+from thinkcraft.utils.signals import sigterm_as_interrupt
 
 
 @dataclass
@@ -474,6 +475,7 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(t)
 
 
+@sigterm_as_interrupt("every finished item is in the journal; run the same command again to continue")
 def run(cfg: LabelConfig) -> int:
     """CLI entry: 0 when every item is labelled, 1 when some are not (see report.json / failures.jsonl)."""
     report = label(cfg)

@@ -80,9 +80,7 @@ def make_policy_input(age_scale: float):
     return policy_input
 
 
-def refresh(norm: RunningNorm, hidden: jax.Array, age: jax.Array, valid: jax.Array,
-            update_stats: bool = True) -> tuple[RunningNorm, HiddenAux]:
+def refresh(norm: RunningNorm, hidden: jax.Array, age: jax.Array, valid: jax.Array) -> tuple[RunningNorm, HiddenAux]:
     """Install new raw hidden states: update the running statistics, normalise."""
-    if update_stats:
-        norm = norm.update(hidden)
+    norm = norm.update(hidden)
     return norm, HiddenAux(norm.normalize(hidden), age.astype(jnp.int32), valid)

@@ -15,7 +15,7 @@ k3 KL estimator (Schulman, "Approximating KL divergence", 2020), A*-PO (Brantley
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Sequence
+from typing import Callable, Literal, NamedTuple, Sequence
 
 import torch
 
@@ -112,6 +112,55 @@ def update_running_baseline(baseline: float | None, scores: torch.Tensor, moment
     """Exponential moving average of the batch mean; the first batch initialises it."""
     m = float(scores.float().mean())
     return m if baseline is None else momentum * baseline + (1.0 - momentum) * m
+
+
+class AdvantageInputs(NamedTuple):
+    """What an advantage estimator sees: one row per generated turn."""
+
+    scores: torch.Tensor  # (B,) returns-to-go
+    group_ids: torch.Tensor  # (B,) rows sharing an id are samples of the same prompt (and turn)
+    v_star: torch.Tensor | None = None  # (B,) A*-PO: V*(x) of each row's prompt
+    baseline: float | None = None  # REINFORCE: the running reward baseline (None before the first batch)
+
+
+class AdvantageOptions(NamedTuple):
+    scale_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
+    baseline_momentum: float = 0.9  # REINFORCE: EMA momentum of the baseline
+
+
+class Advantages(NamedTuple):
+    values: torch.Tensor  # (B,) per-row advantages (A*-PO: r - V*, its regression target)
+    baseline: float | None  # the baseline to carry to the next batch
+
+
+def _grpo(x: AdvantageInputs, o: AdvantageOptions) -> Advantages:
+    return Advantages(grpo_advantages(x.scores, x.group_ids, scale_by_std=o.scale_by_std), x.baseline)
+
+
+def _rloo(x: AdvantageInputs, o: AdvantageOptions) -> Advantages:
+    return Advantages(rloo_advantages(x.scores, x.group_ids), x.baseline)
+
+
+def _reinforce(x: AdvantageInputs, o: AdvantageOptions) -> Advantages:
+    # the first batch is its own baseline (advantages centred), later batches use the running mean
+    b = float(x.scores.float().mean()) if x.baseline is None else x.baseline
+    return Advantages(reinforce_advantages(x.scores, b),
+                      update_running_baseline(x.baseline, x.scores, o.baseline_momentum))
+
+
+def _apo(x: AdvantageInputs, o: AdvantageOptions) -> Advantages:
+    if x.v_star is None:
+        raise ValueError("A*-PO advantages need v_star (the offline V* of each row's prompt)")
+    return Advantages(x.scores - x.v_star.to(x.scores.dtype), x.baseline)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs, AdvantageOptions], Advantages]] = {
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce": _reinforce,
+    "apo": _apo,
+}
+"""Algorithm name (`--algo`) -> advantage estimator, all with one signature."""
 
 
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:

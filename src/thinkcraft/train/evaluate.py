@@ -45,7 +45,7 @@ def load_ppo_policy(run_dir: str | Path, num_envs: int):
     import jax
 
     from thinkcraft.train.checkpoint import load_config_dict, load_params
-    from thinkcraft.train.ppo import PPOConfig, build
+    from thinkcraft.train.ppo import PPOConfig, build_env, build_network
 
     saved = load_config_dict(run_dir)
     known = {f.name for f in dataclasses.fields(PPOConfig)}
@@ -53,7 +53,8 @@ def load_ppo_policy(run_dir: str | Path, num_envs: int):
     cfg = dataclasses.replace(cfg, num_envs=num_envs, optimistic_reset_ratio=1,
                               total_timesteps=max(cfg.total_timesteps, num_envs * cfg.num_steps),
                               num_minibatches=1, stop_after_updates=0)
-    env, network, _ = build(cfg)
+    env = build_env(cfg)
+    network = build_network(cfg, env)
     template = network.init(jax.random.PRNGKey(0), np.zeros((1, env.obs_dim), np.float32))
     params = load_params(run_dir, template)
     return env, network, params, cfg
@@ -63,6 +64,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     import jax
 
     from thinkcraft.envs.craftax import achievement_names, achievement_weights
+    from thinkcraft.envs.scan import EnvCarry, make_env_scan
     from thinkcraft.utils.jaxcache import enable_compilation_cache
     from thinkcraft.utils.progress import RunProgress, console
 
@@ -72,22 +74,15 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     enable_compilation_cache()
     env, network, params, tcfg = load_ppo_policy(run_dir, cfg.num_envs)
 
-    def step(carry, _):
-        env_state, obs, rng = carry
-        rng, k_act, k_env = jax.random.split(rng, 3)
+    def act(obs, key):
         pi, _ = network.apply(params, obs)
-        action = pi.mode() if cfg.greedy else pi.sample(seed=k_act)
-        obs, env_state, _, _, info = env.step(k_env, env_state, action)
-        return (env_state, obs, rng), info
+        return pi.mode() if cfg.greedy else pi.sample(seed=key)
 
-    @jax.jit
-    def play(carry):
-        return jax.lax.scan(step, carry, None, cfg.steps_per_call)
-
+    play = jax.jit(make_env_scan(env, act, cfg.steps_per_call, record=lambda s: s.info))
     rng = jax.random.PRNGKey(cfg.seed)
     rng, k = jax.random.split(rng)
     obs, env_state = env.reset(k)
-    carry = (env_state, obs, rng)
+    carry = EnvCarry(env_state, obs, rng)
     returns: list[float] = []
     lengths: list[int] = []
     achievements: list[np.ndarray] = []

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from thinkcraft.train.session import RunOptions
 from thinkcraft.utils.errors import ConfigError, UserError, check
 
 SHAPE_FIELDS = (
@@ -23,7 +24,7 @@ SHAPE_FIELDS = (
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(RunOptions):
     """PPO on Craftax. Defaults equal Craftax_Baselines `ppo.py` except total_timesteps."""
 
     env_name: str = "Craftax-Symbolic-v1"
@@ -59,31 +60,13 @@ class PPOConfig:
     optimistic_reset_ratio: int = 16
     """Fresh worlds generated per step = num_envs / ratio (Baselines: min(16, num_envs)); 1 = a fresh world for every env every step."""
     unroll_env_scans: Literal["auto", "on", "off"] = "auto"
-    """Trace craftax's short inner loops (mob / projectile / plant slots, world generation, random.choice's binary searches) unrolled: the same states, no host-driven GPU loop iterations inside a step - plain PPO 21.6k -> 53.9k SPS at 128 envs on an H100 - for ~40 s more compile (envs/craftax.py `unrolled_scans`). auto = on when JAX runs on a GPU (on a CPU the loops cost nothing and the compile would)."""
+    """Trace craftax's short inner loops (mob / projectile / plant slots, world generation, random.choice's binary searches) unrolled: the same states, no host-driven GPU loop iterations inside a step - plain PPO 21.6k -> 53.9k SPS at 128 envs on an H100 - for ~40 s more compile (envs/unroll.py). auto = on when JAX runs on a GPU (on a CPU the loops cost nothing and the compile would)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Matmul dtype of the networks (parameters stay float32). float32 = Baselines."""
     seed: int = 0
     """Random seed (parameters, env worlds, actions)."""
     updates_per_chunk: int = 8
     """PPO updates per jitted call; adjusted down to a divisor of the number of updates. Larger = fewer host round trips."""
-    run_name: str | None = None
-    """Run directory name under runs_dir (default: ppo-<env>-s<seed>-<time>)."""
-    runs_dir: str = "runs"
-    """Where run directories go."""
-    resume: str | None = None
-    """Continue the run in this directory from its last checkpoint (exactly, on CPU)."""
-    overwrite: bool = False
-    """Replace an existing run directory of the same name."""
-    checkpoint_every_updates: int = 0
-    """Checkpoint every N updates (0 = only by time and at the end)."""
-    checkpoint_every_minutes: float = 10.0
-    """Checkpoint at the first chunk end after this many minutes (0 = off)."""
-    tensorboard: bool = False
-    """Also log to TensorBoard (runs/<name>/tb)."""
-    wandb_project: str | None = None
-    """Also log to this Weights & Biases project."""
-    plot: bool = True
-    """Write runs/<name>/curve.png at the end."""
     stop_after_updates: int = 0
     """Stop (with a checkpoint) after this many updates in this session, to --resume later (0 = run to the end). For time-sliced jobs."""
 
@@ -94,6 +77,11 @@ class PPOConfig:
             self.env_name = canonical_env_name(self.env_name)
         except UserError as e:
             raise ConfigError("env_name", str(e)) from None
+        super().__post_init__()
+
+    def validate(self) -> None:
+        from thinkcraft.envs.unroll import UNROLL_SETTINGS
+
         for f in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches",
                   "layer_width", "updates_per_chunk"):
             check(getattr(self, f) > 0, f, f"must be > 0, got {getattr(self, f)}")
@@ -111,7 +99,10 @@ class PPOConfig:
         check(self.stop_after_updates % self.chunk_updates == 0, "stop_after_updates",
               f"must be a multiple of the chunk size ({self.chunk_updates} updates) so that the run stops at a chunk end")
         check(self.compute_dtype in ("float32", "bfloat16"), "compute_dtype", "float32 or bfloat16")
-        check(self.unroll_env_scans in ("auto", "on", "off"), "unroll_env_scans", "auto, on or off")
+        check(self.unroll_env_scans in UNROLL_SETTINGS, "unroll_env_scans", "auto, on or off")
+
+    def run_label(self) -> str:
+        return f"{self.env_name}-s{self.seed}"
 
     @property
     def batch_size(self) -> int:
@@ -120,15 +111,6 @@ class PPOConfig:
     @property
     def num_updates(self) -> int:
         return self.total_timesteps // self.batch_size
-
-    @property
-    def unrolled_env_scans(self) -> bool:
-        """`unroll_env_scans` resolved: "auto" is on exactly when JAX's default backend is a GPU."""
-        if self.unroll_env_scans == "auto":
-            import jax
-
-            return jax.default_backend() == "gpu"
-        return self.unroll_env_scans == "on"
 
     @property
     def reset_ratio(self) -> int:
@@ -148,20 +130,40 @@ class PPOConfig:
         return PPOHyper(self.gamma, self.gae_lambda, self.clip_eps, self.ent_coef, self.vf_coef,
                         self.update_epochs, self.num_minibatches)
 
+    @property
+    def matmul_dtype(self):
+        """`compute_dtype` as the jnp dtype the networks compute in."""
+        import jax.numpy as jnp
 
-def build(cfg: PPOConfig):
-    """Env, network, optimizer and the pure init function for a config (shared by train, eval, resume)."""
-    import jax.numpy as jnp
+        return jnp.bfloat16 if self.compute_dtype == "bfloat16" else jnp.float32
 
+
+# Each caller builds what it uses (ppo-hidden its own network, eval no optimizer); `build` is all three.
+def build_env(cfg: PPOConfig):
+    """The batched Craftax env of a config (`unroll_env_scans` resolved by make_env)."""
     from thinkcraft.envs.craftax import make_env
+
+    return make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio, unroll_env_scans=cfg.unroll_env_scans)
+
+
+def build_network(cfg: PPOConfig, env):
+    """Plain PPO's actor-critic MLP for `env`'s actions."""
     from thinkcraft.rl.networks import ActorCritic
+
+    return ActorCritic(env.num_actions, cfg.layer_width, dtype=cfg.matmul_dtype)
+
+
+def build_optimizer(cfg: PPOConfig):
+    """Adam with gradient clipping and the config's lr schedule over its num_updates."""
     from thinkcraft.rl.ppo import make_optimizer
 
-    env = make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio, unroll_inner_scans=cfg.unrolled_env_scans)
-    network = ActorCritic(env.num_actions, cfg.layer_width,
-                          dtype=jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32)
-    tx = make_optimizer(cfg.lr, cfg.anneal_lr, cfg.max_grad_norm, cfg.num_updates, cfg.hyper())
-    return env, network, tx
+    return make_optimizer(cfg.lr, cfg.anneal_lr, cfg.max_grad_norm, cfg.num_updates, cfg.hyper())
+
+
+def build(cfg: PPOConfig):
+    """Env, network and optimizer of a plain-PPO config (shared by train, resume and the benchmarks)."""
+    env = build_env(cfg)
+    return env, build_network(cfg, env), build_optimizer(cfg)
 
 
 def episode_metrics(m: dict[str, Any], achievement_names: tuple[str, ...], max_return: float) -> dict[str, float]:
@@ -189,36 +191,35 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     from thinkcraft.utils.progress import console
 
     session = TrainSession(cfg, "ppo", shape_fields=SHAPE_FIELDS, defaults=PPOConfig(),
-                           total_steps=cfg.num_updates * cfg.batch_size, title=f"PPO {cfg.env_name}")
+                           total_steps=lambda c: c.num_updates * c.batch_size, title=lambda c: f"PPO {c.env_name}")
     cfg = session.cfg
-    session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
     enable_compilation_cache()
-
-    # 1. build and initialise (or restore)
-    env, network, tx = build(cfg)
-    init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
-    rng = jax.random.PRNGKey(cfg.seed)
-    runner = session.restore(jax.eval_shape(init, rng)) if session.resuming else init(rng)
-    start_update = int(runner.update)
-
-    K = cfg.chunk_updates
-    chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
-    names = achievement_names(cfg.env_name)
-    max_return = float(sum(achievement_weights(cfg.env_name)))
-
-    # 2. compile once (AOT, timed apart from the steady-state SPS)
-    t0 = time.perf_counter()
-    compiled = chunk.lower(runner).compile()
-    compile_s = time.perf_counter() - t0
-    console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s")
-    session.summary["compile_s"] = compile_s
-
-    # 3. chunks: one device call each (runner donated), one host sync for the metrics
-    end_update = cfg.num_updates
-    if cfg.stop_after_updates:
-        end_update = min(end_update, start_update + cfg.stop_after_updates)
-    update = start_update
     with session:
+        # 1. build and initialise (or restore)
+        env, network, tx = build(cfg)
+        init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
+        rng = jax.random.PRNGKey(cfg.seed)
+        runner = session.restore(jax.eval_shape(init, rng)) if session.resuming else init(rng)
+        start_update = int(runner.update)
+        session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
+
+        K = cfg.chunk_updates
+        chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
+        names = achievement_names(cfg.env_name)
+        max_return = float(sum(achievement_weights(cfg.env_name)))
+
+        # 2. compile once (AOT, timed apart from the steady-state SPS)
+        t0 = time.perf_counter()
+        compiled = chunk.lower(runner).compile()
+        compile_s = time.perf_counter() - t0
+        console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s", soft_wrap=True)
+        session.summary["compile_s"] = compile_s
+
+        # 3. chunks: one device call each (runner donated), one host sync for the metrics
+        end_update = cfg.num_updates
+        if cfg.stop_after_updates:
+            end_update = min(end_update, start_update + cfg.stop_after_updates)
+        update = start_update
         session.start(update)
         while session.running(update, end_update):
             t0 = time.perf_counter()
@@ -234,11 +235,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             session.log(update, update * cfg.batch_size, rec, sps=sps, ret=rec.get("episode/return", float("nan")))
             session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params)
         session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params, force=True)
-    summary = session.summary
-    summary.update({"update": update, "env_steps": update * cfg.batch_size})
-    console.print(
-        f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
-        f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
-        f"run dir {session.run_dir}"
-    )
+        summary = session.summary
+        summary.update({"update": update, "env_steps": update * cfg.batch_size})
+        console.print(
+            f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
+            f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
+            f"run dir {session.run_dir}", soft_wrap=True)
     return summary

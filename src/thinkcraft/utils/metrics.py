@@ -12,7 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 
 def _to_float(v: Any) -> float | int | None:
@@ -111,7 +111,3 @@ def truncate_metrics(path: str | os.PathLike, max_step: int) -> None:
 
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in recs))
 
-
-def mean_or_nan(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else float("nan")

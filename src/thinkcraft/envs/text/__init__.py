@@ -15,9 +15,8 @@ from typing import Any
 import jax
 
 from thinkcraft.envs.text.actions import action_names, action_prompt, parse_action
-from thinkcraft.envs.text.names import ENV_KINDS, check_env_kind
 from thinkcraft.envs.text.render import COMPACT_FORMAT_DOC, FORMATS, CompactTokenRenderer, check_format, render
-from thinkcraft.envs.text.semantic import Semantic, env_kind_of, extract, unwrap
+from thinkcraft.envs.text.semantic import Semantic, env_kind_of, extract
 
 
 def render_states(states: Any, fmt: str = "compact", batched: bool = True) -> list[str]:
@@ -30,16 +29,13 @@ def render_states(states: Any, fmt: str = "compact", batched: bool = True) -> li
 __all__ = [
     "COMPACT_FORMAT_DOC",
     "CompactTokenRenderer",
-    "ENV_KINDS",
     "FORMATS",
     "Semantic",
     "action_names",
     "action_prompt",
-    "check_env_kind",
     "env_kind_of",
     "extract",
     "parse_action",
     "render",
     "render_states",
-    "unwrap",
 ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import re
 
-from thinkcraft.envs.text.names import ACTION_NAMES, check_env_kind
+from thinkcraft.envs import craftax as craftax_envs
+from thinkcraft.envs.text.names import ACTION_NAMES
 
 # what the movement actions do, for the prompt (craftax: "left" moves/faces west = col - 1)
 _HINTS = {
@@ -21,7 +22,7 @@ _HINTS = {
 
 def action_names(env_kind: str) -> tuple[str, ...]:
     """Canonical lower-case action names, index = action id (43 for Craftax, 17 for Classic)."""
-    return ACTION_NAMES[check_env_kind(env_kind)]
+    return ACTION_NAMES[craftax_envs.env_kind(env_kind)]
 
 
 def action_prompt(env_kind: str) -> str:
@@ -81,7 +82,7 @@ def parse_action(text: str, env_kind: str) -> int | None:
     reconsiders is taken at its final word). A reply that is only a number or an action name
     also counts. Anything else -> None.
     """
-    kind = check_env_kind(env_kind)
+    kind = craftax_envs.env_kind(env_kind)
     num_actions = len(ACTION_NAMES[kind])
     for m in reversed(list(_ANSWER.finditer(text))):
         got = _resolve(m.group("answer"), kind, num_actions)

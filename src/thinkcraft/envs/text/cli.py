@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thinkcraft.envs.text.names import ENV_IDS, ENV_KINDS, check_env_kind
+from thinkcraft.envs.craftax import env_kind
 from thinkcraft.envs.text.render import FORMATS, COMPACT_FORMAT_DOC
 from thinkcraft.utils.errors import ConfigError, UserError, check
 
@@ -28,9 +28,9 @@ class RenderConfig:
 
     def __post_init__(self) -> None:
         try:
-            check_env_kind(self.env)
-        except UserError:
-            raise ConfigError("env", f"unknown env {self.env!r}; valid: {', '.join(ENV_IDS)}") from None
+            env_kind(self.env)
+        except UserError as e:
+            raise ConfigError("env", str(e)) from None
         check(self.format in FORMATS, "format", f"unknown format {self.format!r}; valid: {', '.join(FORMATS)}")
         check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
         check(1 <= self.num_envs <= 4096, "num_envs", f"must be in 1..4096, got {self.num_envs}")
@@ -43,8 +43,7 @@ def run(cfg: RenderConfig) -> int:
     from thinkcraft.envs.text import extract, render
     from thinkcraft.envs.text.rollout import random_rollout
 
-    kind = check_env_kind(cfg.env)
-    assert kind in ENV_KINDS
+    kind = env_kind(cfg.env)
     if cfg.show_doc:
         print(COMPACT_FORMAT_DOC + "\n")
     for step, states in random_rollout(kind, cfg.num_envs, cfg.steps, seed=cfg.seed, every=cfg.every):

@@ -6,34 +6,11 @@ block shows up as a failing equivalence test rather than silently different text
 
 from __future__ import annotations
 
-from typing import Literal
-
 from craftax.craftax import constants as C
 from craftax.craftax_classic import constants as CC
 
-from thinkcraft.utils.errors import UserError
-
-EnvKind = Literal["craftax", "craftax-classic"]
-ENV_KINDS: tuple[str, ...] = ("craftax", "craftax-classic")
-
-# the env ids `thinkcraft` accepts, mapped to the env kind (aliases included)
-ENV_IDS: dict[str, str] = {
-    "Craftax-Symbolic-v1": "craftax",
-    "Craftax-Pixels-v1": "craftax",
-    "Craftax-Classic-Symbolic-v1": "craftax-classic",
-    "Craftax-Classic-Pixels-v1": "craftax-classic",
-    "craftax": "craftax",
-    "craftax-classic": "craftax-classic",
-}
-
-
-def check_env_kind(env_kind: str) -> str:
-    """Return `env_kind` normalised to one of ENV_KINDS (env ids and aliases accepted)."""
-    kind = ENV_IDS.get(env_kind)
-    if kind is None:
-        raise UserError(f"unknown env {env_kind!r}; valid names: {', '.join(ENV_IDS)}")
-    return kind
-
+# Per env kind ("craftax", "craftax-classic": envs.craftax.ENV_KINDS; `envs.craftax.env_kind` maps env
+# names and aliases to them).
 
 # view sizes (rows, cols): the player sits at the centre
 VIEW_SHAPE: dict[str, tuple[int, int]] = {

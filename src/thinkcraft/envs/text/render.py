@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from thinkcraft.envs import craftax as craftax_envs
 from thinkcraft.envs.text import names as N
 from thinkcraft.envs.text.semantic import Semantic
 from thinkcraft.utils.errors import UserError
@@ -64,7 +65,7 @@ def render(sem: Semantic, fmt: str = "compact", env_kind: str | None = None) -> 
     """Text for every env in `sem` (output of `extract`, ideally already `jax.device_get`-ed)."""
     check_format(fmt)
     found = kind_of_semantic(sem)
-    if env_kind is not None and N.check_env_kind(env_kind) != found:
+    if env_kind is not None and craftax_envs.env_kind(env_kind) != found:
         raise UserError(
             f"render(env_kind={env_kind!r}) got the semantics of a {found!r} state "
             f"(view {tuple(np.shape(sem.block)[-2:])}); pass env_kind={found!r}"
@@ -315,24 +316,26 @@ def _light_word(light: np.ndarray) -> np.ndarray:
     return np.where(light >= 0.6, "day", np.where(light >= 0.3, "dusk", "night")).astype(object)
 
 
-
 def _render_compact(sem: Semantic, kind: str) -> list[str]:
     return _compact_pieces(sem, kind).join()
 
 
 def _compact_pieces(sem: Semantic, kind: str) -> _Pieces:
+    """Every env's compact pieces, in four sections ordered by their order keys: the first line (0..),
+    the map (100..), the inventory (20_000..), vitals and flags (30_000..)."""
     tb = _compact_tables(kind)
-    n = sem.block.shape[0]
-    p = _Pieces(n)
-    t = sem.block.shape[1] * sem.block.shape[2]
-    block = sem.block.reshape(n, t).astype(np.int64)
-    item = sem.item.reshape(n, t).astype(np.int64)
-    mob = sem.mob.reshape(n, t).astype(np.int64)
-    lit = sem.light.reshape(n, t)
-    code = _tile_code(sem, kind)
+    p = _Pieces(sem.block.shape[0])
+    _compact_first_line(p, sem, kind, tb)
+    _compact_map(p, sem, tb)
+    _compact_inventory(p, sem, kind, tb)
+    _compact_vitals(p, sem, kind, tb)
+    return p
 
-    # line 1: "floor 0 overworld, day, facing north: tree" (Craftax below ground: no daylight;
-    # Classic: no floor)
+
+def _compact_first_line(p: _Pieces, sem: Semantic, kind: str, tb: dict[str, Any]) -> None:
+    """ "floor 0 overworld, day, facing north: tree" (Craftax below ground: no daylight; Classic: no floor)."""
+    n = sem.block.shape[0]
+    code = _tile_code(sem, kind)
     light_word = _light_word(sem.light_level)
     if kind == "craftax":
         floor = sem.floor.astype(np.int64)
@@ -349,7 +352,15 @@ def _compact_pieces(sem: Semantic, kind: str) -> _Pieces:
     p.dense(2, compass[d])
     p.dense(3, tb["facing"][code[np.arange(n), facing_t]])
 
-    # map: every lit non-background thing, grouped by kind, nearest first
+
+def _compact_map(p: _Pieces, sem: Semantic, tb: dict[str, Any]) -> None:
+    """Every lit non-background thing, grouped by kind, nearest first; then the number of dark tiles."""
+    n = sem.block.shape[0]
+    t = sem.block.shape[1] * sem.block.shape[2]
+    block = sem.block.reshape(n, t).astype(np.int64)
+    item = sem.item.reshape(n, t).astype(np.int64)
+    mob = sem.mob.reshape(n, t).astype(np.int64)
+    lit = sem.light.reshape(n, t)
     n_mobs, n_items = tb["n_mobs"], tb["n_items"]
     masks = (lit & (mob >= 0), lit & (item > 0), lit & ~tb["bg"][block])
     ids = (mob, n_mobs + item, n_mobs + n_items + block)
@@ -378,7 +389,10 @@ def _compact_pieces(sem: Semantic, kind: str) -> _Pieces:
     dark = np.array(["", *[f"\ndark tiles: {k}" for k in range(1, t + 1)]], dtype=object)
     p.dense(10_000, dark[num_dark], num_dark > 0)
 
-    # inventory: only what is there
+
+def _compact_inventory(p: _Pieces, sem: Semantic, kind: str, tb: dict[str, Any]) -> None:
+    """Only what is there (craftax: enchantments right after their item), or "nothing"."""
+    n = sem.block.shape[0]
     inv = np.clip(sem.inventory.astype(np.int64), 0, _MAX_VALUE - 1)
     k_idx = np.arange(inv.shape[1])[None, :]
     present = inv > 0
@@ -400,7 +414,10 @@ def _compact_pieces(sem: Semantic, kind: str) -> _Pieces:
             e_idx = np.flatnonzero(present[:, col] & (ench[:, e_col] > 0))
             p.add(e_idx, np.full(e_idx.size, 20_002 + 2 * col), ench_name[ench[e_idx, e_col]])
 
-    # vitals and flags
+
+def _compact_vitals(p: _Pieces, sem: Semantic, kind: str, tb: dict[str, Any]) -> None:
+    """Health, food, drink, energy (mana); xp and attributes once they mean something; flags that apply."""
+    n = sem.block.shape[0]
     num = tb["num"]
     health = np.clip(np.ceil(sem.health), 0, _MAX_VALUE - 1).astype(np.int64)
     stats = np.clip(sem.stats.astype(np.int64), 0, _MAX_VALUE - 1)
@@ -428,7 +445,6 @@ def _compact_pieces(sem: Semantic, kind: str) -> _Pieces:
             if name == "boss_vulnerable":  # only the last floor has the boss
                 mask = mask & (sem.floor == len(N.FLOOR_NAMES) - 1)
             p.dense(30_100 + k, np.full((n, 1), flag_text[name], dtype=object), mask[:, None])
-    return p
 
 
 class CompactTokenRenderer:
@@ -454,7 +470,7 @@ class CompactTokenRenderer:
 
     def render(self, sem: Semantic, env_kind: str | None = None) -> list[list[int]]:
         found = kind_of_semantic(sem)
-        if env_kind is not None and N.check_env_kind(env_kind) != found:
+        if env_kind is not None and craftax_envs.env_kind(env_kind) != found:
             raise UserError(f"render(env_kind={env_kind!r}) got the semantics of a {found!r} state")
         pieces, bounds = _compact_pieces(_as_numpy(sem), found).ordered()
         piece_ids = self._lookup(pieces)

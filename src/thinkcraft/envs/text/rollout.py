@@ -17,17 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thinkcraft.envs.text.names import ACTION_NAMES, check_env_kind
-
-# canonical craftax env id per env kind (symbolic: the states are the same for pixels)
-ENV_ID = {"craftax": "Craftax-Symbolic-v1", "craftax-classic": "Craftax-Classic-Symbolic-v1"}
+from thinkcraft.envs.craftax import env_kind, symbolic_env_name
+from thinkcraft.envs.text.names import ACTION_NAMES
 
 
 @functools.lru_cache(maxsize=None)
 def _env_fns(kind: str):
     from craftax.craftax_env import make_craftax_env_from_name
 
-    env = make_craftax_env_from_name(ENV_ID[kind], auto_reset=False)
+    env = make_craftax_env_from_name(symbolic_env_name(kind), auto_reset=False)
     params = env.default_params
 
     @jax.jit
@@ -59,7 +57,7 @@ def random_rollout(
     floors: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """Yield (step, batched states) at step 0 and every `every` steps of uniformly random play."""
-    kind = check_env_kind(env)
+    kind = env_kind(env)
     reset, step = _env_fns(kind)
     floors_a = jnp.asarray(np.zeros(num_envs, np.int32) if floors is None else np.asarray(floors, np.int32))
     if floors_a.shape != (num_envs,):

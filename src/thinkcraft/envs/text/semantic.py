@@ -23,6 +23,7 @@ from craftax.craftax.craftax_state import EnvState as CraftaxState
 from craftax.craftax_classic import constants as CC
 from craftax.craftax_classic.envs.craftax_state import EnvState as ClassicState
 
+from thinkcraft.envs.craftax import unwrap_env_state
 from thinkcraft.envs.text.names import MOB_TYPES_PER_CLASS
 from thinkcraft.utils.errors import UserError
 
@@ -50,20 +51,9 @@ class Semantic(NamedTuple):
     enchant: jax.Array  # (N, 6) int8: names.ENCHANT_FIELDS (0 none, 1 fire, 2 ice)
 
 
-def unwrap(state: Any) -> Any:
-    """Follow `.env_state` (LogWrapper, thinkcraft's wrappers, nested) down to the craftax EnvState."""
-    seen = 0
-    while not isinstance(state, (CraftaxState, ClassicState)) and hasattr(state, "env_state"):
-        state = state.env_state
-        seen += 1
-        if seen > 32:
-            break
-    return state
-
-
 def env_kind_of(state: Any) -> str:
     """'craftax' or 'craftax-classic' for a (possibly wrapped, possibly batched) env state."""
-    core = unwrap(state)
+    core = unwrap_env_state(state)
     if isinstance(core, CraftaxState):
         return "craftax"
     if isinstance(core, ClassicState):
@@ -191,7 +181,7 @@ def extract(states: Any, batched: bool = True) -> Semantic:
     Accepts bare craftax EnvStates and wrapper states that hold one in `.env_state` (nested).
     Jitted: one compile per env kind, batch size and `batched`.
     """
-    core = unwrap(states)
+    core = unwrap_env_state(states)
     kind = env_kind_of(core)
     want = 2 if batched else 1
     if core.player_position.ndim != want:

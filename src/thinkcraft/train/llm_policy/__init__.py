@@ -16,11 +16,11 @@ next rollout is on-policy with `policy_version = step`.
 
 from thinkcraft.train.llm_policy.config import ALGOS_NEEDING_LOGPROBS, Algo, EnvName, LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import (
-    Learner, TrainRows, build_rows, load_checkpoint, row_scores_and_groups, save_checkpoint,
+    Learner, TrainRows, build_rows, checkpoint_state, restore_state, row_scores_and_groups,
 )
 from thinkcraft.train.llm_policy.loop import run
 from thinkcraft.train.llm_policy.model import (
-    CHATML_TEMPLATE, check_engine_for_algo, load_policy, make_engine, random_model, resolve_model_path,
+    CHATML_TEMPLATE, check_engine_for_algo, load_policy, make_engine, make_judge, random_model, resolve_model_path,
     train_bpe_tokenizer,
 )
 from thinkcraft.train.llm_policy.rollout import (
@@ -30,8 +30,9 @@ from thinkcraft.train.llm_policy.rollout import (
 
 __all__ = [
     "ALGOS_NEEDING_LOGPROBS", "Algo", "CHATML_TEMPLATE", "EnvName", "Episode", "LLMPolicyConfig", "Learner",
-    "TrainRows", "TurnSample", "build_messages", "build_rows", "check_engine_for_algo", "encode_prompt",
-    "episode_record", "load_checkpoint", "load_policy", "make_engine", "make_env_and_reward", "random_model",
-    "resolve_model_path", "rollout", "row_scores_and_groups", "run", "save_checkpoint", "train_bpe_tokenizer",
+    "TrainRows", "TurnSample", "build_messages", "build_rows", "check_engine_for_algo", "checkpoint_state",
+    "encode_prompt", "episode_record", "load_policy", "make_engine", "make_env_and_reward", "make_judge",
+    "random_model", "resolve_model_path", "restore_state", "rollout", "row_scores_and_groups", "run",
+    "train_bpe_tokenizer",
     "_prompt_corpus", "_seed_of", "_split_think",  # used by bench/grpo_arith.py (TRL at the same prompts) and tests
 ]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 
+from thinkcraft.train.session import RunOptions
 from thinkcraft.utils.errors import ConfigError, UserError, check
 
 if TYPE_CHECKING:
@@ -17,8 +18,18 @@ Algo = Literal["grpo", "rloo", "reinforce", "apo"]
 EnvName = Literal["arith", "gsm8k", "craftax", "craftax-classic"]
 ALGOS_NEEDING_LOGPROBS = ("grpo", "rloo", "reinforce")
 
+# Fields a resumed run must keep (the optimizer state holds lr and weight decay; the rest fix the model, the
+# problem stream or the group structure). Others (sampling, loss coefficients, logging) may change on resume.
+SHAPE_FIELDS = (
+    "env", "algo", "model", "finetune", "lora_rank", "lora_alpha", "seed", "prompts_per_step", "group_size",
+    "difficulty", "gsm8k_path", "max_turns", "lr", "weight_decay", "apo_pool_size", "apo_ref_samples", "apo_beta1",
+)
+
+
 @dataclass
-class LLMPolicyConfig:
+class LLMPolicyConfig(RunOptions):
+    """Train the LLM itself as the policy, online from env reward."""
+
     env: EnvName = "arith"
     """Text environment: arith (generated word problems), gsm8k (local file), craftax, craftax-classic."""
     algo: Algo = "grpo"
@@ -27,8 +38,6 @@ class LLMPolicyConfig:
     model: str = "default"
     """'default' (bundled SmolLM2-135M-Instruct), a local HF folder, or random:<shape> (random weights with a
     byte-level BPE trained on the env's prompts; shapes: tiny, qwen2.5-0.5b) for speed measurements."""
-    run_dir: str = "runs/llm-policy"
-    """Metrics, checkpoints, curve PNG and the trajectory store go here."""
     steps: int = 30
     """Learner steps (one batch of prompts each)."""
     prompts_per_step: int = 8
@@ -118,25 +127,20 @@ class LLMPolicyConfig:
     """auto (cuda if available), cpu, cuda, cuda:1, ..."""
     bf16: bool = True
     """On GPU: bf16 forward (frozen base weights stored in bf16; trainable weights stay fp32)."""
-    checkpoint_every: int = 10
-    """Save a checkpoint every N steps (and at the end); 0 = only at the end."""
-    resume: bool = False
-    """Continue from run_dir/checkpoint.pt (adapter, optimizer, step, RNG, baselines)."""
     store: bool = True
-    """Write every episode to run_dir/trajectories (the Parquet trajectory store)."""
-    plot: bool = True
-    """Write run_dir/curve.png at the end."""
-    log_every_s: float = 10.0
-    """Progress line interval when not on a terminal."""
+    """Write every episode to <run-dir>/trajectories (the Parquet trajectory store)."""
+    checkpoint_every: int = 10
+    """Checkpoint every N learner steps (and at the end); 0 = by time and at the end only. A checkpoint holds
+    the adapter (or weights), optimizer, step, RNG states and the REINFORCE baseline / A*-PO V* table."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
         check(self.group_size >= 1, "group_size", "must be >= 1")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(self.temperature > 0, "temperature", "must be > 0 (sampling; the policy gradient needs samples)")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(self.history_turns >= 0, "history_turns", "must be >= 0")
+        check(self.history_turns >= -1, "history_turns", "must be >= 0 (a window of past turns) or -1 (all of them)")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
         check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
@@ -144,7 +148,6 @@ class LLMPolicyConfig:
         check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         if self.algo in ("grpo", "rloo"):
             check(self.group_size >= 2, "group_size", f"{self.algo} compares samples of one prompt: use >= 2")
         if self.algo == "apo":
@@ -187,6 +190,9 @@ class LLMPolicyConfig:
             field = "judge_api_key_file" if self.judge_api_key_file else "judge_api_key_env"
             raise ConfigError(field, str(e).split(": ", 1)[-1]) from None
         return {"api_key": key} if key else {}
+
+    def run_label(self) -> str:
+        return f"{self.env}-{self.algo}-s{self.seed}"
 
     @property
     def is_multi_turn(self) -> bool:

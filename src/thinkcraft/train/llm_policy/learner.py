@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -188,12 +187,12 @@ class Learner:
             for n, v in state.items():
                 named[n].copy_(v.to(named[n].device, named[n].dtype))
 
-def save_checkpoint(path: Path, learner: Learner, step: int, extra: dict[str, Any]) -> None:
+def checkpoint_state(learner: Learner, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Everything a resumed run needs (encoded by train.checkpoint.TORCH_CODEC): trainable weights,
+    optimizer, step, every RNG state, and the loop's carry (`extra`: baseline, V* table)."""
     import torch
 
-    from thinkcraft.utils.io import atomic_path
-
-    state = {
+    return {
         "step": step,
         "trainable": learner.trainable_state(),
         "optimizer": learner.optimizer.state_dict(),
@@ -201,13 +200,12 @@ def save_checkpoint(path: Path, learner: Learner, step: int, extra: dict[str, An
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "extra": extra,
     }
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
 
-def load_checkpoint(path: Path, learner: Learner) -> tuple[int, dict[str, Any]]:
+
+def restore_state(learner: Learner, state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Load a `checkpoint_state` into the learner and the RNGs; returns (step, extra)."""
     import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=False)
     learner.load_trainable_state(state["trainable"])
     learner.optimizer.load_state_dict(state["optimizer"])
     rng = state["rng"]
@@ -217,6 +215,3 @@ def load_checkpoint(path: Path, learner: Learner) -> tuple[int, dict[str, Any]]:
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return int(state["step"]), state["extra"]
-
-
-# ============================================================================================ records

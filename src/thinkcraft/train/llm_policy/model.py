@@ -154,21 +154,22 @@ class _AdapterOffEngine:
     def close(self) -> None:
         pass
 
-class _LazyEngine:
-    """The judge engine when it is the policy itself: bound once the policy is loaded."""
 
-    def __init__(self, holder: dict) -> None:
-        self.holder = holder
+def make_judge(cfg: LLMPolicyConfig, model, tokenizer, engine):
+    """(judge engine, prompt format) for `--reward judge`: another engine from its spec, or 'self' - the
+    policy's own weights with the LoRA adapter off (the initial model)."""
+    def msgs(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
 
-    @property
-    def capabilities(self):
-        return self.holder["engine"].capabilities
+    if cfg.judge_engine != "self":
+        from thinkcraft.llm import make_engine as make_engine_from_spec
 
-    def generate(self, batch, sampling):
-        return self.holder["engine"].generate(batch, sampling)
+        judge = make_engine_from_spec(cfg.judge_engine, **cfg.judge_engine_options())
+        if judge.capabilities.tokenizer:  # in-process engines: their own chat template
+            return judge, lambda text: judge.apply_chat_template(msgs(text))
+        return judge, None  # HTTP engines receive the plain prompt
 
-    def hidden_states(self, *a, **k):
-        return self.holder["engine"].hidden_states(*a, **k)
+    def fmt(text: str) -> str:
+        return tokenizer.apply_chat_template(msgs(text), add_generation_prompt=True, tokenize=False)
 
-    def close(self) -> None:
-        pass
+    return _AdapterOffEngine(engine, model), fmt

@@ -321,14 +321,15 @@ def episode_record(e: Episode, env_name: str, policy_version: int, extra: dict[s
 
 # ================================================================================================ run
 
-def make_env_and_reward(cfg: LLMPolicyConfig, judge_engine_factory=None):
-    from thinkcraft.envs.tasks import JudgeReward, RuleReward
-    from thinkcraft.envs.textenv import make_text_env
+def make_env_and_reward(cfg: LLMPolicyConfig, judge: tuple[Any, Any] | None = None):
+    """The text env with its reward. arith/gsm8k: the `####` rule reward, or with `judge` = (engine, prompt
+    format) an LLM judge (`--reward judge`; the loop builds the judge once the policy exists, `make_judge`)."""
+    from thinkcraft.envs.textenvs import JudgeReward, RuleReward, make_text_env
 
     reward_fn = None
     if cfg.env in ("arith", "gsm8k"):
-        if cfg.reward == "judge":
-            engine, fmt = judge_engine_factory()
+        if judge is not None:
+            engine, fmt = judge
             reward_fn = JudgeReward(engine, answer_weight=cfg.answer_weight, format_weight=cfg.format_weight,
                                     format_prompt=fmt)
         else:
@@ -354,8 +355,3 @@ def _seed_of(cfg: LLMPolicyConfig, step: int, i: int) -> int:
     """Problem seed of prompt i at learner step `step` >= 1; step 0 is the A*-PO pool (a disjoint range)."""
     base = cfg.seed * 1_000_003 + (10**9 if step == 0 else step * cfg.prompts_per_step)
     return (base + i) % (2**31 - 1)
-
-
-
-
-# ====================================================================================== train batches

@@ -8,8 +8,8 @@ import json
 import re
 from typing import Callable, Sequence
 
-from thinkcraft.envs.tasks.base import Problem, RewardResult
-from thinkcraft.envs.tasks.rewards import extract_hash_answer
+from thinkcraft.envs.textenvs.base import Problem, RewardResult
+from thinkcraft.envs.textenvs.rewards import extract_hash_answer
 from thinkcraft.llm.protocol import Batch, Engine, SamplingParams
 
 JUDGE_TEMPLATE = """You are grading a student's answer to a math problem.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from thinkcraft.envs.tasks.base import Problem
-from thinkcraft.envs.tasks.rewards import extract_hash_answer, normalize_number
+from thinkcraft.envs.textenvs.base import Problem
+from thinkcraft.envs.textenvs.rewards import extract_hash_answer, normalize_number
 from thinkcraft.utils.errors import UserError
 
 INSTRUCTIONS = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from thinkcraft.envs.tasks.base import Problem
+from thinkcraft.envs.textenvs.base import Problem
 from thinkcraft.utils.errors import ConfigError
 
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Jada", "Kofi", "Lena")

@@ -28,7 +28,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Sequence
 
-from thinkcraft.envs.tasks.base import Problem, RewardResult
+from thinkcraft.envs.textenvs.base import Problem, RewardResult
 
 _SIGN = r"[-+\u2212]"
 _CURRENCY = r"(?:\\\$|\$|€|£)"

@@ -1,0 +1,133 @@
+"""Craftax as a multi-turn text env for LLM policies (compact observations, parsed actions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
+from thinkcraft.utils.errors import UserError
+
+
+@dataclass(frozen=True)
+class CraftaxTextConfig:
+    env_kind: str = "craftax-classic"
+    """'craftax' (Craftax-Symbolic) or 'craftax-classic'."""
+    max_steps: int = 32
+    """Episode step cap (truncation): LLM decisions are expensive, episodes are cut short."""
+    format_penalty: float = 0.0
+    """Subtracted from the reward of a turn whose action could not be parsed (a no-op is played)."""
+
+
+class CraftaxTextEnv:
+    """Craftax with compact text observations (the text package's renderer and action parser).
+
+    All episodes of a reset step together in one jitted, vmapped call; finished episodes keep their
+    last state and are stepped with no-ops (masked out), so the compiled batch shape stays fixed.
+    """
+
+    def __init__(self, config: CraftaxTextConfig = CraftaxTextConfig()) -> None:
+        import os
+
+        # JAX shares the GPU with the torch policy: it must not grab 75% of the memory up front
+        # (only effective before JAX's first computation in this process)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        import jax
+
+        from craftax.craftax_env import make_craftax_env_from_name
+
+        from thinkcraft.envs import text as textpkg
+        from thinkcraft.envs.craftax import ENV_KINDS, symbolic_env_name
+
+        self.config = config
+        self.name = config.env_kind
+        self.max_turns = config.max_steps
+        self._text = textpkg
+        if config.env_kind not in ENV_KINDS:
+            raise UserError(f"unknown craftax env kind {config.env_kind!r}: use craftax or craftax-classic")
+        self._env = make_craftax_env_from_name(symbolic_env_name(config.env_kind), auto_reset=False)
+        self._params = self._env.default_params
+        self._noop = int(self._text.parse_action("noop", config.env_kind) or 0)
+        game = "Craftax-Classic" if config.env_kind == "craftax-classic" else "Craftax"
+        self.system_prompt = (
+            f"You play {game}, a 2D survival and crafting game. Each turn you see the text observation; "
+            "think briefly, then choose one action.\n" + self._text.COMPACT_FORMAT_DOC + "\n"
+            + self._text.action_prompt(config.env_kind)
+        )
+        env, params = self._env, self._params
+        self._reset = jax.jit(jax.vmap(lambda k: env.reset(k, params)))
+        self._step = jax.jit(jax.vmap(lambda k, s, a: env.step(k, s, a, params)))
+        self._jax = jax
+        self._state = None
+        self._keys = None
+        self._t = np.zeros(0, dtype=np.int64)
+        self._done = np.zeros(0, dtype=bool)
+        self._num_invalid = 0
+        self._num_actions = 0
+
+    def reset(self, seeds: Sequence[int]) -> list[str]:
+        jax = self._jax
+        import jax.numpy as jnp
+
+        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(list(seeds), dtype=jnp.uint32))
+        split = jax.vmap(jax.random.split)(keys)
+        self._keys, reset_keys = split[:, 0], split[:, 1]
+        _, self._state = self._reset(reset_keys)
+        n = len(seeds)
+        self._t = np.zeros(n, dtype=np.int64)
+        self._done = np.zeros(n, dtype=bool)
+        return self._render(list(range(n)))
+
+    def _render(self, idx: list[int]) -> list[str]:
+        texts = self._text.render_states(self._state, fmt="compact")
+        return [texts[i] for i in idx]
+
+    def active_indices(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(~self._done)]
+
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
+        jax = self._jax
+        import jax.numpy as jnp
+
+        active = stepped_indices(self.active_indices(), indices)
+        check_len(actions_text, active)
+        n = len(self._done)
+        actions = np.full(n, self._noop, dtype=np.int32)
+        invalid = np.zeros(n, dtype=bool)
+        for i, text in zip(active, actions_text):
+            a = self._text.parse_action(text, self.config.env_kind)
+            if a is None:
+                invalid[i] = True
+            else:
+                actions[i] = a
+        self._num_actions += len(active)
+        self._num_invalid += int(invalid.sum())
+        # finished episodes keep their final state (no auto-reset), and so do the ones not stepped now; only
+        # stepped episodes advance their keys (an episode's randomness does not depend on the others' steps)
+        still = np.ones(n, dtype=bool)
+        still[active] = False
+        keep = jnp.asarray(still)
+        split = jax.vmap(lambda k: jax.random.split(k))(self._keys)
+        self._keys, step_keys = jnp.where(keep[:, None], self._keys, split[:, 0]), split[:, 1]
+        prev_state = self._state
+        _, new_state, reward, done, _info = self._step(step_keys, prev_state, jnp.asarray(actions))
+        self._state = jax.tree_util.tree_map(
+            lambda old, new: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), old, new), prev_state, new_state
+        )
+        reward = np.asarray(reward, dtype=np.float32)
+        done = np.asarray(done, dtype=bool)
+        self._t[active] += 1
+        idx = np.asarray(active, dtype=np.int64)
+        terminated = done[idx]
+        truncated = (~terminated) & (self._t[idx] >= self.config.max_steps)
+        rewards = reward[idx] - self.config.format_penalty * invalid[idx]
+        self._done[idx] = terminated | truncated
+        obs_all = self._render(active)
+        obs = [o if not (te or tr) else "" for o, te, tr in zip(obs_all, terminated, truncated)]
+        infos = [{"action": int(actions[i]), "invalid": bool(invalid[i]), "env_reward": float(reward[i])} for i in active]
+        return StepResult(obs, rewards.astype(np.float32), terminated, truncated, infos)
+
+    def counters(self) -> dict[str, float]:
+        return {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_actions)}

@@ -1,0 +1,62 @@
+"""Single-turn text envs over a verifiable task (arith, gsm8k): one question, one graded answer."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from thinkcraft.envs.textenvs.base import Problem, RewardFn, Task
+from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
+
+
+class TaskEnv:
+    """One question, one answer, graded by `reward_fn`; every episode ends after its first step."""
+
+    max_turns = 1
+
+    def __init__(self, task: Task, reward_fn: RewardFn) -> None:
+        self.task = task
+        self.reward_fn = reward_fn
+        self.name = task.name
+        self.system_prompt = task.instructions
+        self.problems: list[Problem] = []
+        self._active: list[int] = []
+        self._num_invalid = 0
+        self._num_answers = 0
+
+    def reset(self, seeds: Sequence[int]) -> list[str]:
+        self.problems = [self.task.problem(int(s)) for s in seeds]
+        self._active = list(range(len(seeds)))
+        return [p.question for p in self.problems]
+
+    def active_indices(self) -> list[int]:
+        return list(self._active)
+
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
+        stepped = stepped_indices(self._active, indices)
+        check_len(actions_text, stepped)
+        probs = [self.problems[i] for i in stepped]
+        results = self.reward_fn(probs, list(actions_text))
+        n = len(results)
+        self._num_answers += n
+        self._num_invalid += sum(not r.format_ok for r in results)
+        infos = [
+            {"correct": r.correct, "format_ok": r.format_ok, "invalid": not r.format_ok, "predicted": r.predicted,
+             "gold": p.answer}
+            for r, p in zip(results, probs)
+        ]
+        gone = set(stepped)
+        self._active = [i for i in self._active if i not in gone]
+        return StepResult(
+            observations=[""] * n,
+            rewards=np.array([r.reward for r in results], dtype=np.float32),
+            terminated=np.ones(n, dtype=bool),
+            truncated=np.zeros(n, dtype=bool),
+            infos=infos,
+        )
+
+    def counters(self) -> dict[str, float]:
+        out = {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_answers)}
+        out.update(self.reward_fn.counters())
+        return out

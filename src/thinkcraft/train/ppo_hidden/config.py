@@ -1,0 +1,127 @@
+"""`train ppo-hidden`'s config: PPO's fields plus the LLM, the refresh interval and the overlap."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from thinkcraft.train.ppo import SHAPE_FIELDS as PPO_SHAPE_FIELDS
+from thinkcraft.train.ppo import PPOConfig
+from thinkcraft.utils.errors import ConfigError, check
+
+SHAPE_FIELDS = PPO_SHAPE_FIELDS + ("skip_n", "hidden_proj_dim", "layer", "pooling", "text_format", "overlap",
+                                   "engine_quantize")
+
+DEFAULT_INSTRUCTIONS = (
+    "You are an expert player of Craftax, a 2D open-world survival game. Below is the current game state. "
+    "Think about what matters most for survival and progress.\n"
+)
+
+
+@dataclass
+class PPOHiddenConfig(PPOConfig):
+    """PPO whose policy also reads a frozen LLM's hidden state of the text observation."""
+
+    env_name: str = "Craftax-Classic-Symbolic-v1"
+    """Craftax-Symbolic-v1 | Craftax-Classic-Symbolic-v1 (aliases: craftax, craftax-classic)."""
+    num_envs: int = 128
+    """Parallel environments (each gets an LLM call per refresh)."""
+    num_steps: int = 100
+    """Steps per env per update; skip_n must divide it or be a multiple of it."""
+    skip_n: int = 25
+    """Refresh the hidden states every skip_n env steps (0 = never: plain PPO, no LLM)."""
+    engine: str = "hf:default"
+    """Engine spec: hf:<path-or-default>, vllm:<path>, sglang+http://host:port."""
+    engine_device: str | None = None
+    """Device for an in-process hf engine (default: cuda if available, else cpu)."""
+    engine_max_batch_tokens: int | None = None
+    """Tokens per engine forward chunk (default: the engine's own)."""
+    engine_quantize: Literal["none", "fp8"] = "none"
+    """hf engine: fp8 runs the frozen LLM's decoder matmuls in FP8 (Hopper/Ada): 1.24-1.30x the prefill
+    rate on an H100; activations and weights rounded to 3 mantissa bits (per-token/per-channel scales)."""
+    layer: int = -1
+    """Which hidden layer to read (-1 = last, final-normed; 0 = embeddings)."""
+    pooling: Literal["last", "mean"] = "last"
+    """Pool the per-env text's tokens: last real token, or mean."""
+    text_format: Literal["compact", "craftax"] = "compact"
+    """Text rendering of the observation fed to the LLM."""
+    instructions: str = DEFAULT_INSTRUCTIONS
+    """Shared prompt prefix before every env's text (prefilled once; the format description is appended)."""
+    hidden_proj_dim: int = 64
+    """Width of the learned projection of the hidden state into the policy."""
+    overlap: bool = False
+    """Compute the next refresh's hidden states while the current window runs (one refresh interval stale)."""
+    overlap_env_sms: int = 16
+    """With --overlap and an in-process LLM on the policy's GPU: SMs kept free of LLM work for the env steps
+    (the LLM runs on a CUDA green context of the others). 0 = no partition (the two then nearly serialise)."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(self.skip_n >= 0, "skip_n", "must be >= 0 (0 = never)")
+        if self.skip_n > 0:
+            T, S = self.num_steps, self.skip_n
+            if T % S and S % T:
+                divs = [d for d in range(1, T + 1) if T % d == 0]
+                near = sorted(set(divs + [T * 2, T * 4]), key=lambda d: abs(d - S))[:3]
+                raise ConfigError("skip_n", f"{S} must divide num_steps={T} or be a multiple of it "
+                                  f"(refreshes happen at window boundaries); nearest valid: {near}, "
+                                  f"or change --num-steps")
+        check(self.hidden_proj_dim > 0, "hidden_proj_dim", "must be > 0")
+        check(self.overlap_env_sms >= 0, "overlap_env_sms", "must be >= 0 (0 = no SM partition)")
+        if self.engine_quantize != "none" and not is_hf_spec(self.engine):
+            raise ConfigError("engine_quantize", f"applies to the in-process hf engine, not {self.engine!r} "
+                              f"(quantise a served model in its server: vLLM/SGLang --quantization fp8)")
+        if "Pixels" in self.env_name:
+            raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
+
+    @property
+    def window_steps(self) -> int:
+        """Env steps between two refresh points inside an update (the jitted window's length)."""
+        return min(self.skip_n, self.num_steps)
+
+    @property
+    def windows_per_update(self) -> int:
+        return self.num_steps // self.window_steps
+
+    @property
+    def updates_per_refresh(self) -> int:
+        """1 when refreshes happen inside every update; skip_n / num_steps when they skip updates."""
+        return max(1, self.skip_n // self.num_steps)
+
+    def refreshes_in(self, update: int) -> bool:
+        """Does this update refresh the hidden states (before each of its windows)?"""
+        return update % self.updates_per_refresh == 0
+
+    def ppo_config(self) -> PPOConfig:
+        """The plain-PPO part of this config (the `skip_n = 0` path runs it)."""
+        known = {f.name for f in dataclasses.fields(PPOConfig)}
+        return PPOConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in known})
+
+
+def is_hf_spec(spec: str) -> bool:
+    from thinkcraft.llm.registry import parse_spec
+
+    return parse_spec(spec).scheme == "hf"
+
+
+def engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
+    """make_engine keyword options for an in-process hf engine (none for served engines)."""
+    if not is_hf_spec(cfg.engine):
+        return {}
+    opts: dict[str, Any] = {}
+    if cfg.engine_device:
+        opts["device"] = cfg.engine_device
+    if cfg.engine_max_batch_tokens:
+        opts["max_batch_tokens"] = cfg.engine_max_batch_tokens
+    if cfg.engine_quantize != "none":
+        opts["quantize"] = cfg.engine_quantize
+    return opts
+
+
+def make_prompt_prefix(cfg: PPOHiddenConfig) -> str:
+    """The shared prefix of every env's prompt: instructions, the compact format's convention, a header."""
+    from thinkcraft.envs.text import COMPACT_FORMAT_DOC
+
+    doc = COMPACT_FORMAT_DOC.strip() + "\n" if cfg.text_format == "compact" else ""
+    return cfg.instructions + doc + "Observation:\n"
