@@ -228,6 +228,7 @@ class Batcher(CacheMixin, IterationMixin):
         c["evictions"] = float(self.table.evictions)
         c["slots"] = float(len(self.table))
         c["slot_tokens"] = float(self.kv.tokens if self.kv else 0)
+        c["kv_cache_gb"] = self.kv.nbytes / 2**30 if self.kv else 0.0
         c["weights_version"] = float(self.version)
         return c
 

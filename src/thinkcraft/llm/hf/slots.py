@@ -96,6 +96,10 @@ class SlotKV:
         self.cols = torch.arange(tokens, device=device)
         self.pcols = torch.arange(max(prefix_cap, 1), device=device)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values + self.prefix_keys + self.prefix_values)
+
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

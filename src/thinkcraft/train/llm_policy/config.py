@@ -222,4 +222,8 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # Qwen2.5-0.5B body (ANCHORS.md, TRL reference): 358M parameters with a 2,048-token vocabulary
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, tie_word_embeddings=True, rope_theta=1_000_000.0),
+    # Qwen3-4B body (llm.testing.qwen3_4b_config): q/k norms, 128-dim heads; the vocabulary is the BPE's
+    "qwen3-4b": dict(arch="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True,
+                     rope_theta=1_000_000.0, rms_norm_eps=1e-6),
 }

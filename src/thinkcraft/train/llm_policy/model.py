@@ -15,8 +15,17 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048):
-    """A byte-level BPE (HF `tokenizers`) trained on `texts`, with ChatML special tokens and template."""
+THINKING_CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}<think>\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+"""ChatML where every assistant turn opens a thought: the prompt ends inside `<think>` (the thinking budget
+counts from there) and earlier replies are rendered exactly as sampled (append-only: turn-KV reuse)."""
+
+
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048, thinking: bool = False):
+    """A byte-level BPE (HF `tokenizers`) trained on `texts`, with ChatML special tokens and template; with
+    `thinking`, `<think>` / `</think>` as single (ordinary, decoded) tokens and `THINKING_CHATML_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,21 +43,27 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048):
         additional_special_tokens=specials[1:],
     )
     fast.chat_template = CHATML_TEMPLATE
+    if thinking:
+        fast.add_tokens(["<think>", "</think>"])
+        fast.chat_template = THINKING_CHATML_TEMPLATE
     return fast
 
 def random_model(shape: str, tokenizer, seed: int = 0):
-    """A Qwen2-architecture causal LM with random weights in the named shape."""
+    """A causal LM with random weights in the named shape (Qwen2 architecture, or the shape's `arch`)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if shape not in MODEL_SHAPES:
         raise UserError(f"unknown model shape {shape!r}; known: {', '.join(MODEL_SHAPES)}")
-    cfg = Qwen2Config(
+    kw = dict(MODEL_SHAPES[shape])
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        kw.pop("arch", "qwen2")]
+    cfg = config_cls(
         vocab_size=len(tokenizer), max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **MODEL_SHAPES[shape],
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **kw,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg)
+    return model_cls(cfg)
 
 def resolve_model_path(spec: str) -> Path:
     """'default' (the bundled model, converted once), a .gguf file or a local HF folder; never downloads."""
@@ -63,7 +78,7 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
 
     spec = cfg.model_spec
     if spec.scheme == "random":
-        tok = train_bpe_tokenizer(prompt_texts)
+        tok = train_bpe_tokenizer(prompt_texts, thinking=cfg.thinking_budget is not None)
         model = random_model(spec.target, tok, seed=cfg.seed)
         model.to(device=device, dtype=dtype)
     else:

@@ -189,6 +189,7 @@ class _Continuous:
         self.prefix = np.asarray(_encode_texts(tokenizer, [_render(tokenizer, system, False)])[0] if system else [],
                                  dtype=np.int64)
         self.in_flight: set[int] = set()
+        self.specials = set(tokenizer.all_special_ids)
 
     def run(self) -> None:
         n = len(self.episodes)
@@ -249,11 +250,15 @@ class _Continuous:
                 chat.ids = []
                 pieces.append(chat.text)
                 continue
+            sent = None
             if c is not None:
-                chat.messages.append({"role": "assistant", "content": c.text})
+                # the reply as the model produced it (special tokens it sampled included, the closing EOS left
+                # to the template): the rendered history then extends exactly what the model saw
+                sent = chat.text + tok.decode(c.token_ids, skip_special_tokens=False)
+                chat.messages.append({"role": "assistant", "content": tok.decode(_without_eos(c, self.specials),
+                                                                                 skip_special_tokens=False)})
             chat.messages.append({"role": "user", "content": self.obs[i]})
             text = _render(tok, chat.messages)
-            sent = chat.text + tok.decode(c.token_ids, skip_special_tokens=False) if c is not None else None
             chat.fallback = sent is not None and not text.startswith(sent)
             if sent is None or chat.fallback:
                 chat.ids = []
@@ -271,6 +276,12 @@ class _Continuous:
             self.engine.submit(GenerationRequest(chat.ids, self.sampling, prefix_len=shared, tag=i,
                                                  episode=(self.rid, i) if self.append_only else None))
             self.in_flight.add(i)
+
+
+def _without_eos(c, specials: set[int]) -> list[int]:
+    """A completion's ids without the special token that ended it (the template writes its own)."""
+    ids = list(c.token_ids)
+    return ids[:-1] if ids and c.finish_reason in ("stop", "budget") and ids[-1] in specials else ids
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
