@@ -309,3 +309,28 @@ def test_thinking_budget_under_continuous_batching(tiny) -> None:
         alone = HFEngine.from_model(model, tok).generate(
             Batch(items=[c.prompt_token_ids]), SamplingParams(max_new_tokens=16, temperature=0.0, thinking_budget=budget))
         assert alone[0].token_ids == c.token_ids
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_eager(tiny) -> None:
+    """compile_decode (torch.compile of the one-token step and of the bookkeeping; CUDA graphs on a GPU) gives
+    the eager tokens and logprobs, static and dynamic widths, with requests joining mid-way."""
+    import thinkcraft.llm.hf.cache as C
+
+    model, tok = tiny
+    prompts = [_ids(tok, t) for t in ("Hello there", "The quick brown fox", "a b c d e f")]
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0)
+    want = HFEngine.from_model(model, tok).generate(Batch(items=prompts), sp)
+    for width in ("static", "dynamic"):
+        eng = HFEngine.from_model(model, tok, kv_cache=width, compile_decode=True)
+        warned: list[str] = []
+        C.log.warning = lambda msg, *a: warned.append(msg % a)  # type: ignore[method-assign]
+        try:
+            got = eng.generate(Batch(items=prompts), sp)
+        finally:
+            del C.log.warning
+        if warned:
+            pytest.skip(f"torch.compile cannot build here: {warned[0][:200]}")
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)

@@ -77,6 +77,7 @@ class Batcher(CacheMixin, IterationMixin):
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates"), 0.0)
         self._thread: threading.Thread | None = None
         self._stop_thread = False
+        self._restore_train = False
         self._attn = register_slot_attention()
 
     # ------------------------------------------------------------------------------------------ public
@@ -236,18 +237,20 @@ class Batcher(CacheMixin, IterationMixin):
 
     @contextlib.contextmanager
     def _contexts(self) -> Iterator[None]:
-        """No grad, eval mode (switched only if the learner left the model training: a module walk), the SM
-        partition's stream, embeddings in the autocast dtype, the slot attention."""
+        """No grad, eval mode, the SM partition's stream, embeddings in the autocast dtype, the slot attention.
+        A model the learner left training is switched to eval for as long as work remains, not per step
+        (each switch walks every module: milliseconds a step on a large PEFT model), and back once idle."""
         eng = self.eng
-        was_training = eng.model.training
-        if was_training:
+        if eng.model.training:
             eng.model.eval()
+            self._restore_train = True
         try:
             with torch.no_grad(), eng._on_partition(), eng._autocast_embeddings(), eng._attn_impl(self._attn):
                 yield
         finally:
-            if was_training:
+            if self._restore_train and not self.busy():
                 eng.model.train()
+                self._restore_train = False
 
     def _clock(self) -> float:
         if self.sync_timing and self.eng.device.type == "cuda":

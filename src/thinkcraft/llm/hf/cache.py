@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.hf.rows import RowState, ThinkTokens
+from thinkcraft.llm.hf.rows import RowState, ThinkTokens, advance_and_place
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import SlotKV
 from thinkcraft.llm.protocol import GenerationRequest
@@ -158,6 +158,7 @@ class CacheMixin:
         self._iter = self._collected = 0
         self._think_key: Any = None
         self._step_fn = self._compiled_step() if self.compile_step else self._forward_last
+        self._advance = _compiled(advance_and_place, "decode bookkeeping") if self.compile_step else advance_and_place
 
     def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> int:
         """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default 90% of the
@@ -237,3 +238,22 @@ class CacheMixin:
             return self._forward_last(ids, pos, ctx)
 
         return step
+
+
+def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """`fn` through torch.compile (fused kernels, no CUDA graphs: its inputs change every step); eager, with
+    one warning, if compiling fails."""
+    compiled = torch.compile(fn, dynamic=False)
+    failed = False
+
+    def call(*args: Any) -> Any:
+        nonlocal failed
+        if not failed:
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
+                failed = True
+                log.warning("compiled %s unavailable (%s); running eager", what, e)
+        return fn(*args)
+
+    return call

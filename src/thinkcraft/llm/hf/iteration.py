@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
-from thinkcraft.llm.hf.rows import advance_rows, record, sample_rows
+from thinkcraft.llm.hf.rows import sample_rows
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, PrefillCtx, prefill_kernel
 from thinkcraft.llm.protocol import Completion, GenerationResult
@@ -167,33 +167,28 @@ class IterationMixin:
         any_sampled = bool((self.h_temp[rows] > 0).any())
         any_top_p = bool((self.h_topp[rows] < 1).any())
         tok = sample_rows(self.logits, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
-        st, tok, forced, done = advance_rows(st, tok, self._think_tokens())
+        step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if self.h_wantlp[rows].any():
-            lp = torch.log_softmax(self.logits, dim=-1).gather(1, tok[:, None]).squeeze(1)
+            lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
         else:
             lp = self._no_lp
         buf = k % 2
-        self._rec_host[buf].copy_(record(tok, done, forced, st), non_blocking=True)
+        self._rec_host[buf].copy_(step.record, non_blocking=True)
         self._lp_host[buf].copy_(lp, non_blocking=True)
         if self.eng.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
             self._events[buf] = ev
-        nxt = st.active & ~done
-        write_col = torch.where(nxt, st.length, kv.tokens)
-        pos = st.offset + st.length
-        length = st.length + nxt.long()
-        key_len = torch.where(nxt, length, 1)
-        self.state = st._replace(active=nxt, length=length)
+        self.state = step.state
         self.h_len[rows] += 1
         width = kv.tokens
         if self.width == "dynamic":
             width = min(kv.tokens, _round_up(int(self.h_len[self.h_run].max()) + 1, _WIDTH_BUCKET))
         use_prefix = kv.prefix_len > 0 and bool(self.table.uses_prefix())
         ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
-                        kv.prefix_values if use_prefix else None, kv.rows, write_col, key_len, kv.cols[:width],
-                        self.prefix_mask)
-        self.logits = self._step_fn(tok[:, None], pos[:, None], ctx)
+                        kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
+                        kv.cols[:width], self.prefix_mask)
+        self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
         self._iter += 1
         self.counters["decode_steps"] += 1
         return True

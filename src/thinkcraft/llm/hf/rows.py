@@ -119,6 +119,32 @@ def advance_rows(st: RowState, tok: torch.Tensor, think: ThinkTokens) -> tuple[R
     return new, tok, forced, done
 
 
-def record(tok: torch.Tensor, done: torch.Tensor, forced: torch.Tensor, st: RowState) -> torch.Tensor:
-    """The (S, 5) int64 record of `RECORD_FIELDS` the host reads back."""
-    return torch.stack([tok, done.long(), forced.long(), st.think_tokens, st.truncated.long()], dim=1)
+class Step(NamedTuple):
+    """What one iteration's bookkeeping hands the forward and the host."""
+
+    state: RowState
+    """After this token: rows that ended are inactive, the others one column longer."""
+    tokens: torch.Tensor
+    """(S,) this step's tokens (forced ones substituted): the forward's input."""
+    record: torch.Tensor
+    """(S, 5) int64 `RECORD_FIELDS` for the host."""
+    write_col: torch.Tensor
+    """(S,) where each row's new K/V go (`scratch_col` for rows not running on)."""
+    pos: torch.Tensor
+    """(S,) the new token's position."""
+    key_len: torch.Tensor
+    """(S,) columns each row reads after the write (1 for idle rows: a finite softmax)."""
+
+
+def advance_and_place(st: RowState, tok: torch.Tensor, think: ThinkTokens, scratch_col: int) -> Step:
+    """`advance_rows`, the host record, and where the surviving rows' tokens go in the cache: everything of
+    an iteration between sampling and the forward, as one pure function (compiled into a few fused kernels
+    with the decode step)."""
+    st, tok, forced, done = advance_rows(st, tok, think)
+    rec = torch.stack([tok, done.long(), forced.long(), st.think_tokens, st.truncated.long()], dim=1)
+    nxt = st.active & ~done
+    write_col = torch.where(nxt, st.length, scratch_col)
+    pos = st.offset + st.length
+    length = st.length + nxt.long()
+    key_len = torch.where(nxt, length, 1)
+    return Step(st._replace(active=nxt, length=length), tok, rec, write_col, pos, key_len)
