@@ -211,7 +211,7 @@ def test_weight_update_at_a_step_boundary_records_the_switch() -> None:
     before = HFEngine.from_model(*tiny_llama(seed=2)).generate(Batch(items=[prompt]), sp)[0].token_ids
     new_state = _perturbed(model)
     eng = HFEngine.from_model(model, tok)
-    h = eng.submit(GenerationRequest(prompt, sp))
+    h = eng.submit(GenerationRequest(prompt, sp, prefix_len=4))  # installs the shared prefix (old weights)
     for _ in range(4):
         eng.step()
     eng.update_weights(new_state, version=1)  # between steps, on the stepping thread: applied now
@@ -220,11 +220,15 @@ def test_weight_update_at_a_step_boundary_records_the_switch() -> None:
     assert (i0, v0, v1) == (0, 0, 1) and 1 <= switch < 12 and eng.weights_version == 1
     toks = r.completion.token_ids
     assert toks[:switch] == before[:switch] and toks != before  # old weights up to the switch, new after
-    # a request after the update runs on the new weights alone, and equals an engine built on them
+    # a request after the update runs on the new weights alone, and equals an engine built on them; its shared
+    # prefix (installed before the update, recomputed at it) is still shared
     fresh, ftok = tiny_llama(seed=2)
     fresh.load_state_dict({k: v for k, v in new_state.items()}, strict=False)
-    r2 = eng.generate(Batch(items=[prompt]), sp)[0]
-    assert r2.token_ids == HFEngine.from_model(fresh, ftok).generate(Batch(items=[prompt]), sp)[0].token_ids
+    p = 4
+    h2 = eng.submit(GenerationRequest(prompt, sp, prefix_len=p))
+    r2 = _run(eng, [h2])[h2]
+    assert r2.reused_tokens == p and r2.weight_versions == [(0, 1)]
+    assert r2.completion.token_ids == HFEngine.from_model(fresh, ftok).generate(Batch(items=[prompt]), sp)[0].token_ids
 
 
 def test_stale_and_failed_updates_keep_the_old_weights_and_version() -> None:

@@ -291,10 +291,14 @@ class Batcher(CacheMixin, IterationMixin):
         self._params_version = self._params_now()
 
     def _invalidate(self) -> None:
+        """Weights changed: parked episodes' KV is dropped (their next turn is prefilled whole); the shared
+        prefix's KV is recomputed in place, so running rows read it under the new weights from the next step
+        and new requests keep sharing it."""
         with self._cv:
             self.counters["invalidated"] += self.table.drop_parked()
-        self._prefix = None
         self.eng.invalidate_prefix_cache()
+        if self.kv is not None and self._prefix is not None:
+            self.kv.set_prefix(self.eng._prefix_kv(self._prefix.tolist()))
 
     def _params_now(self) -> int | None:
         return compat.weights_version(self.eng._lm.parameters()) if self.eng._weight_update else None

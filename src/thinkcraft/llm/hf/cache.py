@@ -69,7 +69,7 @@ class CacheMixin:
         q = list(self._queue)
         want_slots, want_tokens, want_prefix = self._reserve
         want_slots = max(want_slots, min(self.max_slots, _round_up(len(q), 8)))
-        want_tokens = _round_up(max([want_tokens] + [s.need for s in q]), _ROUND_TOKENS)
+        want_tokens = _round_up(max([want_tokens] + [self._need(s) for s in q]), _ROUND_TOKENS)
         want_prefix = _round_up(max([want_prefix] + [s.req.prefix_len for s in q]), _ROUND_TOKENS)
         dtype = self._kv_dtype()
         kv = self.kv
@@ -101,6 +101,13 @@ class CacheMixin:
             self._allocate(want_slots, want_tokens, want_prefix, dtype)
         if old is not None:
             self._carry_over(*old)
+
+    def _need(self, seq: Seq) -> int:
+        """Slot columns `seq` needs: after its shared prefix if that is (or may become) the installed one."""
+        p = seq.req.prefix_len
+        shared = p > 0 and self.eng.prefix_reuse and (self._prefix is None or (
+            len(self._prefix) == p and np.array_equal(self._prefix, seq.prompt[:p])))
+        return seq.need if shared else len(seq.prompt) + seq.req.sampling.max_new_tokens
 
     def _carry_over(self, kv: SlotKV, table: SlotTable, prefix: np.ndarray | None) -> None:
         """Parked episodes and the shared prefix from the old cache into the new, larger one (same slot

@@ -32,7 +32,14 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 class HFEngine(PrefillMixin, DecodeMixin):
     """In-process transformers engine (see the package docstring). Hidden states: `PrefillMixin`;
-    generation: `DecodeMixin`; both read the model facts `_setup` records here."""
+    generation: `DecodeMixin`; both read the model facts `_setup` records here.
+
+    Generation options: `kv_cache` "static" (the decode step reads the whole slot: one shape) or "dynamic" (a
+    bucket of the longest running sequence); `compile_decode` (torch.compile of the one-token step, CUDA graphs
+    on a GPU); `max_slots` (sequences decoded at once; default `max_batch_size`), `max_seq_len` (KV columns one
+    sequence may use after its shared prefix; None: unbounded, a longer request is a clear error otherwise),
+    `kv_cache_gb` (the slots' memory budget; default 90% of the free GPU memory at allocation, unbounded on
+    CPU), `evict` ("oldest" / "longest": which parked episode's KV goes when a request needs its slot)."""
 
     def __init__(
         self,

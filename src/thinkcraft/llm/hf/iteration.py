@@ -33,23 +33,17 @@ class IterationMixin:
                 if not self._queue:
                     break
                 seq = self._queue[0]
-                if seq.need > kv.tokens:
+                offset = self._prefix_for(seq, chunk)
+                if len(seq.prompt) - offset + seq.req.sampling.max_new_tokens > kv.tokens:
                     break  # waits until the cache can grow (nothing running)
                 slot = self.table.take(seq.req.episode)
                 if slot is None:
                     break
                 self._queue.popleft()
-            offset = self._prefix_for(seq, chunk)
-            keep, fallback = 0, False
-            if self.table.status[slot] == PARKED:
-                keep, fallback = reuse_len(self.table, slot, seq.prompt, offset, self.version)
-            if len(seq.prompt) - offset + seq.req.sampling.max_new_tokens > kv.tokens:
-                offset, keep = 0, 0  # the prefix could not be shared and the whole prompt does not fit: wait
-                with self._cv:
-                    self.table.free(slot)
-                    self._queue.appendleft(seq)
-                break
-            self.table.run(slot, seq.req.episode, offset)
+                keep, fallback = 0, False
+                if self.table.status[slot] == PARKED:
+                    keep, fallback = reuse_len(self.table, slot, seq.prompt, offset, self.version)
+                self.table.run(slot, seq.req.episode, offset)
             seq.slot, seq.offset, seq.fallback = slot, offset, fallback
             seq.reused_tokens = offset + keep
             seq.prefill_tokens = len(seq.prompt) - seq.reused_tokens
