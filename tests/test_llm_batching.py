@@ -338,3 +338,32 @@ def test_compiled_decode_step_equals_eager(tiny) -> None:
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         for g, w in zip(got, want):
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode path (varlen prefill, CUDA graphs) needs a GPU")
+def test_cuda_compiled_step_and_turn_reuse_agree_with_eager_in_bf16() -> None:
+    """On a GPU: the FlashAttention varlen prefill and the compiled CUDA-graph step (static and dynamic widths)
+    give the eager engine's tokens (bf16: near-ties may flip, so >= 90% agree) and close logprobs, over a
+    3-turn episode with a shared prefix."""
+    model, tok = tiny_llama(thinking=True, dtype=torch.bfloat16)
+    model.cuda()
+    system = _ids(tok, "You play a game. Answer with one action.")
+    engines = {"eager": HFEngine.from_model(model, tok),
+               "static": HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True),
+               "dynamic": HFEngine.from_model(model, tok, kv_cache="dynamic", compile_decode=True)}
+    prompts, want = [system + _ids(tok, " first observation")], []
+    for k in range(3):  # the eager engine's episode fixes the prompts every engine gets
+        h = engines["eager"].submit(GenerationRequest(prompts[k], GREEDY, prefix_len=len(system), episode="e"))
+        want.append(_run(engines["eager"], [h])[h])
+        prompts.append(prompts[k] + want[k].completion.token_ids + _ids(tok, f" observation {k + 2}"))
+    for name in ("static", "dynamic"):
+        eng = engines[name]
+        got = []
+        for k in range(3):
+            h = eng.submit(GenerationRequest(prompts[k], GREEDY, prefix_len=len(system), episode="e"))
+            got.append(_run(eng, [h])[h])
+        assert np.mean([a.completion.token_ids == b.completion.token_ids for a, b in zip(want, got)]) >= 2 / 3, name
+        a, b = want[0].completion, got[0].completion
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=5e-2)
+        assert got[1].reused_tokens > len(system) and got[0].reused_tokens == len(system)

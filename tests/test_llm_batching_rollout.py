@@ -117,3 +117,28 @@ def test_per_row_sampling_draws_the_tempered_top_p_distribution() -> None:
     want = torch.softmax(top_p_filter(base[:2] / temp[:2, None], torch.tensor([[2.0], [0.8]])), -1)
     torch.testing.assert_close(emp[:2], want, atol=0.01, rtol=0)
     assert (toks[2] == base[2].argmax()).all()  # temperature 0: greedy
+
+
+@pytest.mark.slow
+def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
+    """bench/llm_policy_craftax.py --quick runs end to end on the CPU (Craftax-Classic, tiny shape) and writes
+    the issue's row fields, so that the GPU run is not where it gets debugged."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_llm_policy_craftax", root / "bench" / "llm_policy_craftax.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "rows.json"
+    assert mod.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["thinking_budget"] for r in rows] == [0, 6]
+    for r in rows:
+        assert {"model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s",
+                "rollout_decisions_per_s", "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac",
+                "peak_learner_gb", "card", "date"} <= set(r)
+        assert r["decisions_per_s"] > 0 and r["rollout_decisions_per_s"] >= r["decisions_per_s"]
+        assert r["prefill_tokens_saved_frac"] > 0.5  # the system prompt and every earlier turn are reused
+    assert rows[1]["thinking_tokens_mean"] > 0  # the thinking rows think (and are cut at the budget)
