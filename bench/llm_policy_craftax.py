@@ -15,7 +15,8 @@ the numbers are over the following steps:
     rollout_decisions_per_s   turns / (generate + env)
     generate_tok_per_s        generated tokens / generate time (prefill, decode and prompt building)
     generate_share            generate time / step time
-    prefill_tokens_saved_frac prompt tokens whose KV the engine already held (turn reuse + shared prefix)
+    prefill_tokens_saved_frac prompt tokens whose KV the engine already held (turn reuse + shared prefix;
+                              turn_reuse_saved_frac: by turn reuse alone)
     peak_learner_gb           peak allocated GPU memory during the learner update (the engine's KV cache,
                               resident, included: kv_cache_gb says how much of it that is)
 
@@ -139,6 +140,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "generate_tok_per_s": round(sum(tokens) / max(sum(gen_s), 1e-9), 1),
         "generate_share": round(sum(gen_s) / sum(step_s), 3),
         "prefill_tokens_saved_frac": round(med([r.get("kv/prefill_saved_frac", 0.0) for r in steady]), 3),
+        "turn_reuse_saved_frac": round(med([r.get("kv/turn_reuse_saved_frac", 0.0) for r in steady]), 3),
         "peak_learner_gb": round(max(peaks), 2) if peaks else None,
         "kv_cache_gb": round(kv_gb, 2),
         "s_per_step": round(med(step_s), 3), "env_s": round(med(env_s), 3), "generate_s": round(med(gen_s), 3),

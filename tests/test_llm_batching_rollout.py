@@ -74,6 +74,7 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy) -> None:
             assert b.reused_tokens == len(seen) - 1 and b.prefill_tokens == len(b.prompt_ids) - len(seen) + 1
         assert e.turns[0].reused_tokens > 0  # the system prompt: a shared prefix stored once
     assert metrics["kv/prefill_saved_frac"] > 0.5 and metrics["kv/template_fallbacks"] == 0
+    assert 0 < metrics["kv/turn_reuse_saved_frac"] < metrics["kv/prefill_saved_frac"]
     assert metrics["kv/evictions"] == 0 and engine.pending() == 0
     assert engine._batcher.table.parked((0, 0)) is None  # ended episodes released their KV
 

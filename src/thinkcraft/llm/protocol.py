@@ -158,6 +158,8 @@ class GenerationResult:
     """Prompt tokens this request ran through the model."""
     reused_tokens: int = 0
     """Prompt tokens whose KV the engine already held (the shared prefix and the episode's earlier turns)."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, those of the shared prefix (the rest: the episode's own earlier turns)."""
     kv_fallback: bool = False
     """The prompt did not extend the episode's previous sequence (e.g. a chat template that drops earlier
     thoughts): the engine kept only the common token prefix and recomputed the rest (counted)."""

@@ -267,7 +267,8 @@ class IterationMixin:
             results.append(GenerationResult(
                 handle=seq.handle, completion=comp, tag=seq.req.tag, episode=seq.req.episode,
                 weight_versions=list(seq.versions), prefill_tokens=seq.prefill_tokens,
-                reused_tokens=seq.reused_tokens, kv_fallback=seq.fallback, thinking_budget=sp.thinking_budget))
+                reused_tokens=seq.reused_tokens, shared_prefix_tokens=seq.offset, kv_fallback=seq.fallback,
+                thinking_budget=sp.thinking_budget))
             self.h_run[s] = False
             self._slot_seq[s] = None
             keep = (seq.req.episode is not None and not seq.released and len(seq.versions) == 1

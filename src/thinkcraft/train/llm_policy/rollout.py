@@ -45,6 +45,8 @@ class TurnSample:
     """Prompt tokens the engine ran through the model this turn (0 when unknown: lockstep engines)."""
     reused_tokens: int = 0
     """Prompt tokens whose KV the engine already held (shared prefix, earlier turns)."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, the shared prefix's (the rest came from the episode's earlier turns)."""
     template_fallback: bool = False
     """The chat template rewrote earlier turns: this prompt was tokenized whole (no turn-KV reuse)."""
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
@@ -222,7 +224,8 @@ class _Continuous:
             c, chat = r.completion, self.chats[i]
             self.episodes[i].turns.append(_turn_sample(self.obs[i], chat.ids, c, res, j, {
                 "thinking_budget": r.thinking_budget, "prefill_tokens": r.prefill_tokens,
-                "reused_tokens": r.reused_tokens, "template_fallback": chat.fallback,
+                "reused_tokens": r.reused_tokens, "shared_prefix_tokens": r.shared_prefix_tokens,
+                "template_fallback": chat.fallback,
                 "weight_versions": list(r.weight_versions)}))
             self.histories[i].append((self.obs[i], c.text))
             self.obs[i] = res.observations[j]
@@ -292,10 +295,12 @@ def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         return {}
     pre = sum(t.prefill_tokens for t in turns)
     reused = sum(t.reused_tokens for t in turns)
+    by_turns = reused - sum(t.shared_prefix_tokens for t in turns)
     out = {
         "kv/prefill_tokens": float(pre),
         "kv/reused_tokens": float(reused),
         "kv/prefill_saved_frac": reused / max(pre + reused, 1),
+        "kv/turn_reuse_saved_frac": by_turns / max(pre + reused, 1),
         "kv/template_fallbacks": float(sum(t.template_fallback for t in turns)),
         "thinking/tokens_mean": float(np.mean([t.thinking_tokens for t in turns])),
         "thinking/budget_hit_rate": float(np.mean([0 in t.train_mask for t in turns])),
