@@ -367,3 +367,30 @@ def test_cuda_compiled_step_and_turn_reuse_agree_with_eager_in_bf16() -> None:
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=5e-2)
         assert got[1].reused_tokens > len(system) and got[0].reused_tokens == len(system)
+
+
+def test_structured_and_free_requests_share_the_decode_batch() -> None:
+    """A JSON-schema-constrained request and free ones in the same running batch, joining at different steps:
+    the constrained answer parses, the free ones are the tokens they get alone (the mask touches their rows
+    not), and a slot freed by a constrained request serves a free one unconstrained."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from thinkcraft.llm.constrained import StructuredOutput
+
+    model, tok = tiny_llama(seed=3)
+    schema = {"type": "object", "properties": {"move": {"type": "string", "enum": ["left", "right"]}},
+              "required": ["move"]}
+    spec = StructuredOutput.from_schema(schema)
+    free_sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = [_ids(tok, f"state {i}: tree at ({i}, {i + 1})") for i in range(3)]
+    alone = HFEngine.from_model(model, tok).generate(Batch(items=prompts), free_sp)
+    eng = HFEngine.from_model(model, tok, max_slots=2)
+    h_json = eng.submit(GenerationRequest(prompts[0], SamplingParams(max_new_tokens=24, temperature=0.0,
+                                                                     structured=spec)))
+    eng.step()
+    h_free = [eng.submit(GenerationRequest(p, free_sp)) for p in prompts]
+    res = _run(eng, [h_json, *h_free])
+    assert json.loads(res[h_json].completion.text)["move"] in ("left", "right")
+    for h, want in zip(h_free, alone):
+        assert res[h].completion.token_ids == want.token_ids

@@ -31,6 +31,7 @@ import torch
 
 from thinkcraft.llm import compat
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
+from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
@@ -89,6 +90,8 @@ class Batcher(CacheMixin, IterationMixin):
             raise UserError("a generation request needs at least one prompt token")
         if not 0 <= req.prefix_len < len(prompt):
             raise UserError(f"prefix_len {req.prefix_len} must be in [0, {len(prompt)}) (the prompt's length)")
+        if sp.structured is not None:
+            compile_for(self.eng, sp.structured)  # a bad schema or no xgrammar: one line, now
         seq = Seq(-1, req, prompt)
         if self.max_seq_len is not None and seq.need > self.max_seq_len:
             raise UserError(

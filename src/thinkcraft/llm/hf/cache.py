@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
+from thinkcraft.llm.hf.guides import SlotGuides
 from thinkcraft.llm.hf.rows import RowState, ThinkTokens, advance_and_place
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import SlotKV
@@ -157,6 +158,7 @@ class CacheMixin:
         self.h_wantlp = np.zeros(slots, dtype=bool)
         self.h_think = np.zeros(slots, dtype=np.int64)
         self.h_trunc = np.zeros(slots, dtype=bool)
+        self.guides = SlotGuides(eng, slots, dev)
         self._grow_host(1)
         pin = dev.type == "cuda"
         self._rec_host = [torch.zeros((slots, 5), dtype=torch.long, pin_memory=pin) for _ in range(2)]

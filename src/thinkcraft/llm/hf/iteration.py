@@ -147,6 +147,8 @@ class IterationMixin:
         for q, s, _ in chunk:
             q.versions = [(0, self.version)]
             self._slot_seq[s] = q
+            if q.req.sampling.structured is not None:  # structured outputs: the row's constraint starts
+                self.guides.open(s, q.req.sampling.structured)
 
     # ------------------------------------------------------------------------------------------ launch
 
@@ -160,12 +162,19 @@ class IterationMixin:
         kv, st = self.kv, self.state
         any_sampled = bool((self.h_temp[rows] > 0).any())
         any_top_p = bool((self.h_topp[rows] < 1).any())
-        tok = sample_rows(self.logits, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
+        guided = self.guides.any_open(rows)  # structured outputs: sample from the masked logits
+        sample_from = self.guides.masked(self.logits) if guided else self.logits
+        tok = sample_rows(sample_from, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if self.h_wantlp[rows].any():
             lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+            if guided and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
+                lpc = torch.log_softmax(sample_from, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+                lp = torch.where(torch.from_numpy(self.guides.constrained_lp).to(lp.device), lpc, lp)
         else:
             lp = self._no_lp
+        if guided:  # structured outputs: the matchers accept this step's tokens before the next mask
+            self.guides.advance(step.tokens)
         buf = k % 2
         self._rec_host[buf].copy_(step.record, non_blocking=True)
         self._lp_host[buf].copy_(lp, non_blocking=True)
@@ -184,7 +193,6 @@ class IterationMixin:
                         kv.cols[:width], self.prefix_mask)
         self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
         self._iter += 1
-        self.counters["decode_steps"] += 1
         return True
 
     # ----------------------------------------------------------------------------------------- collect
@@ -202,7 +210,8 @@ class IterationMixin:
             rows = np.flatnonzero(self.h_run & (self.h_admit <= k))
             self._collected += 1
             if not len(rows):
-                continue
+                continue  # an iteration after every row had ended (the host learns one step late): not counted
+            self.counters["decode_steps"] += 1
             rec = self._rec_host[buf].numpy()[rows]
             n = self.h_n[rows]
             self.h_tok[rows, n] = rec[:, 0]
@@ -271,6 +280,7 @@ class IterationMixin:
                 thinking_budget=sp.thinking_budget))
             self.h_run[s] = False
             self._slot_seq[s] = None
+            self.guides.close(s)  # structured outputs: the slot may serve an unconstrained request next
             keep = (seq.req.episode is not None and not seq.released and len(seq.versions) == 1
                     and seq.versions[0][1] == self.version)
             with self._cv:
