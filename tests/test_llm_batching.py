@@ -394,3 +394,30 @@ def test_structured_and_free_requests_share_the_decode_batch() -> None:
     assert json.loads(res[h_json].completion.text)["move"] in ("left", "right")
     for h, want in zip(h_free, alone):
         assert res[h].completion.token_ids == want.token_ids
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_engine_recovers(tiny, monkeypatch) -> None:
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok)
+    prompts = [_ids(tok, "Hello there"), _ids(tok, "The quick brown fox")]
+    want = eng.generate(Batch(items=prompts), GREEDY)
+    h = eng.submit(GenerationRequest(prompts[0], GREEDY, episode="e", tag="mine"))
+    eng.step()
+    real = type(eng._batcher)._forward_last
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fault (injected)")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(eng._batcher), "_forward_last", flaky)
+    eng._batcher._step_fn = eng._batcher._forward_last
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    (r,) = eng.poll()
+    assert (r.handle, r.tag, r.completion.finish_reason) == (h, "mine", "error") and "injected" in r.error
+    assert eng.pending() == 0 and eng.decode_metrics()["failed"] == 1
+    got = eng.generate(Batch(items=prompts), GREEDY)  # a clean cache: the same tokens as before the fault
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and eng.poll() == []

@@ -169,6 +169,9 @@ class GenerationResult:
     """The prompt did not extend the episode's previous sequence (e.g. a chat template that drops earlier
     thoughts): the engine kept only the common token prefix and recomputed the rest (counted)."""
     thinking_budget: int | None = None
+    error: str | None = None
+    """Set when the engine failed while the request was queued or running (its completion is then empty,
+    finish_reason "error"); the step that failed also raised."""
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ text and stops the row on the device before the next iteration.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -36,8 +37,10 @@ from thinkcraft.llm.hf.iteration import IterationMixin
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
 from thinkcraft.llm.hf.weights import apply_state
-from thinkcraft.llm.protocol import GenerationRequest, GenerationResult, WeightUpdateError
+from thinkcraft.llm.protocol import Completion, EngineError, GenerationRequest, GenerationResult, WeightUpdateError
 from thinkcraft.utils.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,7 +78,7 @@ class Batcher(CacheMixin, IterationMixin):
         self.sync_timing = False
         self.counters: dict[str, float] = dict.fromkeys(
             ("prefill_tokens", "reused_tokens", "fallbacks", "evictions", "invalidated", "decode_steps",
-             "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates"), 0.0)
+             "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed"), 0.0)
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         self._restore_train = False
@@ -143,17 +146,39 @@ class Batcher(CacheMixin, IterationMixin):
     def step(self) -> bool:
         """One boundary + one decode iteration (see the module docstring); True while work remains."""
         with self._step_lock, self._contexts():
-            self._apply_updates()
-            t0 = self._clock()
-            self._admit()
-            t1 = self._clock()
-            launched = self._launch()
-            self._collect(drain=not launched)
+            try:
+                self._apply_updates()
+                t0 = self._clock()
+                self._admit()
+                t1 = self._clock()
+                launched = self._launch()
+                self._collect(drain=not launched)
+            except BaseException as e:
+                self._fail_all(e)
+                raise
             self.counters["prefill_s"] += t1 - t0
             self.counters["decode_s"] += self._clock() - t1
         with self._cv:
             self._cv.notify_all()
         return self.busy()
+
+    def _fail_all(self, e: BaseException) -> None:
+        """A step failed (a device error, an interrupt, a bug): every queued and running request ends with
+        `error` set (never a half-updated slot left running), parked KV is dropped, and the cache starts
+        clean at the next admission."""
+        msg = f"{type(e).__name__}: {e}"
+        with self._cv:
+            seqs = list(self._queue) + [s for s in (self._slot_seq if self.kv is not None else []) if s is not None]
+            self._queue.clear()
+            for seq in seqs:
+                self._done[seq.handle] = GenerationResult(
+                    handle=seq.handle, tag=seq.req.tag, episode=seq.req.episode, error=msg,
+                    completion=Completion(token_ids=[], text="", logprobs=None, finish_reason="error",
+                                          prompt_token_ids=seq.prompt.tolist()))
+            self.counters["failed"] += len(seqs)
+            self.kv, self._step_fn, self._prefix = None, None, None
+            self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
+            self._cv.notify_all()
 
     def run_until(self, handles: list[int]) -> dict[int, GenerationResult]:
         """Step (or wait for the engine's thread) until these requests finished; their results."""
@@ -163,11 +188,20 @@ class Batcher(CacheMixin, IterationMixin):
             while True:
                 with self._cv:
                     if all(h in self._done for h in handles):
-                        return {h: self._done.pop(h) for h in handles}
+                        out = {h: self._done.pop(h) for h in handles}
+                        failed = next((r.error for r in out.values() if r.error), None)
+                        if failed:
+                            raise EngineError(f"generation failed: {failed}")
+                        return out
                     if self._thread is not None:
                         self._cv.wait(0.05)
                         continue
                 self.step()
+        except BaseException:
+            with self._cv:  # the call failed: its requests' error results are not left for `poll`
+                for h in handles:
+                    self._done.pop(h, None)
+            raise
         finally:
             with self._cv:
                 self._claimed.difference_update(handles)
@@ -203,7 +237,10 @@ class Batcher(CacheMixin, IterationMixin):
             with (context() if context is not None else contextlib.nullcontext()):
                 while not self._stop_thread:
                     if self.busy():
-                        self.step()
+                        try:
+                            self.step()
+                        except Exception:  # noqa: BLE001 - the requests in flight got error results; go on
+                            log.exception("engine step failed; the requests in flight end with an error")
                     else:
                         with self._cv:
                             self._cv.wait(0.05)

@@ -251,7 +251,7 @@ class IterationMixin:
         eng = self.eng
         slots = [s for s, _ in ended]
         toks = [self.h_tok[s, : self.h_n[s]].tolist() for s in slots]
-        texts = eng.tokenizer.batch_decode(toks, skip_special_tokens=True)
+        texts = [eng.tokenizer.decode(t, skip_special_tokens=True) for t in toks]
         idx = torch.as_tensor(slots, device=eng.device)
         self.state.active[idx] = False
         results = []
