@@ -55,7 +55,12 @@ def policy():
     return cfg, model, tok
 
 
-def test_episodes_move_on_independently_with_turn_kv_reuse(policy) -> None:
+@pytest.mark.parametrize("submit_chunk", [64, 2])
+def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk: int, monkeypatch) -> None:
+    """(submit_chunk 2: next prompts are submitted two at a time, the engine stepped in between.)"""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("thinkcraft.train.llm_policy.rollout"), "SUBMIT_CHUNK", submit_chunk)
     cfg, model, tok = policy
     engine = LP.make_engine(model, tok, cfg)
     assert engine.capabilities.continuous_batching and engine.compile_decode is False  # CPU: the eager step

@@ -191,7 +191,9 @@ class _Continuous:
         self.prefix = np.asarray(_encode_texts(tokenizer, [_render(tokenizer, system, False)])[0] if system else [],
                                  dtype=np.int64)
         self.in_flight: set[int] = set()
-        self.specials = set(tokenizer.all_special_ids)
+        self.pending: list[Any] = []
+        """Turns back from the engine whose env step has not happened yet."""
+        self.specials = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids}
 
     def run(self) -> None:
         n = len(self.episodes)
@@ -201,17 +203,16 @@ class _Continuous:
                 first = max(len(c.ids) for c in self.chats) - len(self.prefix)
                 per_turn = first + self.sampling.max_new_tokens + 16
                 self.engine.reserve(n, per_turn * max(int(self.env.max_turns), 1), len(self.prefix))
-        waiting: list[Any] = []
-        while self.in_flight or waiting:
+        while self.in_flight or self.pending:
             if self.in_flight:
                 with self.phase("generate"), self.gen_ctx():
                     self.engine.step()
-                    done = self.engine.poll()
-                self.in_flight.difference_update(r.tag for r in done)
-                waiting += done
-            if waiting and (not self.in_flight or len(waiting) >= self.env_batch_frac * (len(waiting) + len(self.in_flight))):
-                self._env_step(waiting)
-                waiting = []
+                    self.pending += self.engine.poll()
+            self.in_flight.difference_update(r.tag for r in self.pending)
+            waiting = len(self.pending)
+            if waiting and (not self.in_flight or waiting >= self.env_batch_frac * (waiting + len(self.in_flight))):
+                results, self.pending = self.pending, []
+                self._env_step(results)
 
     def _env_step(self, results: list) -> None:
         idx = [r.tag for r in results]
@@ -235,8 +236,15 @@ class _Continuous:
             else:
                 nxt.append(i)
                 comps.append(c)
-        with self.phase("generate"):
-            self._submit(nxt, comps)
+        # Prompts are built and submitted in chunks, the engine stepped after each: the GPU prefills and decodes
+        # the first chunk while the host renders and tokenizes the next (one thread; the step only queues work)
+        for a in range(0, len(nxt), SUBMIT_CHUNK):
+            with self.phase("generate"):
+                self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
+                if a + SUBMIT_CHUNK < len(nxt):
+                    with self.gen_ctx():
+                        self.engine.step()
+                    self.pending += self.engine.poll()
 
     def _submit(self, idx: list[int], comps: list) -> None:
         """Next prompts of episodes `idx` (their last completions `comps`, None on the first turn), tokenized
@@ -257,9 +265,9 @@ class _Continuous:
             if c is not None:
                 # the reply as the model produced it (special tokens it sampled included, the closing EOS left
                 # to the template): the rendered history then extends exactly what the model saw
-                sent = chat.text + tok.decode(c.token_ids, skip_special_tokens=False)
-                chat.messages.append({"role": "assistant", "content": tok.decode(_without_eos(c, self.specials),
-                                                                                 skip_special_tokens=False)})
+                content, end = _reply_text(tok, c, self.specials)
+                sent = chat.text + content + end
+                chat.messages.append({"role": "assistant", "content": content})
             chat.messages.append({"role": "user", "content": self.obs[i]})
             text = _render(tok, chat.messages)
             chat.fallback = sent is not None and not text.startswith(sent)
@@ -281,10 +289,17 @@ class _Continuous:
             self.in_flight.add(i)
 
 
-def _without_eos(c, specials: set[int]) -> list[int]:
-    """A completion's ids without the special token that ended it (the template writes its own)."""
-    ids = list(c.token_ids)
-    return ids[:-1] if ids and c.finish_reason in ("stop", "budget") and ids[-1] in specials else ids
+SUBMIT_CHUNK = 64
+"""Episodes whose next prompt is built and submitted before the engine is stepped again (see `_env_step`)."""
+
+
+def _reply_text(tok, c, specials: dict[int, str]) -> tuple[str, str]:
+    """(the reply's text as sampled, special tokens included, without the special token that ended it; that
+    token's text): the template writes its own end of turn after the content. One decode per reply."""
+    ids = c.token_ids
+    if ids and c.finish_reason in ("stop", "budget") and ids[-1] in specials:
+        return tok.decode(ids[:-1], skip_special_tokens=False), specials[ids[-1]]
+    return tok.decode(ids, skip_special_tokens=False), ""
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
