@@ -340,6 +340,7 @@ def test_compiled_decode_step_equals_eager(tiny) -> None:
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode path (varlen prefill, CUDA graphs) needs a GPU")
 def test_cuda_compiled_step_and_turn_reuse_agree_with_eager_in_bf16() -> None:
     """On a GPU: the FlashAttention varlen prefill and the compiled CUDA-graph step (static and dynamic widths)

@@ -261,6 +261,7 @@ def test_green_context_api() -> None:
     assert callable(getattr(green_contexts.GreenContext, "Stream", None)), compat.broken("green_context", "no .Stream()")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA attention ops and green contexts need a GPU (none here)")
 def test_cuda_entries_run_and_agree_with_the_reference() -> None:
     torch.manual_seed(0)
