@@ -147,6 +147,13 @@ class DecodeMixin:
         results say from which token); the KV of parked episodes and of the shared prefix is recomputed."""
         self._batcher.update_weights(state, version)
 
+    def free_cache(self) -> None:
+        """Give the slot KV cache's memory back (parked episodes' KV with it); allowed only while nothing is
+        queued or running. The next request allocates a new one (and a compiled step records new graphs)."""
+        if self._batcher.busy():
+            raise UserError("free_cache: requests are still queued or running")
+        self._batcher.free()
+
     @property
     def weights_version(self) -> int:
         return self._batcher.version
