@@ -60,6 +60,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
     p.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV budget (default: half the free memory)")
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shape, Craftax-Classic, 4 envs, 2 turns")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
@@ -81,7 +82,8 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         group_size=a.group_size, max_new_tokens=a.max_new_tokens + (budget + close if budget else 0),
         thinking_budget=budget or None, max_turns=a.max_turns, history_turns=-1, finetune=a.finetune,
         micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
-        compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], device=a.device, store=False,
+        compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
+        device=a.device, store=False,
         plot=False, seed=0)
 
 

@@ -29,6 +29,10 @@ _WIDTH_BUCKET = 128
 """Attention widths of the "dynamic" step are multiples of this (few distinct shapes: few CUDA graphs)."""
 
 
+DEFAULT_KV_FRACTION = 0.5
+"""Share of the free GPU memory the slot KV cache may take when `kv_cache_gb` is not given."""
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -170,13 +174,14 @@ class CacheMixin:
         self._advance = _compiled(advance_and_place, "decode bookkeeping") if self.compile_step else advance_and_place
 
     def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> int:
-        """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default 90% of the
-        free memory): fewer slots than episodes means parked episodes get evicted (memory stays bounded).
-        One sequence that alone exceeds the budget is a clear error."""
+        """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default half the free
+        memory - the cache lives as long as the engine, and a learner sharing the GPU allocates its optimizer
+        state and activations after the first rollout): fewer slots than episodes means parked episodes get
+        evicted (memory stays bounded). One sequence that alone exceeds the budget is a clear error."""
         budget = self.kv_cache_gb * 2**30 if self.kv_cache_gb is not None else None
         if budget is None and self.eng.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.eng.device)
-            budget = 0.9 * free
+            budget = DEFAULT_KV_FRACTION * free
         if budget is None:
             return slots
         per_slot = (tokens + 1) * per_token

@@ -121,6 +121,9 @@ class LLMPolicyConfig(RunOptions):
     where the device supports it (CUDA), off elsewhere."""
     max_generate_batch: int = 1024
     """Sequences per engine decode batch."""
+    kv_cache_gb: float | None = None
+    """The engine's KV cache budget (GiB); None = half the GPU memory free when it is first allocated. Fewer
+    slots than episodes: parked episodes' KV is evicted (their next turn is prefilled whole)."""
     seed: int = 0
     """Seeds problems, sampling and LoRA init."""
     device: str = "auto"
@@ -144,6 +147,7 @@ class LLMPolicyConfig(RunOptions):
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
         check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or unset)")
         check(self.lr > 0, "lr", "must be > 0")
         check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")

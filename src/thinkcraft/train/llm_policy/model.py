@@ -121,7 +121,7 @@ def make_engine(model, tokenizer, cfg: "LLMPolicyConfig"):
     device = next(model.parameters()).device
     kv_cache, compiled = decode_path(device.type, cfg.kv_cache, cfg.compile_decode)
     return HFEngine.from_model(model, tokenizer, kv_cache=kv_cache, compile_decode=compiled,
-                               max_batch_size=cfg.max_generate_batch)
+                               max_batch_size=cfg.max_generate_batch, kv_cache_gb=cfg.kv_cache_gb)
 
 def check_engine_for_algo(capabilities, algo: str) -> None:
     """Algorithms with a behaviour-policy ratio need the sampled tokens' logprobs from the engine."""
