@@ -94,7 +94,9 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def advance_rows(st: RowState, tok: torch.Tensor, think: ThinkTokens) -> tuple[RowState, torch.Tensor, torch.Tensor, torch.Tensor]:
+def advance_rows(
+    st: RowState, tok: torch.Tensor, think: ThinkTokens
+) -> tuple[RowState, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token for every active row: (new state, tokens (forced ones substituted), forced (S,) bool,
     done (S,) bool). A row whose thought reached its budget starts the close sequence this step (the
     tokens it forces are the model's input, not samples); EOS ends a row unless it is forcing."""

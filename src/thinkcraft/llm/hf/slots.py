@@ -98,7 +98,8 @@ class SlotKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values + self.prefix_keys + self.prefix_values)
+        bufs = self.keys + self.values + self.prefix_keys + self.prefix_values
+        return sum(t.numel() * t.element_size() for t in bufs)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

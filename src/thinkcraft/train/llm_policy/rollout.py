@@ -231,7 +231,8 @@ class _Continuous:
             self.histories[i].append((self.obs[i], c.text))
             self.obs[i] = res.observations[j]
             if res.terminated[j] or res.truncated[j]:
-                self.episodes[i].terminated, self.episodes[i].truncated = bool(res.terminated[j]), bool(res.truncated[j])
+                ep = self.episodes[i]
+                ep.terminated, ep.truncated = bool(res.terminated[j]), bool(res.truncated[j])
                 self.engine.release((self.rid, i))
             else:
                 nxt.append(i)
