@@ -149,7 +149,7 @@ def _prefill_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.T
         p = ctx.prefix_len
         ks = torch.cat([ctx.prefix_keys[i][0, :, :p].transpose(0, 1), ks])[ctx.key_index]
         vs = torch.cat([ctx.prefix_values[i][0, :, :p].transpose(0, 1), vs])[ctx.key_index]
-    out = ctx.kernel(q[0].transpose(0, 1), ks, vs, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k, scale)
+    out = ctx.kernel(q[0].transpose(0, 1).contiguous(), ks, vs, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k, scale)
     return out[None]
 
 
