@@ -48,7 +48,14 @@ def random_init_model(path: Any, seed: int, dtype: torch.dtype = torch.float32, 
 
 class HFEngine(PrefillMixin, DecodeMixin):
     """In-process transformers engine (see the package docstring). Hidden states: `PrefillMixin`;
-    generation: `DecodeMixin`; both read the model facts `_setup` records here."""
+    generation: `DecodeMixin`; both read the model facts `_setup` records here.
+
+    Generation options: `kv_cache` "static" (the decode step reads the whole slot: one shape) or "dynamic" (a
+    bucket of the longest running sequence); `compile_decode` (torch.compile of the one-token step, CUDA graphs
+    on a GPU); `max_slots` (sequences decoded at once; default `max_batch_size`), `max_seq_len` (KV columns one
+    sequence may use after its shared prefix; None: unbounded, a longer request is a clear error otherwise),
+    `kv_cache_gb` (the slots' memory budget; default half the free GPU memory at allocation, unbounded on
+    CPU), `evict` ("oldest" / "longest": which parked episode's KV goes when a request needs its slot)."""
 
     def __init__(
         self,
@@ -68,6 +75,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
         quantize: Literal["none", "fp8"] = "none",
+        max_slots: int | None = None,
+        max_seq_len: int | None = None,
+        evict: Literal["oldest", "longest"] = "oldest",
+        kv_cache_gb: float | None = None,
         random_weights: int | None = None,
     ) -> None:
         """`random_weights`: a seed - the model's architecture and tokenizer with freshly initialised weights
@@ -94,6 +105,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
             prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
             thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
             sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens, quantize=quantize,
+            max_slots=max_slots, max_seq_len=max_seq_len, evict=evict, kv_cache_gb=kv_cache_gb,
         )
         self.model_path = path
 
@@ -123,6 +135,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
         quantize: str = "none",
+        max_slots: int | None = None,
+        max_seq_len: int | None = None,
+        evict: str = "oldest",
+        kv_cache_gb: float | None = None,
     ) -> None:
         """Model facts, then the prefill's and the decode's own state (each mixin's `_init_*`)."""
         if kv_cache not in ("dynamic", "static"):
@@ -152,7 +168,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self._init_prefill(max_batch_tokens, max_batch_size, prefix_reuse, prefix_cache_size, compile_prefill,
                            chunk_overhead_tokens, quantize)
-        self._init_decode(kv_cache, compile_decode, thinking_close_text)
+        self._init_decode(kv_cache, compile_decode, thinking_close_text, max_slots, max_seq_len, evict, kv_cache_gb)
 
     # --- protocol -------------------------------------------------------------------------------------
 
@@ -162,13 +178,14 @@ class HFEngine(PrefillMixin, DecodeMixin):
             hidden_states=True, generate=True, logprobs=True, prefix_reuse=True,
             weight_update=self._weight_update, hidden_size=self.hidden_size, num_layers=self.num_layers,
             token_ids_in=True, token_ids_out=True, tokenizer=True, device_tensors=True, device=str(self.device),
-            per_token_hidden_states=True, sm_partition=self.device.type == "cuda",
+            per_token_hidden_states=True, sm_partition=self.device.type == "cuda", continuous_batching=True,
+            turn_kv_reuse=True, versioned_weights=True,
         )
 
     def close(self) -> None:
+        self._batcher.stop()
+        self._batcher.free()
         self._prefix_cache.clear()
-        self._compiled_forward = None
-        self._static_cache = None
 
     def invalidate_prefix_cache(self) -> None:
         """Forget cached prefix KV (call after changing the weights the engine reads)."""

@@ -157,14 +157,17 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
 
     t_step = time.perf_counter()
     # 1-2. rollout (generate + env)
+    roll_metrics: dict[str, float] = {}
     episodes = rollout(p.env, p.engine, p.tokenizer, _step_seeds(cfg, step, carry.v_star), cfg.samples_per_prompt,
-                       p.sampling, cfg.history_turns, timer, gen_context=p.learner.autocast)
+                       p.sampling, cfg.history_turns, timer, gen_context=p.learner.autocast, metrics=roll_metrics)
     turns = [t for e in episodes for t in e.turns]
     # 3. store
     if writer is not None:
         with timer.phase("store"):
             for e in episodes:
-                writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step)
+                # stored under the learner step this batch trains (1-based, as metrics.jsonl counts steps);
+                # policy_version (the weights that sampled it) is `step`
+                writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step + 1)
     # 4. train
     with timer.phase("train"):
         scores, groups = row_scores_and_groups(episodes, cfg.gamma, cfg.max_turns)
@@ -178,7 +181,7 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
         loss_stats = p.learner.update(rows, v_star=None if v_rows is None else v_rows.to(p.learner.device))
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
     rec.update({"policy_version": step + 1, "advantage/abs_mean": float(adv.values.abs().mean()), **loss_stats,
-                **timer.metrics()})
+                **roll_metrics, **timer.metrics()})
     return rec, carry._replace(baseline=adv.baseline)
 
 
@@ -223,5 +226,5 @@ def _open_store(cfg: LLMPolicyConfig, run_dir: Path, start_step: int) -> Any:
     from thinkcraft.data.writer import TrajectoryWriter, drop_partitions_from
 
     run = re.sub(r"[^A-Za-z0-9._-]", "-", run_dir.name) or "run"
-    drop_partitions_from(run_dir / "trajectories", run, start_step)
+    drop_partitions_from(run_dir / "trajectories", run, start_step + 1)  # learner steps after the checkpoint
     return TrajectoryWriter(run_dir / "trajectories", run=run, max_per_file=1024, max_seconds=30.0)
