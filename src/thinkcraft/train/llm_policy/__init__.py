@@ -21,7 +21,7 @@ from thinkcraft.train.llm_policy.learner import (
 from thinkcraft.train.llm_policy.loop import run
 from thinkcraft.train.llm_policy.model import (
     CHATML_TEMPLATE, check_engine_for_algo, load_policy, make_engine, make_judge, random_model, resolve_model_path,
-    train_bpe_tokenizer,
+    train_bpe_tokenizer, trainable,
 )
 from thinkcraft.train.llm_policy.rollout import (
     Episode, TurnSample, _prompt_corpus, _seed_of, _split_think, build_messages, encode_prompt,
@@ -33,6 +33,6 @@ __all__ = [
     "TrainRows", "TurnSample", "build_messages", "build_rows", "check_engine_for_algo", "checkpoint_state",
     "encode_prompt", "episode_record", "load_policy", "make_engine", "make_env_and_reward", "make_judge",
     "random_model", "resolve_model_path", "restore_state", "rollout", "row_scores_and_groups", "run",
-    "train_bpe_tokenizer",
+    "train_bpe_tokenizer", "trainable",
     "_prompt_corpus", "_seed_of", "_split_think",  # used by bench/grpo_arith.py (TRL at the same prompts) and tests
 ]

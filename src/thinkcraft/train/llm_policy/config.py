@@ -91,8 +91,17 @@ class LLMPolicyConfig(RunOptions):
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping (0 = off)."""
-    micro_batch_size: int = 8
-    """Rows (turns) per forward/backward; gradients accumulate over the batch."""
+    micro_batch_tokens: int = 8192
+    """Tokens per forward/backward (packed: the turns' real tokens; padded: rows x the longest); gradients
+    accumulate exactly over the batch. A turn longer than this gets a micro-batch of its own."""
+    micro_batch_size: int = 0
+    """At most this many rows (turns) per micro-batch as well; 0 = the token budget alone decides."""
+    pack: bool = True
+    """Pack a micro-batch's turns into one dense sequence (varlen attention kept within each turn) instead of
+    padding them to the longest; where no varlen kernel with a backward runs, the learner pads (and warns)."""
+    logit_chunk_mib: float = 256.0
+    """Token log-probs go through the LM head at trained positions only, in chunks of at most this many MiB of
+    fp32 logits (forward and backward); 0 = the full (tokens x vocabulary) logits of every position at once."""
     clip_eps: float = 0.2
     """PPO/GRPO ratio clip."""
     kl_coef: float = 0.0
@@ -146,7 +155,9 @@ class LLMPolicyConfig(RunOptions):
         check(self.history_turns >= -1, "history_turns", "must be >= 0 (a window of past turns) or -1 (all of them)")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
-        check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
+        check(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0 = no row limit)")
+        check(self.logit_chunk_mib >= 0, "logit_chunk_mib", "must be >= 0 (0 = full logits)")
         check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or unset)")
         check(self.lr > 0, "lr", "must be > 0")
         check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
@@ -231,3 +242,8 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                      num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True,
                      rope_theta=1_000_000.0, rms_norm_eps=1e-6),
 }
+
+REAL_VOCAB: dict[str, int] = {"qwen2.5-0.5b": 151_936, "qwen3-4b": 151_936}
+"""The real models' vocabulary sizes (their LM heads' rows), for learner-only measurements that feed synthetic
+token ids to `random_model(shape, vocab_size=...)` (bench/learner_memory.py): the head's cost and the logits'
+memory are the real ones without training a 151,936-token BPE. MODEL_SHAPES' BPE vocabulary is 2,048 ids."""

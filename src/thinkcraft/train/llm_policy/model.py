@@ -48,8 +48,10 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048, thinking: 
         fast.chat_template = THINKING_CHATML_TEMPLATE
     return fast
 
-def random_model(shape: str, tokenizer, seed: int = 0):
-    """A causal LM with random weights in the named shape (Qwen2 architecture, or the shape's `arch`)."""
+def random_model(shape: str, tokenizer=None, seed: int = 0, vocab_size: int | None = None):
+    """A causal LM with random weights in the named shape (Qwen2 architecture, or the shape's `arch`), its
+    vocabulary the tokenizer's, or `vocab_size` ids (`config.REAL_VOCAB`: a learner fed synthetic token ids
+    needs no tokenizer)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -59,8 +61,9 @@ def random_model(shape: str, tokenizer, seed: int = 0):
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
         kw.pop("arch", "qwen2")]
     cfg = config_cls(
-        vocab_size=len(tokenizer), max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **kw,
+        vocab_size=vocab_size or len(tokenizer), max_position_embeddings=32768,
+        eos_token_id=tokenizer.eos_token_id if tokenizer is not None else 0,
+        pad_token_id=tokenizer.pad_token_id if tokenizer is not None else 0, bos_token_id=None, **kw,
     )
     torch.manual_seed(seed)
     return model_cls(cfg)
@@ -73,7 +76,6 @@ def resolve_model_path(spec: str) -> Path:
 
 def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype):
     """(model, tokenizer) for the policy: pretrained from a folder or random weights in a named shape."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = cfg.model_spec
@@ -90,6 +92,14 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
     if tok.chat_template is None:
         tok.chat_template = CHATML_TEMPLATE
     model.config.use_cache = True
+    return trainable(model, cfg), tok
+
+
+def trainable(model, cfg: LLMPolicyConfig):
+    """The model as the learner trains it: LoRA adapters on every linear layer (`--finetune lora`), or fp32
+    master weights (`full`, bf16 autocast for the forward)."""
+    import torch
+
     if cfg.finetune == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -97,10 +107,8 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
                           task_type="CAUSAL_LM")
         torch.manual_seed(cfg.seed)
         # PEFT keeps adapter weights in fp32 even when the base is bf16 (autocast_adapter_dtype)
-        model = get_peft_model(model, lcfg)
-    else:
-        model.float()  # full fine-tuning: fp32 master weights, bf16 autocast for the forward
-    return model, tok
+        return get_peft_model(model, lcfg)
+    return model.float()
 
 
 # =========================================================================================== sampler
