@@ -19,6 +19,8 @@ the numbers are over the following steps:
                               turn_reuse_saved_frac: by turn reuse alone)
     peak_learner_gb           peak allocated GPU memory during the learner update (the engine's KV cache,
                               resident, included: kv_cache_gb says how much of it that is)
+    learner_tokens_per_s      real (unpadded) tokens the learner trained on / train time (advantages, rows
+                              and the update). The learner alone, with the real vocabulary: bench/learner_memory.py
 
 Writes bench/results/llm_policy_craftax.json (rows merged by configuration). Random weights never emit a
 parsable action: this measures speed only (every action is a no-op; episodes run to --max-turns).
@@ -42,8 +44,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import card, print_table, today, write_records  # noqa: E402
 
 COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
-        "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "kv_cache_gb",
-        "s_per_step"]
+        "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
+        "kv_cache_gb", "s_per_step"]
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +59,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="learner steps; the first is warm-up")
     p.add_argument("--env", default="craftax", choices=["craftax", "craftax-classic"])
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
-    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192, help="learner tokens per forward/backward")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
     p.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV budget (default: half the free memory)")
@@ -68,7 +71,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.shapes, a.num_envs, a.thinking_budgets = ["tiny"], [4], [0, 6]
         a.max_new_tokens, a.max_turns, a.group_size, a.steps, a.env = 6, 2, 2, 2, "craftax-classic"
-        a.micro_batch_size, a.device = 4, "cpu"
+        a.micro_batch_tokens, a.device = 256, "cpu"
     a.out = a.out or str(ROOT / "bench" / "results" / f"llm_policy_craftax{'_quick' if a.quick else ''}.json")
     return a
 
@@ -81,7 +84,7 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         env=a.env, model=f"random:{shape}", run_dir=run_dir, steps=a.steps, prompts_per_step=num_envs // a.group_size,
         group_size=a.group_size, max_new_tokens=a.max_new_tokens + (budget + close if budget else 0),
         thinking_budget=budget or None, max_turns=a.max_turns, history_turns=-1, finetune=a.finetune,
-        micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
+        micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
         compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
         device=a.device, store=False,
         plot=False, seed=0)
@@ -147,6 +150,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "kv_cache_gb": round(kv_gb, 2),
         "s_per_step": round(med(step_s), 3), "env_s": round(med(env_s), 3), "generate_s": round(med(gen_s), 3),
         "train_s": round(med([r.get("timing/train", 0.0) for r in steady]), 3),
+        "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)
+                                      / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),
+        "learner_packed": bool(steady[-1].get("learner/packed", 0.0)),
         "decisions_per_step": round(med(turns), 1), "mean_action_tokens": round(med(
             [r["completion/mean_tokens"] for r in steady]), 1),
         "thinking_tokens_mean": round(med([r.get("thinking/tokens_mean", 0.0) for r in steady]), 1),

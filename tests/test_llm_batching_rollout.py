@@ -144,7 +144,8 @@ def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
     for r in rows:
         assert {"model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s",
                 "rollout_decisions_per_s", "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac",
-                "peak_learner_gb", "card", "date"} <= set(r)
+                "peak_learner_gb", "learner_tokens_per_s", "card", "date"} <= set(r)
         assert r["decisions_per_s"] > 0 and r["rollout_decisions_per_s"] >= r["decisions_per_s"]
+        assert r["learner_tokens_per_s"] > 0 and r["learner_packed"]  # the learner packs on CPU too
         assert r["prefill_tokens_saved_frac"] > 0.5  # the system prompt and every earlier turn are reused
     assert rows[1]["thinking_tokens_mean"] > 0  # the thinking rows think (and are cut at the budget)

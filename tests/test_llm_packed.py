@@ -185,6 +185,30 @@ def test_packed_logprobs_equal_each_row_alone(arch):
                 assert not got[packed][i, n - 1:].any()
 
 
+def test_packed_attention_under_autocast_with_fp32_weights(monkeypatch):
+    """Full fine-tuning keeps fp32 weights; under autocast RoPE hands the attention fp32 q/k, which the packed
+    function casts to the autocast dtype (the flash kernels take half precision only): CPU autocast runs the
+    same branch, and the packed result stays the padded one within bf16 rounding."""
+    model = _model("qwen2", "full")
+    rows = _rows(model)
+    learner = _learner(_cfg(finetune="full"), model)
+    lengths, mask = packing.host_rows(rows.attention_mask, rows.loss_mask)
+    seen = []
+
+    def recording(q, k, v, *a):  # noqa: ANN001, ANN002, ANN202
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return packing.sdpa_per_sequence(q, k, v, *a)
+
+    monkeypatch.setitem(packing.TRAIN_KERNELS, "sdpa", recording)
+    got = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for packed in (True, False):
+            (mb,) = packing.plan(lengths, mask, 1 << 20, 0, packed, torch.device("cpu"))
+            got[packed] = learner.logprobs(rows, mb)
+    assert seen == [{torch.bfloat16}] * 2  # both layers' kernels got bf16 q, k, v
+    torch.testing.assert_close(got[True], got[False], atol=0.1, rtol=0.05)
+
+
 def test_a_packed_row_does_not_see_its_neighbours():
     model = _model("qwen2")
     rows = _rows(model)
@@ -302,3 +326,30 @@ def test_public_varlen_attention_takes_what_the_cuda_kernel_passes():
     varlen = pytest.importorskip("torch.nn.attention.varlen")
     params = inspect.signature(varlen.varlen_attn).parameters
     assert {"window_size", "enable_gqa", "scale"} <= set(params), list(params)
+
+
+def test_learner_memory_bench_quick_writes_its_rows(tmp_path):
+    """bench/learner_memory.py --quick runs every mode on CPU and writes the documented rows (so the GPU run
+    is not where it is debugged)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_learner_memory", root / "bench" / "learner_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "llm_policy_craftax_quick.json"
+    out.write_text(json.dumps([{"model_shape": "tiny", "num_envs": 4, "decisions_per_s": 1.0, "card": "x"}]))
+    assert mod.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0]["decisions_per_s"] == 1.0  # the end-to-end bench's rows are kept
+    learner = [r for r in rows if r.get("bench") == "learner"]
+    assert {r["mode"] for r in learner} == set(mod.MODES)
+    for r in learner:
+        assert {"model_shape", "vocab_size", "layout", "logits", "tokens", "learner_s", "learner_tokens_per_s",
+                "peak_learner_gb", "micro_batches", "card", "date"} <= set(r), r
+        assert r["learner_tokens_per_s"] > 0 and r["vocab_size"] == 4096
+        assert r["layout"] == ("packed" if r["mode"].startswith("packed") else "padded")
+    packed = next(r for r in learner if r["mode"] == "packed/chunked")
+    assert packed["pad_frac"] == 0.0 and packed["logits"] == "chunked"

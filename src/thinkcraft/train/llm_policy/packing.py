@@ -109,7 +109,14 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
         raise ValueError("packed attention supports one packed row of full causal attention without dropout")
     cu, max_len = varlen
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    kernel = TRAIN_KERNELS[_CHOSEN.get(query.device.type) or "sdpa"]
+    kind = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        # fp32 master weights (full fine-tuning): RoPE with fp32 cos/sin promotes q, k to fp32 under autocast;
+        # sdpa would be autocast to bf16, the flash kernels take only half precision (transformers' own FA2
+        # path casts the same way: `fa_peft_integration_check`)
+        dt = torch.get_autocast_dtype(kind)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    kernel = TRAIN_KERNELS[_CHOSEN.get(kind) or "sdpa"]
     out = kernel(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, max_len, scale)
     return out[None], None
 
