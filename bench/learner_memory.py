@@ -4,7 +4,8 @@ padded micro-batches, chunked vs full LM-head logits.
     # GPU (one H100; `source bench/gpu_env.sh` first on the device image): Qwen2.5-0.5B and Qwen3-4B shapes,
     # vocabulary 151,936 (random weights, synthetic token ids), 2,048 turns of 30-150 prompt + 32 completion
     # tokens (~250k tokens: 256 envs x 8 decisions), LoRA, every mode
-    python bench/learner_memory.py
+    python bench/learner_memory.py --shapes qwen2.5-0.5b --micro-batch-tokens 8192 16384
+    python bench/learner_memory.py --shapes qwen3-4b --micro-batch-tokens 4096 8192
     python bench/learner_memory.py --shapes qwen2.5-0.5b --modes packed/chunked      # the default learner only
     python bench/learner_memory.py --quick                                            # CPU smoke run
 
@@ -16,8 +17,8 @@ Modes (`layout/logits`):
     padded/full      padded rows and full logits
     old              the learner before packing: padded, full logits, 8 rows per micro-batch
 
-Per mode: one warm-up update, then `--repeats` timed ones (synchronised); `learner_s` is their median,
-`learner_tokens_per_s` = real (unpadded) tokens / learner_s, `peak_learner_gb` = torch.cuda.max_memory_allocated
+Per mode and token budget (`old` ignores the budget): one warm-up update, then `--repeats` timed ones
+(synchronised); `learner_s` is their median, `learner_tokens_per_s` = real (unpadded) tokens / learner_s, `peak_learner_gb` = torch.cuda.max_memory_allocated
 over the timed updates (the model's weights included: `model_gb`). The optimizer step runs (the LoRA weights
 move; timing does not depend on their values). A mode that runs out of memory is a row with its error.
 
@@ -48,7 +49,7 @@ MODES = {  # name -> (pack, logits chunked, rows cap or None = the token budget 
     "padded/full": (False, False, None),
     "old": (False, False, 8),
 }
-COLS = ["model_shape", "vocab_size", "mode", "tokens", "micro_batches", "pad_frac", "learner_s", "learner_tokens_per_s",
+COLS = ["model_shape", "vocab_size", "mode", "micro_batch_tokens", "tokens", "micro_batches", "pad_frac", "learner_s", "learner_tokens_per_s",
         "peak_learner_gb", "model_gb", "error"]
 MERGE_KEYS = ("bench", "model_shape", "vocab_size", "finetune", "mode", "micro_batch_tokens", "rows", "tokens", "card")
 
@@ -61,7 +62,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=2048, help="turns per update (256 envs x 8 decisions)")
     p.add_argument("--prompt-tokens", nargs=2, type=int, default=[30, 150], help="uniform range of prompt lengths")
     p.add_argument("--completion-tokens", type=int, default=32)
-    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--micro-batch-tokens", nargs="+", type=int, default=[8192],
+                   help="token budgets to measure (each mode but `old`, which takes 8 rows, once per budget)")
     p.add_argument("--logit-chunk-mib", type=float, default=256.0)
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
     p.add_argument("--repeats", type=int, default=2)
@@ -71,7 +73,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.shapes, a.vocab_size, a.rows, a.prompt_tokens, a.completion_tokens = ["tiny"], 4096, 16, [10, 40], 8
-        a.micro_batch_tokens, a.repeats, a.device = 256, 1, "cpu"
+        a.micro_batch_tokens, a.repeats, a.device = [256], 1, "cpu"
     a.out = a.out or str(ROOT / "bench" / "results" / f"llm_policy_craftax{'_quick' if a.quick else ''}.json")
     return a
 
@@ -96,13 +98,14 @@ def synthetic_rows(a: argparse.Namespace, vocab: int, device: Any) -> Any:
     return build_rows(turns, adv, [0.0] * a.rows, 0, device)
 
 
-def measure(a: argparse.Namespace, model: Any, rows: Any, mode: str, device: Any, autocast: Any) -> dict[str, Any]:
+def measure(a: argparse.Namespace, model: Any, rows: Any, mode: str, budget: int, device: Any, autocast: Any
+            ) -> dict[str, Any]:
     import torch
 
     from thinkcraft.train.llm_policy import Learner, LLMPolicyConfig
 
     pack, chunked, max_rows = MODES[mode]
-    cfg = LLMPolicyConfig(model="random:tiny", finetune=a.finetune, micro_batch_tokens=a.micro_batch_tokens if max_rows is None
+    cfg = LLMPolicyConfig(model="random:tiny", finetune=a.finetune, micro_batch_tokens=budget if max_rows is None
                           else 1 << 40, micro_batch_size=max_rows or 0, pack=pack,
                           logit_chunk_mib=a.logit_chunk_mib if chunked else 0.0, max_grad_norm=1.0)
     learner = Learner(cfg, model, None, device, autocast)
@@ -143,22 +146,25 @@ def run_shape(a: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
     rows = synthetic_rows(a, vocab, device)
     tokens = int(rows.attention_mask.sum())
     base = {"bench": "learner", "model_shape": shape, "vocab_size": vocab, "finetune": a.finetune,
-            "micro_batch_tokens": a.micro_batch_tokens, "logit_chunk_mib": a.logit_chunk_mib, "rows": a.rows,
+            "logit_chunk_mib": a.logit_chunk_mib, "rows": a.rows,
             "tokens": tokens, "completion_tokens": a.completion_tokens, "prompt_tokens": list(a.prompt_tokens),
             "model_gb": None if model_gb is None else round(model_gb, 2), "card": card(), "date": today(),
             "quick": a.quick}
     out = []
-    for mode in a.modes:
+    runs = [(m, b) for b in a.micro_batch_tokens for m in a.modes if m != "old"]
+    runs += [("old", None)] if "old" in a.modes else []
+    for mode, budget in runs:
+        head = {**base, "mode": mode, "micro_batch_tokens": budget, "micro_batch_rows": MODES[mode][2]}
         try:
-            r = {**base, "mode": mode, **measure(a, model, rows, mode, device, autocast)}
+            r = {**head, **measure(a, model, rows, mode, budget or 0, device, autocast)}
         except Exception as e:  # noqa: BLE001 - one mode running out of memory must not lose the others
             traceback.print_exc()
-            r = {**base, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]}
+            r = {**head, "error": f"{type(e).__name__}: {e}"[:300]}
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        print(f"  {shape} {mode}: " + (r.get("error") or f"{r['learner_s']} s, {r['learner_tokens_per_s']:,.0f} tok/s, "
-                                       f"peak {r['peak_learner_gb']} GB"), flush=True)
+        print(f"  {shape} {mode} budget={budget}: " + (r.get("error") or f"{r['learner_s']} s, "
+              f"{r['learner_tokens_per_s']:,.0f} tok/s, peak {r['peak_learner_gb']} GB"), flush=True)
         out.append(r)
     del model, rows
     gc.collect()

@@ -297,25 +297,29 @@ def test_config_rejects_bad_learner_budgets():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels with a backward need CUDA (none here)")
-def test_cuda_packed_update_matches_padded_in_bf16():
-    """On CUDA a varlen kernel is chosen (fwd and bwd probed against sdpa), and a bf16-autocast packed update
-    agrees with the padded one (bf16 tolerance)."""
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_cuda_packed_update_matches_padded_in_bf16(finetune):
+    """On CUDA a varlen kernel is chosen (forward and backward probed against sdpa), and a bf16-autocast packed
+    update with chunked log-probs agrees with the padded one with full logits (bf16 tolerance, per parameter)."""
     dev = torch.device("cuda")
     assert packing.packed_kernel(dev) in packing.CUDA_CANDIDATES
     grads = {}
     for pack in (True, False):
-        model = _model("qwen3").to(dev)
-        rows = _rows(model.cpu(), seed=1)
+        model = _model("qwen3", finetune)
+        rows = _rows(model, seed=1)
         model.to(dev)
         rows = LP.TrainRows(*(t.to(dev) for t in (rows.input_ids, rows.attention_mask, rows.loss_mask,
                                                    rows.old_logp, rows.advantages, rows.rewards)))
-        learner = LP.Learner(_cfg(pack=pack, micro_batch_tokens=16), model, None, dev, torch.bfloat16)
+        cfg = _cfg(finetune=finetune, pack=pack, micro_batch_tokens=16, logit_chunk_mib=0.001 if pack else 0)
+        learner = LP.Learner(cfg, model, None, dev, torch.bfloat16)
         learner.optimizer.step = lambda: None
         assert learner.packed == pack
         learner.update(rows)
         grads[pack] = _grads(model)
-    for n in grads[True]:
-        torch.testing.assert_close(grads[True][n], grads[False][n], atol=2e-3, rtol=5e-2, msg=lambda m: f"{n}: {m}")
+    assert set(grads[True]) == set(grads[False])
+    for n, want in grads[False].items():
+        err = float((grads[True][n] - want).norm() / want.norm().clamp(min=1e-6))
+        assert err < 0.05, f"{n}: relative error {err:.3f}"
 
 
 def test_public_varlen_attention_takes_what_the_cuda_kernel_passes():
