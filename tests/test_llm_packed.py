@@ -322,6 +322,43 @@ def test_cuda_packed_update_matches_padded_in_bf16(finetune):
         assert err < 0.05, f"{n}: relative error {err:.3f}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA host syncs (no GPU here)")
+def test_cuda_micro_batch_loop_reads_nothing_back():
+    """The micro-batch loop (forward, chunked head, KL reference, loss, backward of each) never waits for the
+    device with LoRA: with torch's sync debug mode on, no synchronising call happens in it (the plan's one copy
+    to the host and the statistics' one read at the end are outside). Full fine-tuning adds torch's own: the
+    CUDA embedding backward reads its segment count on the host, once per micro-batch."""
+    import warnings
+
+    dev = torch.device("cuda")
+    model = _model("qwen3")
+    rows = _rows(model, seed=2)
+    model.to(dev)
+    rows = LP.TrainRows(*(t.to(dev) for t in (rows.input_ids, rows.attention_mask, rows.loss_mask, rows.old_logp,
+                                               rows.advantages, rows.rewards)))
+    learner = LP.Learner(_cfg(micro_batch_tokens=12, logit_chunk_mib=0.001, kl_coef=0.1), model, None, dev,
+                         torch.bfloat16)
+    inner = learner._accumulate
+    syncs = []
+
+    def watched(*a):  # noqa: ANN002, ANN202
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return inner(*a)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+    learner._accumulate = watched
+    stats = learner.update(rows)
+    assert stats["learner/micro_batches"] >= 3 and stats["learner/packed"] == 1.0
+    assert syncs == [], syncs[:3]
+
+
 def test_public_varlen_attention_takes_what_the_cuda_kernel_passes():
     """The CUDA kernels can't run here; the public API's parameters that `attention._public_varlen` passes
     (causal window, GQA) are checked in every build."""

@@ -201,27 +201,34 @@ class Learner:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         mbs = self.plan(rows)
-        total_tokens = max(sum(m.trained_tokens for m in mbs), 1)
-        total_seqs = max(sum(m.trained_rows for m in mbs), 1)
-        stats: dict[str, Any] = dict.fromkeys(("losses/loss", "losses/pg", "losses/kl", "losses/clip_frac",
-                                               "losses/ratio"), 0.0)
-        for mb in mbs:
-            if mb.trained_tokens == 0:
-                continue
-            by_tokens = cfg.algo != "apo" and cfg.loss_agg == "token-mean"
-            weight = mb.trained_tokens / total_tokens if by_tokens else mb.trained_rows / total_seqs
-            loss, parts = self._micro_loss(rows, mb, v_star)
-            (loss * weight).backward()
-            for k, v in parts.items():
-                stats[k] = stats.get(k, 0.0) + v.detach() * weight
+        stats = self._accumulate(rows, mbs, v_star)
         if cfg.max_grad_norm > 0:
             stats["losses/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
         names = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=self.device).reshape(())
-                              for k in names]).tolist() if names else []
+                              for k in names]).tolist()
         return {**dict(zip(names, values)), **layout_summary(mbs)}
+
+    def _accumulate(self, rows: TrainRows, mbs: list, v_star) -> dict[str, Any]:
+        """Forward and backward of every micro-batch, each loss weighted by its share of the batch; returns the
+        weighted statistics as device tensors (nothing read back here)."""
+        cfg = self.cfg
+        total_tokens = max(sum(m.trained_tokens for m in mbs), 1)
+        total_seqs = max(sum(m.trained_rows for m in mbs), 1)
+        by_tokens = cfg.algo != "apo" and cfg.loss_agg == "token-mean"
+        stats: dict[str, Any] = dict.fromkeys(("losses/loss", "losses/pg", "losses/kl", "losses/clip_frac",
+                                               "losses/ratio"), 0.0)
+        for mb in mbs:
+            if mb.trained_tokens == 0:
+                continue
+            weight = mb.trained_tokens / total_tokens if by_tokens else mb.trained_rows / total_seqs
+            loss, parts = self._micro_loss(rows, mb, v_star)
+            (loss * weight).backward()
+            for k, v in parts.items():
+                stats[k] = stats.get(k, 0.0) + v.detach() * weight
+        return stats
 
     def _micro_loss(self, rows: TrainRows, mb, v_star):
         """(loss, {metric: value}) of one micro-batch, on the (rows, width - 1) layout of `build_rows`."""
