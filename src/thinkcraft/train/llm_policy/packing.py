@@ -5,7 +5,7 @@ A micro-batch of rows [start, end) is laid out either
 
     packed   one (1, T) row of the turns' real tokens back to back, position ids restarting at 0 in each turn,
              and varlen attention over the boundaries `cu_seqlens` (FlashAttention-2 varlen on CUDA through
-             torch's public `varlen_attn` or its private op; on CPU one causal sdpa per turn). The attention
+             torch's private op or its public `varlen_attn`; on CPU one causal sdpa per turn). The attention
              function is registered without a mask function (`compat.register_maskless_attention`), so
              transformers builds no (T, T) mask and never reads the boundaries back on the host.
     padded   (rows, longest) right-padded rows with an attention mask (transformers' sdpa), the old layout:
@@ -59,13 +59,15 @@ def _flash(kernel: str) -> Callable[..., torch.Tensor]:
 
 
 TRAIN_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "public": _flash("public"),  # torch.nn.attention.varlen.varlen_attn: a registered backward (torch >= 2.10)
     "aten": _flash("aten"),  # aten::_flash_attention_forward, differentiable through derivatives.yaml
+    "public": _flash("public"),  # torch.nn.attention.varlen.varlen_attn: a registered backward (torch >= 2.10)
     "sdpa": sdpa_per_sequence,
 }
 """Varlen causal attention with a backward: q (T, H, d), k/v (T, Hkv, d), cu (n+1,) int32, max_len, scale."""
 
-CUDA_CANDIDATES = ("public", "aten")
+CUDA_CANDIDATES = ("aten", "public")
+"""Tried in this order: the private op first, as the engine's cascade (`attention.VARLEN_DEFAULT`; torch 2.11's
+public `varlen_attn` fails the engine's probe on the GPU image, bench/HISTORY.md)."""
 _CHOSEN: dict[str, str | None] = {}
 """Per device type: the kernel `packed_attention_forward` uses (filled by `packed_kernel`)."""
 
