@@ -7,7 +7,8 @@ One synchronous step (each phase timed, `timing/<phase>`):
     2. env       parse/grade the completions -> per-turn rewards (multi-turn envs loop 1-2 until done)
     3. store     every episode -> trajectory store (token ids, logprobs, masks, rewards, policy_version)
     4. train     returns -> advantages (GRPO / RLOO / REINFORCE) or A*-PO targets -> token loss on generated
-                 tokens only, micro-batched with gradient accumulation
+                 tokens only, in micro-batches of a token budget packed into dense sequences
+                 (varlen attention; packing.py), LM-head log-probs in chunks, gradient accumulation
     5. log/ckpt  metrics, progress, PNG curve; checkpoint (adapter/weights, optimizer, step, RNG)
 
 The learner owns the torch model; the sampler reads the same parameters (no copy), so after step 4 the
