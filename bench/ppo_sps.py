@@ -27,6 +27,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
@@ -98,8 +99,8 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
 
 
 def _shim_baselines_imports() -> None:
-    """Baselines imports distrax (broken under current JAX), wandb, ICM models and logging helpers; the
-    benchmarked code paths use only a Categorical from them."""
+    """Baselines imports distrax (broken under current JAX), chex (annotations), wandb, ICM models and logging
+    helpers; the benchmarked code paths use only a Categorical from them."""
     from thinkcraft.rl.distributions import Categorical
 
     def mod(name: str, **attrs):
@@ -109,6 +110,10 @@ def _shim_baselines_imports() -> None:
         return m
 
     mod("distrax", Categorical=Categorical)
+    try:
+        import chex  # noqa: F401
+    except ImportError:  # wrappers.py uses it for annotations only
+        mod("chex", PRNGKey=Any, Array=Any)
     mod("wandb")
     mod("logz")
     mod("logz.batch_logging", batch_log=None, create_log_dict=None)

@@ -117,16 +117,6 @@ def test_train_ppo_num_seeds_equals_single_runs_resumes_and_evals(tmp_path, caps
     assert "holds 2 seed(s)" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_train_ppo_rnn_num_seeds_equals_single_run(tmp_path):
-    from test_rnn import TINY_RNN
-
-    multi, single = tmp_path / "multi", tmp_path / "single"
-    assert main(["train", "ppo", *TINY_RNN, "--num-seeds", "2", "--run-dir", str(multi), "--stop-after-updates", "2"]) == 0
-    assert main(["train", "ppo", *TINY_RNN, "--seed", "1", "--run-dir", str(single), "--stop-after-updates", "2"]) == 0
-    _check_seed_equals_single(multi, single, seed_index=1, num_seeds=2)
-
-
 class _CountingEngine:
     """An engine that records the batch size of every hidden-state call (everything else delegated)."""
 
