@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from thinkcraft.label.distill import DistillConfig, agreement, in_heldout, run, target_text, token_f1
+from thinkcraft.label.distill import (
+    DistillConfig, agreement, in_heldout, majority_answer, run, same_model, target_text, token_f1,
+)
 from thinkcraft.label.pipeline import LabelConfig, label, read_labels
 from thinkcraft.label.template import OutputSpec, schema_from_fields
 from thinkcraft.utils.errors import ConfigError
@@ -33,6 +35,31 @@ def test_distill_config_errors(tmp_path):
         DistillConfig(labels=str(tmp_path))
 
 
+def test_majority_baseline():
+    spec = OutputSpec(schema_from_fields("action:string,n:integer"))
+    vals = [{"action": "do", "n": 1}, {"action": "noop", "n": 1}, {"action": "do", "n": 2}]
+    assert json.loads(majority_answer(vals, spec)) == {"action": "do", "n": 1}
+    assert majority_answer(["a", "b", "b"], OutputSpec()) == "b"
+
+
+def test_teacher_and_student_must_differ(tmp_path):
+    run_dir = tmp_path / "teacher"
+    run_dir.mkdir()
+    (run_dir / "label_config.json").write_text(json.dumps({"model": "default"}))
+    # the default student is the bundled model: the same as this teacher
+    with pytest.raises(ConfigError, match="same model.*--allow-same-model"):
+        DistillConfig(labels=str(run_dir))
+    with pytest.raises(ConfigError, match="same model"):
+        DistillConfig(labels=str(run_dir), student="smollm2-135m")
+    DistillConfig(labels=str(run_dir), allow_same_model=True)
+    other = tmp_path / "Qwen3-4B"
+    other.mkdir()
+    DistillConfig(labels=str(run_dir), student=str(other))
+    assert same_model("default", "smollm2-135m-instruct") and same_model("Qwen3-4B", str(other))
+    assert same_model(str(other), str(tmp_path / "x" / ".." / "Qwen3-4B"))
+    assert not same_model("gpt-4.1-mini", "default") and not same_model(str(other), "default")
+
+
 @pytest.fixture
 def teacher_run(tmp_path, stub):
     """12 items, the teacher (a deterministic stub endpoint) labels the first 8 as free text."""
@@ -59,6 +86,13 @@ def test_distill_tiny_student(tmp_path, teacher_run):
     assert rep["golden"] == 8 and rep["train"] + rep["heldout"] == 8 and rep["heldout"] >= 1
     assert rep["loss_last"] < rep["loss_first"]  # three steps at a high rate already fit a little
     assert set(rep["agreement"]) == {"n", "exact_match", "token_f1"}
+    # both baselines, on the same held-out items
+    assert set(rep["baselines"]) == {"majority", "student_before"}
+    assert all(b["n"] == rep["heldout"] and set(b) == set(rep["agreement"]) for b in rep["baselines"].values())
+    teacher = read_labels(teacher_run).to_pylist()
+    train_outputs = [r["output"].strip() for r in teacher if not in_heldout(r["key"], 0.25)]
+    assert train_outputs.count(rep["majority_answer"]) == max(map(train_outputs.count, train_outputs))
+    assert rep["rest_out_dir"].endswith("student_labels") and rep["rest_input"].endswith("items.jsonl")
     # the adapter trained: LoRA B starts at zero
     w = load_file(str(tmp_path / "d" / "adapter" / "adapter_model.safetensors"))
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in w.items())
@@ -67,7 +101,7 @@ def test_distill_tiny_student(tmp_path, teacher_run):
     assert t.num_rows == 4 and rep["rest_labelled"] == 4
     assert all(m.startswith("student:") for m in t.column("model").to_pylist())
     held = json.loads((tmp_path / "d" / "heldout.json").read_text())
-    assert len(held) == rep["heldout"] and all("teacher" in h and "student" in h for h in held)
+    assert len(held) == rep["heldout"] and all({"teacher", "student", "student_before"} <= set(h) for h in held)
     metrics = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
     assert any("losses/nll" in m for m in metrics) and any("agreement/exact_match" in m for m in metrics)
 

@@ -218,7 +218,8 @@ def test_plain_500_and_4xx_are_not_retried(tmp_path, stub):
     assert rep["endpoints"]["stub"]["retries"] == 0
     url, st = stub(fail_every=1, fail_status=422)
     (tmp_path / "b").mkdir()
-    rep = label(cfg(tmp_path / "b", url, n=1, ep={"max_attempts": 4}))
+    # --no-constrain: no response_format, so no structured-outputs fallback request (that one is not a retry)
+    rep = label(cfg(tmp_path / "b", url, n=1, ep={"max_attempts": 4}, constrain=False))
     assert rep["failed"] == 1 and st.n == 1
 
 
@@ -296,8 +297,10 @@ def test_bad_inputs(tmp_path, stub):
 
 
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, stub):
-    url, st = stub(delay_s=0.05)
-    n = 60
+    # ~6 s of labelling after start-up (120 items x 0.1 s / 2 workers): wide enough a window for the kill
+    # below to land mid-run on a loaded machine (with 1.5 s the whole run sometimes finished first)
+    url, st = stub(delay_s=0.1)
+    n = 120
     c = cfg(tmp_path, url, n=n, ep={"max_concurrency": 2})
     args = ["label", "--input", c.input, "--out-dir", c.out_dir, "--fields", c.fields, "--endpoints", c.endpoints,
             "--shard-items", "25"]

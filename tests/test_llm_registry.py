@@ -71,7 +71,7 @@ def test_auto_resolves_to_hf_without_vllm_and_random_is_not_an_engine() -> None:
 
 
 def test_label_and_llm_policy_route_their_specs_through_parse_spec() -> None:
-    from thinkcraft.label.pipeline import _model_of, resolve_engine_spec
+    from thinkcraft.label.engines import model_of as _model_of, resolve_engine_spec
     from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 
     assert resolve_engine_spec("hf:x") == "hf:x" and _model_of("auto:default") == "default"

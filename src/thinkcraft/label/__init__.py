@@ -5,9 +5,11 @@
         --endpoints providers.toml --pack-size 8                               # or --engine hf:default
     thinkcraft distill --labels runs/lab --out-dir runs/distill               # LoRA student labels the rest
 
-Modules: `template` (prompts, output schemas, keys, packing — pure), `store` (journal + atomic Parquet
-shards), `providers` (OpenAI-compatible endpoints: limits, weights, failures), `pipeline` (the command),
-`collect`, `distill`.
+Modules: `template` (prompts, output schemas, keys, packing — pure), `prompts` (chat template or raw, the
+shared prefix as token ids), `store` (journal + atomic Parquet shards), `providers` (OpenAI-compatible
+endpoints: limits, weights, failures, structured outputs), `report` (cumulative report.json, failures.jsonl),
+`threads` (CPU threads under load), `pipeline` (the command), `collect`, `distill`. Constrained decoding
+itself is `thinkcraft.llm.constrained`.
 
 An endpoints file (TOML):
 

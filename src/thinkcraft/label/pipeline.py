@@ -1,11 +1,17 @@
 """`thinkcraft label`: label items with a local engine or remote OpenAI-compatible endpoints, resumably.
 
 Phases: (1) read the input (Parquet file/folder or JSONL) and render each item through the template;
-(2) key every item by hash(prompt, model, template) and skip keys already stored in `out_dir`;
-(3) label the rest — local: large batches through one engine with the shared prefix passed apart so
-it is prefilled once; remote: jobs of `pack_size` items over every endpoint within its limits;
-(4) validate each answer (a packed answer item by item; bad ones are re-asked alone); store it at once
-(journal + atomic Parquet shards, see store.py); (5) print and save the report (`report.json`).
+(2) key every item by hash(prompt, model, template, prompt format) and skip keys already stored in
+`out_dir`; (3) label the rest — local: large batches through one engine, prompted through the model's
+chat template (prompts.py) with the shared prefix passed apart so it is prefilled once, and decoding
+constrained to the JSON schema (llm/constrained.py) so every answer parses; remote: jobs of `pack_size`
+items over every endpoint within its limits, the schema sent as `response_format` where the endpoint
+accepts it; (4) validate each answer (a packed answer item by item; bad ones are re-asked alone, a
+truncated one with twice the token budget); store it at once (journal + atomic Parquet shards, see
+store.py); (5) print and save the cumulative report (`report.json`, `failures.jsonl`; report.py).
+
+Exit code of `thinkcraft label`: 0 when every item the run attempted has a label, 1 when some stay
+unlabelled (failures.jsonl lists them with the raw answer; re-running retries them), 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -13,20 +19,27 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow as pa
 
-from thinkcraft.label.store import ResultStore, read_results
-from thinkcraft.label.template import (
-    OutputSpec, Template, item_key, load_template, pack_prompt, parse_output, parse_packed, schema_from_fields,
+from thinkcraft.label.engines import (
+    http_endpoints, is_http_spec, load_tokenizer, make_local_engine, model_of, resolve_engine_spec,
 )
+from thinkcraft.label.prompts import PromptFormat, make_prompts, resolved_format
+from thinkcraft.label.remote import label_remote
+from thinkcraft.label.report import Tracker, print_report, read_failures, save_report
+from thinkcraft.label.store import ResultStore, read_results, result_row
+from thinkcraft.label.template import (
+    OutputSpec, Template, check_schema, item_key, load_template, parse_output, schema_from_fields,
+)
+from thinkcraft.label.threads import ThreadPolicy
 from thinkcraft.utils.errors import ConfigError, UserError, check
-from thinkcraft.utils.io import atomic_write_json, atomic_write_text
-from thinkcraft.utils.progress import RunProgress, console
+from thinkcraft.utils.io import atomic_write_json
+from thinkcraft.utils.progress import RunProgress
 from thinkcraft.utils.signals import sigterm_as_interrupt
 
 
@@ -35,7 +48,9 @@ class LabelConfig:
     input: str
     """Items to label: a Parquet file, a folder of Parquet files (e.g. `thinkcraft collect` output), or JSONL."""
     out_dir: str = "runs/label"
-    """Where results go (Parquet shards, journal, report.json). Re-running with the same one resumes."""
+    """Where results go (Parquet shards, journal, report.json, failures.jsonl). Re-running with the same one
+    resumes and retries what failed. Exit code: 0 = every item this run attempted is labelled, 1 = some
+    stay unlabelled (listed in failures.jsonl with the raw answer), 2 = usage error."""
     template: str | None = None
     """TOML/JSON file with `prefix`, `item` and optionally `fields` or `schema` (overrides the three flags below)."""
     prefix: str = "You label states of the game Craftax.\n"
@@ -47,8 +62,23 @@ class LabelConfig:
     schema: str | None = None
     """Path to a JSON-Schema (object) the JSON output must satisfy; alternative to --fields."""
     engine: str = "auto:default"
-    """Local engine spec: `auto:<model>` (vLLM offline when installed and a GPU is present, else hf),
-    `hf:<model>`, `vllm:<path>`; <model> is `default` (bundled) or a local folder. Unused with --endpoints."""
+    """Engine spec: `auto:<model>` (vLLM offline when installed and a GPU is present, else hf),
+    `hf:<model>`, `vllm:<path>`; <model> is `default` (bundled) or a local folder. An HTTP server,
+    `openai+http://host:port/v1` or `sglang+http://host:port`, is asked through chat completions (as one
+    endpoint; --endpoints for limits and several). Unused with --endpoints."""
+    prompt_format: PromptFormat = "auto"
+    """Local engines: `chat` = instructions as the system turn and the item as the user turn of the model's
+    chat template (shared prefix still prefilled once); `raw` = instructions + item as plain text (base
+    models, hand-written few-shot prompts); `auto` = chat when the tokenizer has a chat template."""
+    constrain: bool = True
+    """With --fields/--schema: decode local answers under the schema (xgrammar), so each one parses by
+    construction and ends at the closing brace; remote endpoints get the schema as `response_format`
+    (OpenAI structured outputs; vLLM/SGLang guided decoding) and fall back to parse-and-re-ask where
+    refused. --no-constrain: parse and re-ask only."""
+    threads: int = 0
+    """CPU threads for torch (local CPU engines); 0 = auto: usable cores (os.sched_getaffinity) minus the
+    cores other processes keep busy, re-read before every batch, at least 1. torch's default (one per
+    core) ran ~9x slower beside a single busy process on a 2-core machine."""
     endpoints: str | None = None
     """TOML/JSON file of OpenAI-compatible endpoints (RPM/TPM/concurrency, weights): label remotely. Each
     endpoint's key comes from `api_key_env = "VAR"` (an environment variable) or `api_key_file = "path"`
@@ -62,7 +92,8 @@ class LabelConfig:
     temperature: float = 0.0
     """0 = greedy."""
     schema_retries: int = 1
-    """How many times an answer that fails validation is asked again alone."""
+    """How many times an answer that fails validation is asked again alone (local engines: with twice the
+    token budget when it was cut at --max-new-tokens)."""
     limit: int | None = None
     """Label at most this many of the not-yet-labelled items (for trial runs)."""
     shard_items: int = 500
@@ -78,10 +109,18 @@ class LabelConfig:
         check(self.shard_items >= 1, "shard_items", "must be >= 1")
         check(self.limit is None or self.limit >= 0, "limit", "must be >= 0")
         check(not (self.fields and self.schema), "schema", "give --fields or --schema, not both")
+        check(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")
+        check(self.prompt_format in ("auto", "chat", "raw"), "prompt_format", "must be auto, chat or raw")
         check(Path(self.input).exists(), "input", f"{self.input} does not exist")
         check(self.endpoints is None or Path(self.endpoints).exists(), "endpoints", f"{self.endpoints} does not exist")
-        check(self.pack_size == 1 or self.endpoints is not None, "pack_size",
+        check(self.pack_size == 1 or self.endpoints is not None or is_http_spec(self.engine), "pack_size",
               "packing is for remote endpoints (--endpoints); local engines batch instead (--batch-size)")
+        # template, item format and schema errors are one line here, before any model loads
+        template = build_template(self, columns=None)
+        if template.output.is_json and self.constrain and self.endpoints is None and not is_http_spec(self.engine):
+            from thinkcraft.llm.constrained import check_schema as check_grammar
+
+            check_grammar(dict(template.output.schema))  # type: ignore[arg-type]
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -115,7 +154,9 @@ def read_input(path: str | Path) -> pa.Table:
     return table
 
 
-def build_template(cfg: LabelConfig, columns: Sequence[str]) -> Template:
+def build_template(cfg: LabelConfig, columns: Sequence[str] | None) -> Template:
+    """The run's template; `columns=None` (config validation, before the input is read) checks all but
+    the default item column."""
     if cfg.template:
         return load_template(cfg.template)
     schema = None
@@ -124,10 +165,13 @@ def build_template(cfg: LabelConfig, columns: Sequence[str]) -> Template:
     elif cfg.schema:
         try:
             schema = json.loads(Path(cfg.schema).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError("schema", f"cannot read {cfg.schema}: {e}") from None
+        check_schema(schema, f"--schema {cfg.schema}")
     item = cfg.item
-    if item is None:
+    if item is None and columns is None:
+        item = "{text}"  # placeholder: the real default needs the input's columns
+    elif item is None:
         col = next((c for c in ("prompt", "text", "compact_text") if c in columns), None)
         if col is None:
             raise ConfigError("item", f"the input has no prompt/text/compact_text column ({list(columns)}); "
@@ -145,13 +189,15 @@ class WorkItem:
     """The rendered per-item part (sent after the shared prefix)."""
 
 
-def prepare_items(table: pa.Table, template: Template, model: str) -> tuple[list[WorkItem], int]:
-    """Rendered, keyed, de-duplicated items (first occurrence wins) and the number of duplicates."""
+def prepare_items(table: pa.Table, template: Template, model: str, prompt_format: str = "raw"
+                  ) -> tuple[list[WorkItem], int]:
+    """Rendered, keyed, de-duplicated items (first occurrence wins) and the number of duplicates.
+    A chat-formatted prompt is another prompt: its keys differ from raw ones (raw keys are unchanged)."""
     cols = [c for c in dict.fromkeys(template.columns)]
     missing = [c for c in cols if c not in table.column_names]
     if missing:
         raise UserError(f"template uses columns {missing} that the input lacks (it has {table.column_names})")
-    digest = template.digest()
+    digest = template.digest() + ("" if prompt_format == "raw" else f"+{prompt_format}")
     instr = template.instructions
     out: list[WorkItem] = []
     seen: set[str] = set()
@@ -164,219 +210,138 @@ def prepare_items(table: pa.Table, template: Template, model: str) -> tuple[list
     return out, table.num_rows - len(out)
 
 
-# --- progress and report --------------------------------------------------------------------------
-
-
-@dataclass
-class Tracker:
-    """Counts shown on the progress bar and written to the report."""
-
-    total: int
-    progress: RunProgress | None = None
-    labelled: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    reasked: int = 0
-    errors: Counter = field(default_factory=Counter)
-    invalid: int = 0
-    failed: int = 0
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    t0: float = field(default_factory=time.monotonic)
-
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.t0
-
-    def ok(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
-        self.labelled += 1
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
-        self.cached_tokens += cached_tokens
-        self.tick()
-
-    def fail(self, item: WorkItem, kind: str, message: str) -> None:
-        self.errors[kind] += 1
-        if kind == "schema":
-            self.invalid += 1
-        else:
-            self.failed += 1
-        self.failures.append({"key": item.key, "row": item.row, "kind": kind, "error": message[:500]})
-        self.tick()
-
-    def tick(self) -> None:
-        if self.progress is None:
-            return
-        dt = max(self.elapsed_s(), 1e-9)
-        finished = self.labelled + self.invalid + self.failed
-        rate = self.labelled / dt
-        eta_s = (self.total - finished) / rate if rate > 0 else float("nan")
-        self.progress.update(finished, items_per_s=rate, tok_per_s=self.completion_tokens / dt,
-                             errors=sum(self.errors.values()), eta_s=eta_s)
-
-
-def _store_row(item: WorkItem, value: Any, text: str, model: str, endpoint: str, prompt_tokens: int,
-               completion_tokens: int, cached_tokens: int, latency_s: float, pack_size: int, attempts: int
-               ) -> dict[str, Any]:
-    return {
-        "key": item.key, "row": item.row, "output": text,
-        "parsed_json": json.dumps(value) if not isinstance(value, str) else None,
-        "model": model, "endpoint": endpoint, "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, "latency_s": latency_s,
-        "pack_size": pack_size, "attempts": attempts,
-    }
-
-
 # --- local engine ---------------------------------------------------------------------------------
+
+
+def generate_completions(engine: Any, prompts: Any, texts: Sequence[str], sampling: Any) -> list[Any]:
+    """One completion per text, in order: the texts go through `prompts` (chat or raw, prompts.py) into
+    one or two engine batches."""
+    comps: list[Any] = [None] * len(texts)
+    for pb in prompts.batches(texts):
+        out = engine.generate(pb.batch, sampling)
+        if len(out) != len(pb.positions):
+            raise RuntimeError(f"engine returned {len(out)} completions for {len(pb.positions)} items")
+        for pos, c in zip(pb.positions, out):
+            comps[pos] = c
+    return comps
 
 
 def label_with_engine(engine: Any, items: Sequence[WorkItem], template: Template, model: str, store: ResultStore,
                       tracker: Tracker, batch_size: int, max_new_tokens: int, temperature: float,
-                      schema_retries: int, seed: int = 0, endpoint_name: str = "local") -> None:
-    """Large batches through one in-process engine; the shared prefix goes apart (`Batch.prefix`)."""
-    from thinkcraft.llm.protocol import Batch, SamplingParams
+                      schema_retries: int, seed: int = 0, endpoint_name: str = "local", prompts: Any = None,
+                      structured: Any = None, threads: ThreadPolicy | None = None) -> None:
+    """Large batches through one in-process engine; the shared prefix goes apart (`Batch.prefix`).
 
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, logprobs=False, seed=seed)
-    queue: deque[tuple[WorkItem, int]] = deque((it, 1) for it in items)
-    prefix = template.instructions
+    `prompts` (prompts.py; default raw) turns item texts into engine batches; `structured` (a
+    `StructuredOutput`) constrains decoding. A failed answer is re-asked (up to `schema_retries` times),
+    with twice the token budget when it was cut by the length limit."""
+    from thinkcraft.label.prompts import RawPrompts
+    from thinkcraft.llm.protocol import SamplingParams
+
+    prompts = prompts or RawPrompts(template.instructions)
+    queue: deque[tuple[WorkItem, int, int]] = deque((it, 1, max_new_tokens) for it in items)
     while queue:
-        chunk = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
+        budget = queue[0][2]  # a batch shares one token budget: take the queue's head run of it
+        chunk = []
+        while queue and len(chunk) < batch_size and queue[0][2] == budget:
+            chunk.append(queue.popleft())
+        if threads is not None:
+            threads.apply()
+        sampling = SamplingParams(max_new_tokens=budget, temperature=temperature, logprobs=False, seed=seed,
+                                  structured=structured)
         t0 = time.monotonic()
-        comps = engine.generate(Batch(items=[it.text for it, _ in chunk], prefix=prefix), sampling)
+        comps = generate_completions(engine, prompts, [it.text for it, _, _ in chunk], sampling)
         latency_s = time.monotonic() - t0
-        if len(comps) != len(chunk):
-            raise RuntimeError(f"engine returned {len(comps)} completions for {len(chunk)} items")
-        for (it, attempt), c in zip(chunk, comps):
+        for (it, attempt, _), c in zip(chunk, comps):
             p_tok = len(c.prompt_token_ids)
             c_tok = len(c.token_ids)
             parsed = parse_output(c.text, template.output)
             if parsed.error is None:
-                store.add(_store_row(it, parsed.value, c.text, model, endpoint_name, p_tok, c_tok, 0,
+                store.add(result_row(it, parsed.value, c.text, model, endpoint_name, p_tok, c_tok, 0,
                                      latency_s, 1, attempt))
-                tracker.ok(p_tok, c_tok)
+                tracker.ok(p_tok, c_tok, attempt=attempt, key=it.key)
             elif attempt <= schema_retries:
                 tracker.reasked += 1
-                queue.append((it, attempt + 1))
+                cut = c.finish_reason == "length"
+                queue.append((it, attempt + 1, budget * 2 if cut else budget))
             else:
-                tracker.fail(it, "schema", parsed.error)
-
-
-# --- remote endpoints -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    items: list[WorkItem]
-    attempt: int = 1
-
-
-async def label_remote(endpoints_file: Any, items: Sequence[WorkItem], template: Template, store: ResultStore,
-                       tracker: Tracker, pack_size: int, max_new_tokens: int, temperature: float,
-                       schema_retries: int, seed: int = 0) -> list[Any]:
-    """Label over every endpoint; returns the Endpoint objects (their stats go into the report)."""
-    import httpx
-
-    from thinkcraft.label.providers import Endpoint, EndpointStopped, JobBoard, RequestFailed, serve_jobs
-
-    sampling = {"temperature": temperature, "seed": seed}
-    n_conn = sum(e.max_concurrency for e in endpoints_file.endpoints)
-    model = endpoints_file.model
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n_conn + 4)) as client:
-        eps = [Endpoint(c, client, sampling) for c in endpoints_file.endpoints]
-        board = JobBoard(eps)
-        for i in range(0, len(items), pack_size):
-            board.put(_Job(list(items[i:i + pack_size])))
-
-        async def handle(ep: Endpoint, job: _Job) -> None:
-            k = len(job.items)
-            if k == 1:
-                system, user = template.instructions, job.items[0].text
-            else:
-                system, user = template.prefix, pack_prompt(template, [it.text for it in job.items])
-            try:
-                ans = await ep.complete(system, user, max_new_tokens * k)
-            except EndpointStopped:
-                raise
-            except RequestFailed as e:
-                kind = "request"
-                cause = e.__cause__
-                if cause is not None and hasattr(cause, "status"):
-                    kind = f"http_{cause.status}"
-                elif cause is not None and "Timeout" in type(cause).__name__:
-                    kind = "timeout"
-                for it in job.items:
-                    tracker.fail(it, kind, str(e))
-                return
-            ep.stats.items += k
-            # a packed request's usage is shared evenly by its items
-            p_tok, c_tok, cached = ans.prompt_tokens // k, ans.completion_tokens // k, ans.cached_tokens // k
-            results = [parse_output(ans.text, template.output)] if k == 1 else parse_packed(ans.text, k, template.output)
-            for it, parsed in zip(job.items, results):
-                if parsed.error is None:
-                    text = ans.text if k == 1 else (parsed.value if isinstance(parsed.value, str) else json.dumps(parsed.value))
-                    store.add(_store_row(it, parsed.value, text, model, ep.cfg.name, p_tok, c_tok, cached,
-                                         ans.latency_s, k, job.attempt))
-                    tracker.ok(p_tok, c_tok, cached)
-                elif k > 1:
-                    # malformed or missing in a packed answer: ask this item alone
-                    tracker.reasked += 1
-                    board.put(_Job([it], job.attempt))
-                elif job.attempt <= schema_retries:
-                    tracker.reasked += 1
-                    board.put(_Job([it], job.attempt + 1))
-                else:
-                    tracker.fail(it, "schema", parsed.error)
-
-        await serve_jobs(eps, board, handle)
-        remaining = [it for q in board.queues.values() for job in q for it in job.items]
-        for it in remaining:
-            tracker.errors["not_sent"] += 1
-            tracker.failures.append({"key": it.key, "row": it.row, "kind": "not_sent",
-                                     "error": "every endpoint stopped"})
-        return eps
+                why = parsed.error + (f" (cut at {budget} new tokens)" if c.finish_reason == "length" else "")
+                tracker.fail(it, "schema", why, answer=c.text, attempts=attempt)
 
 
 # --- command --------------------------------------------------------------------------------------
 
 
-def resolve_engine_spec(spec: str) -> str:
-    """`auto:<model>` -> `vllm:<folder>` when vLLM is installed and CUDA is present, else `hf:<model>`
-    (`llm.registry.resolve_auto`); other specs as they are."""
-    from thinkcraft.llm.registry import parse_spec, resolve_auto
+@dataclass
+class RunPlan:
+    """What a run will do, decided before any model loads (config and input errors surface here)."""
 
-    es = parse_spec(spec)
-    return str(resolve_auto(es)) if es.scheme == "auto" else spec
+    endpoints: Any
+    """An EndpointsFile (remote run) or None (local engine)."""
+    template: Template
+    model: str
+    """The model name item keys carry (not the backend: hf and vllm runs of one model share labels)."""
+    prompt_format: str
+    key_format: str
+    structured: bool
+    tokenizer: Any
+    threads: ThreadPolicy | None
+    items: list[WorkItem]
+    report: dict[str, Any]
+    """The report's head: what the run is about."""
 
 
-def make_local_engine(spec: str) -> Any:
-    from thinkcraft.llm import make_engine
+def plan_run(cfg: LabelConfig, engine: Any | None, model_name: str | None, tokenizer: Any | None) -> RunPlan:
+    from thinkcraft.label.providers import load_endpoints
 
-    return make_engine(resolve_engine_spec(spec))
-
-
-def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = None) -> dict[str, Any]:
-    """Run the pipeline; returns the report (also saved as `<out_dir>/report.json`).
-
-    `engine` (an object with the Engine protocol's `generate`) overrides `cfg.engine`, for callers that
-    already hold a model (distill); `model_name` then names it in the item keys."""
-    from thinkcraft.label.providers import all_stopped_error, load_endpoints
-
-    out_dir = Path(cfg.out_dir)
-    ep_file = load_endpoints(cfg.endpoints) if cfg.endpoints else None  # config errors before any work
+    ep_file = None
+    if cfg.endpoints:
+        ep_file = load_endpoints(cfg.endpoints)
+    elif engine is None and is_http_spec(cfg.engine):
+        ep_file = http_endpoints(cfg.engine)
     table = read_input(cfg.input)
     template = build_template(cfg, table.column_names)
-    # keys name the model, not the backend: hf and vllm runs of one model share their labels
-    model = ep_file.model if ep_file else (model_name or _model_of(cfg.engine))
-    items, n_dup = prepare_items(table, template, model)
-
-    report: dict[str, Any] = {
-        "input": str(cfg.input), "out_dir": str(out_dir), "model": model,
-        "engine": f"endpoints:{cfg.endpoints}" if ep_file else (model_name or resolve_engine_spec(cfg.engine)),
+    model = ep_file.model if ep_file else (model_name or model_of(cfg.engine))
+    threads = None
+    if ep_file is None:
+        threads = ThreadPolicy(cfg.threads)
+        threads.apply()
+        if engine is None and cfg.prompt_format != "raw":
+            tokenizer = load_tokenizer(cfg.engine)
+        fmt = resolved_format(cfg.prompt_format, tokenizer)
+    else:
+        fmt = "chat" if all(e.api == "chat" for e in ep_file.endpoints) else "completions"
+    structured = cfg.constrain and template.output.is_json
+    key_format = fmt if ep_file is None else "raw"  # remote keys predate prompt formats: kept as they were
+    items, n_dup = prepare_items(table, template, model, key_format)
+    head = {
+        "input": str(cfg.input), "out_dir": str(cfg.out_dir), "model": model,
+        "engine": (f"endpoints:{cfg.endpoints}" if cfg.endpoints else cfg.engine) if ep_file
+        else (model_name or resolve_engine_spec(cfg.engine)),
+        "prompt_format": fmt, "constrained": structured,
         "template_digest": template.digest(), "items_in_input": table.num_rows,
         "duplicates_in_input": n_dup, "unique_items": len(items),
     }
+    return RunPlan(ep_file, template, model, fmt, key_format, structured, tokenizer, threads, items, head)
+
+
+def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = None,
+          tokenizer: Any | None = None) -> dict[str, Any]:
+    """Run the pipeline; returns this run's report (merged into the cumulative `<out_dir>/report.json`).
+
+    `engine` (an object with the Engine protocol's `generate`) overrides `cfg.engine`, for callers that
+    already hold a model (distill); `model_name` then names it in the item keys, and `tokenizer` (the
+    engine's) enables the chat prompt format (without it such an engine is prompted raw)."""
+    from thinkcraft.label.providers import all_stopped_error
+
+    out_dir = Path(cfg.out_dir)
+    plan = plan_run(cfg, engine, model_name, tokenizer)
+    template, items, threads = plan.template, plan.items, plan.threads
+    report: dict[str, Any] = dict(plan.report)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "label_config.json", {**asdict(cfg), "model": model,
-                                                      "template": asdict(template)})
+    atomic_write_json(out_dir / "label_config.json", {
+        **asdict(cfg), "model": plan.model, "prompt_format_used": plan.prompt_format, "key_format": plan.key_format,
+        "template": asdict(template)})
     eps: list[Any] = []
     with ResultStore(out_dir, shard_items=cfg.shard_items) as store:
         done = store.done_keys()
@@ -386,22 +351,28 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
         if cfg.limit is not None:
             todo = todo[: cfg.limit]
         report["to_label"] = len(todo)
-        tracker = Tracker(total=len(todo))
+        earlier_failures = {f["key"] for f in read_failures(out_dir)}
+        tracker = Tracker(total=len(todo), retried={it.key for it in todo if it.key in earlier_failures})
         interrupted = False
         try:
             if todo:
                 with RunProgress(len(todo), "label", log_every_s=5.0, unit="items") as prog:
                     tracker.progress = prog
-                    if ep_file is not None:
-                        eps = asyncio.run(label_remote(ep_file, todo, template, store, tracker, cfg.pack_size,
+                    if plan.endpoints is not None:
+                        eps = asyncio.run(label_remote(plan.endpoints, todo, template, store, tracker, cfg.pack_size,
                                                        cfg.max_new_tokens, cfg.temperature, cfg.schema_retries,
-                                                       cfg.seed))
+                                                       cfg.seed, structured=plan.structured))
                     else:
+                        from thinkcraft.llm.constrained import StructuredOutput  # torch: local runs only
+
                         own = engine is None
                         eng = make_local_engine(cfg.engine) if own else engine
+                        prompts = make_prompts(plan.prompt_format, plan.tokenizer, template.instructions)
+                        spec = StructuredOutput.from_schema(template.output.schema) if plan.structured else None
                         try:
-                            label_with_engine(eng, todo, template, model, store, tracker, cfg.batch_size,
-                                              cfg.max_new_tokens, cfg.temperature, cfg.schema_retries, cfg.seed)
+                            label_with_engine(eng, todo, template, plan.model, store, tracker, cfg.batch_size,
+                                              cfg.max_new_tokens, cfg.temperature, cfg.schema_retries, cfg.seed,
+                                              prompts=prompts, structured=spec, threads=threads)
                         finally:
                             if own:
                                 eng.close()
@@ -409,75 +380,23 @@ def label(cfg: LabelConfig, engine: Any | None = None, model_name: str | None = 
             interrupted = True
             raise
         finally:
-            report.update(_tracker_report(tracker, eps))
+            report.update(tracker.run_report(eps))
             report["interrupted"] = interrupted
+            report["threads"] = threads.summary() if threads is not None else None
             report["shards_written"] = store.num_shards_written + (1 if store._buffer else 0)
-            _save_report(out_dir, report, tracker)
+            saved = save_report(out_dir, report, tracker, store.done_keys(), {it.key for it in items})
     if not interrupted:
-        print_report(report)
+        print_report(report, saved)
     if eps and not any(e.alive for e in eps) and report["remaining"] > 0:
         raise all_stopped_error(eps, report["remaining"])
+    report["labelled_total"], report["unlabelled"] = saved["labelled"], saved["unlabelled"]
     return report
-
-
-def _model_of(spec: str) -> str:
-    """`hf:default` / `auto:default` / `vllm:/m/x` -> the model part (greedy answers depend on it alone)."""
-    from thinkcraft.llm.registry import parse_spec
-
-    return parse_spec(spec).model
-
-
-def _tracker_report(tr: Tracker, eps: Sequence[Any]) -> dict[str, Any]:
-    dt = max(tr.elapsed_s(), 1e-9)
-    return {
-        "labelled": tr.labelled, "invalid": tr.invalid, "failed": tr.failed,
-        "remaining": tr.total - tr.labelled, "reasked": tr.reasked,
-        "errors": dict(tr.errors), "elapsed_s": round(dt, 3),
-        "items_per_s": tr.labelled / dt, "tokens_per_s": tr.completion_tokens / dt,
-        "prompt_tokens": tr.prompt_tokens, "completion_tokens": tr.completion_tokens,
-        "cached_tokens": tr.cached_tokens,
-        "endpoints": {e.cfg.name: asdict(e.stats) for e in eps},
-        "failures_sample": tr.failures[:20],
-    }
-
-
-def _save_report(out_dir: Path, report: dict[str, Any], tr: Tracker) -> None:
-    atomic_write_json(out_dir / "report.json", report)
-    atomic_write_text(out_dir / "failures.jsonl", "".join(json.dumps(f) + "\n" for f in tr.failures))
-
-
-def print_report(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"label report — {report['out_dir']}", show_header=False)
-    rows = [
-        ("model", report["model"]), ("items in input", report["items_in_input"]),
-        ("duplicates in input", report["duplicates_in_input"]), ("already done (skipped)", report["already_done"]),
-        ("labelled now", report["labelled"]), ("invalid (schema)", report["invalid"]),
-        ("failed (requests)", report["failed"]), ("not labelled", report["remaining"]),
-        ("re-asked", report["reasked"]), ("items/s", f"{report['items_per_s']:.2f}"),
-        ("tokens/s (generated)", f"{report['tokens_per_s']:.1f}"), ("elapsed", f"{report['elapsed_s']:.1f} s"),
-    ]
-    if report["cached_tokens"]:
-        rows.append(("cached prompt tokens", report["cached_tokens"]))
-    for k, v in sorted(report["errors"].items()):
-        rows.append((f"errors: {k}", v))
-    for name, st in report["endpoints"].items():
-        parts = [f"{st['ok']}/{st['requests']} ok", f"{st['items']} items"]
-        for k in ("http_429", "http_5xx", "http_4xx", "timeouts", "connect_errors", "retries", "failed_requests"):
-            if st[k]:
-                parts.append(f"{k} {st[k]}")
-        if st["stopped"]:
-            parts.append(f"[red]STOPPED: {st['stopped']}[/red]")
-        rows.append((f"endpoint {name}", ", ".join(parts)))
-    for k, v in rows:
-        t.add_row(k, str(v))
-    console.print(t)
 
 
 @sigterm_as_interrupt("every finished item is in the journal; run the same command again to continue")
 def run(cfg: LabelConfig) -> int:
-    """CLI entry: 0 when every item is labelled, 1 when some are not (see report.json / failures.jsonl)."""
+    """CLI entry. Exit code: 0 when every item this run attempted got a label; 1 when some stay
+    unlabelled (report.json counts them, failures.jsonl lists them with the raw answer; re-run to retry)."""
     report = label(cfg)
     return 0 if report["remaining"] == 0 else 1
 

@@ -230,6 +230,8 @@ class EndpointStats:
     failed_requests: int = 0
     rate_wait_s: float = 0.0
     stopped: str | None = None
+    structured: bool | None = None
+    """Structured outputs (`response_format`): True = accepted, False = refused (parse and re-ask), None = not asked."""
 
 
 class Endpoint:
@@ -251,9 +253,12 @@ class Endpoint:
         if self.stats.stopped is None:
             self.stats.stopped = reason
 
-    def _request(self, system: str, user: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    def _request(self, system: str, user: str, max_tokens: int, response_format: dict[str, Any] | None = None
+                 ) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": self.cfg.model, **self.sampling, "max_tokens": max_tokens,
                                 **self.cfg.extra_body}
+        if response_format is not None:
+            body["response_format"] = response_format
         if self.cfg.api == "chat":
             content: Any = system
             if self.cfg.cache_control:
@@ -262,9 +267,31 @@ class Endpoint:
             return self.cfg.base_url + "/chat/completions", {**body, "messages": msgs}
         return self.cfg.base_url + "/completions", {**body, "prompt": system + user}
 
-    async def complete(self, system: str, user: str, max_tokens: int) -> Answer:
-        """One answer, with this endpoint's limits and bounded retries; raises EndpointStopped/RequestFailed."""
-        url, body = self._request(system, user, max_tokens)
+    async def complete(self, system: str, user: str, max_tokens: int, response_format: dict[str, Any] | None = None
+                       ) -> Answer:
+        """One answer, with this endpoint's limits and bounded retries; raises EndpointStopped/RequestFailed.
+
+        With `response_format` (structured outputs, chat API only): an endpoint that refuses it (HTTP 400/422
+        before it ever accepted one) is asked again without it, and from then on never with it: its answers
+        are parsed and re-asked instead."""
+        if response_format is None or self.cfg.api != "chat" or self.stats.structured is False:
+            return await self._complete(system, user, max_tokens, None)
+        try:
+            ans = await self._complete(system, user, max_tokens, response_format)
+        except RequestFailed as e:
+            cause = e.__cause__
+            refused = isinstance(cause, HTTPStatusError) and cause.status in (400, 422)
+            if not refused or self.stats.structured:
+                raise
+            self.stats.structured = False
+            self.stats.failed_requests -= 1  # not a failed item: asked again below
+            return await self._complete(system, user, max_tokens, None)
+        self.stats.structured = True
+        return ans
+
+    async def _complete(self, system: str, user: str, max_tokens: int, response_format: dict[str, Any] | None
+                        ) -> Answer:
+        url, body = self._request(system, user, max_tokens, response_format)
         # TPM budgets count prompt + requested tokens; ~4 characters per token until usage says better
         est_tokens = (len(system) + len(user)) / 4.0 + max_tokens
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}

@@ -46,6 +46,19 @@ SHARD_DIR = "shards"
 JOURNAL = "journal.jsonl"
 
 
+def result_row(item: Any, value: Any, text: str, model: str, endpoint: str, prompt_tokens: int,
+               completion_tokens: int, cached_tokens: int, latency_s: float, pack_size: int, attempts: int
+               ) -> dict[str, Any]:
+    """One stored result (the SCHEMA columns but `created_unix_s`) of an item (`.key`, `.row`)."""
+    return {
+        "key": item.key, "row": item.row, "output": text,
+        "parsed_json": json.dumps(value) if not isinstance(value, str) else None,
+        "model": model, "endpoint": endpoint, "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, "latency_s": latency_s,
+        "pack_size": pack_size, "attempts": attempts,
+    }
+
+
 def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
     d = Path(out_dir) / SHARD_DIR
     return sorted(p for p in d.glob("part-*.parquet")) if d.exists() else []

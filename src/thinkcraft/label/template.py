@@ -160,9 +160,17 @@ class Template:
     output: OutputSpec = field(default_factory=OutputSpec)
 
     def __post_init__(self) -> None:
-        names = [f for _, f, _, _ in string.Formatter().parse(self.item) if f is not None]
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(self.item) if f is not None]
+        except ValueError as e:  # "{text" / "text}": unbalanced braces
+            raise UserError(f"template item {self.item!r} is not a valid format string ({e}); write columns as "
+                            "'{column}' and literal braces as '{{' and '}}'") from None
         if not names:
             raise UserError(f"template item {self.item!r} uses no input column; write e.g. '{{text}}'")
+        positional = [n for n in names if not n or n.split(".")[0].split("[")[0].isdigit()]
+        if positional:
+            raise UserError(f"template item {self.item!r} has a positional field '{{{positional[0]}}}'; "
+                            "name an input column, e.g. '{text}'")
 
     @property
     def columns(self) -> list[str]:
@@ -181,6 +189,8 @@ class Template:
             return self.item.format_map(row)
         except KeyError as e:
             raise UserError(f"template item uses column {e.args[0]!r}; the input has {sorted(row)}") from None
+        except (IndexError, AttributeError, ValueError, TypeError) as e:  # "{text[3]}", "{text.x}", "{text:d}"
+            raise UserError(f"template item {self.item!r} cannot be filled from the input: {e}") from None
 
     def digest(self) -> str:
         """Identity of the template for item keys: changing the prompt or output spec relabels."""
@@ -200,22 +210,90 @@ def item_key(prompt: str, model: str, template_digest: str) -> str:
 def load_template(path: str | Path) -> Template:
     """A TOML or JSON file with `prefix`, `item`, and optionally `schema` (object) or `fields` (string)."""
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise UserError(f"--template: {p} does not exist")
-    raw = p.read_text(encoding="utf-8")
-    if p.suffix == ".json":
-        d = json.loads(raw)
-    else:
-        import tomllib
+    try:
+        raw = p.read_text(encoding="utf-8")
+        if p.suffix == ".json":
+            d = json.loads(raw)
+        else:
+            import tomllib
 
-        d = tomllib.loads(raw)
+            d = tomllib.loads(raw)
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        kind = "JSON" if p.suffix == ".json" else "TOML"
+        raise UserError(f"--template {p}: not valid {kind}: {e}") from None
+    if not isinstance(d, dict):
+        raise UserError(f"--template {p}: expected a table/object with prefix, item, schema or fields")
     unknown = set(d) - {"prefix", "item", "schema", "fields"}
     if unknown:
         raise UserError(f"--template {p}: unknown keys {sorted(unknown)} (expected prefix, item, schema, fields)")
+    for k in ("prefix", "item", "fields"):
+        if k in d and not isinstance(d[k], str):
+            raise UserError(f"--template {p}: {k} must be a string, got {type(d[k]).__name__}")
+    if d.get("schema") is not None and d.get("fields"):
+        raise UserError(f"--template {p}: give schema or fields, not both")
     schema = d.get("schema")
     if d.get("fields"):
         schema = schema_from_fields(d["fields"])
+    if schema is not None:
+        check_schema(schema, f"--template {p}: schema")
     return Template(prefix=d.get("prefix", ""), item=d.get("item", "{text}"), output=OutputSpec(schema))
+
+
+def check_schema(schema: Any, where: str = "--schema") -> None:
+    """One-line UserError unless `schema` is an object schema within the subset `validate` checks."""
+    if not isinstance(schema, dict):
+        raise UserError(f"{where}: must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+    if schema.get("type") != "object":
+        raise UserError(f"{where}: the answer must be an object: set \"type\": \"object\" at the top")
+    _check_types(schema, where, "$")
+
+
+def _check_types(schema: Any, where: str, path: str) -> None:
+    if not isinstance(schema, dict):
+        raise UserError(f"{where} at {path}: expected a schema object, got {schema!r}")
+    t = schema.get("type")
+    for name in ([t] if isinstance(t, str) else list(t or [])):
+        if name not in _TYPES:
+            raise UserError(f"{where} at {path}: unsupported type {name!r} (use one of {sorted(_TYPES)})")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise UserError(f"{where} at {path}: properties must be an object")
+    for k, sub in props.items():
+        _check_types(sub, where, f"{path}.{k}")
+    req = schema.get("required", [])
+    if not isinstance(req, list) or any(r not in props for r in req if props):
+        raise UserError(f"{where} at {path}: required must list names from properties")
+    if "items" in schema:
+        _check_types(schema["items"], where, f"{path}[]")
+
+
+def response_format(schema: dict[str, Any], name: str = "label") -> dict[str, Any]:
+    """OpenAI structured outputs for an object schema (also what vLLM's and SGLang's servers accept).
+    `strict` (OpenAI's exact mode) needs every property required and no extra properties: it is on when
+    the schema has every property required, with `additionalProperties: false` added where unset."""
+    import copy
+
+    out = copy.deepcopy(schema)
+    strict = True
+
+    def walk(s: Any) -> None:
+        nonlocal strict
+        if not isinstance(s, dict):
+            return
+        props = s.get("properties")
+        if isinstance(props, dict):
+            if set(s.get("required", [])) != set(props):
+                strict = False
+            s.setdefault("additionalProperties", False)
+            for sub in props.values():
+                walk(sub)
+        if "items" in s:
+            walk(s["items"])
+
+    walk(out)
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": out if strict else schema, "strict": strict}}
 
 
 # --- packing: K items per request ---------------------------------------------------------------

@@ -9,11 +9,14 @@ the batch and across calls while it is unchanged. The full input of item i is `p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from thinkcraft.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from thinkcraft.llm.constrained import StructuredOutput
 
 
 class EngineError(RuntimeError):
@@ -54,6 +57,8 @@ class SamplingParams:
     """Return the sampled tokens' log-probabilities (under the unmodified softmax at temperature 1)."""
     thinking_budget: int | None = None
     """For `<think>` models: after this many thinking tokens, close the thought and ask for the answer."""
+    structured: StructuredOutput | None = None
+    """Constrain the answer to a JSON schema (llm/constrained.py; engines without support ignore it)."""
 
 
 @dataclass

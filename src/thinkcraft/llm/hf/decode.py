@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from thinkcraft.llm.attention import register_decode_attention
+from thinkcraft.llm.constrained import GuideState, start_guide
 from thinkcraft.llm.protocol import Batch, Completion, EngineCapabilityError, SamplingParams
 from thinkcraft.utils.errors import UserError
 
@@ -105,6 +106,24 @@ def choose(
         z = top_p_filter(z, sampling.top_p)
     probs = torch.softmax(z, dim=-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1), logp
+
+
+def _sample(
+    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None, guide: GuideState | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`choose`, under the structured-output constraint when there is one (disallowed tokens masked)."""
+    if guide is None:
+        return choose(logits, sampling, gen)
+    return guide.choose(logits, lambda z: choose(z, sampling, gen), sampling.logprobs)
+
+
+def _guide_finished(guide: GuideState | None, tok: torch.Tensor) -> bool:
+    """Structured outputs: the matchers accept this step's tokens (before the next forward is queued); True
+    when every answer had already ended, so this step is all padding and the loop stops before counting it."""
+    if guide is None:
+        return False
+    guide.advance(tok)
+    return guide.finished
 
 
 class DecodeMixin:
@@ -199,6 +218,7 @@ class DecodeMixin:
         logits = self._model_forward(rows.ids, step_mask(t), pos, cache, decode=False)
         t1 = self._clock()
         next_pos = pos[:, -1:] + 1
+        guide = start_guide(sampling, self.tokenizer, self.eos_ids, logits)  # structured outputs (constrained.py)
 
         def step(tok: torch.Tensor, i: int) -> torch.Tensor:  # the cache holds t + i tokens; this step adds one
             nonlocal next_pos
@@ -210,9 +230,9 @@ class DecodeMixin:
         # loop stays on the device (no per-step sync, EOS handled by a mask) so the GPU can run ahead.
         host = sampling.thinking_budget is not None or bool(sampling.stop)
         if host:
-            out = self._steps_on_host(logits, step, sampling, gen, states)
+            out = self._steps_on_host(logits, step, sampling, gen, states, guide)
         else:
-            out = self._steps_on_device(logits, step, sampling, gen)
+            out = self._steps_on_device(logits, step, sampling, gen, guide)
         return self._completions(states, out, sampling, host, t_prefill=(t0, t1))
 
     def _start_states(self, prompts: list[list[int]], budget: int | None) -> list[_SeqState]:
@@ -270,7 +290,8 @@ class DecodeMixin:
     # --- the step loop -----------------------------------------------------------------------------------
 
     def _steps_on_device(
-        self, logits: torch.Tensor, step: StepFn, sampling: SamplingParams, gen: torch.Generator | None
+        self, logits: torch.Tensor, step: StepFn, sampling: SamplingParams, gen: torch.Generator | None,
+        guide: GuideState | None = None,
     ) -> _Steps:
         """Sample until max_new_tokens or every row hit EOS, without syncing per step: finished rows are
         padded by a mask; whether all are done is read back every 16 steps."""
@@ -281,9 +302,11 @@ class DecodeMixin:
         eos = torch.tensor(sorted(self.eos_ids) or [-1], device=self.device)
         steps = 0
         for i in range(new):
-            tok, logp = choose(logits, sampling, gen)
+            tok, logp = _sample(logits, sampling, gen, guide)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             toks[:, i] = tok
+            if _guide_finished(guide, tok):
+                break
             if sampling.logprobs:
                 lps[:, i] = logp.gather(1, tok[:, None]).squeeze(1)
             steps = i + 1
@@ -295,7 +318,7 @@ class DecodeMixin:
 
     def _steps_on_host(
         self, logits: torch.Tensor, step: StepFn, sampling: SamplingParams, gen: torch.Generator | None,
-        states: list[_SeqState],
+        states: list[_SeqState], guide: GuideState | None = None,
     ) -> _Steps:
         """Sample with per-row host logic each step (one device->host copy, edited, copied back): forced
         thinking-close tokens, thinking-token counts, EOS and stop strings (`states` are updated)."""
@@ -306,11 +329,13 @@ class DecodeMixin:
         lps = torch.zeros((b, new), dtype=torch.float32, device=self.device)
         steps = 0
         for i in range(new):
-            tok, logp = choose(logits, sampling, gen)
+            tok, logp = _sample(logits, sampling, gen, guide)
             tok_list = tok.tolist()
             self._host_step(states, tok_list, budget, close_ids)
             tok = torch.tensor(tok_list, dtype=torch.long, device=self.device)
             toks[:, i] = tok
+            if _guide_finished(guide, tok):
+                break
             if sampling.logprobs:
                 lps[:, i] = logp.gather(1, tok[:, None]).squeeze(1)
             steps = i + 1

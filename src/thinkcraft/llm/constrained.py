@@ -1,0 +1,273 @@
+"""Structured outputs: decoding constrained to a JSON schema, valid by construction.
+
+The grammar engine is xgrammar (what vLLM and SGLang use; Dong et al. 2024, "XGrammar: Flexible and
+Efficient Structured Generation Engine for Large Language Models"). A schema is compiled once per
+tokenizer (vocabulary, stop tokens) into a token-level pushdown automaton; each row of a batch keeps a
+matcher (its position in the grammar). Every decode step:
+
+    mask = state.fill_mask()       # one batched call: allowed next tokens of every live row (bitmask)
+    state.apply(logits)            # disallowed tokens -> -inf, in place, one kernel
+    tok = sample(logits)
+    state.advance(tok)             # one batched call: each live row's matcher accepts its token
+
+After the object closes the grammar allows only the stop tokens, so a row ends right after `}` with
+EOS, and every finished row parses. Rows whose token the matcher rejects (a token the engine forced,
+or a pad after the engine ended the row on its own) are dropped from the constraint and counted in
+`rejected`, never crash the batch.
+
+On CUDA the sampled tokens come back through pinned memory after an event, recorded before the next
+forward is queued: the host fills the next mask while the GPU runs that forward (the overlap vLLM's
+structured-output backend uses), so the only per-step cost on the device is the mask copy and kernel.
+
+Engines read `SamplingParams.structured` (a `StructuredOutput`) and hook a `GuideState` into their
+decode loop (see `hf.py`, lines marked "structured outputs"). `logprobs="constrained"` makes the
+engine report log-probs of the masked, renormalised distribution the token was sampled from;
+"model" (default) keeps the unmodified softmax, like unconstrained decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from thinkcraft.utils.errors import UserError
+
+INSTALL_HINT = "structured outputs need xgrammar: pip install xgrammar"
+JSON_SEPARATORS = (", ", ": ")
+"""The one JSON layout constrained answers take (compact, `json.dumps` default separators): no free
+whitespace, so a model cannot spend its token budget on blanks."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a constrained answer must be (the engine-independent request; hashable, so compiled
+    grammars are cached by it)."""
+
+    json_schema: str
+    """A JSON Schema (as JSON text) the answer must satisfy; the answer is one compact JSON value."""
+    logprobs: Literal["model", "constrained"] = "model"
+    """Reported log-probs: "model" = log softmax of the unmodified logits (as without a constraint);
+    "constrained" = of the masked, renormalised distribution the token was actually sampled from."""
+
+    @classmethod
+    def from_schema(cls, schema: Mapping[str, Any], logprobs: Literal["model", "constrained"] = "model"
+                    ) -> "StructuredOutput":
+        return cls(json.dumps(schema, sort_keys=True), logprobs)
+
+    def __post_init__(self) -> None:
+        if self.logprobs not in ("model", "constrained"):
+            raise UserError(f"StructuredOutput.logprobs must be 'model' or 'constrained', got {self.logprobs!r}")
+
+
+def _xgr() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise UserError(INSTALL_HINT) from None
+    return xgrammar
+
+
+def check_schema(schema: Mapping[str, Any] | str) -> None:
+    """Raise a one-line UserError if xgrammar cannot build a grammar from this schema (no tokenizer
+    needed: callers run it before loading a model)."""
+    xgr = _xgr()
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/InvalidJSONError
+        msg = str(e).strip().splitlines()
+        raise UserError(f"schema cannot be turned into a grammar: {msg[0] if msg else type(e).__name__}") from None
+
+
+class CompiledGuide:
+    """A schema compiled for one tokenizer + vocabulary size + stop tokens (build with `compile_guide`)."""
+
+    def __init__(self, compiled: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+        self.stop_ids = np.asarray(sorted(stop_ids), dtype=np.int64)
+
+    def start(self, rows: int, device: torch.device | str, logprobs: str = "model") -> "GuideState":
+        """Fresh matchers for a batch of `rows` sequences whose logits live on `device`."""
+        return GuideState(self, rows, torch.device(device), logprobs)
+
+
+@dataclass
+class _CompilerEntry:
+    tokenizer: Any
+    """A weak reference to the tokenizer the compiler was built for (ids of dead objects get reused)."""
+    compiler: Any
+    guides: "OrderedDict[str, CompiledGuide]"
+
+
+_COMPILERS: "OrderedDict[tuple, _CompilerEntry]" = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def _lru_put(cache: OrderedDict, key: Any, value: Any) -> Any:
+    cache[key] = value
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
+
+
+def compile_guide(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int], spec: StructuredOutput) -> CompiledGuide:
+    """Compile `spec` for this tokenizer; cached (the tokenizer's vocabulary scan and the schema compile
+    run once per tokenizer / schema, not per call). `vocab_size` is the model's logits width (it may
+    exceed the tokenizer's: padded LM heads), `stop_ids` the engine's EOS ids."""
+    import weakref
+
+    xgr = _xgr()
+    stops = tuple(sorted(int(s) for s in stop_ids))
+    ckey = (id(tokenizer), int(vocab_size), stops)
+    entry = _COMPILERS.get(ckey)
+    if entry is None or entry.tokenizer() is not tokenizer:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=int(vocab_size), stop_token_ids=list(stops))
+        entry = _lru_put(_COMPILERS, ckey, _CompilerEntry(weakref.ref(tokenizer), xgr.GrammarCompiler(info),
+                                                          OrderedDict()))
+    _COMPILERS.move_to_end(ckey)
+    guide = entry.guides.get(spec.json_schema)
+    if guide is None:
+        try:
+            compiled = entry.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,
+                                                          separators=JSON_SEPARATORS)
+        except Exception as e:  # noqa: BLE001 - see check_schema
+            msg = str(e).strip().splitlines()
+            raise UserError(f"schema cannot be turned into a grammar: {msg[0] if msg else type(e).__name__}") from None
+        guide = _lru_put(entry.guides, spec.json_schema, CompiledGuide(compiled, int(vocab_size), stops))
+    return guide
+
+
+def start_guide(sampling: Any, tokenizer: Any, stop_ids: Sequence[int], logits: torch.Tensor) -> "GuideState | None":
+    """The engine hook: matcher state for a decode batch whose first logits are `logits` (rows, V), or
+    None when `sampling.structured` is unset."""
+    spec: StructuredOutput | None = sampling.structured
+    if spec is None:
+        return None
+    guide = compile_guide(tokenizer, logits.shape[-1], stop_ids, spec)
+    return guide.start(logits.shape[0], logits.device, spec.logprobs)
+
+
+class GuideState:
+    """Per-batch matcher state: `fill_mask`, `apply`, `advance`, `is_done` (see the module docstring)."""
+
+    def __init__(self, guide: CompiledGuide, rows: int, device: torch.device, logprobs: str = "model") -> None:
+        xgr = _xgr()
+        self._xgr = xgr
+        self.guide = guide
+        self.device = device
+        self.logprobs = logprobs
+        self.matchers = [xgr.GrammarMatcher(guide.compiled) for _ in range(rows)]
+        self.live = np.ones(rows, dtype=bool)
+        """Rows still under the constraint (not terminated, not dropped)."""
+        self.terminated = np.zeros(rows, dtype=bool)
+        """Rows whose matcher accepted a stop token after a complete value: finished, valid."""
+        self.rejected = 0
+        """Tokens a matcher refused (forced/pad tokens); their rows leave the constraint."""
+        self._batch = xgr.BatchGrammarMatcher()
+        cuda = device.type == "cuda"
+        self._mask_host = xgr.allocate_token_bitmask(rows, guide.vocab_size)
+        if cuda:
+            self._mask_host = self._mask_host.pin_memory()
+        self._mask_dev = self._mask_host.to(device) if cuda else self._mask_host
+        self._tok_host = torch.zeros(rows, dtype=torch.long, pin_memory=cuda)
+        self._tok_ready: torch.cuda.Event | None = None
+        self._pending = False
+        self._backend = "auto"
+
+    # --- the per-step calls -----------------------------------------------------------------------
+
+    def fill_mask(self) -> torch.Tensor:
+        """The (rows, ceil(V/32)) int32 bitmask of allowed next tokens, on the logits' device: one
+        batched xgrammar call for the live rows (rows out of the constraint allow every token)."""
+        self._accept_pending()
+        idx = np.flatnonzero(self.live)
+        if len(idx):
+            self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in idx], self._mask_host,
+                                                      idx.tolist())
+        if self._mask_dev is not self._mask_host:
+            self._mask_dev.copy_(self._mask_host, non_blocking=True)
+        return self._mask_dev
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask `logits` (rows, V) in place: tokens the grammar disallows get -inf."""
+        mask = self.fill_mask()
+        try:
+            self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], backend=self._backend)
+        except ImportError:  # no Triton on this CUDA install: xgrammar's plain-torch kernel
+            self._backend = "torch_native"
+            self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], backend=self._backend)
+        return logits
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Record this step's token of every row ((rows,) on the logits' device); the matchers accept
+        them before the next mask. On CUDA the copy is asynchronous: call this before queueing the next
+        forward, so the host work overlaps it."""
+        if self.device.type == "cuda":
+            self._tok_host.copy_(tokens, non_blocking=True)
+            self._tok_ready = torch.cuda.Event()
+            self._tok_ready.record()
+        else:
+            self._tok_host.copy_(tokens)
+        self._pending = True
+
+    def choose(self, logits: torch.Tensor, choose_fn: Any, want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`choose_fn(masked logits) -> (token, log-probs)` (the engine's sampler) under the constraint;
+        the log-probs are the model's unmodified ones unless the spec asks for the constrained ones."""
+        model_logp = torch.log_softmax(logits, dim=-1) if want_logprobs and self.logprobs == "model" else None
+        tok, logp = choose_fn(self.apply(logits))
+        return tok, (model_logp if model_logp is not None else logp)
+
+    @property
+    def finished(self) -> bool:
+        """Every row's answer ended (as of the tokens accepted so far: the engine learns it one step late,
+        without waiting for the device)."""
+        return bool(self.terminated.all())
+
+    def is_done(self, row: int) -> bool:
+        """Has this row's answer ended (complete value + stop token)?"""
+        self._accept_pending()
+        return bool(self.terminated[row])
+
+    def all_done(self) -> bool:
+        self._accept_pending()
+        return not self.live.any()
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _accept_pending(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        if self._tok_ready is not None:
+            self._tok_ready.synchronize()
+        idx = np.flatnonzero(self.live)
+        if not len(idx):
+            return
+        toks = self._tok_host.numpy()[idx]
+        ok = np.asarray(self._batch.batch_accept_token([self.matchers[i] for i in idx], toks.tolist()), dtype=bool)
+        if not ok.all():
+            bad = idx[~ok]
+            self.rejected += len(bad)
+            self.live[bad] = False
+            self._mask_host[bad] = -1  # every token allowed again: the engine decides for these rows
+        stopped = idx[ok & np.isin(toks, self.guide.stop_ids)]
+        for i in stopped:  # a stop token is only accepted once the value is complete
+            if self.matchers[i].is_terminated():
+                self.terminated[i] = True
+                self.live[i] = False
+                self._mask_host[i] = -1
+
+
+def constrained_log_softmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Reference for tests: log-softmax over the tokens a (rows, ceil(V/32)) int32 bitmask allows
+    (bit j of word w = token 32w + j), -inf elsewhere."""
+    v = logits.shape[-1]
+    bits = (bitmask.to(torch.int64)[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :v].bool()
+    return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
