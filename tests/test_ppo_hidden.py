@@ -247,6 +247,7 @@ def test_refresh_token_path_equals_tokenizing_the_rendered_text():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
 def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     """--engine-device cuda:1: the LLM's output lands on JAX's first device (torch peer copy + DLPack)."""
     torch = pytest.importorskip("torch")
@@ -260,6 +261,7 @@ def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     np.testing.assert_allclose(np.asarray(x), h.cpu().numpy())
 
 
+@pytest.mark.gpu
 def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
     if not torch.cuda.is_available() or jax.devices()[0].platform != "gpu":
         pytest.skip("needs a CUDA GPU visible to both torch and JAX (none here)")

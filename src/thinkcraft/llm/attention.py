@@ -46,8 +46,8 @@ def probe_gqa_native(device: torch.device | str) -> bool:
     kind = torch.device(device).type
     if kind not in _GQA_NATIVE:
         dt = torch.bfloat16 if kind == "cuda" else torch.float32
-        q = torch.randn(1, 4, 3, 16, device=device, dtype=dt)
-        k = torch.randn(1, 2, 5, 16, device=device, dtype=dt)
+        q = torch.randn(1, 4, 3, 16, device=device, dtype=dt, generator=torch.Generator(device).manual_seed(0))
+        k = torch.randn(1, 2, 5, 16, device=device, dtype=dt, generator=torch.Generator(device).manual_seed(1))
         kernel = _kernel(q)
         ok = False
         if kernel in ("cuda:flash", "cpu:flash"):

@@ -9,8 +9,10 @@ Semantics that differ from a plain reading, each as the API it copies does it:
 - `temperature` in [0, 2] (OpenAI's range; SGLang: >= 0); below 1e-5 it is greedy (vLLM's epsilon: a
   smaller one overflows the logits). `top_p` in (0, 1]: 0 would keep no token (use temperature 0).
 - Fields that would change the output but are not implemented (penalties, `logit_bias`, `echo`,
-  `suffix`, `best_of` > n, tools, a non-text `response_format`, images) are a 400 saying so, not
-  silently ignored; unknown fields are a 400 ("Unrecognized request argument"), as OpenAI does.
+  `suffix`, `best_of` > n, tools, images) are a 400 saying so, not silently ignored; unknown fields are a
+  400 ("Unrecognized request argument"), as OpenAI does.
+- Chat `response_format` {"type": "json_schema" | "json_object"} (OpenAI structured outputs) constrains
+  decoding to the schema (xgrammar, llm/constrained.py): the answer parses by construction.
 - Extensions (thinkcraft): `return_token_ids`, `thinking_budget`, `chat_template_kwargs`.
 """
 
@@ -179,11 +181,15 @@ class _OpenAIRequest(BaseModel):
     def thinking_field(self) -> tuple[str, int | None]:
         return "thinking_budget", self.thinking_budget
 
+    def structured_output(self) -> Any:
+        """The answer's constraint (chat's `response_format`); None: free text."""
+        return None
+
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=_effective_temperature(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p), stop=self.stop, n=self.samples, seed=self.seed,
-            logprobs=True, thinking_budget=self.thinking_budget,
+            logprobs=True, thinking_budget=self.thinking_budget, structured=self.structured_output(),
         )
 
 
@@ -261,12 +267,39 @@ class ChatRequest(_OpenAIRequest):
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError("tool_choice is not supported by thinkcraft serve", "tool_choice",
                                code="unsupported_parameter")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise RequestError('only response_format {"type": "text"} is supported by thinkcraft serve',
-                               "response_format", code="unsupported_parameter")
+        self.structured_output()  # a malformed response_format is a 400 naming it
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise RequestError("max_tokens and max_completion_tokens differ: give one", "max_tokens")
+
+    def structured_output(self) -> Any:
+        """`response_format` as the engine's constraint (llm.constrained.StructuredOutput), or None for text.
+        OpenAI's structured outputs: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
+        {"type": "json_object"} = any JSON object. Decoding is constrained by the schema (xgrammar), so the
+        answer parses by construction."""
+        rf = self.response_format
+        if rf is None or rf == {"type": "text"}:
+            return None
+        from thinkcraft.llm.constrained import StructuredOutput, check_schema
+        from thinkcraft.utils.errors import UserError
+
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema: Any = {"type": "object"}
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("response_format.json_schema.schema must be a JSON Schema object",
+                                   "response_format.json_schema.schema")
+        else:
+            raise RequestError('response_format.type must be "text", "json_object" or "json_schema"',
+                               "response_format.type")
+        try:
+            check_schema(schema)
+        except UserError as e:
+            raise RequestError(f"response_format: {e}", "response_format.json_schema.schema") from None
+        return StructuredOutput.from_schema(schema)
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:

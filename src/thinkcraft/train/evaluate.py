@@ -41,6 +41,37 @@ class EvalConfig:
         check(self.num_envs > 0, "num_envs", "must be > 0")
         check(self.steps_per_call > 0, "steps_per_call", "must be > 0")
         check(self.seed_index >= 0, "seed_index", "must be >= 0")
+        check_evaluable(self.run_dir)
+
+
+def check_evaluable(run_dir: str | Path) -> None:
+    """Refuse, in milliseconds and before JAX or craftax load, a directory that is not a `train ppo` run with
+    a checkpoint: missing, no config.json (not a run dir), another command's run, or no checkpoint yet."""
+    from thinkcraft.train.ppo import PPOConfig
+
+    d = Path(run_dir)
+    what = "`thinkcraft eval` takes the run directory of a `thinkcraft train ppo` run"
+    if not d.is_dir():
+        raise UserError(f"{d}: no such directory; {what}")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{d} is not a run directory (no config.json); {what}")
+    try:
+        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{cfg_path} cannot be read ({e}); {what}") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{cfg_path} is not a run config (a JSON object); {what}")
+    extra = set(saved) - {f.name for f in dataclasses.fields(PPOConfig)} - {"_derived"}
+    if extra or "env_name" not in saved:
+        kind = "llm-policy" if "algo" in saved else "ppo-hidden" if "skip_n" in saved else None
+        raise UserError(f"{d} is {f'a `train {kind}` run' if kind else 'a run of another command'}, not a `train ppo` run; "
+                        f"{what}")
+    from thinkcraft.train.checkpoint import has_checkpoint
+
+    if not has_checkpoint(d):  # verified checkpoints: checkpoint/<update>/params.msgpack, named by latest.json
+        raise UserError(f"{d} has no checkpoint (checkpoint/latest.json): the run stopped before its first one, "
+                        f"so there is nothing to evaluate")
 
 
 def load_ppo_policy(run_dir: str | Path, num_envs: int, seed_index: int = 0):
@@ -102,8 +133,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     from thinkcraft.utils.progress import RunProgress, console
 
     run_dir = Path(cfg.run_dir)
-    if not (run_dir / "config.json").exists():
-        raise UserError(f"{run_dir} is not a run directory (no config.json)")
+    check_evaluable(run_dir)  # again: run() may be called without the CLI
     enable_compilation_cache()
     env, network, params, tcfg = load_ppo_policy(run_dir, cfg.num_envs, cfg.seed_index)
     act, after_step, memory = make_actor(network, params, tcfg, cfg.greedy)

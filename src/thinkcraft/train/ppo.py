@@ -245,7 +245,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     from thinkcraft.rl.seeds import init_seeds, over_seeds, seeds_template, split_seeds
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.jaxcache import enable_compilation_cache
-    from thinkcraft.utils.progress import console
+    from thinkcraft.utils.progress import console, fmt_value
 
     session = TrainSession(cfg, "ppo", shape_fields=SHAPE_FIELDS, defaults=PPOConfig(),
                            total_steps=lambda c: c.num_updates * c.batch_size, title=lambda c: f"PPO {c.env_name}")
@@ -303,7 +303,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         summary.update({"update": update, "env_steps": update * cfg.batch_size})
         console.print(
             f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps{seeds}; "
-            f"return {summary.get('episode/return', float('nan')):.2f}{' (mean over seeds)' if S > 1 else ''}; "
+            f"return {fmt_value(summary.get('episode/return', float('nan')))}{' (mean over seeds)' if S > 1 else ''}; "
             f"sps {summary.get('sps', 0):,.0f}; run dir {session.run_dir}", soft_wrap=True)
     return summary
 

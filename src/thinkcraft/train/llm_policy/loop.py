@@ -164,7 +164,9 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
     if writer is not None:
         with timer.phase("store"):
             for e in episodes:
-                writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step)
+                # stored under the learner step this batch trains (1-based, as metrics.jsonl counts steps);
+                # policy_version (the weights that sampled it) is `step`
+                writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step + 1)
     # 4. train
     with timer.phase("train"):
         scores, groups = row_scores_and_groups(episodes, cfg.gamma, cfg.max_turns)
@@ -223,5 +225,5 @@ def _open_store(cfg: LLMPolicyConfig, run_dir: Path, start_step: int) -> Any:
     from thinkcraft.data.writer import TrajectoryWriter, drop_partitions_from
 
     run = re.sub(r"[^A-Za-z0-9._-]", "-", run_dir.name) or "run"
-    drop_partitions_from(run_dir / "trajectories", run, start_step)
+    drop_partitions_from(run_dir / "trajectories", run, start_step + 1)  # learner steps after the checkpoint
     return TrajectoryWriter(run_dir / "trajectories", run=run, max_per_file=1024, max_seconds=30.0)
