@@ -261,6 +261,7 @@ def test_green_context_api() -> None:
     assert callable(getattr(green_contexts.GreenContext, "Stream", None)), compat.broken("green_context", "no .Stream()")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA attention ops and green contexts need a GPU (none here)")
 def test_cuda_entries_run_and_agree_with_the_reference() -> None:
     torch.manual_seed(0)
@@ -284,3 +285,33 @@ def test_cuda_entries_run_and_agree_with_the_reference() -> None:
         x = torch.ones(1024, device="cuda").sum()
     stream.synchronize()
     assert x.item() == 1024
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lm_head_and_norm_after_the_layers_give_the_models_logits(arch: str) -> None:
+    """The continuous-batching decode runs the layers itself, then the final norm and `lm_head`: that must be
+    the model's own logits."""
+    model, _ = _model(arch)
+    dec = compat.decoder_of(model)
+    ids = _ids(1)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        h = dec.embed_tokens(ids)
+        pe = compat.rotary(dec, h, pos)
+        for layer in dec.layers:
+            h = compat.call_layer(layer, h, pos, pe, None)
+        got = compat.lm_head(model)(dec.norm(h))
+        want = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                               msg=compat.broken("lm_head", "norm + get_output_embeddings() != the model's logits"))
+    with pytest.raises(UserError, match="lm_head"):
+        compat.lm_head(torch.nn.Linear(2, 2))
+
+
+def test_mark_static_address_tags_the_tensor_for_dynamo() -> None:
+    """torch 2.13 records the tag as `_dynamo_static_input_type` on the tensor (what dynamo reads to keep the
+    buffer's address in a CUDA graph instead of copying it)."""
+    t = torch.zeros(4, 3)
+    compat.mark_static_address(t)
+    assert getattr(t, "_dynamo_static_input_type", None) is not None, \
+        compat.broken("mark_static_address", "torch._dynamo no longer tags the tensor (_dynamo_static_input_type)")

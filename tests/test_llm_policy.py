@@ -117,8 +117,8 @@ class CountdownEnv:
     def active_indices(self):
         return [i for i, d in enumerate(self.done) if not d]
 
-    def step(self, actions):
-        active = self.active_indices()
+    def step(self, actions, indices=None):
+        active = self.active_indices() if indices is None else list(indices)
         obs, rew, term = [], [], []
         for i, a in zip(active, actions):
             self.t[i] += 1

@@ -134,9 +134,9 @@ class _CountingEngine:
 
 @pytest.mark.slow
 def test_ppo_hidden_rnn_num_seeds_encodes_all_seeds_in_one_call_and_equals_single_run(tmp_path):
-    """ppo-hidden with --policy rnn --num-seeds 2: each refresh is one engine call on both seeds' envs,
-    and seed 1 equals the single run with seed + 1 (the LLM's hidden states of the same text are the same
-    up to float rounding whatever batch they are computed in)."""
+    """ppo-hidden with --policy rnn --num-seeds 2: each refresh is one engine call on both seeds' envs and
+    reset pools, and seed 1 equals the single run with seed + 1 (the LLM's hidden states of the same text are
+    the same up to float rounding whatever batch they are computed in). --overlap runs with seeds too."""
     import torch
 
     from thinkcraft.llm.hf import HFEngine
@@ -148,9 +148,18 @@ def test_ppo_hidden_rnn_num_seeds_encodes_all_seeds_in_one_call_and_equals_singl
     common = dict(env_name="craftax-classic", num_envs=2, num_steps=8, skip_n=4, layer_width=16, hidden_proj_dim=8,
                   num_minibatches=2, optimistic_reset_ratio=1, total_timesteps=32, policy="rnn", plot=False)
     multi = _CountingEngine(engine)
-    run(PPOHiddenConfig(**common, seed=0, num_seeds=2, run_dir=str(tmp_path / "multi")), engine=multi)
-    assert multi.batch_sizes == [2 * 2] * 4  # 2 updates × 2 refreshes, each on 2 seeds × 2 envs
+    cfg = PPOHiddenConfig(**common, seed=0, num_seeds=2, run_dir=str(tmp_path / "multi"))
+    rows = cfg.num_envs + cfg.pool_size  # each seed's envs and its reset pool's worlds
+    run(cfg, engine=multi)
+    assert multi.batch_sizes == [2 * rows] * 4  # 2 updates × 2 refreshes, each on both seeds
     single = _CountingEngine(engine)
     run(PPOHiddenConfig(**common, seed=1, run_dir=str(tmp_path / "single")), engine=single)
-    assert single.batch_sizes == [2] * 4
+    assert single.batch_sizes == [rows] * 4
     _check_seed_equals_single(tmp_path / "multi", tmp_path / "single", seed_index=1, num_seeds=2)
+
+    # overlapped refreshes: the first call also encodes the next interval's pool, the later ones run in the worker
+    overlap = _CountingEngine(engine)
+    run(PPOHiddenConfig(**common, seed=0, num_seeds=2, overlap=True, run_dir=str(tmp_path / "overlap")), engine=overlap)
+    assert overlap.batch_sizes == [2 * (rows + cfg.pool_size)] + [2 * rows] * 3
+    recs = _records(tmp_path / "overlap")
+    assert sorted(r["seed_index"] for r in recs) == [0, 0, 1, 1] and all(r["hidden/valid_frac"] == 1 for r in recs)

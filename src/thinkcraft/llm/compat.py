@@ -185,7 +185,26 @@ def splits_at_mlp(layer: torch.nn.Module) -> bool:
     return {n for n, _ in layer.named_children()} == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 
 
+def lm_head(lm: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM's output projection, `get_output_embeddings()` (transformers 5.24.0; `lm_head` for
+    Llama/Qwen): the continuous-batching decode runs the decoder layers itself (`call_layer`), then the final
+    norm and this head. Models that post-process logits (Gemma-2's soft-capping) are not supported there."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None:
+        raise UserError(broken("lm_head", f"{type(lm).__name__} exposes no output embeddings (LM head)"))
+    return head
+
+
 # --- torch: private attributes and ops -----------------------------------------------------------------------
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """Tell torch.compile that `t` keeps its storage for the process's life (`torch._dynamo.mark_static_address`,
+    torch 2.1-2.13.0, what transformers' StaticCache does): a compiled decode step with CUDA graphs then mutates
+    the slot KV buffers in place instead of copying them into the graph's own inputs (or skipping the graph)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(t)
 
 
 def weights_version(params: Any) -> int:

@@ -104,7 +104,7 @@ def _identity_policy_input(obs: jax.Array, aux: Any) -> Any:
     return obs
 
 
-def _keep_aux(aux: Any, done: jax.Array) -> Any:
+def _keep_aux(aux: Any, done: jax.Array, env_state: Any) -> Any:
     return aux
 
 
@@ -113,12 +113,13 @@ def make_rollout(
     apply_fn: Callable,
     num_steps: int,
     policy_input: Callable[[jax.Array, Any], Any] = _identity_policy_input,
-    aux_after_step: Callable[[Any, jax.Array], Any] = _keep_aux,
+    aux_after_step: Callable[[Any, jax.Array, Any], Any] = _keep_aux,
 ) -> Callable[[Any, RolloutState], tuple[RolloutState, Transition, EpisodeStats]]:
     """`rollout(params, state) -> (state, traj (T, N, ...), episode stats summed over the T steps)`.
 
-    `policy_input(obs, aux)` builds the network input; `aux_after_step(aux, done)` advances the carried
-    extra input after each env step (e.g. age a hidden state, mask it when its episode ended). A recurrent
+    `policy_input(obs, aux)` builds the network input; `aux_after_step(aux, done, env_state)` advances the
+    carried extra input after each env step, given the step's new env state (e.g. age a hidden state, mask
+    it when its episode ended, or take the hidden state of the world the env reset into). A recurrent
     policy's memory (`state.memory`) is advanced by the network and reset where `done`.
     """
 
@@ -130,7 +131,7 @@ def make_rollout(
         action = pi.sample(seed=k_act)
         log_prob = pi.log_prob(action)
         obs, env_state, reward, done, info = env.step(k_env, rs.env_state, action)
-        aux = aux_after_step(rs.aux, done)
+        aux = aux_after_step(rs.aux, done, env_state)
         if memory is not None:
             memory = memory._replace(reset=done)
         tr = Transition(x, action, log_prob, value, reward, done)

@@ -157,8 +157,9 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
 
     t_step = time.perf_counter()
     # 1-2. rollout (generate + env)
+    roll_metrics: dict[str, float] = {}
     episodes = rollout(p.env, p.engine, p.tokenizer, _step_seeds(cfg, step, carry.v_star), cfg.samples_per_prompt,
-                       p.sampling, cfg.history_turns, timer, gen_context=p.learner.autocast)
+                       p.sampling, cfg.history_turns, timer, gen_context=p.learner.autocast, metrics=roll_metrics)
     turns = [t for e in episodes for t in e.turns]
     # 3. store
     if writer is not None:
@@ -180,7 +181,7 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
         loss_stats = p.learner.update(rows, v_star=None if v_rows is None else v_rows.to(p.learner.device))
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
     rec.update({"policy_version": step + 1, "advantage/abs_mean": float(adv.values.abs().mean()), **loss_stats,
-                **timer.metrics()})
+                **roll_metrics, **timer.metrics()})
     return rec, carry._replace(baseline=adv.baseline)
 
 

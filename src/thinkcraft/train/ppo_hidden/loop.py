@@ -92,14 +92,17 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update) and the hidden-state source
     kernels = build_kernels(cfg, env, network)
     src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer)
-    console.print(f"ppo-hidden: {cfg.num_envs} envs{f' × {S} seeds' if S > 1 else ''}, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
+    seeds = f" × {S} seeds" if S > 1 else ""
+    console.print(f"ppo-hidden: {cfg.num_envs} envs{seeds}, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
                   f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
-                  f"{', overlap' if cfg.overlap else ''}")
+                  f"{', overlap' if cfg.overlap else ''}; "
+                  + (f"resets draw from a pool of {cfg.pool_size} worlds per refresh" if cfg.pool_size
+                     else "hidden input masked after a reset until the next refresh (no reset pool)"))
 
     # 4. updates: windows (each after the schedule's refresh), the PPO update, log, checkpoint
     session.summary["hidden_size"] = H
     try:
-        with make_schedule(cfg, src, kernels.install, engine) as schedule:
+        with make_schedule(cfg, src, kernels, engine) as schedule:
             return _train(cfg, session, state, kernels, schedule)
     except EngineFailed as e:
         raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
@@ -228,6 +231,9 @@ def _update_metrics(cfg: PPOHiddenConfig, timer: Any, wall: float, metrics: dict
             "hidden/valid_frac": float(np.mean([i["valid"] for i in seed_infos])),
             "hidden/norm_count": float(norm_count),
         })
+        if cfg.pool_size and rec.get("episode/count") is not None:
+            # resets per refresh interval / pool worlds: > 1 means worlds were shared (rl/hidden.py)
+            rec["hidden/pool_draws_per_world"] = rec["episode/count"] * cfg.skip_n / cfg.num_steps / cfg.pool_size
         recs.append(rec)
     return recs
 
