@@ -128,7 +128,7 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
         pool_hidden = hidden[N:] if P else None
         return _window(_install(state, hidden[:N], 0, jnp.ones((N,), bool), pool_hidden))
 
-    def _update(state: HiddenRunner, trajs: tuple, memory: Any):
+    def _update(state: HiddenRunner, trajs: tuple, memory: Any = None):
         r = state.runner
         traj = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trajs)
         ts = r.train_state
