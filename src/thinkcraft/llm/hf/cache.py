@@ -16,7 +16,7 @@ import torch
 
 from thinkcraft.llm import compat
 from thinkcraft.llm.hf.guides import SlotGuides
-from thinkcraft.llm.hf.rows import RowState, ThinkTokens, advance_and_place
+from thinkcraft.llm.hf.rows import RowState, Step, ThinkTokens, advance_and_place_flat, unflatten_step
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import SlotKV
 from thinkcraft.llm.protocol import GenerationRequest
@@ -171,7 +171,12 @@ class CacheMixin:
         self._iter = self._collected = 0
         self._think_key: Any = None
         self._step_fn = self._compiled_step() if self.compile_step else self._forward_last
-        self._advance = _compiled(advance_and_place, "decode bookkeeping") if self.compile_step else advance_and_place
+        flat = _compiled(advance_and_place_flat, "decode bookkeeping") if self.compile_step else advance_and_place_flat
+
+        def advance(st: RowState, tok: torch.Tensor, think: ThinkTokens, scratch_col: int) -> Step:
+            return unflatten_step(flat(tuple(st), tok, tuple(think), scratch_col))
+
+        self._advance = advance
 
     def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> int:
         """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default half the free

@@ -9,7 +9,7 @@ No host logic per row and per token: the host reads one small record per iterati
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -136,6 +136,20 @@ class Step(NamedTuple):
     """(S,) the new token's position."""
     key_len: torch.Tensor
     """(S,) columns each row reads after the write (1 for idle rows: a finite softmax)."""
+
+
+def advance_and_place_flat(st: tuple[torch.Tensor, ...], tok: torch.Tensor, think: tuple[Any, ...],
+                           scratch_col: int) -> tuple[Any, ...]:
+    """`advance_and_place` over plain tuples: what goes through torch.compile. Named tuples are rebuilt
+    outside the compiled region (`unflatten_step`) - torch 2.11's Dynamo returned a RowState rebuilt from
+    `_replace` with missing fields (an IndexError on the next read) where 2.13's does not; plain tuples of
+    tensors cross the boundary the same way in every version."""
+    step = advance_and_place(RowState(*st), tok, ThinkTokens(*think), scratch_col)
+    return (tuple(step.state),) + tuple(step[1:])
+
+
+def unflatten_step(flat: tuple[Any, ...]) -> "Step":
+    return Step(RowState(*flat[0]), *flat[1:])
 
 
 def advance_and_place(st: RowState, tok: torch.Tensor, think: ThinkTokens, scratch_col: int) -> Step:
