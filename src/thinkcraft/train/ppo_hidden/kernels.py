@@ -5,7 +5,11 @@
                                             a refresh: running-stat update + z-normalisation (rl.hidden)
     window(state)                           lax.scan of window_steps env+policy steps
     window_after_refresh(state, hidden)     install (age 0, every env valid) and the window, one call
-    update(state, trajs)                    GAE + PPO update over the windows' trajectories (state donated)
+    update(state, trajs, memory)            GAE + PPO update over the windows' trajectories (state donated);
+                                            `memory`: --policy rnn's memory at the update's first window
+
+With --num-seeds K every kernel is vmapped over a leading seed axis of the state and of the hidden states
+(rl/seeds.py); K = 1 compiles the unvmapped kernels.
 """
 
 from __future__ import annotations
@@ -34,9 +38,13 @@ class Kernels(NamedTuple):
 
 
 def build_network(cfg: PPOHiddenConfig, env: Any) -> Any:
-    """The actor-critic that also reads the (projected) hidden state, its age and validity."""
-    from thinkcraft.rl.networks import ActorCriticAug
+    """The actor-critic that also reads the (projected) hidden state, its age and validity: the MLP, or with
+    --policy rnn the GRU one (the same features feed its embedding)."""
+    from thinkcraft.rl.networks import ActorCriticAug, ActorCriticRNN
 
+    if cfg.policy == "rnn":
+        return ActorCriticRNN(env.num_actions, cfg.layer_width, hidden_proj_dim=cfg.hidden_proj_dim,
+                              dtype=cfg.matmul_dtype)
     return ActorCriticAug(env.num_actions, cfg.layer_width, hidden_proj_dim=cfg.hidden_proj_dim,
                           dtype=cfg.matmul_dtype)
 
@@ -48,12 +56,14 @@ def make_init(cfg: PPOHiddenConfig, env: Any, network: Any, tx: Any, hidden_size
 
     from thinkcraft.rl.hidden import AugInput, RunningNorm, empty_aux
     from thinkcraft.rl.ppo import init_runner_state
+    from thinkcraft.train.ppo import initial_memory
 
     N, H, P = cfg.num_envs, hidden_size, cfg.pool_size
     sample = AugInput(jnp.zeros((1, env.obs_dim)), jnp.zeros((1, H)), jnp.zeros((1,)), jnp.zeros((1,)))
 
     def init(rng: Any) -> HiddenRunner:
-        runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H, P), sample_input=sample)
+        runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H, P), sample_input=sample,
+                                   memory=initial_memory(cfg))
         next_pool = None
         if P:  # the pools of the first refresh point (its new_pool replaces the current one in sync mode)
             k_now, k_next = jax.random.split(jax.random.fold_in(rng, 1))
@@ -71,9 +81,10 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
     import jax.numpy as jnp
 
     from thinkcraft.rl.hidden import aux_after_step, make_policy_input, refresh
-    from thinkcraft.rl.ppo import make_rollout, ppo_update
+    from thinkcraft.rl.ppo import make_rollout, policy_step, ppo_update
+    from thinkcraft.rl.seeds import over_seeds
 
-    N, P = cfg.num_envs, cfg.pool_size
+    N, P, S = cfg.num_envs, cfg.pool_size, cfg.num_seeds
     policy_input = make_policy_input(float(cfg.skip_n))
     rollout = make_rollout(env, network.apply, cfg.window_steps, policy_input, aux_after_step)
     hp = cfg.hyper()
@@ -113,20 +124,24 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
     # of the big runner state instead of two; on an H100 at skip_n=1 no measurable SPS change). The window
     # alone is compiled only when some windows have no refresh (skip_n > num_steps). `hidden` holds the
     # envs' N rows, then the reset pool's P.
-    @jax.jit
     def window_after_refresh(state: HiddenRunner, hidden: jax.Array):
         pool_hidden = hidden[N:] if P else None
         return _window(_install(state, hidden[:N], 0, jnp.ones((N,), bool), pool_hidden))
 
-    def _update(state: HiddenRunner, trajs: tuple):
+    def _update(state: HiddenRunner, trajs: tuple, memory: Any = None):
         r = state.runner
         traj = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trajs)
         ts = r.train_state
-        _, last_value = network.apply(ts.params, policy_input(r.rollout.obs, r.rollout.aux))
+        x = policy_input(r.rollout.obs, r.rollout.aux)
+        _, _, last_value = policy_step(network.apply, ts.params, x, r.rollout.memory)
         rng, k = jax.random.split(r.rollout.rng)
-        ts, metrics = ppo_update(ts, traj, last_value, k, hp)
+        ts, metrics = ppo_update(ts, traj, last_value, k, hp, memory)
         r = r._replace(train_state=ts, rollout=r.rollout._replace(rng=rng), update=r.update + 1)
         return state._replace(runner=r), metrics
 
-    return Kernels(new_pool=jax.jit(_new_pool), install=jax.jit(_install), window=jax.jit(_window),
-                   window_after_refresh=window_after_refresh, update=jax.jit(_update, donate_argnums=0))
+    # the age of an install is one number for every seed
+    return Kernels(new_pool=jax.jit(over_seeds(_new_pool, S)),
+                   install=jax.jit(over_seeds(_install, S, in_axes=(0, 0, None, 0, 0, 0))),
+                   window=jax.jit(over_seeds(_window, S)),
+                   window_after_refresh=jax.jit(over_seeds(window_after_refresh, S)),
+                   update=jax.jit(over_seeds(_update, S), donate_argnums=0))

@@ -120,14 +120,16 @@ class OverlappedRefresh(RefreshSchedule):
             # first overlapped window
             fresh = self._executor.submit(self.src.hidden, texts).result()
             h = fresh.hidden
-            h_envs, h_pool, h_next = (h[:N], h[N:N + P], h[N + P:]) if P else (h, None, None)
+            S = self.cfg.num_seeds
+            h_envs, h_pool, h_next = ((_rows(h, 0, N, S), _rows(h, N, N + P, S), _rows(h, N + P, None, S)) if P
+                                      else (h, None, None))
             with timer.phase("norm"):
                 state = install(state, h_envs, 0, ~none, h_pool, none)
             self._pending = (h_envs, h_next, fresh.suffix_tokens)
         else:  # the previous snapshot's hidden states, one refresh interval old
             if self._future is not None:
                 with timer.phase("llm_wait"):
-                    self._pending = _split(self._future.result(), N, P)
+                    self._pending = _split(self._future.result(), N, P, self.cfg.num_seeds)
             h_envs, h_pool, _ = self._pending
             ended = state.done_since_snapshot
             with timer.phase("norm"):
@@ -153,12 +155,17 @@ def make_schedule(cfg: PPOHiddenConfig, src: HiddenStateSource, kernels: Any, en
     return OverlappedRefresh(cfg, src, kernels, engine) if cfg.overlap else SyncRefresh(cfg, src, kernels)
 
 
-def _split(fresh: FreshHidden, num_envs: int, pool_size: int) -> tuple[Any, Any, float]:
+def _rows(h: Any, start: int, stop: int | None, num_seeds: int) -> Any:
+    """Rows start:stop of a refresh's hidden states: (rows, H), or with --num-seeds (K, rows, H)."""
+    return h[start:stop] if num_seeds == 1 else h[:, start:stop]
+
+
+def _split(fresh: FreshHidden, num_envs: int, pool_size: int, num_seeds: int = 1) -> tuple[Any, Any, float]:
     """A worker result -> (the envs' hidden states, the next pool's or None, mean suffix tokens)."""
     h = fresh.hidden
     if not pool_size:
         return h, None, fresh.suffix_tokens
-    return h[:num_envs], h[num_envs:], fresh.suffix_tokens
+    return _rows(h, 0, num_envs, num_seeds), _rows(h, num_envs, None, num_seeds), fresh.suffix_tokens
 
 
 def _partition_for_overlap(engine: Any, cfg: PPOHiddenConfig) -> tuple[int | None] | None:
