@@ -223,7 +223,7 @@ def run_baselines(baselines_dir: str | Path, script: str, out: str | Path, their
         if flag in their_args:
             raise SystemExit(f"{flag}: their logging runs only with --debug and --use_wandb (their defaults)")
     out = Path(out)
-    run_dir = prepare_run_dir(out.parent, out.name, overwrite)
+    run_dir = prepare_run_dir(out, overwrite)
     writer = MetricsWriter(run_dir)
     recorder = SeedRecorder(lambda rec: writer.write(rec.pop("step"), rec))
     argv = [script, *their_args]

@@ -284,12 +284,12 @@ def bench_decode(model: torch.nn.Module, args: argparse.Namespace, device: torch
                 print(f"  decode {kind:<16} b={b:<5} FAILED: {msg[:200]}", flush=True)
                 if not isinstance(e, torch.OutOfMemoryError):
                     traceback.print_exc()
+            finally:
+                eng.free_cache()  # each engine's slot KV cache gone before the next engine measures
         # last: a failure inside third-party graph capture must not cost the rows above
         if device.type == "cuda" and not args.no_compile:
             extra_refs(model, ids, new, device, record, rows, base)
-        # drop caches kept for CUDA-graph reuse (ours and transformers') before the next batch size
-        for eng in engines.values():
-            eng._static_cache = None
+        # drop the cache transformers keeps for CUDA-graph reuse before the next batch size
         if getattr(model, "_cache", None) is not None:
             model._cache = None
         free(device)

@@ -8,7 +8,9 @@ The LLM is built from Qwen3-4B's config with random weights (timing does not dep
 wrapped by the hf engine (shared-prefix reuse on). Texts are tokenized with the bundled SmolLM2 tokenizer
 (Qwen's own tokenizer is not available offline; BPE token counts are of the same order).
 For each (num_envs, skip_n, overlap) the script runs `train ppo-hidden` for a few updates and reports
-the median over the updates after the first (which compiles). It also measures the engine's raw prefill
+the median over the updates after the first (which compiles), with the fraction of steps whose hidden input
+was valid (`valid_frac`, rl/hidden.py). `--reset-pool-size auto 0` runs each config with the reset pool
+(default) and with the old masked scheme: the before/after of the pool's cost and valid fraction. It also measures the engine's raw prefill
 rate on the same texts, which gives the LLM-bound limit `prefill_tok_per_s / suffix_tokens` SPS at skip_n=1.
 Writes bench/results/ppo_hidden_sps.json.
 """
@@ -81,7 +83,8 @@ def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None 
 
 
 def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, overlap: bool, updates: int,
-            runs_dir: str, plain: bool = False, layer: int = -1, env_sms: int = 16, unroll: bool = False) -> dict:
+            runs_dir: str, plain: bool = False, layer: int = -1, env_sms: int = 16, unroll: bool = False,
+            pool: str = "auto") -> dict:
     from thinkcraft.train.ppo import PPOConfig
     from thinkcraft.train.ppo import run as run_ppo
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig
@@ -90,12 +93,16 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
     common = dict(env_name=env_name, num_envs=num_envs, num_steps=num_steps, total_timesteps=updates * num_envs * num_steps,
                   runs_dir=runs_dir, overwrite=True, plot=False, checkpoint_every_minutes=0.0,
                   optimistic_reset_ratio=min(16, num_envs), unroll_env_scans="on" if unroll else "off")
-    name = f"n{num_envs}-s{skip_n}-o{int(overlap)}-p{int(plain)}-u{int(unroll)}"
+    name = f"n{num_envs}-s{skip_n}-o{int(overlap)}-p{int(plain)}-u{int(unroll)}-r{pool}"
+    pool_size = None
     if plain:
         run_ppo(PPOConfig(**common, run_name=name, updates_per_chunk=1))
     else:
-        run_hidden(PPOHiddenConfig(**common, run_name=name, skip_n=skip_n, overlap=overlap, updates_per_chunk=1,
-                                   layer=layer, overlap_env_sms=env_sms), engine=engine)
+        hcfg = PPOHiddenConfig(**common, run_name=name, skip_n=skip_n, overlap=overlap, updates_per_chunk=1,
+                               layer=layer, overlap_env_sms=env_sms,
+                               reset_pool_size=None if pool == "auto" else int(pool))
+        pool_size = hcfg.pool_size if skip_n else None
+        run_hidden(hcfg, engine=engine)
     recs = [json.loads(l) for l in (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()]
     steady = recs[1:] if len(recs) > 1 else recs  # the first update compiles
 
@@ -111,6 +118,10 @@ def run_one(engine, env_name: str, num_envs: int, num_steps: int, skip_n: int, o
         "t_render_s": med("timing/render"), "t_update_s": med("timing/update"), "t_norm_s": med("timing/norm"),
         "t_other_s": med("timing/other"), "update_wall_s": med("timing/update_wall"), "t_llm_wait_s": med("timing/llm_wait"),
         "llm_share": med("llm/share"), "prompt_suffix_tokens": med("llm/prompt_suffix_tokens"),
+        # every update's (the first's too: early training is where most envs reset inside a window)
+        "valid_frac": statistics.mean(r["hidden/valid_frac"] for r in recs) if "hidden/valid_frac" in recs[0] else None,
+        "pool_draws_per_world": med("hidden/pool_draws_per_world"),
+        "reset_pool_size": None if (plain or skip_n == 0) else pool, "pool_size": pool_size,
         "updates_measured": len(steady),
         "sps_per_update": [round(r["sps"], 1) for r in recs],  # the first one includes compiles
         "t_env_per_update": [round(r["timing/env_policy"], 4) for r in recs if "timing/env_policy" in r],
@@ -139,6 +150,9 @@ def main() -> None:
     ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
     ap.add_argument("--unroll-env-scans", choices=["off", "on", "both"], default="on",
                     help="craftax's inner loops unrolled (PPOConfig.unroll_env_scans; its default auto = on on a GPU); both = each config twice")
+    ap.add_argument("--reset-pool-size", nargs="+", default=["auto"],
+                    help="ppo-hidden's reset pool per refresh (auto = num_envs / optimistic reset ratio; 0 = the old "
+                         "masked scheme); several values: each config once per value (before/after: auto 0)")
     ap.add_argument("--run-tag", default=None,
                     help="stored as 'run' and part of the merge key: rows of a tagged run are kept beside earlier ones")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_hidden_sps.json"))
@@ -173,19 +187,20 @@ def main() -> None:
                 base = run_one(engine, env_name, n, args.num_steps, 0, False, args.updates, runs_dir, plain=True, unroll=unroll)
                 records.append(base)
             for s in args.skip_n:
-                runs = [(ov, sms) for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps)
-                        for sms in (args.overlap_env_sms if ov else [16])]
-                for ov, sms in runs:
+                runs = [(ov, sms, pool) for ov in ([False] if s == 0 or (s == 1 and not args.skip1_overlap) else overlaps)
+                        for sms in (args.overlap_env_sms if ov else [16])
+                        for pool in (["auto"] if s == 0 else args.reset_pool_size)]
+                for ov, sms, pool in runs:
                     u = args.updates_skip1 if s == 1 else args.updates
                     r = run_one(engine, env_name, n, args.num_steps, s, ov, u, runs_dir, layer=args.layer, env_sms=sms,
-                                unroll=unroll)
+                                unroll=unroll, pool=pool)
                     if s == 1:
                         # the limit of the definition: prefill rate / suffix tokens per env of the run's own texts
                         r["llm_bound_sps"] = rate / (r["prompt_suffix_tokens"] or tokens)
                         r["ratio_to_llm_bound"] = r["sps_steady"] / r["llm_bound_sps"]
                     records.append(r)
-                    print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "sps_steady", "t_llm_s", "t_env_s",
-                                               "t_render_s", "t_update_s", "t_other_s"])
+                    print_table(records[-1:], ["system", "num_envs", "skip_n", "overlap", "pool_size", "sps_steady",
+                                               "valid_frac", "t_llm_s", "t_env_s", "t_render_s", "t_update_s", "t_other_s"])
                     for x in records:  # saved after every config: a time limit keeps what was measured
                         x.setdefault("prefill_tok_per_s", rate)
                         x.setdefault("prefill_after_prefix_tok_per_s", rate_prefix)
@@ -193,10 +208,11 @@ def main() -> None:
                         x.update({"env": env_name, "llm": model_desc, "xla_flags": os.environ.get("XLA_FLAGS", ""), "layer": args.layer, "card": card(), "date": today(),
                                   "llm_device": args.llm_device, "quantize": args.quantize, "run": args.run_tag})
                     write_records(args.out, records, merge_keys=("system", "env", "llm", "num_envs", "skip_n", "overlap", "layer", "card",
-                                                                 "llm_device", "overlap_env_sms", "quantize", "unroll_env_scans", "run"))
+                                                                 "llm_device", "overlap_env_sms", "quantize", "unroll_env_scans",
+                                                                 "reset_pool_size", "run"))
     print()
-    print_table(records, ["system", "num_envs", "skip_n", "overlap", "sps_steady", "ratio_to_plain_ppo", "t_llm_s",
-                          "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])
+    print_table(records, ["system", "num_envs", "skip_n", "overlap", "pool_size", "sps_steady", "ratio_to_plain_ppo",
+                          "valid_frac", "t_llm_s", "t_env_s", "t_update_s", "prompt_suffix_tokens", "card"])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/ppo_sps.py --num-envs 128 1024                       # thinkcraft PPO + env-only
     python bench/ppo_sps.py --num-envs 128 1024 --baselines-dir .ref/Craftax_Baselines --looped  # + the references
+    python bench/ppo_sps.py --num-envs 1024 --policy mlp rnn --baselines-dir .ref/Craftax_Baselines  # + the GRU policy
 
 For each num_envs it measures, all with num_steps=64 and Baselines' defaults:
   * `thinkcraft`      — `thinkcraft train ppo`'s jitted chunk (K updates per call), steady SPS and first call
@@ -10,7 +11,9 @@ For each num_envs it measures, all with num_steps=64 and Baselines' defaults:
   * with `--looped`, `thinkcraft-looped` and `thinkcraft-looped-env`: the same with craftax's inner loops left
     as loops (`unroll_env_scans=off`; the default, auto, unrolls them on a GPU — envs/unroll.py);
   * `baselines`       — Craftax_Baselines `ppo.py` `make_train` (K updates per call), steady = second call;
-  * `baselines-env`   — Baselines' LogWrapper + OptimisticResetVecEnvWrapper alone, random actions.
+  * `baselines-env`   — Baselines' LogWrapper + OptimisticResetVecEnvWrapper alone, random actions;
+  * with `--policy rnn`: `thinkcraft-rnn` (`train ppo --policy rnn`'s chunk) and `baselines-rnn` (Baselines'
+    `ppo_rnn.py` `make_train`), both with Baselines' defaults (LAYER_SIZE 512, 8 minibatches of envs).
 `--baselines-dir` is a checkout of github.com/MichaelTMatthews/Craftax_Baselines (its distrax, wandb, ICM and
 logging imports are shimmed here: those paths are off). Writes bench/results/ppo_sps.json.
 """
@@ -24,6 +27,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
@@ -51,17 +55,18 @@ def time_env_only(window, reset_carry, repeats: int) -> tuple[float, float]:
 
 
 def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, dtype: str,
-                     unroll: str = "auto", env_floor: bool = True) -> list[dict]:
+                     unroll: str = "auto", env_floor: bool = True, policy: str = "mlp") -> list[dict]:
     import jax
 
     from thinkcraft.rl.ppo import init_runner_state, make_train_chunk
-    from thinkcraft.train.ppo import PPOConfig, build
+    from thinkcraft.train.ppo import PPOConfig, build, initial_memory
 
     cfg = PPOConfig(env_name=env_name, num_envs=num_envs, total_timesteps=1_000_000_000,
-                    updates_per_chunk=updates, compute_dtype=dtype, unroll_env_scans=unroll)
+                    updates_per_chunk=updates, compute_dtype=dtype, unroll_env_scans=unroll, policy=policy)
     t_start = time.perf_counter()
     env, network, tx = build(cfg)
-    runner = jax.jit(lambda r: init_runner_state(env, network, tx, r))(jax.random.PRNGKey(0))
+    init = jax.jit(lambda r: init_runner_state(env, network, tx, r, memory=initial_memory(cfg)))
+    runner = init(jax.random.PRNGKey(0))
     jax.block_until_ready(runner)
     chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), updates), donate_argnums=0)
     t0 = time.perf_counter()
@@ -75,9 +80,11 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     steps = updates * cfg.batch_size
-    name = "thinkcraft" + ("" if env.unroll_env_scans else "-looped") + ("" if dtype == "float32" else f"-{dtype}")
+    name = ("thinkcraft" + ("" if policy == "mlp" else f"-{policy}") + ("" if env.unroll_env_scans else "-looped")
+            + ("" if dtype == "float32" else f"-{dtype}"))
     recs = [{"system": name, "env": env_name, "num_envs": num_envs, "sps_steady": steps / statistics.median(times),
-             "first_call_s": first_call_s, "steps_per_call": steps, "unroll_env_scans": env.unroll_env_scans}]
+             "first_call_s": first_call_s, "steps_per_call": steps, "unroll_env_scans": env.unroll_env_scans,
+             "policy": policy}]
     if not env_floor:
         return recs
 
@@ -93,8 +100,8 @@ def bench_thinkcraft(env_name: str, num_envs: int, updates: int, repeats: int, d
 
 
 def _shim_baselines_imports() -> None:
-    """Baselines imports distrax (broken under current JAX), wandb, ICM models and logging helpers; the
-    benchmarked code paths use only a Categorical from them."""
+    """Baselines imports distrax (broken under current JAX), chex (annotations), wandb, ICM models and logging
+    helpers; the benchmarked code paths use only a Categorical from them."""
     from thinkcraft.rl.distributions import Categorical
 
     def mod(name: str, **attrs):
@@ -104,6 +111,10 @@ def _shim_baselines_imports() -> None:
         return m
 
     mod("distrax", Categorical=Categorical)
+    try:
+        import chex  # noqa: F401
+    except ImportError:  # wrappers.py uses it for annotations only
+        mod("chex", PRNGKey=Any, Array=Any)
     mod("wandb")
     mod("logz")
     mod("logz.batch_logging", batch_log=None, create_log_dict=None)
@@ -123,13 +134,15 @@ def _shim_baselines_imports() -> None:
 
 
 def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: int, repeats: int,
-                    env_floor: bool = True) -> list[dict]:
+                    env_floor: bool = True, policy: str = "mlp") -> list[dict]:
+    import importlib
+
     import jax
-    import jax.numpy as jnp
 
     sys.path.insert(0, str(Path(baselines_dir).resolve()))
     _shim_baselines_imports()
-    import ppo as bppo  # Craftax_Baselines/ppo.py
+    # Craftax_Baselines/ppo.py or ppo_rnn.py: the same config keys, the same make_train(config)
+    bppo = importlib.import_module("ppo" if policy == "mlp" else "ppo_rnn")
     from wrappers import LogWrapper, OptimisticResetVecEnvWrapper  # Craftax_Baselines/wrappers.py
 
     config = {
@@ -149,8 +162,9 @@ def bench_baselines(baselines_dir: str, env_name: str, num_envs: int, updates: i
         t0 = time.perf_counter()
         jax.block_until_ready(train(jax.random.PRNGKey(i + 1)))
         times.append(time.perf_counter() - t0)
-    recs = [{"system": "baselines", "env": env_name, "num_envs": num_envs,
-             "sps_steady": steps / statistics.median(times), "first_call_s": first, "steps_per_call": steps}]
+    recs = [{"system": "baselines" + ("" if policy == "mlp" else f"-{policy}"), "env": env_name, "num_envs": num_envs,
+             "sps_steady": steps / statistics.median(times), "first_call_s": first, "steps_per_call": steps,
+             "policy": policy}]
     if not env_floor:
         return recs
 
@@ -189,6 +203,8 @@ def main() -> None:
     ap.add_argument("--looped", action="store_true",
                     help="also measure thinkcraft with craftax's inner loops left rolled (unroll_env_scans=off)")
     ap.add_argument("--no-env-floor", action="store_true", help="skip the env-only floors (two compiles fewer per system)")
+    ap.add_argument("--policy", nargs="+", default=["mlp"], choices=["mlp", "rnn"],
+                    help="policies to measure: mlp (ppo.py) and/or rnn (ppo_rnn.py; GRU, `train ppo --policy rnn`)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ppo_sps.json"))
     args = ap.parse_args()
 
@@ -209,27 +225,40 @@ def main() -> None:
         write_records(args.out, records, merge_keys=("system", "env", "num_envs", "card"))
 
     for n, u in zip(args.num_envs, updates):
-        if "thinkcraft" in args.systems:
-            keep(bench_thinkcraft(args.env, n, u, args.repeats, "float32", env_floor=not args.no_env_floor))
-            if args.looped:
-                keep(bench_thinkcraft(args.env, n, u, args.repeats, "float32", unroll="off",
-                                      env_floor=not args.no_env_floor))
-            if args.bf16:
-                keep(bench_thinkcraft(args.env, n, u, args.repeats, "bfloat16", env_floor=False))
-        if args.baselines_dir and "baselines" in args.systems:
-            keep(bench_baselines(args.baselines_dir, args.env, n, u, args.repeats, env_floor=not args.no_env_floor))
+        for i, policy in enumerate(args.policy):
+            floor = not args.no_env_floor and i == 0  # the env floors do not depend on the policy
+            if "thinkcraft" in args.systems:
+                keep(bench_thinkcraft(args.env, n, u, args.repeats, "float32", env_floor=floor, policy=policy))
+                if args.looped:
+                    keep(bench_thinkcraft(args.env, n, u, args.repeats, "float32", unroll="off", env_floor=floor,
+                                          policy=policy))
+                if args.bf16:
+                    keep(bench_thinkcraft(args.env, n, u, args.repeats, "bfloat16", env_floor=False, policy=policy))
+            if args.baselines_dir and "baselines" in args.systems:
+                keep(bench_baselines(args.baselines_dir, args.env, n, u, args.repeats, env_floor=floor, policy=policy))
     print()
     print_table(records, ["system", "env", "num_envs", "sps_steady", "first_call_s", "ratio_to_thinkcraft-env",
-                          "ratio_to_baselines-env", "card"])
+                          "ratio_to_baselines-env", "ratio_to_baselines", "card"])
 
 
 def _add_ratios(records: list[dict]) -> None:
-    """Each PPO system's SPS over the env-only floors measured in the same run."""
+    """Each PPO system's SPS over the env-only floors measured in the same run, and over Baselines' script
+    of the same policy (`ratio_to_baselines`)."""
+    def same(x: dict, r: dict) -> bool:
+        return x["num_envs"] == r["num_envs"] and x["env"] == r["env"]
+
     for r in records:
+        if r["system"].endswith("-env"):
+            continue
         for floor in ("thinkcraft-env", "baselines-env"):
-            f = [x for x in records if x["system"] == floor and x["num_envs"] == r["num_envs"] and x["env"] == r["env"]]
-            if f and not r["system"].endswith("-env"):
+            f = [x for x in records if x["system"] == floor and same(x, r)]
+            if f:
                 r[f"ratio_to_{floor}"] = r["sps_steady"] / f[0]["sps_steady"]
+        policy = r.get("policy", "mlp")
+        ref = "baselines" + ("" if policy == "mlp" else f"-{policy}")
+        b = [x for x in records if x["system"] == ref and same(x, r)]
+        if b and r["system"].startswith("thinkcraft"):
+            r["ratio_to_baselines"] = r["sps_steady"] / b[0]["sps_steady"]
 
 
 if __name__ == "__main__":

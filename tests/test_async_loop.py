@@ -84,11 +84,18 @@ def _same_runs(sync, asy, n_records: int) -> None:
     (sa, wa), (sb, wb) = lora(sync.run_dir), lora(asy.run_dir)
     assert sa == sb == sync.steps
     assert any(v.abs().sum() > 0 for n, v in wa.items() if "lora_B" in n)
+    # the sync loop's engine runs episodes through continuous batching (the system prompt's KV shared, an
+    # episode's KV kept between turns), the front's batches through `generate`: the same tokens, log-probs equal
+    # within fp32 rounding (above), so the gradients agree to ~1e-7 and the weights to ~1e-5 - but for the odd
+    # element whose gradient is near 0, where Adam's g / (|g| + eps) turns rounding into up to lr: compared per
+    # tensor (a wrong update moves every element by ~lr = 1e-2, a relative change ~1e-1)
     for n in wa:
-        assert torch.allclose(wa[n], wb[n], atol=1e-6), n
+        rel = float((wb[n] - wa[n]).norm() / wa[n].norm())
+        assert rel < 1e-3, (n, rel)
     ms = [json.loads(x) for x in (Path(sync.run_dir) / "metrics.jsonl").read_text().splitlines()]
     ma = [json.loads(x) for x in (Path(asy.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [m["losses/loss"] for m in ms] == pytest.approx([m["losses/loss"] for m in ma], abs=1e-6)
+    assert [m["losses/grad_norm"] for m in ms] == pytest.approx([m["losses/grad_norm"] for m in ma], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -23,14 +23,15 @@ def _batch(adv=1.0):
 
 @pytest.mark.parametrize("correction,cap,kept,weights", [
     ("decoupled", None, [1, 1, 1], W),  # no cap: every token, weighted by w
-    ("decoupled", 1.5, [0, 1, 1], W),  # token 0 has w = 1.65 > 1.5: dropped from the loss (AReaL's cap)
+    ("decoupled", 1.5, [0, 1, 1], W),  # token 0 has w = 1.65 > 1.5: weight 0 (AReaL's cap), still counted
     ("tis", 1.5, [1, 1, 1], [1.5, W[1], 1.0]),  # truncated at C = 1.5, every token kept
 ])
 def test_offpolicy_pg_loss_hand_computed(correction, cap, kept, weights):
     logp, behav, adv, mask = _batch(adv=1.0)
     st = L.offpolicy_pg_loss(logp, logp.detach(), behav, adv, mask, correction, cap=cap, agg="token-mean")
-    # r = π_θ/π_prox = 1 at the step: per-token loss −w·A; token-mean over the kept tokens
-    n = sum(kept)
+    # r = π_θ/π_prox = 1 at the step: per-token loss −w·A (0 where dropped); token-mean over all 3 tokens
+    # (AReaL divides by the loss mask's count, dropped tokens included)
+    n = 3
     expected = -sum(w * k for w, k in zip(weights, kept)) / n
     assert float(st.loss.detach()) == pytest.approx(expected, abs=1e-6)
     st.loss.backward()
@@ -67,14 +68,14 @@ def test_none_is_the_plain_behaviour_ratio_loss():
     assert float(plain.loss.detach()) == pytest.approx(sum(per) / 3, abs=1e-6)
 
 
-def test_seq_mean_aggregation_respects_dropped_tokens():
-    # two rows: row 1 loses its only over-cap token, so it leaves the sequence mean entirely
+def test_seq_mean_aggregation_counts_dropped_tokens():
+    # two rows: row 1's only token is over the cap: weight 0, but the row keeps its place in the sequence mean
     logp = torch.tensor([[-1.0, -1.0], [-0.2, 0.0]])
     behav = torch.tensor([[-1.0, -1.0], [-2.2, 0.0]])  # row 1 token 0: w = e^2 = 7.39
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = L.broadcast_to_tokens(torch.tensor([1.0, 1.0]), mask)
     st = L.offpolicy_pg_loss(logp, logp, behav, adv, mask, "decoupled", cap=5.0, agg="seq-mean-token-mean")
-    assert float(st.loss.detach()) == pytest.approx(-1.0, abs=1e-6)  # row 0 alone: mean of −1·1 over 2 tokens
+    assert float(st.loss.detach()) == pytest.approx((-1.0 + 0.0) / 2, abs=1e-6)  # row 0: −1; row 1: 0
     st_tis = L.offpolicy_pg_loss(logp, logp, behav, adv, mask, "tis", cap=5.0, agg="seq-mean-token-mean")
     assert float(st_tis.loss.detach()) == pytest.approx((-1.0 + -5.0) / 2, abs=1e-6)
 
@@ -91,7 +92,7 @@ def test_offpolicy_apo_loss_hand_computed():
     assert float(st.loss.detach()) == pytest.approx((sq[0] * 2.0 + sq[1] * math.exp(-1)) / 2, abs=1e-6)
     assert float(capped) == pytest.approx(0.5)
     st_d, _ = L.offpolicy_apo_loss(seq, ref, r, v, beta2, seq.detach(), behav, "decoupled", cap=2.0)
-    assert float(st_d.loss.detach()) == pytest.approx(sq[1] * math.exp(-1), abs=1e-6)  # prompt 0 dropped (w > 2)
+    assert float(st_d.loss.detach()) == pytest.approx(sq[1] * math.exp(-1) / 2, abs=1e-6)  # prompt 0: weight 0
     plain, _ = L.offpolicy_apo_loss(seq, ref, r, v, beta2, seq.detach(), behav, "none")
     assert float(plain.loss.detach()) == pytest.approx(float(L.apo_loss(seq, ref, r, v, beta2).loss.detach()))
 

@@ -232,3 +232,97 @@ def test_shared_weights_version_follows_the_learner():
     s.set_version(2)
     s.apply(WeightUpdate(1))
     assert s.version == 2
+
+
+# ---------------------------------------------------- versioned engines (llm/hf decode engine): stale updates
+
+
+def _shifted(model, by: float):
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(by)
+    return m
+
+
+def test_copy_weights_through_a_versioned_engine_skips_stale_versions(tiny):
+    """A copy engine with versioned weights takes updates through its own update_weights; an update it already
+    holds (or an older one) is skipped - never an error that would fail the slot - and a bad one still fails
+    whole, the engine keeping its weights and version."""
+    from thinkcraft.llm.protocol import StaleWeightsError, WeightUpdateError
+    from thinkcraft.pools import CopyWeights, engine_update
+
+    model, tok = tiny
+    twin = copy.deepcopy(model).eval()
+    engine = HFEngine.from_model(twin, tok)
+    sync = CopyWeights(twin, 0, engine=engine)
+    v2, v3 = _shifted(model, 0.01), _shifted(model, 0.02)
+    sync.apply(WeightUpdate(2, trainable_state(v2, lora=False)))
+    assert sync.version == 2 and engine.weights_version == 2 and _close(twin.parameters(), v2.parameters())
+    # the engine itself refuses an older version, with the typed error ...
+    with pytest.raises(StaleWeightsError, match="stale"):
+        engine.update_weights(trainable_state(model, lora=False), 1)
+    # ... which publishing skips: version 3 reached the engine (an answer lost in a timeout), the retry is a no-op
+    engine.update_weights(trainable_state(v3, lora=False), 3)
+    sync.apply(WeightUpdate(3, trainable_state(v3, lora=False)))
+    assert sync.version == 3 and engine.weights_version == 3
+    assert engine_update(engine, trainable_state(v2, lora=False), 2) is False
+    assert _close(twin.parameters(), v3.parameters())
+    bad = dict(trainable_state(v2, lora=False), **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(WeightUpdateError, match="shape"):
+        sync.apply(WeightUpdate(4, bad))
+    assert sync.version == 3 and engine.weights_version == 3 and _close(twin.parameters(), v3.parameters())
+
+
+def test_engine_front_with_a_versioned_engine_ahead_does_not_count_a_failure(tiny):
+    """The front publishes a version the engine already holds: applied as a skip, no failure, and the batch
+    that follows is labelled with that version."""
+    from thinkcraft.pools import CopyWeights
+
+    model, tok = tiny
+    twin = copy.deepcopy(model).eval()
+    engine = HFEngine.from_model(twin, tok)
+    state = trainable_state(_shifted(model, 0.01), lora=False)
+    engine.update_weights(state, 5)  # e.g. the same update delivered before by a retry
+    front = EngineFront([EngineSlot(engine, CopyWeights(twin, 4, engine=engine))], batch_wait_s=0.0, max_lag=0,
+                        update_backoff_s=0.05, max_update_failures=1)
+    front.publish(WeightUpdate(5, state))
+    comps, version = front.generate([[1, 50, 51]], [0], SamplingParams(max_new_tokens=2), timeout_s=60)
+    assert version == 5 and len(comps) == 1 and front.stats().update_failures == 0 and front.fatal is None
+    front.stop()
+
+
+def test_shared_weights_move_a_versioned_engines_version(tiny):
+    """Shared parameters: the learner's version reaches the engine (its tokens record it) with no tensors;
+    an engine already ahead is left as it is; a resumed run starts the engine at the checkpoint's version."""
+    model, tok = tiny
+    engine = HFEngine.from_model(copy.deepcopy(model).eval(), tok)
+    s = SharedWeights(0, engine)
+    s.set_version(1)
+    assert s.version == 1 and engine.weights_version == 1
+    engine.update_weights(None, 3)
+    s.set_version(2)  # stale for the engine: skipped, not raised
+    assert s.version == 2 and engine.weights_version == 3
+    resumed = HFEngine.from_model(copy.deepcopy(model).eval(), tok)
+    assert SharedWeights(4, resumed).version == 4 and resumed.weights_version == 4
+
+
+def test_engine_update_skips_a_version_the_engine_has_queued():
+    """The engine refuses a version not newer than one queued for its next step boundary (StaleWeightsError
+    while its held version is still older): skipped too."""
+    from thinkcraft.llm.protocol import Capabilities, StaleWeightsError, WeightUpdateError
+    from thinkcraft.pools import engine_update
+
+    class Queued:
+        capabilities = Capabilities(hidden_states=False, generate=True, logprobs=True, prefix_reuse=False,
+                                    versioned_weights=True)
+        weights_version = 1
+
+        def update_weights(self, state, version):
+            if version <= 4:  # version 4 is queued
+                raise StaleWeightsError(f"stale weight update: version {version} is not newer than 4")
+            raise WeightUpdateError("the engine's device is gone")
+
+    assert engine_update(Queued(), None, 3) is False
+    with pytest.raises(WeightUpdateError, match="device is gone"):
+        engine_update(Queued(), None, 5)

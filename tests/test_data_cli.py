@@ -37,6 +37,8 @@ def test_inspect_small_store(tmp_path, capsys):
     assert "trajectories" in out and "10" in out and "demo: 10" in out
     assert "10.0%" in out  # truncation rate and env-error rate: 1 of 10 each
     assert "prompt_token_ids stored" in out
+    # steps as the run's metrics.jsonl numbers them (the writer's learner_step), lag 1 = on-policy
+    assert "learner steps (metrics.jsonl steps)" in out and "1 .. 3" in out
 
     assert main(["data", "inspect", str(tmp_path), "--json", "--plot"]) == 0
     d = json.loads(capsys.readouterr().out)

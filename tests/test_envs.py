@@ -42,7 +42,7 @@ def _rolled_loops(env) -> int:
     return n
 
 
-@pytest.mark.parametrize("name", ["Craftax-Classic-Symbolic-v1", "Craftax-Symbolic-v1"])
+@pytest.mark.parametrize("name", ["Craftax-Classic-Symbolic-v1", pytest.param("Craftax-Symbolic-v1", marks=pytest.mark.slow)])
 def test_unrolled_step_has_no_loops_left(name):
     # Tracing only (no compile). craftax's step holds short scans and jax.random.choice's binary searches
     assert _rolled_loops(make_env(name, 4, 2)) > 10
@@ -51,6 +51,7 @@ def test_unrolled_step_has_no_loops_left(name):
     assert jax.lax.scan.__module__.startswith("jax") and jnp.searchsorted.__module__.startswith("jax")
 
 
+@pytest.mark.slow  # compiles a Craftax-Classic scan twice (rolled, unrolled)
 def test_unrolled_env_gives_the_same_states_bit_for_bit():
     n, steps = 4, 6
     out = {}

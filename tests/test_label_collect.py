@@ -7,7 +7,7 @@ import pytest
 
 from thinkcraft.cli import main
 from thinkcraft.label.collect import CollectConfig
-from thinkcraft.utils.errors import ConfigError
+from thinkcraft.utils.errors import ConfigError, UserError
 
 from test_label_remote import endpoints_toml, stub  # noqa: F401 - stub is a fixture
 
@@ -70,7 +70,42 @@ def test_ppo_policy_loads_from_a_run_dir(tmp_path):
     save_config(tmp_path, pcfg)
     commit_checkpoint(tmp_path, {"params.msgpack": flax.serialization.to_bytes(params)}, {"update": 1, "env_steps": 1})
     cfg = CollectConfig(policy=f"ppo:{tmp_path}", num_envs=2)
-    venv, act, name = _make_policy(cfg)
-    assert name == "Craftax-Classic-Symbolic-v1" and venv.num_envs == 2
+    venv, act, after_step, memory, name = _make_policy(cfg)
+    assert name == "Craftax-Classic-Symbolic-v1" and venv.num_envs == 2 and memory is None
     a = np.asarray(act(np.zeros((2, venv.obs_dim), np.float32), jax.random.PRNGKey(1)))
     assert a.shape == (2,) and ((0 <= a) & (a < venv.num_actions)).all()
+
+
+def test_a_seed_of_a_multi_seed_rnn_run_loads_with_its_memory(tmp_path):
+    """`--seed-index i` of a `--num-seeds K` run: seed i's parameters (the checkpoint stacks all K); a
+    recurrent policy acts with its memory as the scan's policy state."""
+    import flax.serialization
+    import jax
+    import numpy as np
+
+    from thinkcraft.label.collect import _make_policy
+    from thinkcraft.rl.ppo import init_params, initial_memory
+    from thinkcraft.train.checkpoint import commit_checkpoint, save_config
+    from thinkcraft.train.evaluate import load_ppo_policy
+    from thinkcraft.train.ppo import PPOConfig, build
+
+    pcfg = PPOConfig(env_name="Craftax-Classic-Symbolic-v1", num_envs=4, layer_width=8, policy="rnn", num_seeds=2,
+                     num_minibatches=2)
+    env, network, _ = build(pcfg)
+    x = np.zeros((1, env.obs_dim), np.float32)
+    seeds = [init_params(network, jax.random.PRNGKey(i), x, initial_memory(1, 8)) for i in range(2)]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *seeds)
+    save_config(tmp_path, pcfg)
+    commit_checkpoint(tmp_path, {"params.msgpack": flax.serialization.to_bytes(stacked)}, {"update": 1, "env_steps": 1})
+    _, _, params, tcfg = load_ppo_policy(tmp_path, 2, seed_index=1)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seeds[1])))
+    assert tcfg.num_seeds == 1 and tcfg.seed == 1
+    venv, act, after_step, memory, _ = _make_policy(CollectConfig(policy=f"ppo:{tmp_path}", num_envs=3, seed_index=1))
+    obs = np.random.default_rng(0).random((3, venv.obs_dim), np.float32)
+    a, memory = act(obs, jax.random.PRNGKey(1), memory)
+    assert np.asarray(a).shape == (3,) and memory.hidden.shape == (3, 8)
+    assert float(np.abs(np.asarray(memory.hidden)).max()) > 0  # the GRU ran
+    memory = after_step(memory, np.array([True, False, False]))
+    assert np.asarray(memory.reset).tolist() == [True, False, False]
+    with pytest.raises(UserError, match="holds 2 seed"):
+        load_ppo_policy(tmp_path, 2, seed_index=2)

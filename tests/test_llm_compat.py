@@ -261,6 +261,7 @@ def test_green_context_api() -> None:
     assert callable(getattr(green_contexts.GreenContext, "Stream", None)), compat.broken("green_context", "no .Stream()")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA attention ops and green contexts need a GPU (none here)")
 def test_cuda_entries_run_and_agree_with_the_reference() -> None:
     torch.manual_seed(0)
@@ -284,3 +285,104 @@ def test_cuda_entries_run_and_agree_with_the_reference() -> None:
         x = torch.ones(1024, device="cuda").sum()
     stream.synchronize()
     assert x.item() == 1024
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lm_head_and_norm_after_the_layers_give_the_models_logits(arch: str) -> None:
+    """The continuous-batching decode runs the layers itself, then the final norm and `lm_head`: that must be
+    the model's own logits."""
+    model, _ = _model(arch)
+    dec = compat.decoder_of(model)
+    ids = _ids(1)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        h = dec.embed_tokens(ids)
+        pe = compat.rotary(dec, h, pos)
+        for layer in dec.layers:
+            h = compat.call_layer(layer, h, pos, pe, None)
+        got = compat.lm_head(model)(dec.norm(h))
+        want = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                               msg=compat.broken("lm_head", "norm + get_output_embeddings() != the model's logits"))
+    with pytest.raises(UserError, match="lm_head"):
+        compat.lm_head(torch.nn.Linear(2, 2))
+
+
+def test_mark_static_address_tags_the_tensor_for_dynamo() -> None:
+    """torch 2.13 records the tag as `_dynamo_static_input_type` on the tensor (what dynamo reads to keep the
+    buffer's address in a CUDA graph instead of copying it)."""
+    t = torch.zeros(4, 3)
+    compat.mark_static_address(t)
+    assert getattr(t, "_dynamo_static_input_type", None) is not None, \
+        compat.broken("mark_static_address", "torch._dynamo no longer tags the tensor (_dynamo_static_input_type)")
+
+
+# --- the learner: LM head from hidden states, packed (varlen) forwards -------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_lm_head_on_the_decoders_hidden_states_gives_the_models_logits(arch: str) -> None:
+    """The learner runs the decoder (`last_hidden_state`, final norm applied) and then the head's weight itself,
+    in chunks: that must be the causal LM's logits."""
+    model, _ = _model(arch)
+    weight, bias = compat.plain_lm_head(model)
+    ids = _ids(2)
+    with torch.no_grad():
+        h = compat.decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state
+        got = torch.nn.functional.linear(h, weight, bias)
+        want = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: compat.broken(
+        "plain_lm_head", f"head(decoder(...).last_hidden_state) != the model's logits: {m}"))
+
+
+def test_plain_lm_head_refuses_logit_postprocessing_and_adapted_heads() -> None:
+    import copy
+
+    model, _ = _model("llama")
+    capped = copy.deepcopy(model)
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(UserError, match="final_logit_softcapping"):
+        compat.plain_lm_head(capped)
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    adapted = copy.deepcopy(model)
+    adapted.lm_head = Adapted(4, 4)
+    with pytest.raises(UserError, match="Adapted"):
+        compat.plain_lm_head(adapted)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_maskless_attention_gets_the_varlen_kwargs_and_no_mask(arch: str) -> None:
+    """A function registered by `register_maskless_attention` is called with attention_mask None (transformers
+    built no mask for a packed row) and the boundaries of `varlen_kwargs`, in every layer; attending within
+    them, a packed row gives each sequence's own logits."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    model, _ = _model(arch)
+    dec = compat.decoder_of(model)
+    seen: list = []
+
+    def fn(module, query, key, value, attention_mask, scaling=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        cu, max_len = compat.varlen_from_kwargs(kwargs)
+        seen.append((attention_mask, cu.tolist(), max_len))
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=True)
+            for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])]
+        return torch.cat(outs, 2).transpose(1, 2), None
+
+    name = compat.register_maskless_attention(f"thinkcraft_test_varlen_{arch}", fn)
+    assert name not in ALL_MASK_ATTENTION_FUNCTIONS, compat.broken("register_maskless_attention", "a mask is registered")
+    a, b = _ids(1, 4), _ids(1, 6) + 20
+    ids = torch.cat([a, b], 1)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with torch.no_grad(), compat.attention_implementation(compat.attention_configs(dec), name):
+        h = dec(input_ids=ids, position_ids=pos, use_cache=False, **compat.varlen_kwargs(cu, 6)).last_hidden_state
+    assert seen == [(None, [0, 4, 10], 6)] * 3, compat.broken(
+        "register_maskless_attention", f"the attention function saw {seen[:1]} (a mask was built, or the "
+        "FlashAttentionKwargs no longer reach it)")
+    with torch.no_grad():
+        want = torch.cat([dec(input_ids=a).last_hidden_state, dec(input_ids=b).last_hidden_state], 1)
+    torch.testing.assert_close(h, want, atol=1e-5, rtol=1e-5, msg=lambda m: compat.broken("varlen_kwargs", m))

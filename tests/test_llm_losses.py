@@ -168,3 +168,75 @@ def test_every_algo_has_an_estimator():
     from thinkcraft.train.llm_policy.config import Algo
 
     assert set(L.ADVANTAGE_ESTIMATORS) == set(get_args(Algo))
+
+
+# --- chunked LM-head log-probs (rl.chunked_logprobs) ---------------------------------------------------------
+
+
+def _head_case(n=11, h=8, v=37, bias=True, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g, dtype=dtype, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=dtype, requires_grad=True)
+    b = torch.randn(v, generator=g, dtype=dtype, requires_grad=True) if bias else None
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, b, targets
+
+
+@pytest.mark.parametrize("rows", [1, 3, 11, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_the_full_logits_values_and_gradients(rows, temperature):
+    """Any chunking: the same values as `token_logprobs` over full logits, and the same gradients for the
+    hidden states, the head's weight and its bias (a weighted sum as the loss, so every row's gradient differs)."""
+    from thinkcraft.rl.chunked_logprobs import linear_token_logprobs
+
+    hidden, weight, bias, targets = _head_case()
+    coef = torch.linspace(-1.0, 2.0, hidden.shape[0], dtype=hidden.dtype)
+    logits = (hidden @ weight.t() + bias)[None]
+    ids = torch.cat([targets[:1], targets])[None]  # token_logprobs predicts ids[t+1] from position t
+    want = L.token_logprobs(torch.cat([logits, logits[:, :1]], 1), ids, temperature)[0].double()
+    want_grads = torch.autograd.grad((want * coef).sum(), (hidden, weight, bias))
+    got = linear_token_logprobs(hidden, weight, targets, bias, temperature, rows_per_chunk=rows)
+    got_grads = torch.autograd.grad((got.double() * coef).sum(), (hidden, weight, bias))
+    assert got.dtype == torch.float64  # float64 inputs: the softmax in float64 too (fp32 from lower precisions)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_logprobs_gradcheck_and_frozen_head():
+    """torch's numerical gradient check (float64), and a frozen head (LoRA: weight without grad) asks for
+    no weight gradient."""
+    from thinkcraft.rl.chunked_logprobs import full_linear_token_logprobs, linear_token_logprobs
+
+    hidden, weight, bias, targets = _head_case(n=5, h=4, v=7)
+
+    def f(h, w, b):
+        return linear_token_logprobs(h, w, targets, b, 1.3, rows_per_chunk=2, compute_dtype=torch.float64)
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias), atol=1e-5)
+    frozen = weight.detach()
+    out = linear_token_logprobs(hidden, frozen, targets, None, rows_per_chunk=2)
+    (g,) = torch.autograd.grad(out.sum(), hidden)
+    (want,) = torch.autograd.grad(full_linear_token_logprobs(hidden, frozen, targets).sum(), hidden)
+    torch.testing.assert_close(g, want.to(g.dtype), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_logprobs_bf16_compute_matches_autocast_full_head():
+    """With a bf16 compute dtype (the GPU path) the values stay those of a bf16 head with fp32 softmax."""
+    from thinkcraft.rl.chunked_logprobs import full_linear_token_logprobs, linear_token_logprobs
+
+    hidden, weight, _, targets = _head_case(n=9, h=16, v=50, bias=False, dtype=torch.float32)
+    got = linear_token_logprobs(hidden, weight, targets, rows_per_chunk=4, compute_dtype=torch.bfloat16)
+    want = full_linear_token_logprobs(hidden, weight, targets, compute_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    g1 = torch.autograd.grad(got.sum(), (hidden, weight))
+    g2 = torch.autograd.grad(want.sum(), (hidden, weight))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+def test_chunk_rows_bounds_the_logits_bytes():
+    from thinkcraft.rl.chunked_logprobs import chunk_rows
+
+    assert chunk_rows(151_936, 256) == 256 * 2**20 // (151_936 * 4) == 441
+    assert chunk_rows(151_936, 0.001) == 1  # never zero rows

@@ -117,8 +117,8 @@ class CountdownEnv:
     def active_indices(self):
         return [i for i, d in enumerate(self.done) if not d]
 
-    def step(self, actions):
-        active = self.active_indices()
+    def step(self, actions, indices=None):
+        active = self.active_indices() if indices is None else list(indices)
         obs, rew, term = [], [], []
         for i, a in zip(active, actions):
             self.t[i] += 1
@@ -159,10 +159,20 @@ class _ParityReward:
         return {}
 
 
-def _patch_reward(monkeypatch):
+class _FirstLetterReward(_ParityReward):
+    """1 when the completion starts with a letter a-m (about a third of a random model's samples): learnable
+    from the first token alone, whose context (the chat template's assistant header) every prompt shares."""
+
+    def __call__(self, problems, completions):
+        hit = [c.lstrip()[:1].lower() in set("abcdefghijklm") for c in completions]
+        return [RewardResult(reward=float(h), correct=h, format_ok=True) for h in hit]
+
+
+def _patch_reward(monkeypatch, reward=None):
     import thinkcraft.train.llm_policy.loop as loop  # where run() looks it up
 
-    monkeypatch.setattr(loop, "make_env_and_reward", lambda cfg, judge=None: TaskEnv(ArithTask(1), _ParityReward()))
+    reward = reward or _ParityReward()
+    monkeypatch.setattr(loop, "make_env_and_reward", lambda cfg, judge=None: TaskEnv(ArithTask(1), reward))
 
 
 def _lora(run_dir):
@@ -219,6 +229,10 @@ def test_run_resume_matches_uninterrupted_and_writes_store(tmp_path, monkeypatch
     records = table_to_records(read_table(b / "trajectories"))
     assert len(records) == 2 * 2 * 3
     assert sorted(r.metadata.policy_version for r in records) == [0] * 6 + [1] * 6
+    from thinkcraft.data.summary import summarize_store
+
+    summary, _ = summarize_store(b / "trajectories")  # `data inspect` numbers steps as metrics do
+    assert (summary.learner_steps.min, summary.learner_steps.max) == (1, 2) and summary.policy_lag.max == 1
     t = records[0].turns[0]
     assert len(t.response_token_ids) == len(t.logprobs) == len(t.loss_mask) > 0 and len(t.prompt_token_ids) > 0
 
@@ -262,12 +276,17 @@ def test_sigterm_checkpoints_after_the_step_in_flight_and_exits_0(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["rloo", "reinforce", "apo"])
 def test_other_algorithms_run_and_learn(tmp_path, monkeypatch, algo):
-    _patch_reward(monkeypatch)
-    cfg = _cfg(tmp_path, algo=algo, steps=2, apo_pool_size=3, apo_ref_samples=4, apo_beta2=0.1)
+    # 10 steps of full fine-tuning, 64 samples a step, on a reward the first token decides: the mean reward
+    # of the last 3 steps beats the first 3 by 0.27-0.51 (RLOO, REINFORCE; seeds 0-1) and 0.15-0.28 (A*-PO,
+    # which samples once per prompt and regresses on a soft-max V*; seeds 0-2)
+    _patch_reward(monkeypatch, _FirstLetterReward())
+    cfg = _cfg(tmp_path, algo=algo, steps=10, prompts_per_step=64 if algo == "apo" else 8, group_size=8,
+               max_new_tokens=2, micro_batch_size=64, finetune="full", lr=1e-2, checkpoint_every=0,
+               apo_pool_size=64, apo_ref_samples=4, apo_beta2=0.1)
     last = LP.run(cfg)
-    assert last["policy_version"] == 2 and np.isfinite(last["losses/loss"])
-    _, w = _lora(cfg.run_dir)
-    assert any(v.abs().sum() > 0 for n, v in w.items() if "lora_B" in n)
+    assert last["policy_version"] == 10 and np.isfinite(last["losses/loss"])
+    rewards = [json.loads(x)["reward/mean"] for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean(rewards[-3:]) >= np.mean(rewards[:3]) + 0.1, rewards
 
 
 @pytest.mark.slow

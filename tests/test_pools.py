@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from thinkcraft.llm.protocol import Completion, SamplingParams
+from thinkcraft.llm.protocol import Completion, SamplingParams, WeightUpdateError
 from thinkcraft.pools import staleness as S
 from thinkcraft.pools import (
     CopyWeights, EngineFront, EngineSlot, EnvFault, EnvSpec, Failure, GroupRequest, GroupResult, LocalPool,
@@ -319,7 +319,7 @@ def test_copy_weights_checks_everything_before_changing_anything():
     good = {n: torch.ones_like(p) for n, p in model.named_parameters()}
     bad = dict(good, bias=torch.ones(3))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(WeightUpdateError, match="shape"):
         sync.apply(WeightUpdate(1, bad))
     assert sync.version == 0 and all(torch.equal(before[n], p) for n, p in model.named_parameters())
     sync.apply(WeightUpdate(2, good))
@@ -331,10 +331,24 @@ def test_copy_weights_checks_everything_before_changing_anything():
 # ------------------------------------------------------------------------------------- rollout pool
 
 
+class ObsPrompts:
+    """A group's prompts as a function of each observation alone (the pool's GroupPrompts contract)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @classmethod
+    def of(cls, fn):
+        return lambda system, n: cls(fn)
+
+    def next(self, idx, obs, comps):
+        return [self.fn(o) for o in obs]
+
+
 def _rollout_pool(env_spec, workers=2, engine=None, env_mode="thread", **kw):
     eng = engine or ScriptedEngine()
     settings = RolloutSettings(env=env_spec, sampling=SP, env_mode=env_mode, **kw)
-    pool = RolloutPool(settings, lambda system, hist, obs: [1] * (len(obs) % 7 + 1), num_workers=workers,
+    pool = RolloutPool(settings, ObsPrompts.of(lambda o: [1] * (len(o) % 7 + 1)), num_workers=workers,
                        max_queued=8, group_size=2)
     front = EngineFront([EngineSlot(eng, SharedWeights(3))], batch_wait_s=0.05, expected_rows=pool.expected_rows)
     pool.attach(front)
@@ -420,7 +434,7 @@ def _idle_share_with_slow_env(workers: int, max_batch_rows: int, seconds: float 
     while `workers` rollout workers (2 rows each) keep playing groups."""
     slow_engine = ScriptedEngine(delay_s=0.05)
     settings = RolloutSettings(env=EnvSpec("arith", latency_ms=100), sampling=SP)
-    pool = RolloutPool(settings, lambda system, hist, obs: [1, 2, 3], num_workers=workers, max_queued=2 * workers,
+    pool = RolloutPool(settings, ObsPrompts.of(lambda o: [1, 2, 3]), num_workers=workers, max_queued=2 * workers,
                        group_size=2)
     front = EngineFront([EngineSlot(slow_engine, SharedWeights())], batch_wait_s=0.02, max_batch_rows=max_batch_rows,
                         expected_rows=pool.expected_rows)

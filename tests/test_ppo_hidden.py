@@ -2,6 +2,7 @@
 
 import json
 import logging
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,8 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
     assert "--overlap-env-sms: must be >= 0" in capsys.readouterr().err
     assert main(["train", "ppo-hidden", "--engine", "sglang+http://127.0.0.1:9", "--engine-quantize", "fp8"]) == 2
     assert "applies to the in-process hf engine" in capsys.readouterr().err
+    assert main(["train", "ppo-hidden", "--engine", "sglang+http://127.0.0.1:9", "--engine-random-weights", "1"]) == 2
+    assert "--engine-random-weights: applies to the in-process hf engine" in capsys.readouterr().err
 
 
 def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
@@ -132,12 +135,15 @@ def test_overlapped_schedule_installs_the_previous_snapshot_one_interval_old():
 
     installs = []
 
-    def install(state, hidden, age, valid):
+    def install(state, hidden, age, valid, pool_hidden, keep):
+        assert pool_hidden is None and not np.asarray(keep).any()
         installs.append((hidden, int(age), np.asarray(valid).tolist()))
         return state
 
-    cfg = PPOHiddenConfig(num_steps=16, skip_n=8, overlap=True, overlap_env_sms=0)
-    with OverlappedRefresh(cfg, _FakeSource(), install, engine=None) as schedule:
+    # the masked scheme (no reset pool): envs whose episode ended since the snapshot are masked
+    cfg = PPOHiddenConfig(num_steps=16, skip_n=8, overlap=True, overlap_env_sms=0, reset_pool_size=0)
+    kernels = SimpleNamespace(install=install)
+    with OverlappedRefresh(cfg, _FakeSource(), kernels, engine=None) as schedule:
         # the first refresh is synchronous: this snapshot, age 0, every env valid
         assert schedule.before_window(_fake_state("a", [False, True]), 0)[1] is None
         assert installs == [("h-a", 0, [True, True])]
@@ -155,7 +161,8 @@ def test_sync_schedule_refreshes_at_refresh_points_only():
     from thinkcraft.train.ppo_hidden.schedule import SyncRefresh, make_schedule
 
     # skip_n = 2 x num_steps: every other update refreshes (before its one window)
-    schedule = make_schedule(PPOHiddenConfig(num_steps=16, skip_n=32), _FakeSource(), install=None, engine=None)
+    schedule = make_schedule(PPOHiddenConfig(num_steps=16, skip_n=32, reset_pool_size=0), _FakeSource(),
+                             kernels=None, engine=None)
     assert isinstance(schedule, SyncRefresh)
     state = _fake_state("a", [False])
     assert schedule.before_window(state, 0) == (state, "h-a")
@@ -201,7 +208,11 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
               "hidden/age_mean", "hidden/valid_frac", "llm/prompt_suffix_tokens"):
         assert k in last, k
     assert last["llm/refreshes"] == 2  # two windows of 4 steps per 8-step update
-    assert last["hidden/norm_count"] == 2 * 2 * 2  # 2 updates × 2 refreshes × 2 envs
+    # 2 updates × 2 refreshes × (2 envs + a reset pool of 2 worlds: num_envs / optimistic_reset_ratio)
+    assert last["hidden/norm_count"] == 2 * 2 * (2 + 2)
+    assert last["hidden/valid_frac"] == 1.0 and "hidden/pool_draws_per_world" in last
+    for k in ("losses/policy", "losses/value", "losses/entropy", "episode/count"):  # learning metrics
+        assert k in last, k
     assert 0 < last["llm/share"] < 1
     cfg = json.loads((tmp_path / "h/config.json").read_text())
     assert cfg["_derived"]["hidden_size"] == 576
@@ -209,7 +220,9 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
     # overlap mode runs too (hidden states one refresh old: age starts at skip_n)
     caplog.clear()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        assert main(args[:-2] + ["--run-name", "o", "--overlap"]) == 0
+        # (and the random-weights control engine: same shapes, so no new compile)
+        assert main(args[:-2] + ["--run-name", "o", "--overlap", "--engine-random-weights", "3"]) == 0
+    assert json.loads((tmp_path / "o/config.json").read_text())["engine_random_weights"] == 3
     # the install of a refresh compiles once: the first (synchronous) refresh and the later ones (one
     # refresh old) pass arrays of the same kind (an uncommitted "all valid" once cost a second compile)
     compiles = [r for r in caplog.records if "Compiling jit(_install)" in r.getMessage()]
@@ -217,8 +230,37 @@ def test_train_ppo_hidden_end_to_end_with_the_bundled_model(tmp_path, caplog):
     last_o = json.loads((tmp_path / "o/metrics.jsonl").read_text().splitlines()[-1])
     assert last_o["hidden/age_mean"] > last["hidden/age_mean"]
     assert 0 <= last_o["llm/wait_share"] <= 1 and last["llm/wait_share"] == last["llm/share"]
+    assert last_o["hidden/valid_frac"] == 1.0
     # the worker's LLM time overlaps the loop's phases and is not subtracted from the loop's wall twice
     assert last_o["timing/other"] >= 0 and last["timing/other"] >= 0
+
+
+def test_random_weights_engine_keeps_the_shapes_and_draws_seeded_weights(tmp_path):
+    """--engine-random-weights: the model's own architecture and tokenizer, weights re-initialised by the
+    model's initialiser from the seed (the control arm of bench/llm_features.py)."""
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.llm.testing import save_tiny, tiny_llama
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, engine_options
+
+    path = save_tiny(tmp_path / "m", *tiny_llama())
+    real = HFEngine(str(path), device="cpu")
+    a, b, c = (HFEngine(str(path), device="cpu", random_weights=s) for s in (0, 0, 1))
+    sr, sa, sb, sc = (e.model.state_dict() for e in (real, a, b, c))
+    assert sr.keys() == sa.keys() and all(sr[k].shape == sa[k].shape and sr[k].dtype == sa[k].dtype for k in sr)
+    matrices = [k for k in sr if sr[k].dim() >= 2]
+    assert all(torch.equal(sa[k], sb[k]) for k in sr)  # deterministic by seed
+    assert all(not torch.equal(sa[k], sr[k]) and not torch.equal(sa[k], sc[k]) for k in matrices)
+    assert a.tokenizer.get_vocab() == real.tokenizer.get_vocab() and a.hidden_size == real.hidden_size
+    # the torch global RNG is not consumed by the initialisation
+    torch.manual_seed(5)
+    x = torch.rand(3)
+    torch.manual_seed(5)
+    HFEngine(str(path), device="cpu", random_weights=7)
+    assert torch.equal(torch.rand(3), x)
+    batch = Batch(["a tree", "water"], prefix="obs: ")
+    assert not np.allclose(a.hidden_states(batch), real.hidden_states(batch))
+    assert engine_options(PPOHiddenConfig(engine_random_weights=4))["random_weights"] == 4
 
 
 def test_refresh_token_path_equals_tokenizing_the_rendered_text():
@@ -247,6 +289,7 @@ def test_refresh_token_path_equals_tokenizing_the_rendered_text():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
 def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     """--engine-device cuda:1: the LLM's output lands on JAX's first device (torch peer copy + DLPack)."""
     torch = pytest.importorskip("torch")
@@ -260,6 +303,7 @@ def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     np.testing.assert_allclose(np.asarray(x), h.cpu().numpy())
 
 
+@pytest.mark.gpu
 def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
     if not torch.cuda.is_available() or jax.devices()[0].platform != "gpu":
         pytest.skip("needs a CUDA GPU visible to both torch and JAX (none here)")
@@ -275,3 +319,70 @@ def test_overlap_partitions_an_llm_on_the_policy_gpu_and_restores_it():
     assert restore == (None,) and engine.sm_limit == total - 16
     engine.set_sm_limit(restore[0])
     assert engine.sm_limit is None
+
+
+def _llm_features():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "llm_features.py"
+    spec = importlib.util.spec_from_file_location("llm_features", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["llm_features"] = mod  # (its dataclass resolves annotations through its module)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llm_features_jobs_resume_and_stop_by_the_run_dirs(tmp_path):
+    """bench/llm_features.py's plumbing: which process each (env, arm, seed) gets, from the state of its run
+    dir (new / died before a checkpoint / part-way / done), one process per run (lock), SIGINT at the limit."""
+    import argparse
+    import sys
+    import time
+
+    lf = _llm_features()
+    a = argparse.Namespace(
+        envs=["classic", "craftax"], arms=list(lf.ARMS), seeds=3, first_seed=0, seed_mode="separate",
+        num_envs=1024, num_steps=50, total_timesteps=20_000_000, skip_n=25, engine="hf:default", extra=[],
+        hidden_extra=[], session_flags=["--checkpoint-every-minutes", "3"])
+    jobs = lf.make_jobs(a)
+    assert len(jobs) == 2 * 3 * 3 and len({j.name for j in jobs}) == len(jobs)
+    by = {j.name: j.argv(a) for j in jobs}
+    assert by["classic-ppo-s1"][:2] == ["train", "ppo"] and "--engine" not in by["classic-ppo-s1"]
+    assert by["craftax-llm-s2"][:2] == ["train", "ppo-hidden"] and "--engine-random-weights" not in by["craftax-llm-s2"]
+    rnd = by["craftax-random-llm-s2"]
+    assert rnd[rnd.index("--engine-random-weights") + 1] == "2" and rnd[rnd.index("--seed") + 1] == "2"
+    for argv in by.values():  # every arm: the same env steps, envs and rollout length
+        assert [argv[argv.index(f) + 1] for f in ("--num-envs", "--num-steps", "--total-timesteps")] == ["1024", "50", "20000000"]
+    if not lf.supports_num_seeds():
+        with pytest.raises(SystemExit, match="no --num-seeds yet"):
+            lf.make_jobs(argparse.Namespace(**{**vars(a), "seed_mode": "vmapped"}))
+
+    job, run = jobs[0], tmp_path / jobs[0].name
+    assert lf.job_state(run)[0] == "new" and "--overwrite" in lf.command_for(job, a, tmp_path)
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"_derived": {"num_updates": 4, "batch_size": 100}}))
+    assert lf.job_state(run) == ("broken", 0, 400) and "--overwrite" in lf.command_for(job, a, tmp_path)
+    (run / "checkpoint" / "00000002").mkdir(parents=True)
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 200, "update": 2, "checkpoint": "00000002"}))
+    assert lf.job_state(run) == ("partial", 200, 400)
+    cmd = lf.command_for(job, a, tmp_path)
+    assert cmd[cmd.index("thinkcraft") + 1:] == ["train", "ppo", "--resume", "--run-dir", str(run), "--resume-fallback",
+                                                 "--checkpoint-every-minutes", "3"]
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 400, "update": 4, "checkpoint": "00000002"}))
+    assert lf.job_state(run)[0] == "done" and lf.command_for(job, a, tmp_path) is None
+
+    lock = tmp_path / "x.lock"
+    assert lf.take_lock(lock) and not lf.take_lock(lock)  # held by a live process (us)
+    lock.write_text("999999999")  # a dead one's: taken over
+    assert lf.take_lock(lock)
+
+    # the time limit: the child gets SIGINT (a training run then checkpoints and exits)
+    marker = tmp_path / "sigint"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGINT, lambda *a: (pathlib.Path({str(marker)!r}).write_text('x'), sys.exit(0)))\n"
+             f"time.sleep(60)\n")
+    t0 = time.time()
+    rc = lf.run_child([sys.executable, "-c", child], tmp_path / "c.log", None, deadline=time.time() + 2)
+    assert rc == 0 and marker.exists() and time.time() - t0 < 30

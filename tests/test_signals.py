@@ -66,16 +66,18 @@ def test_label_under_sigterm_keeps_its_journal_exits_0_and_continues(tmp_path, m
     inp = tmp_path / "items.parquet"
     pq.write_table(pa.table({"text": [f"s{i}" for i in range(12)]}), inp)
     args = ["label", "--input", str(inp), "--out-dir", str(tmp_path / "o"), "--fields", "action:string",
-            "--batch-size", "4", "--engine", "hf:fake"]
+            "--batch-size", "4", "--engine", "hf:fake", "--prompt-format", "raw"]  # a fake engine: no tokenizer to read
     monkeypatch.setattr(pipeline, "make_local_engine", lambda spec: _TermOnSecondBatch(term=True))
     assert main(args) == 0
     assert "SIGTERM: stopped" in capsys.readouterr().err
     report = json.loads((tmp_path / "o" / "report.json").read_text())
-    assert report["interrupted"] and report["labelled"] == 4  # the first batch is in the journal
+    # report.json is cumulative (label/report.py): this run is its last entry
+    assert report["last_run"]["interrupted"] and report["labelled"] == 4  # the first batch is in the journal
     monkeypatch.setattr(pipeline, "make_local_engine", lambda spec: _TermOnSecondBatch(term=False))
     assert main(args) == 0
     report = json.loads((tmp_path / "o" / "report.json").read_text())
-    assert report["already_done"] == 4 and report["labelled"] == 8 and report["remaining"] == 0
+    assert report["already_done"] == 4 and report["last_run"]["labelled"] == 8
+    assert report["labelled"] == 12 and report["unlabelled"] == 0
 
 
 @pytest.mark.slow

@@ -3,11 +3,17 @@
 Contract for a command module (see COMMANDS below): it defines a documented `@dataclass` config class
 (tyro turns its fields and their docstrings into flags) and a function `run(config) -> Any`.
 Modules are imported lazily so that `thinkcraft render` does not import torch, etc.
+
+Shared by every command: the persistent JAX compilation cache (`utils/jaxcache.py`: the first run of a
+command compiles, later runs read the compiled programs back; announced once, when the cache is empty),
+and a closed stdout (`thinkcraft train ppo --help | head`) ends the command quietly with exit code 141
+(128 + SIGPIPE, what a shell reports for a program killed by the broken pipe), not a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -29,11 +35,19 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str, str]] = {
     ("distill",): ("thinkcraft.label.distill", "DistillConfig", "run", "fine-tune a student on teacher labels, then label the rest"),
 }
 
+# commands that compile JAX programs (Craftax, PPO): the first run of each is the slow one
+COMPILES_JAX = {("demo",), ("train", "ppo"), ("train", "ppo-hidden"), ("eval",), ("render",), ("collect",)}
+EXIT_BROKEN_PIPE = 141
+
 
 def _usage() -> str:
     lines = ["usage: thinkcraft <command> [--help] [options]", "", "commands:"]
     for words, (_, _, _, help_) in COMMANDS.items():
         lines.append(f"  {' '.join(words):<20} {help_}")
+    from thinkcraft.utils.jaxcache import cache_dir
+
+    lines += ["", f"Compiled JAX programs are cached in {cache_dir()} ($JAX_COMPILATION_CACHE_DIR):",
+              "the first run of a command compiles (minutes for Craftax on a CPU), later runs start fast."]
     return "\n".join(lines)
 
 
@@ -46,6 +60,18 @@ def _match(argv: Sequence[str]) -> tuple[tuple[str, ...], list[str]] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        # the reader went away (`| head`): drop what is still buffered, quietly (Python docs, "Note on SIGPIPE")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -69,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tyro
 
     from thinkcraft.utils.errors import UserError
+    from thinkcraft.utils.jaxcache import configure_process_cache
 
+    cache_path, cache_first_use = configure_process_cache()  # before the module import: it may import jax
     mod = importlib.import_module(mod_name)
     cfg_cls = getattr(mod, cfg_name)
     prog = "thinkcraft " + " ".join(words)
@@ -78,6 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = tyro.cli(cfg_cls, args=rest, prog=prog, description=help_)
         except SystemExit as e:  # tyro printed the parse/validation error (or --help) itself
             return int(e.code or 0)
+        if cache_first_use and words in COMPILES_JAX:
+            from thinkcraft.utils.progress import console
+
+            console.print(f"[dim]compiling JAX programs once; cached in {cache_path} for later runs[/dim]",
+                          highlight=False)
         result = getattr(mod, fn_name)(cfg)
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -16,7 +16,11 @@ from thinkcraft.utils.errors import check
 
 @dataclass
 class InspectConfig:
-    """Summarise a trajectory store: counts, rewards, lengths, tokens, errors, policy versions, file sizes."""
+    """Summarise a trajectory store: counts, rewards, lengths, tokens, errors, policy versions, file sizes.
+
+    Steps are numbered as the run's metrics.jsonl numbers them: a trajectory's learner step is the update
+    that trains on it (its metrics line), its policy version the number of updates behind the policy that
+    sampled it, so an on-policy trajectory has lag 1."""
 
     dir: tyro.conf.Positional[str]
     """The store directory (or one .parquet file of it)."""
@@ -85,6 +89,8 @@ def run_inspect(cfg: InspectConfig):
         return summary
 
     console = Console()
+    if not console.is_terminal:  # a file or a pipe: tables as wide as their content, paths not cut at 80 columns
+        console.width = 200
     s = summary
     t = Table(title=f"trajectory store {s.root}", show_header=True)
     t.add_column("what")
@@ -92,12 +98,12 @@ def run_inspect(cfg: InspectConfig):
     t.add_row("trajectories", _fmt(s.num_trajectories))
     t.add_row("files", f"{s.num_files:,} ({_mb(s.total_bytes)})")
     t.add_row("runs", ", ".join(f"{r}: {c:,}" for r, c in s.runs.items()) or "-")
-    t.add_row("learner steps", f"{_fmt(s.learner_steps.min)} .. {_fmt(s.learner_steps.max)}")
+    t.add_row("learner steps (metrics.jsonl steps)", f"{_fmt(s.learner_steps.min)} .. {_fmt(s.learner_steps.max)}")
     t.add_row("truncated", f"{s.truncation_rate:.1%}" if not math.isnan(s.truncation_rate) else "-")
     t.add_row("with env errors", (f"{s.env_error_rate:.1%} ({s.env_errors_total:,} errors)") if not math.isnan(s.env_error_rate) else "-")
     t.add_row("reward > 0 / == 0", f"{s.frac_positive:.1%} / {s.frac_zero:.1%}" if not math.isnan(s.frac_positive) else "-")
     t.add_row("policy versions", f"{s.num_policy_versions} distinct, {_fmt(s.policy_versions.min)} .. {_fmt(s.policy_versions.max)}")
-    t.add_row("policy lag (step - version)", f"mean {_fmt(s.policy_lag.mean)}, max {_fmt(s.policy_lag.max)}")
+    t.add_row("policy lag (step - version; 1 = on-policy)", f"mean {_fmt(s.policy_lag.mean)}, max {_fmt(s.policy_lag.max)}")
     t.add_row("tokens (metadata total)", _fmt(s.tokens.total))
     t.add_row("wall time (total)", f"{_fmt(s.wall_time_s.total)} s")
     for name, n in s.token_values_stored.items():

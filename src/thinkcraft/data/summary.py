@@ -62,6 +62,7 @@ class StoreSummary:
     num_stale_tmp: int = 0
     runs: dict[str, int] = field(default_factory=dict)
     learner_steps: Distribution = field(default_factory=Distribution)
+    """The update that trains on each trajectory: the `step` of its line in the run's metrics.jsonl."""
     reward: Distribution = field(default_factory=Distribution)
     frac_positive: float = float("nan")
     frac_zero: float = float("nan")
@@ -78,7 +79,7 @@ class StoreSummary:
     policy_versions: Distribution = field(default_factory=Distribution)
     num_policy_versions: int = 0
     policy_lag: Distribution = field(default_factory=Distribution)
-    """learner_step - policy_version per trajectory (staleness when the episode was stored)."""
+    """learner_step - policy_version per trajectory (1 = on-policy: sampled by the policy the update starts from)."""
     file_sizes: Distribution = field(default_factory=Distribution)
     files: list[FileInfo] = field(default_factory=list)
 

@@ -18,6 +18,12 @@ Reset schemes (`reset_ratio`):
   is favoured) and the k-th done env takes fresh world k. Only if more than `num_envs / r` envs end in the
   same step do the extra ones share a fresh world with another (the "optimistic" bet; still a valid start).
 
+* a reset pool (`PooledState`, ppo-hidden) — the fresh worlds for a stretch of steps are generated ahead,
+  once (`VecEnv.make_pool`), so that something slow (an LLM encoding their observations) can see them
+  before any env resets into them. The k-th reset since the pool was made takes world k mod P (a shared
+  world beyond P resets: the same optimistic bet). No world is generated inside a step. rl/hidden.py's
+  docstring says why ppo-hidden uses it.
+
 Episode statistics live in the state (PureJaxRL's LogWrapper idea) so logging never leaves the graph.
 Timeouts and deaths both end an episode (`done`), as in craftax and Craftax_Baselines.
 """
@@ -116,6 +122,25 @@ class VecEnvState:
     episode_lengths: jax.Array
 
 
+class ResetPool(NamedTuple):
+    """Fresh worlds generated ahead of the resets that will take them (leading axis P = pool size)."""
+
+    obs: jax.Array  # (P, obs_dim): each world's first observation
+    env_state: Any  # batched craftax EnvState (P, ...)
+    cursor: jax.Array  # int32 (): resets that drew from this pool so far (the next takes world cursor mod P)
+
+
+@struct.dataclass
+class PooledState:
+    """A VecEnvState whose resets draw from a `ResetPool` instead of worlds generated at each step."""
+
+    env_state: VecEnvState
+    """The envs (named like VecEnvState's field, so `unwrap_env_state` and the text package find them)."""
+    pool: ResetPool
+    took: jax.Array
+    """(N,) int32: the pool world each env reset into at the last step; -1 where it did not reset."""
+
+
 @dataclass(frozen=True)
 class VecEnv:
     """A batch of `num_envs` Craftax environments with logging and auto-reset (see module doc)."""
@@ -155,25 +180,42 @@ class VecEnv:
         zeros = jnp.zeros((self.num_envs,), jnp.float32)
         return obs, VecEnvState(env_state, zeros, jnp.zeros((self.num_envs,), jnp.int32))
 
+    def make_pool(self, rng: jax.Array, size: int) -> ResetPool:
+        """`size` fresh worlds for the resets of the steps ahead (cursor 0)."""
+        obs, env_state = self._reset_batch(rng, size)
+        return ResetPool(obs, env_state, jnp.zeros((), jnp.int32))
+
+    def with_pool(self, state: VecEnvState, pool: ResetPool) -> PooledState:
+        """`state` whose resets draw from `pool` from now on."""
+        return PooledState(state, pool, jnp.full((self.num_envs,), -1, jnp.int32))
+
     def step(
-        self, rng: jax.Array, state: VecEnvState, action: jax.Array
-    ) -> tuple[jax.Array, VecEnvState, jax.Array, jax.Array, EpisodeInfo]:
+        self, rng: jax.Array, state: VecEnvState | PooledState, action: jax.Array
+    ) -> tuple[jax.Array, Any, jax.Array, jax.Array, EpisodeInfo]:
+        """One step of every env; envs whose episode ends start a fresh world (module doc: reset schemes).
+        A `PooledState` draws the fresh worlds from its pool (and returns a PooledState)."""
         rng_step, rng_reset, rng_rank = jax.random.split(rng, 3)
+        vec = state.env_state if isinstance(state, PooledState) else state
         with unroll_env_scans(self.unroll_env_scans):
             obs_st, env_st, reward, done, _ = jax.vmap(self.base.step_env, in_axes=(0, 0, 0, None))(
-                jax.random.split(rng_step, self.num_envs), state.env_state, action, self.params
+                jax.random.split(rng_step, self.num_envs), vec.env_state, action, self.params
             )
         obs_st = obs_st.reshape(self.num_envs, -1)
         reward = reward.astype(jnp.float32)
-        ep_ret = state.episode_returns + reward
-        ep_len = state.episode_lengths + 1
+        ep_ret = vec.episode_returns + reward
+        ep_len = vec.episode_lengths + 1
         info = EpisodeInfo(done, ep_ret, ep_len, env_st.achievements.astype(bool))
 
-        obs_re, env_re = self._reset_batch(rng_reset, self.num_resets_per_step)
-        if self.reset_ratio > 1:
-            idx = fresh_world_index(done, self.num_resets_per_step, rng_rank)
-            obs_re = obs_re[idx]
-            env_re = jax.tree.map(lambda x: x[idx], env_re)
+        if isinstance(state, PooledState):
+            pool = state.pool
+            idx = pool_world_index(done, pool.cursor, pool.obs.shape[0])
+            obs_re, env_re = pool.obs[idx], jax.tree.map(lambda x: x[idx], pool.env_state)
+        else:
+            obs_re, env_re = self._reset_batch(rng_reset, self.num_resets_per_step)
+            if self.reset_ratio > 1:
+                idx = fresh_world_index(done, self.num_resets_per_step, rng_rank)
+                obs_re = obs_re[idx]
+                env_re = jax.tree.map(lambda x: x[idx], env_re)
 
         def pick(fresh: jax.Array, cont: jax.Array) -> jax.Array:
             d = done.reshape(done.shape + (1,) * (cont.ndim - 1))
@@ -183,7 +225,19 @@ class VecEnv:
         obs = pick(obs_re, obs_st)
         not_done = 1 - done.astype(jnp.int32)
         new_state = VecEnvState(env_state, ep_ret * not_done, ep_len * not_done)
+        if isinstance(state, PooledState):
+            cursor = state.pool.cursor + done.sum(dtype=jnp.int32)
+            new_state = PooledState(new_state, state.pool._replace(cursor=cursor),
+                                    jnp.where(done, idx, -1).astype(jnp.int32))
         return obs, new_state, reward, done, info
+
+
+def pool_world_index(done: jax.Array, cursor: jax.Array, pool_size: int) -> jax.Array:
+    """Which pool world each env would take if it were done: (N,) int32. The done envs of a step, in index
+    order, take the next worlds of the pool's walk: (cursor + rank) mod pool_size (the walk wraps around:
+    beyond pool_size resets, worlds are shared)."""
+    rank = jnp.cumsum(done.astype(jnp.int32)) - 1
+    return jnp.where(done, (cursor + rank) % pool_size, 0).astype(jnp.int32)
 
 
 def fresh_world_index(done: jax.Array, num_fresh: int, rng: jax.Array) -> jax.Array:

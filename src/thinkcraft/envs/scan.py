@@ -7,7 +7,9 @@ Each step splits the carried key three ways, as training's rollout does (`rl.ppo
 also carries the policy's extra inputs and builds PPO transitions, so it keeps its own scan body):
 `rng, k_act, k_env = split(rng, 3)`; the action comes from `act(obs, k_act)`, the env steps with `k_env`.
 `record(EnvStep)` picks what each step returns (default: nothing); it sees the state the action was taken
-in as well as the step's results, so a caller can extract features of either.
+in as well as the step's results, so a caller can extract features of either. A policy with memory (a
+recurrent `train ppo --policy rnn` one) carries it in `EnvCarry.policy_state`: `act(obs, key, state) ->
+(action, state)`, and `after_step(state, done)` advances it after the env step (train/evaluate.make_actor).
 
 Not a scan: `envs.text.rollout.random_rollout` steps raw craftax states one jitted step at a time from a
 Python loop (envs put on chosen floors, no auto-reset in the compiled step: prompt work and text tests).
@@ -30,6 +32,8 @@ class EnvCarry(NamedTuple):
     """(N, obs_dim): the observation the next action is chosen from. None: observations are not carried
     (actions that ignore them, e.g. an env-only timing window; XLA then drops their computation)."""
     rng: jax.Array
+    policy_state: Any = None
+    """A recurrent policy's memory (then `act` takes and returns it); None for a memoryless `act`."""
 
 
 class EnvStep(NamedTuple):
@@ -61,19 +65,27 @@ def _nothing(step: EnvStep) -> None:
 
 
 def make_env_scan(
-    env: VecEnv, act: Act, num_steps: int, record: Callable[[EnvStep], Any] = _nothing
+    env: VecEnv, act: Act, num_steps: int, record: Callable[[EnvStep], Any] = _nothing,
+    after_step: Callable[[Any, jax.Array], Any] | None = None,
 ) -> Callable[[EnvCarry], tuple[EnvCarry, Any]]:
     """`scan(carry) -> (carry after num_steps steps, record of each step stacked on a leading T axis)`.
 
     Pure (jit it, or call it inside a jitted function); the env's auto-reset and episode logging apply.
+    With `carry.policy_state` set, `act(obs, key, state) -> (action, state)` and `after_step(state, done)`.
     """
 
     def step(carry: EnvCarry, _: None) -> tuple[EnvCarry, Any]:
         rng, k_act, k_env = jax.random.split(carry.rng, 3)
-        action = act(carry.obs, k_act)
+        policy_state = carry.policy_state
+        if policy_state is None:
+            action = act(carry.obs, k_act)
+        else:
+            action, policy_state = act(carry.obs, k_act, policy_state)
         obs, env_state, reward, done, info = env.step(k_env, carry.env_state, action)
+        if policy_state is not None and after_step is not None:
+            policy_state = after_step(policy_state, done)
         out = record(EnvStep(carry.env_state, carry.obs, action, obs, reward, done, info))
-        return EnvCarry(env_state, None if carry.obs is None else obs, rng), out
+        return EnvCarry(env_state, None if carry.obs is None else obs, rng, policy_state), out
 
     def scan(carry: EnvCarry) -> tuple[EnvCarry, Any]:
         return jax.lax.scan(step, EnvCarry(*carry), None, num_steps)

@@ -38,6 +38,8 @@ class CollectConfig:
     obs: bool = True
     """Also store the symbolic observation (8268 floats per Craftax row) as a list<float> column."""
     seed: int = 0
+    seed_index: int = 0
+    """With `ppo:<run_dir>` of a `--num-seeds K` run: which seed's policy acts (0 .. K-1)."""
     overwrite: bool = False
     """Replace an existing non-empty output folder."""
 
@@ -63,31 +65,27 @@ class CollectConfig:
             self.steps_per_call = self.num_steps
 
 
-def _make_policy(cfg: CollectConfig) -> tuple[Any, Callable[[Any, Any], Any], str]:
-    """(VecEnv, act(obs, key) -> actions, env name)."""
+def _make_policy(cfg: CollectConfig) -> tuple[Any, Callable, Any, Any, str]:
+    """(VecEnv, act, after_step, initial policy state, env name): `envs.scan.make_env_scan`'s policy (a
+    recurrent one carries its memory as the scan's policy state)."""
     if cfg.policy == "random":
         from thinkcraft.envs.craftax import make_env
         from thinkcraft.envs.scan import random_actions
 
         env = make_env(cfg.env_name, cfg.num_envs, reset_ratio=1)
-        return env, random_actions(env), env.name
+        return env, random_actions(env), None, None, env.name
     # ppo:<run_dir>: through the evaluation loader (same network, exact resets)
     try:
-        from thinkcraft.train.evaluate import load_ppo_policy
+        from thinkcraft.train.evaluate import load_ppo_policy, make_actor
     except ImportError:  # pragma: no cover - depends on the train package
         raise UserError("--policy ppo:<run_dir> needs thinkcraft.train.evaluate, which is not installed") from None
-    env, network, params, tcfg = load_ppo_policy(cfg.policy[len("ppo:"):], cfg.num_envs)
+    env, network, params, tcfg = load_ppo_policy(cfg.policy[len("ppo:"):], cfg.num_envs, cfg.seed_index)
     if "Symbolic" not in env.name:
         raise UserError(f"--policy: the checkpoint's env {env.name} has pixel observations; collect needs Symbolic")
-
-    def act(obs: Any, key: Any) -> Any:
-        pi, _ = network.apply(params, obs)
-        return pi.sample(seed=key)
-
-    return env, act, env.name
+    return (env, *make_actor(network, params, tcfg), env.name)
 
 
-def _rollout_fn(env: Any, act: Callable, steps: int) -> Callable:
+def _rollout_fn(env: Any, act: Callable, steps: int, after_step: Callable | None = None) -> Callable:
     """Jitted: carry -> (carry, (semantic arrays of the state each action was taken in, obs, action,
     reward, done)), each (T, N, ...)."""
     import jax
@@ -98,7 +96,7 @@ def _rollout_fn(env: Any, act: Callable, steps: int) -> Callable:
     def record(s: Any) -> Any:
         return extract(s.env_state.env_state), s.obs, s.action, s.reward, s.done
 
-    return jax.jit(make_env_scan(env, act, steps, record))
+    return jax.jit(make_env_scan(env, act, steps, record, after_step))
 
 
 def _table(cols: dict[str, Any], obs: np.ndarray | None) -> Any:
@@ -135,14 +133,14 @@ def run(cfg: CollectConfig) -> dict[str, Any]:
     enable_compilation_cache()
     timer = PhaseTimer()
     with timer.phase("build"):
-        env, act, env_name = _make_policy(cfg)
-        play = _rollout_fn(env, act, cfg.steps_per_call)
+        env, act, after_step, policy_state, env_name = _make_policy(cfg)
+        play = _rollout_fn(env, act, cfg.steps_per_call, after_step)
         rng = jax.random.PRNGKey(cfg.seed)
         rng, k = jax.random.split(rng)
         obs, env_state = jax.jit(env.reset)(k)  # eager reset is slower than its (cached) compile
     # reset leaves some leaves weakly typed (player_direction); the scan's output carry is strongly
     # typed, so without this the second call would compile the whole scan again (minutes on CPU)
-    carry = jax.tree.map(lambda x: jax.numpy.array(x, dtype=x.dtype), EnvCarry(env_state, obs, rng))
+    carry = jax.tree.map(lambda x: jax.numpy.array(x, dtype=x.dtype), EnvCarry(env_state, obs, rng, policy_state))
     n = cfg.num_envs
     episode = np.zeros(n, np.int64)
     ep_step = np.zeros(n, np.int64)

@@ -46,8 +46,8 @@ def probe_gqa_native(device: torch.device | str) -> bool:
     kind = torch.device(device).type
     if kind not in _GQA_NATIVE:
         dt = torch.bfloat16 if kind == "cuda" else torch.float32
-        q = torch.randn(1, 4, 3, 16, device=device, dtype=dt)
-        k = torch.randn(1, 2, 5, 16, device=device, dtype=dt)
+        q = torch.randn(1, 4, 3, 16, device=device, dtype=dt, generator=torch.Generator(device).manual_seed(0))
+        k = torch.randn(1, 2, 5, 16, device=device, dtype=dt, generator=torch.Generator(device).manual_seed(1))
         kernel = _kernel(q)
         ok = False
         if kernel in ("cuda:flash", "cpu:flash"):
@@ -317,38 +317,41 @@ def register_cascade_attention() -> str:
 
 # --- decode (one query token) without copying the KV cache ------------------------------------------------
 
-DECODE_ATTN = "thinkcraft_decode"
+NO_KEYS_LSE = -1e30
+"""Log-sum-exp reported for a query that reads no key (a finite stand-in for -inf: merging such a part with
+`merge_attention` gives it weight exactly 0 instead of a NaN)."""
+
+
+def folded_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of M query rows per KV head: q (B, Hkv, M, d) (the G query heads of a GQA group, and for a
+    shared prefix the rows of the whole batch, folded into M), k/v (B, Hkv, T, d), mask None or bool
+    broadcasting to (B, Hkv, M, T) with True = attend. Returns (out (B, Hkv, M, d) in v's dtype, lse
+    (B, Hkv, M) float32); a query reading no key gets out 0 and lse `NO_KEYS_LSE`. Each key/value byte is
+    read once (no `repeat_kv` copy)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1).clamp(min=NO_KEYS_LSE)
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    return torch.matmul(probs, v), lse
 
 
 def gqa_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ONE query position per row over the cache, GQA heads folded (no `repeat_kv`).
 
-    query (B, H, 1, d); key, value (B, Hkv, T, d); mask None, bool (B or 1, 1, 1, T) with True = attend,
-    or additive float. Returns (B, H, 1, d). Each key/value byte is read once: at large decode batches
-    the step is bound by reading the cache, and the 4x expanded copy `repeat_kv` makes before sdpa
-    (whenever there is a padding mask) is what made a batch-512 decode slow."""
+    query (B, H, 1, d); key, value (B, Hkv, T, d); mask None or bool (B or 1, 1, 1, T) with True = attend.
+    Returns (B, H, 1, d) (and the (B, H) float32 log-sum-exp with `return_lse`). Each key/value byte is read
+    once: at large decode batches the step is bound by reading the cache, and the 4x expanded copy
+    `repeat_kv` makes before sdpa (whenever there is a padding mask) is what made a batch-512 decode slow."""
     b, h, _, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, h // hkv, d)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # (B, Hkv, G, T)
-    if mask is not None:
-        m = mask[..., -1:, :]  # (B|1, 1, 1, T) broadcasts over (Hkv, G)
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(b, h, 1, d)
-
-
-def decode_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
-    """transformers attention function: `gqa_decode_attention` for one-token steps, sdpa otherwise."""
-    if query.shape[2] != 1 or dropout or key.shape[1] == query.shape[1]:
-        return compat.sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = gqa_decode_attention(query, key, value, attention_mask, scale)
-    return out.transpose(1, 2), None
-
-
-def register_decode_attention() -> str:
-    """Register the decode attention with transformers (idempotent); returns its name."""
-    return compat.register_attention(DECODE_ATTN, decode_attention_forward)
+    m = mask[..., -1:, :] if mask is not None else None  # (B|1, 1, 1, T) broadcasts over (Hkv, G)
+    out, lse = folded_attention_lse(q, key, value, m, scale)
+    out = out.reshape(b, h, 1, d)
+    return (out, lse.reshape(b, h)) if return_lse else out

@@ -3,7 +3,8 @@
 The in-process engine is fast because, in a few places, it goes under the public APIs: it calls the decoder
 layers one by one (cascade attention, the pooled-last MLP split), swaps the attention function per call,
 reads the KV a cache holds, calls torch's private fused-attention and FP8 matmul ops, and creates CUDA
-green contexts. Each such reach is an entry here, with the versions it was checked against and what to
+green contexts. The learner (train/llm_policy) reaches in too: it reads the LM head's weight to compute token
+log-probs in chunks, and hands packed sequences' boundaries to a mask-less attention function. Each such reach is an entry here, with the versions it was checked against and what to
 look at when an upgrade breaks it; tests/test_llm_compat.py checks every entry and fails with a message
 naming it (`broken(...)`).
 
@@ -185,7 +186,76 @@ def splits_at_mlp(layer: torch.nn.Module) -> bool:
     return {n for n, _ in layer.named_children()} == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 
 
+def lm_head(lm: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM's output projection, `get_output_embeddings()` (transformers 5.24.0; `lm_head` for
+    Llama/Qwen): the continuous-batching decode runs the decoder layers itself (`call_layer`), then the final
+    norm and this head. Models that post-process logits (Gemma-2's soft-capping) are not supported there."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None:
+        raise UserError(broken("lm_head", f"{type(lm).__name__} exposes no output embeddings (LM head)"))
+    return head
+
+
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config attributes of models whose forward changes the logits after the head (Gemma-2's soft-capping,
+Cohere's scale, Granite's divisor; transformers 5.24.0 names): `plain_lm_head` refuses them."""
+
+
+def plain_lm_head(lm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (V, H), bias or None) of the LM head as a plain linear map, so the learner can compute token
+    log-probs from the decoder's final hidden states (`decoder(...).last_hidden_state`, already normed in
+    transformers 5.24.0) in chunks, never building the (tokens x V) logits the causal LM's forward returns.
+    Refuses a head that is not an `nn.Linear` (an adapter on the head) and models that post-process logits."""
+    head = lm_head(lm)
+    cfg = text_config(lm)
+    post = [a for a in LOGIT_POSTPROCESSING if getattr(cfg, a, None) not in (None, 1, 1.0)]
+    if type(head) is not torch.nn.Linear or post:  # noqa: E721 - a subclass (an adapter layer) adds terms
+        why = f"its config sets {post[0]}" if post else f"its head is a {type(head).__name__}, not a plain Linear"
+        raise UserError(f"the learner computes token log-probs from the LM head's weight; {type(lm).__name__}: {why}")
+    return head.weight, head.bias
+
+
+# --- transformers: packed (varlen) training forwards ----------------------------------------------------------
+
+VARLEN_KWARG_NAMES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""transformers 5.24.0's `FlashAttentionKwargs`: the decoder's forward hands them, through every layer and
+`self_attn(**kwargs)`, to the attention function."""
+
+
+def varlen_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
+    """Forward kwargs carrying a packed batch's boundaries (one (1, T) row holding sequences
+    cu_seqlens[i]:cu_seqlens[i+1], int32) to the attention function registered by `register_maskless_attention`."""
+    return dict(zip(VARLEN_KWARG_NAMES, (cu_seqlens, cu_seqlens, max_len, max_len)))
+
+
+def varlen_from_kwargs(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens, max_len) that `varlen_kwargs` put in an attention function's kwargs, or None."""
+    cu, max_len = kwargs.get(VARLEN_KWARG_NAMES[0]), kwargs.get(VARLEN_KWARG_NAMES[2])
+    return None if cu is None or max_len is None else (cu, int(max_len))
+
+
+def register_maskless_attention(name: str, fn: Any) -> str:
+    """Register an attention function that needs no mask (it reads the boundaries from `varlen_kwargs`):
+    `AttentionInterface.register` alone. transformers 5.24.0's `create_causal_mask` returns None at once for an
+    implementation absent from `masking_utils.ALL_MASK_ATTENTION_FUNCTIONS` (`_preprocess_mask_arguments`'
+    early exit), so a packed (1, T) row costs no (T, T) mask and no packed-sequence detection from the position
+    ids (which reads a device value on the host). Idempotent; returns `name`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+    return name
+
+
 # --- torch: private attributes and ops -----------------------------------------------------------------------
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """Tell torch.compile that `t` keeps its storage for the process's life (`torch._dynamo.mark_static_address`,
+    torch 2.1-2.13.0, what transformers' StaticCache does): a compiled decode step with CUDA graphs then mutates
+    the slot KV buffers in place instead of copying them into the graph's own inputs (or skipping the graph)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(t)
 
 
 def weights_version(params: Any) -> int:

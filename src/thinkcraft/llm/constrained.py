@@ -20,7 +20,8 @@ forward is queued: the host fills the next mask while the GPU runs that forward 
 structured-output backend uses), so the only per-step cost on the device is the mask copy and kernel.
 
 Engines read `SamplingParams.structured` (a `StructuredOutput`) and hook a `GuideState` into their
-decode loop (see `hf.py`, lines marked "structured outputs"). `logprobs="constrained"` makes the
+decode loop (the hf engine: `llm/hf/iteration.py`, lines marked "structured outputs"; one state per schema
+over all slots, a row opened when a request takes its slot and closed when it ends). `logprobs="constrained"` makes the
 engine report log-probs of the masked, renormalised distribution the token was sampled from;
 "model" (default) keeps the unmodified softmax, like unconstrained decoding.
 """
@@ -222,6 +223,19 @@ class GuideState:
         model_logp = torch.log_softmax(logits, dim=-1) if want_logprobs and self.logprobs == "model" else None
         tok, logp = choose_fn(self.apply(logits))
         return tok, (model_logp if model_logp is not None else logp)
+
+    def open_row(self, row: int) -> None:
+        """Put `row` under the constraint from its first token (continuous batching: a new request took this
+        slot). The other rows' pending tokens are accepted first (they belong to the step before)."""
+        self._accept_pending()
+        self.matchers[row] = self._xgr.GrammarMatcher(self.guide.compiled)
+        self.live[row], self.terminated[row] = True, False
+
+    def close_row(self, row: int) -> None:
+        """Take `row` out of the constraint (its request ended; the slot may serve an unconstrained one)."""
+        self._accept_pending()
+        self.live[row] = False
+        self._mask_host[row] = -1
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,7 @@ the batch and across calls while it is unchanged. The full input of item i is `p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Hashable, Literal, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -25,6 +25,16 @@ class EngineError(RuntimeError):
 
 class EngineCapabilityError(UserError):
     """The engine cannot do what was asked (e.g. hidden states from an OpenAI endpoint)."""
+
+
+class WeightUpdateError(EngineError):
+    """`update_weights` refused or failed: the engine keeps its previous weights and version."""
+
+
+class StaleWeightsError(WeightUpdateError):
+    """`update_weights` refused a version not newer than the engine's (held, or queued to apply at the next
+    step boundary): nothing changed, and the engine has - or is about to have - these weights or newer ones.
+    A publisher may ignore it (a retry after a lost answer, or two publishers racing)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,61 @@ class Capabilities:
     sm_partition: bool = False
     """`set_sm_limit(n)` / `sm_limit` confine the engine's GPU work to n SMs (a CUDA green context; creating
     one may still fail with a UserError on a driver without them)."""
+    continuous_batching: bool = False
+    """`submit(GenerationRequest) -> handle`, `step()`, `poll() -> list[GenerationResult]`, `pending()` and
+    `release(episode)`: requests join the running decode batch at step boundaries and leave it as soon as
+    they finish (`generate` is a wrapper over them). Thread-safe: any thread may submit / poll / update
+    weights; one thread at a time steps (or the engine's own thread, `start()` / `stop()`)."""
+    turn_kv_reuse: bool = False
+    """A request carrying an `episode` key keeps that episode's KV after it finishes; the episode's next
+    request prefills only the tokens past what the engine still holds (compared token by token)."""
+    versioned_weights: bool = False
+    """`update_weights(state, version)` applies new weights at a decode-step boundary with a version check;
+    results record the weight version of every generated token (`GenerationResult.weight_versions`)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate (n = 1: submit n requests for n samples), token in, token out."""
+
+    prompt: Sequence[int]
+    """The full prompt token ids (shared prefix included)."""
+    sampling: SamplingParams = SamplingParams()
+    prefix_len: int = 0
+    """The first `prefix_len` prompt tokens are a prefix shared by many requests (instructions): its KV is
+    computed once and stored once, whatever the number of sequences reading it."""
+    episode: Hashable | None = None
+    """Multi-turn episodes: the engine keeps the KV of this episode's sequence (prompt + generated tokens)
+    after the request finishes, and the episode's next request prefills only what lies past it. Call
+    `release(episode)` when the episode ends (or let the engine evict it under memory pressure)."""
+    tag: Any = None
+    """Returned untouched in the result (the caller's bookkeeping)."""
+
+
+@dataclass
+class GenerationResult:
+    """A finished request: the completion and how the engine produced it."""
+
+    handle: int
+    completion: Completion
+    tag: Any = None
+    episode: Hashable | None = None
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    """[(first token index, weight version), ...]: token i was sampled from logits of the version of the
+    last entry whose index is <= i. One entry unless the weights changed mid-sequence (partial rollout)."""
+    prefill_tokens: int = 0
+    """Prompt tokens this request ran through the model."""
+    reused_tokens: int = 0
+    """Prompt tokens whose KV the engine already held (the shared prefix and the episode's earlier turns)."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, those of the shared prefix (the rest: the episode's own earlier turns)."""
+    kv_fallback: bool = False
+    """The prompt did not extend the episode's previous sequence (e.g. a chat template that drops earlier
+    thoughts): the engine kept only the common token prefix and recomputed the rest (counted)."""
+    thinking_budget: int | None = None
+    error: str | None = None
+    """Set when the engine failed while the request was queued or running (its completion is then empty,
+    finish_reason "error"); the step that failed also raised."""
 
 
 @runtime_checkable

@@ -2,7 +2,8 @@
 
     hf:<path-or-default>          in-process transformers (options: device=, dtype=, max_batch_tokens=,
                                   kv_cache=, compile_decode=, compile_prefill=, prefix_reuse=,
-                                  sm_limit=, chunk_overhead_tokens=, quantize=, ...); `hf` = hf:default
+                                  sm_limit=, chunk_overhead_tokens=, quantize=, random_weights=<seed>
+                                  (same architecture + tokenizer, re-initialised weights), ...); `hf` = hf:default
     vllm:<path>                   vLLM in-process (optional extra; options: ServingOptions fields)
     sglang+http://host:port       SGLang server (options: HTTPOptions fields); https too
     openai+http://host:port/v1    any OpenAI-compatible endpoint, generation only (options: model=, HTTPOptions fields)

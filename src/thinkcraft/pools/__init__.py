@@ -23,12 +23,15 @@ from thinkcraft.pools.local import LocalPool, WorkerContext, WorkFailed
 from thinkcraft.pools.reward import RewardPool
 from thinkcraft.pools.rollout import RolloutPool, RolloutSettings
 from thinkcraft.pools.staleness import StalenessState
-from thinkcraft.pools.weights import CopyWeights, HTTPWeights, SharedWeights, WeightSync, WeightUpdate, trainable_state
+from thinkcraft.pools.weights import (
+    CopyWeights, HTTPWeights, SharedWeights, WeightSync, WeightUpdate, engine_update, trainable_state, versioned,
+)
 
 __all__ = [
     "CopyWeights", "EngineFault", "EngineFront", "EngineSlot", "EngineStats", "EnvFault", "EnvSpec", "Failure",
     "GroupRequest", "GroupResult", "HTTPWeights", "LatencyEnv", "LocalPool", "Pool", "PoolHealth", "PoolStopped",
     "ProcessEnv", "ReadyBuffer", "RewardPool", "RolloutPool", "RolloutSettings", "SharedWeights", "StalenessState",
     "ThreadEnv", "Trajectory", "TurnRecord", "WeightSync", "WeightUpdate", "WorkFailed", "WorkerContext",
-    "group_has_signal", "make_env_handle", "split_results", "traj_id", "trainable_state",
+    "engine_update", "group_has_signal", "make_env_handle", "split_results", "traj_id", "trainable_state",
+    "versioned",
 ]

@@ -1,10 +1,12 @@
 """RolloutPool: N workers, each playing one group at a time (G episodes of one problem seed) in its own
 text env, against the shared engine front (batched generation, versioned weights).
 
-Per turn: prompts of the group's active episodes (`prompt_fn(system, history, obs) -> token ids`, the chat
-template with the last K turns) -> `EngineFront.generate` (token ids + behaviour logprobs, and the weight
-version that made them) -> `env.step` -> one `TurnRecord` per active episode. Token in, token out: the
-engine's ids and logprobs are kept, never re-tokenized.
+Per turn: prompts of the group's active episodes (`prompt_fn(system, n)` gives the group's `GroupPrompts`,
+whose `next` builds them from the new observations and the last completions: train/llm_policy/rollout.py's
+ChatPrompts, the synchronous loop's prompts) -> `EngineFront.generate` (token ids + behaviour logprobs, and the
+weight version that made them) -> `env.step` -> one `TurnRecord` per active episode. Token in, token out: the
+engine's ids and logprobs are kept, never re-tokenized (a whole-history prompt extends the previous prompt
+with the reply's sampled ids).
 
 Faults become dropped, counted groups (`Failure(reason)`), never a crashed run: an env step past
 `step_timeout_s`, an episode past `episode_timeout_s`, an env that crashed or raised (its process or
@@ -16,22 +18,31 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol, Sequence
 
-from thinkcraft.llm.protocol import SamplingParams
+from thinkcraft.llm.protocol import Completion, SamplingParams
 from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult, PoolHealth, Trajectory, TurnRecord, traj_id
 from thinkcraft.pools.engine import EngineFault, EngineFront
 from thinkcraft.pools.envproc import EnvFault, EnvSpec, make_env_handle
 from thinkcraft.pools.local import LocalPool, WorkerContext, WorkFailed
 
-PromptFn = Callable[[str, list[tuple[str, str]], str], list[int]]
+
+
+class GroupPrompts(Protocol):
+    def next(self, idx: Sequence[int], obs: Sequence[str], comps: Sequence[Completion | None]) -> list[list[int]]:
+        """The next prompts' token ids of episodes `idx`: their new observations, their last completions
+        (None on the first turn)."""
+        ...
+
+
+PromptFn = Callable[[str, int], GroupPrompts]
+"""(the env's system prompt, episodes in the group) -> the group's prompt builder."""
 
 
 @dataclass(frozen=True)
 class RolloutSettings:
     env: EnvSpec
     sampling: SamplingParams
-    history_turns: int = 2
     env_mode: Literal["thread", "process"] = "thread"
     step_timeout_s: float | None = 60.0
     """An env call (reset/step) past this is a hang: the env is killed/replaced, the group dropped."""
@@ -141,7 +152,8 @@ class RolloutPool:
         n = req.num_samples
         obs = list(env.call("reset", ([req.seed] * n,), timeout()))
         trajs = [Trajectory(traj_id(req.group_id, k), req.group_id, req.seed, k) for k in range(n)]
-        histories: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+        group_prompts = self.prompt_fn(env.system_prompt, n)
+        last: list[Completion | None] = [None] * n
         while True:
             active = list(env.call("active_indices", (), timeout()))
             self._set_active(req.group_id, len(active))
@@ -149,13 +161,13 @@ class RolloutPool:
                 break
             if ctx.stopping:
                 raise WorkFailed("stopped", f"group {req.group_id} abandoned at stop")
-            prompts = [self.prompt_fn(env.system_prompt, histories[i], obs[i]) for i in active]
+            prompts = group_prompts.next(active, [obs[i] for i in active], [last[i] for i in active])
             comps, version = self.front.generate(prompts, [(req.group_id, i) for i in active], s.sampling,
                                                  s.engine_timeout_s)
             res = env.call("step", ([c.text for c in comps],), timeout())
             for j, i in enumerate(active):
                 trajs[i].turns.append(_turn(obs[i], prompts[j], comps[j], version, res, j))
-                histories[i].append((obs[i], comps[j].text))
+                last[i] = comps[j]
                 obs[i] = res.observations[j]
                 if res.terminated[j] or res.truncated[j]:
                     trajs[i].terminated, trajs[i].truncated = bool(res.terminated[j]), bool(res.truncated[j])

@@ -8,6 +8,13 @@ version the engine actually holds.
 - `CopyWeights`: the engine has its own copy of the model (same or another device). `apply` checks every
   tensor (name, shape) before copying any, so a bad update leaves the old weights whole (atomic); an update
   not newer than the engine's version is ignored (the version check). LoRA runs ship the adapters only.
+
+An engine with versioned weights (`Capabilities.versioned_weights`, the llm/hf decode engine) takes both
+through its own `update_weights(state, version)` (`engine_update`): the tensors (None for shared parameters:
+only the version moves) at a decode-step boundary, all-or-nothing, every generated token recording its
+version. The engine refuses a version not newer than its own with `StaleWeightsError`: that update is
+skipped, never a failure (the engine already holds these weights or newer ones: a retry after an answer
+lost in a timeout, or a newer update queued first).
 - `HTTPWeights`: the learner writes the state to a file (atomically, llm/weight_files.py) and the engine's server
   loads it
   (`thinkcraft serve` POST /update_weights, SGLang /update_weights_from_disk, vLLM /collective_rpc or
@@ -58,57 +65,93 @@ def trainable_state(model: Any, lora: bool, device: str | None = "cpu") -> dict[
             for n, p in model.named_parameters() if (p.requires_grad if lora else True)}
 
 
+def versioned(engine: Any) -> bool:
+    """The engine takes weights through a versioned `update_weights(state, version)` (llm.protocol)."""
+    caps = getattr(engine, "capabilities", None)
+    return bool(getattr(caps, "versioned_weights", False)) and callable(getattr(engine, "update_weights", None))
+
+
+def engine_update(engine: Any, state: dict[str, Any] | None, version: int) -> bool:
+    """`engine.update_weights(state, version)` of a versioned engine; False (nothing done) when the engine
+    holds or has queued this version or a newer one (`StaleWeightsError`, or seen before the call). Any other
+    refusal raises WeightUpdateError, the engine keeping its weights and version."""
+    from thinkcraft.llm.protocol import StaleWeightsError
+
+    held = int(engine.weights_version)
+    if version <= held:
+        log.info("weight update to version %d skipped: the engine already holds version %d", version, held)
+        return False
+    try:
+        engine.update_weights(state, version)
+    except StaleWeightsError as e:
+        log.info("weight update to version %d skipped: %s", version, e)
+        return False
+    return True
+
+
 class SharedWeights:
     """The engine shares the learner's parameters; the version is set by the learner (`set_version`, under
-    the slot's lock, in the same critical section as the optimizer step)."""
+    the slot's lock, in the same critical section as the optimizer step). A versioned `engine` moves its own
+    version with it (no tensors: they changed in place), inside `context` (the engine's autocast)."""
 
-    def __init__(self, version: int = 0) -> None:
+    def __init__(self, version: int = 0, engine: Any = None, context: Any = None) -> None:
         self._version = version
+        self.engine = engine if versioned(engine) else None
+        self.context = context
+        if self.engine is not None and version > 0:
+            self._advance_engine(version)  # a resumed run: the engine's tokens carry the learner's versions
 
     @property
     def version(self) -> int:
         return self._version
 
     def set_version(self, version: int) -> None:
+        if self.engine is not None:
+            self._advance_engine(version)
         self._version = version
+
+    def _advance_engine(self, version: int) -> None:
+        import contextlib
+
+        with self.context() if self.context is not None else contextlib.nullcontext():
+            engine_update(self.engine, None, version)
 
     def apply(self, update: WeightUpdate) -> None:
         self._version = max(self._version, update.version)
 
 
 class CopyWeights:
-    """An engine model with its own weights, updated by copy (adapters only for LoRA)."""
+    """An engine model with its own weights, updated by copy (adapters only for LoRA): through a versioned
+    `engine`'s own update_weights (`engine_update`), else copied into `model` here (llm.hf.weights.apply_state:
+    checked whole before any copy) and `on_change` called."""
 
-    def __init__(self, model: Any, version: int = 0, on_change: Any = None) -> None:
+    def __init__(self, model: Any, version: int = 0, on_change: Any = None, engine: Any = None) -> None:
         self.model = model
         self._version = version
         self.on_change = on_change
         """Called after the weights changed (e.g. the engine's invalidate_prefix_cache)."""
+        self.engine = engine if versioned(engine) else None
+        if self.engine is not None and version > 0:
+            engine_update(self.engine, None, version)  # same weights as the learner's at `version`: the label
 
     @property
     def version(self) -> int:
         return self._version
 
     def apply(self, update: WeightUpdate) -> None:
-        import torch
+        from thinkcraft.llm.hf.weights import apply_state
 
         if update.version <= self._version:
             return  # an old or repeated update: the engine already holds newer weights
         if update.state is None:
             raise ValueError(f"weight update {update.version} carries no tensors for an in-process copy")
-        named = dict(self.model.named_parameters())
-        for n, v in update.state.items():  # check everything before changing anything
-            if n not in named:
-                raise KeyError(f"weight update {update.version}: the engine model has no parameter {n!r}")
-            if tuple(named[n].shape) != tuple(v.shape):
-                raise ValueError(f"weight update {update.version}: {n} has shape {tuple(v.shape)}, the engine's "
-                                 f"is {tuple(named[n].shape)}")
-        with torch.no_grad():
-            for n, v in update.state.items():
-                named[n].copy_(v.to(named[n].device, named[n].dtype))
+        if self.engine is not None:
+            engine_update(self.engine, update.state, update.version)
+        else:
+            apply_state(self.model, update.state, update.version)
+            if self.on_change is not None:
+                self.on_change()
         self._version = update.version
-        if self.on_change is not None:
-            self.on_change()
 
 
 class HTTPWeights:

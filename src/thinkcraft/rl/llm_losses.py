@@ -33,11 +33,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: LossAgg) -> torch.Tensor:
+def segment_sum(x: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """(num_segments,) sums of `x` over the positions of each segment id (`segments`: x's shape, ids in
+    [0, num_segments))."""
+    return x.new_zeros(num_segments).index_add(0, segments.reshape(-1), x.reshape(-1))
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: LossAgg, segments: torch.Tensor | None = None,
+              num_segments: int = 0) -> torch.Tensor:
     """'token-mean': every generated token weighs the same (DAPO, Dr. GRPO); 'seq-mean-token-mean':
-    mean over each sequence's tokens, then over sequences (the original GRPO objective)."""
+    mean over each sequence's tokens, then over sequences (the original GRPO objective).
+
+    The sequences are the rows, or with `segments` (per-token ids in [0, num_segments) where the mask is set)
+    the segments: the turns of an episode trained as one row (`learner.build_rows`) each stay a sequence of
+    their own. 'token-mean' ignores them."""
     if how == "token-mean":
         return masked_mean(per_token, mask)
+    if how == "seq-mean-token-mean" and segments is not None:
+        m = mask.to(per_token.dtype)
+        tokens = segment_sum(m, segments, num_segments)
+        has_tokens = (tokens > 0).to(per_token.dtype)
+        per_seq = segment_sum(per_token * m, segments, num_segments) / tokens.clamp(min=1.0)
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
     if how == "seq-mean-token-mean":
         has_tokens = (mask.sum(-1) > 0).to(per_token.dtype)
         per_seq = masked_mean(per_token, mask, dim=-1)
@@ -205,20 +222,27 @@ def clipped_pg_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     agg: LossAgg = "seq-mean-token-mean",
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
+    token_weights: torch.Tensor | None = None,
 ) -> PGStats:
     """PPO/GRPO clipped surrogate over generated tokens, plus an optional k3 KL penalty to the reference.
 
     -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) with ρ = exp(logp - old_logp). With one update per batch and
     `old_logp` equal to the current policy's, ρ = 1 and this is the plain policy gradient (REINFORCE/RLOO).
+    `advantages` are per token; `segments`: the sequences of 'seq-mean-token-mean' (`aggregate`);
+    `token_weights` (constants) multiply each token's surrogate (the off-policy corrections below).
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    pg = aggregate(per_token, mask, agg)
+    if token_weights is not None:
+        per_token = per_token * token_weights
+    pg = aggregate(per_token, mask, agg, segments, num_segments)
     if ref_logp is not None and kl_coef != 0.0:
-        kl = aggregate(k3_kl(logp, ref_logp), mask, agg)
+        kl = aggregate(k3_kl(logp, ref_logp), mask, agg, segments, num_segments)
     else:
         kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
     loss = pg + kl_coef * kl
@@ -247,20 +271,27 @@ class APOStats(NamedTuple):
 
 
 def apo_loss(
-    seq_logp: torch.Tensor, seq_ref_logp: torch.Tensor, rewards: torch.Tensor, v_star: torch.Tensor, beta2: float
+    seq_logp: torch.Tensor, seq_ref_logp: torch.Tensor, rewards: torch.Tensor, v_star: torch.Tensor, beta2: float,
+    weights: torch.Tensor | None = None,
 ) -> APOStats:
     """A*-PO regression: mean over prompts of (β2 · log πθ(y|x)/πref(y|x) − (r − V*(x)))².
 
-    `seq_logp`/`seq_ref_logp`: (P,) summed token logprobs of each prompt's single online sample.
+    `seq_logp`/`seq_ref_logp`: (P,) summed token logprobs of each prompt's single online sample. `weights`
+    (constants, (P,)) multiply each prompt's squared error (the off-policy corrections below); None: all 1.
     """
     log_ratio = seq_logp - seq_ref_logp
     adv = rewards - v_star
-    loss = ((beta2 * log_ratio - adv) ** 2).mean()
+    sq = (beta2 * log_ratio - adv) ** 2
+    loss = (sq if weights is None else sq * weights).mean()
     return APOStats(loss, log_ratio.detach().mean(), adv.detach().mean())
 
 
-def sequence_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) token logprobs -> (B,) sum over generated tokens."""
+def sequence_logprob(token_logp: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None,
+                     num_segments: int = 0) -> torch.Tensor:
+    """(B, L) token logprobs -> (B,) sum over generated tokens; with `segments` (per-token ids), the
+    (num_segments,) sums of each segment instead."""
+    if segments is not None:
+        return segment_sum(token_logp * mask.to(token_logp.dtype), segments, num_segments)
     return (token_logp * mask.to(token_logp.dtype)).sum(-1)
 
 
@@ -274,7 +305,9 @@ def sequence_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 #   policy π_prox (the learner's weights before this update), and the behaviour mismatch is corrected by the
 #   importance weight w = π_prox / π_behav outside the clip:
 #       −w · min(r A, clip(r, 1−ε, 1+ε) A),   r = π_θ / π_prox;
-#   tokens whose w exceeds `cap` are dropped from the loss (AReaL's behav_imp_weight_cap; cap None = keep all).
+#   tokens whose w exceeds `cap` get weight 0 (AReaL's behav_imp_weight_cap; cap None = keep all). As in AReaL,
+#   they still count in the loss's normaliser (tokens, sequences): the loss is then a plain sum of per-token
+#   terms over a fixed denominator, the same whatever the micro-batches or the packing of the rows.
 # - "tis": truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
 #   off-policy RL training"; IMPALA's truncation, Espeholt et al. 2018): the same surrogate weighted by
 #   min(w, C), every token kept.
@@ -289,7 +322,7 @@ OffPolicyCorrection = Literal["none", "decoupled", "tis"]
 
 class BehaviourWeights(NamedTuple):
     weights: torch.Tensor  # (B, L) w (decoupled) or min(w, C) (tis), detached
-    keep: torch.Tensor  # (B, L) 1 where the token stays in the loss
+    keep: torch.Tensor  # (B, L) 1 where the token's surrogate counts (0: over the decoupled cap)
     capped_frac: torch.Tensor  # share of generated tokens whose weight hit the cap (dropped or truncated)
 
 
@@ -317,7 +350,7 @@ class OffPolicyPGStats(NamedTuple):
     kl: torch.Tensor
     clip_frac: torch.Tensor
     ratio_mean: torch.Tensor
-    weight_mean: torch.Tensor  # mean behaviour weight over kept tokens
+    weight_mean: torch.Tensor  # mean applied behaviour weight over the generated tokens (0 where dropped)
     capped_frac: torch.Tensor
 
 
@@ -334,31 +367,24 @@ def offpolicy_pg_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     agg: LossAgg = "seq-mean-token-mean",
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
 ) -> OffPolicyPGStats:
-    """The clipped surrogate with an off-policy correction (GRPO / RLOO / REINFORCE rows).
+    """`clipped_pg_loss` with an off-policy correction (GRPO / RLOO / REINFORCE rows): the ratio to π_prox,
+    each token's surrogate weighted by its behaviour weight (0 for the tokens the decoupled cap drops; the KL
+    term is not weighted). `advantages` per token; `segments` as in `aggregate`.
 
     `correction="none"` is `clipped_pg_loss(logp, behav_logp, ...)` exactly (prox_logp unused)."""
     if correction == "none":
-        st = clipped_pg_loss(logp, behav_logp, advantages, mask, clip_eps, clip_eps_high, ref_logp, kl_coef, agg)
+        st = clipped_pg_loss(logp, behav_logp, advantages, mask, clip_eps, clip_eps_high, ref_logp, kl_coef, agg,
+                             segments, num_segments)
         one = torch.ones((), dtype=logp.dtype, device=logp.device)
         return OffPolicyPGStats(*st, weight_mean=one, capped_frac=torch.zeros_like(one))
     bw = behaviour_weights(prox_logp, behav_logp, mask, correction, cap)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio = torch.exp(logp - prox_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high) * advantages
-    kept = mask * bw.keep
-    pg = aggregate(-torch.minimum(unclipped, clipped) * bw.weights, kept, agg)
-    if ref_logp is not None and kl_coef != 0.0:
-        kl = aggregate(k3_kl(logp, ref_logp), kept, agg)
-    else:
-        kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    with torch.no_grad():
-        clip_frac = masked_mean((unclipped != clipped).to(logp.dtype), kept)
-        ratio_mean = masked_mean(ratio, kept)
-        weight_mean = masked_mean(bw.weights, kept)
-    return OffPolicyPGStats(pg + kl_coef * kl, pg.detach(), kl.detach(), clip_frac, ratio_mean, weight_mean,
-                            bw.capped_frac)
+    weights = bw.weights * bw.keep
+    st = clipped_pg_loss(logp, prox_logp, advantages, mask, clip_eps, clip_eps_high, ref_logp, kl_coef, agg,
+                         segments, num_segments, token_weights=weights)
+    return OffPolicyPGStats(*st, weight_mean=masked_mean(weights, mask), capped_frac=bw.capped_frac)
 
 
 def offpolicy_apo_loss(
@@ -373,15 +399,10 @@ def offpolicy_apo_loss(
     cap: float | None = None,
 ) -> tuple[APOStats, torch.Tensor]:
     """A*-PO's regression with a sequence-level behaviour weight w = π_prox(y|x) / π_behav(y|x) per prompt
-    (decoupled: prompts with w > cap dropped; tis: min(w, C)): the weighted mean of the squared errors over
-    the kept prompts, which is the on-policy regression in expectation. Returns (stats, capped share)."""
+    (decoupled: weight 0 for w > cap; tis: min(w, C)): the weighted mean of the squared errors, which is the
+    on-policy regression in expectation. Returns (stats, capped share)."""
     if correction == "none":
         st = apo_loss(seq_logp, seq_ref_logp, rewards, v_star, beta2)
         return st, torch.zeros((), dtype=seq_logp.dtype, device=seq_logp.device)
-    ones = torch.ones_like(seq_logp)
-    bw = behaviour_weights(seq_prox_logp, seq_behav_logp, ones, correction, cap)
-    log_ratio = seq_logp - seq_ref_logp
-    adv = rewards - v_star
-    sq = (beta2 * log_ratio - adv) ** 2
-    loss = (sq * bw.weights * bw.keep).sum() / bw.keep.sum().clamp(min=1.0)
-    return APOStats(loss, log_ratio.detach().mean(), adv.detach().mean()), bw.capped_frac
+    bw = behaviour_weights(seq_prox_logp, seq_behav_logp, torch.ones_like(seq_logp), correction, cap)
+    return apo_loss(seq_logp, seq_ref_logp, rewards, v_star, beta2, bw.weights * bw.keep), bw.capped_frac

@@ -5,6 +5,13 @@ Pieces, each usable alone (plain PPO and ppo-hidden share all of them):
 * `ppo_loss`      — clipped policy loss + clipped value loss − entropy bonus (Baselines' exact form);
 * `ppo_update`    — GAE, then `update_epochs` × `num_minibatches` Adam steps over a shuffled batch;
 * `make_train_chunk` — K × (rollout + update) in one `lax.scan`, the unit the outer loop jits and times.
+
+Feed-forward and recurrent policies share all of them. A recurrent policy (rl.networks.ActorCriticRNN, as
+Craftax_Baselines' `ppo_rnn.py`) carries a `Memory` per env in the rollout state: its GRU carry and whether
+the next input starts a new episode (the carry restarts from zeros there). Acting is the network's
+sequence form at T = 1; the update reruns the whole (T, N) sequence from the memory the rollout started
+with, and its minibatches split the envs, keeping each env's sequence whole (`env_minibatches`). The
+feed-forward path (memory None) is traced exactly as before the recurrent one existed.
 """
 
 from __future__ import annotations
@@ -62,18 +69,42 @@ class EpisodeStats(NamedTuple):
         )
 
 
+class Memory(NamedTuple):
+    """A recurrent policy's per-env state between env steps (and across updates)."""
+
+    hidden: jax.Array  # (N, W) GRU carry after the last step
+    reset: jax.Array  # (N,) bool: the last step ended an episode, so the next input starts a new one
+
+
+def initial_memory(num_envs: int, width: int) -> Memory:
+    """Zero carry, no reset pending (Baselines: initialize_carry zeros and last_done False)."""
+    return Memory(jnp.zeros((num_envs, width), jnp.float32), jnp.zeros((num_envs,), bool))
+
+
 class RolloutState(NamedTuple):
     env_state: Any
     obs: jax.Array
     aux: Any  # extra per-env policy inputs carried across steps (ppo-hidden: hidden state + age); None for PPO
     rng: jax.Array
+    memory: Memory | None = None  # a recurrent policy's memory; None for a feed-forward one
+
+
+def policy_step(apply_fn: Callable, params: Any, x: Any, memory: Memory | None) -> tuple[Memory | None, Any, jax.Array]:
+    """`(memory, pi, value)` of one env step from inputs `x` with leading axis N. Feed-forward (memory None):
+    `apply_fn(params, x)`. Recurrent: the sequence form at T = 1 (as Baselines acts); the returned memory
+    holds the new carry (its `reset` is set after the env step)."""
+    if memory is None:
+        pi, value = apply_fn(params, x)
+        return None, pi, value
+    hidden, pi, value = apply_fn(params, memory.hidden, jax.tree.map(lambda a: a[None], x), memory.reset[None])
+    return memory._replace(hidden=hidden), jax.tree.map(lambda a: a[0], pi), value[0]
 
 
 def _identity_policy_input(obs: jax.Array, aux: Any) -> Any:
     return obs
 
 
-def _keep_aux(aux: Any, done: jax.Array) -> Any:
+def _keep_aux(aux: Any, done: jax.Array, env_state: Any) -> Any:
     return aux
 
 
@@ -82,25 +113,29 @@ def make_rollout(
     apply_fn: Callable,
     num_steps: int,
     policy_input: Callable[[jax.Array, Any], Any] = _identity_policy_input,
-    aux_after_step: Callable[[Any, jax.Array], Any] = _keep_aux,
+    aux_after_step: Callable[[Any, jax.Array, Any], Any] = _keep_aux,
 ) -> Callable[[Any, RolloutState], tuple[RolloutState, Transition, EpisodeStats]]:
     """`rollout(params, state) -> (state, traj (T, N, ...), episode stats summed over the T steps)`.
 
-    `policy_input(obs, aux)` builds the network input; `aux_after_step(aux, done)` advances the carried
-    extra input after each env step (e.g. age a hidden state, mask it when its episode ended).
+    `policy_input(obs, aux)` builds the network input; `aux_after_step(aux, done, env_state)` advances the
+    carried extra input after each env step, given the step's new env state (e.g. age a hidden state, mask
+    it when its episode ended, or take the hidden state of the world the env reset into). A recurrent
+    policy's memory (`state.memory`) is advanced by the network and reset where `done`.
     """
 
     def step(carry: tuple[Any, RolloutState], _: None):
         params, rs = carry
         rng, k_act, k_env = jax.random.split(rs.rng, 3)
         x = policy_input(rs.obs, rs.aux)
-        pi, value = apply_fn(params, x)
+        memory, pi, value = policy_step(apply_fn, params, x, rs.memory)
         action = pi.sample(seed=k_act)
         log_prob = pi.log_prob(action)
         obs, env_state, reward, done, info = env.step(k_env, rs.env_state, action)
-        aux = aux_after_step(rs.aux, done)
+        aux = aux_after_step(rs.aux, done, env_state)
+        if memory is not None:
+            memory = memory._replace(reset=done)
         tr = Transition(x, action, log_prob, value, reward, done)
-        return (params, RolloutState(env_state, obs, aux, rng)), (tr, EpisodeStats.of(info))
+        return (params, RolloutState(env_state, obs, aux, rng, memory)), (tr, EpisodeStats.of(info))
 
     def rollout(params: Any, rs: RolloutState):
         (_, rs), (traj, stats) = jax.lax.scan(step, (params, rs), None, num_steps)
@@ -150,25 +185,45 @@ def ppo_update(
     last_value: jax.Array,
     rng: jax.Array,
     hp: PPOHyper,
+    memory: Memory | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """GAE over the (T, N) trajectory, then epochs × minibatches of Adam steps. Returns mean loss metrics."""
+    """GAE over the (T, N) trajectory, then epochs × minibatches of Adam steps. Returns mean loss metrics.
+
+    Feed-forward (memory None): minibatches of (step, env) pairs shuffled over the flattened batch.
+    Recurrent: `memory` is the memory the rollout started from; minibatches are whole env sequences
+    (`env_minibatches`), rerun from their initial carry with each step's reset flag (Baselines' ppo_rnn)."""
     advantages, targets = gae(traj.reward, traj.value, traj.done, last_value, hp.gamma, hp.gae_lambda)
-    batch_size = traj.reward.size
-    mb_size = batch_size // hp.num_minibatches
-    flat = jax.tree.map(lambda x: x.reshape((batch_size,) + x.shape[2:]), (traj, advantages, targets))
     grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
+    if memory is None:
+        batch_size = traj.reward.size
+        mb_size = batch_size // hp.num_minibatches
+        flat = jax.tree.map(lambda x: x.reshape((batch_size,) + x.shape[2:]), (traj, advantages, targets))
+
+        def split(k):
+            perm = jax.random.permutation(k, batch_size)
+            return jax.tree.map(
+                lambda x: jnp.take(x, perm, axis=0).reshape((hp.num_minibatches, mb_size) + x.shape[1:]), flat
+            )
+
+        def loss_inputs(ts, mb):
+            return (ts.apply_fn, *mb)
+    else:
+        seqs = sequence_batch(traj, advantages, targets, memory)
+
+        def split(k):
+            return env_minibatches(k, seqs, hp.num_minibatches)
+
+        def loss_inputs(ts, mb):
+            tr, adv, tgt, h0 = mb
+            return (lambda params, obs: ts.apply_fn(params, h0[0], *obs)[1:]), tr, adv, tgt
 
     def epoch(carry, _):
         ts, rng = carry
         rng, k = jax.random.split(rng)
-        perm = jax.random.permutation(k, batch_size)
-        mbs = jax.tree.map(
-            lambda x: jnp.take(x, perm, axis=0).reshape((hp.num_minibatches, mb_size) + x.shape[1:]), flat
-        )
+        mbs = split(k)
 
         def minibatch(ts, mb):
-            tr, adv, tgt = mb
-            (_, aux), grads = grad_fn(ts.params, ts.apply_fn, tr, adv, tgt, hp)
+            (_, aux), grads = grad_fn(ts.params, *loss_inputs(ts, mb), hp)
             return ts.apply_gradients(grads=grads), aux
 
         ts, aux = jax.lax.scan(minibatch, ts, mbs)
@@ -176,6 +231,27 @@ def ppo_update(
 
     (train_state, _), aux = jax.lax.scan(epoch, (train_state, rng), None, hp.update_epochs)
     return train_state, jax.tree.map(jnp.mean, aux)
+
+
+def sequence_batch(traj: Transition, advantages: jax.Array, targets: jax.Array, memory: Memory) -> tuple:
+    """A recurrent update's data, every leaf with the env on axis 1: the transitions with `obs` replaced by
+    the network's sequence inputs (x, resets), advantages, targets, and the initial carry as (1, N, W).
+    The reset flag of step t is the `done` of step t-1 (of the previous rollout's last step for t = 0)."""
+    resets = jnp.concatenate([memory.reset[None], traj.done[:-1]], axis=0)
+    return traj._replace(obs=(traj.obs, resets)), advantages, targets, memory.hidden[None]
+
+
+def env_minibatches(rng: jax.Array, data: Any, num_minibatches: int) -> Any:
+    """Shuffle the envs (axis 1 of every leaf) and split them into `num_minibatches` groups, each leaf
+    (M, T, N / M, ...): every minibatch holds whole sequences, in time order (Baselines' ppo_rnn split)."""
+    n = jax.tree.leaves(data)[0].shape[1]
+    perm = jax.random.permutation(rng, n)
+
+    def split(x):
+        x = jnp.take(x, perm, axis=1)
+        return jnp.swapaxes(x.reshape((x.shape[0], num_minibatches, n // num_minibatches) + x.shape[2:]), 0, 1)
+
+    return jax.tree.map(split, data)
 
 
 def make_optimizer(lr: float, anneal_lr: bool, max_grad_norm: float, num_updates: int, hp: PPOHyper):
@@ -217,9 +293,9 @@ def make_train_chunk(
     def one_update(runner: RunnerState, _: None):
         ts = runner.train_state
         rs, traj, stats = rollout_fn(ts.params, runner.rollout)
-        _, last_value = apply_fn(ts.params, rs.obs)
+        _, _, last_value = policy_step(apply_fn, ts.params, rs.obs, rs.memory)
         rng, k = jax.random.split(rs.rng)
-        ts, metrics = ppo_update(ts, traj, last_value, k, hp)
+        ts, metrics = ppo_update(ts, traj, last_value, k, hp, runner.rollout.memory)
         return RunnerState(ts, rs._replace(rng=rng), runner.update + 1), (metrics, stats)
 
     def chunk(runner: RunnerState):
@@ -240,14 +316,23 @@ def episode_sums(stats: EpisodeStats) -> dict[str, jax.Array]:
     }
 
 
+def init_params(network: Any, rng: jax.Array, x: Any, memory: Memory | None = None) -> Any:
+    """`network.init` on one env's input `x` (leading axis 1); a recurrent network in its sequence form
+    (one step, from `memory`'s first row)."""
+    if memory is None:
+        return network.init(rng, x)
+    return network.init(rng, memory.hidden[:1], jax.tree.map(lambda a: a[None], x), memory.reset[None, :1])
+
+
 def init_runner_state(
     env: VecEnv, network: Any, tx: optax.GradientTransformation, rng: jax.Array, aux: Any = None,
-    sample_input: Any = None,
+    sample_input: Any = None, memory: Memory | None = None,
 ) -> RunnerState:
-    """Fresh parameters, optimizer state and env batch. Pure: `jax.eval_shape` of it gives the checkpoint
-    template without running anything."""
+    """Fresh parameters, optimizer state and env batch; `memory` (a recurrent network's initial memory,
+    `initial_memory`) or None. Pure: `jax.eval_shape` of it gives the checkpoint template without running
+    anything."""
     rng, k_net, k_env = jax.random.split(rng, 3)
     obs, env_state = env.reset(k_env)
-    params = network.init(k_net, obs[:1] if sample_input is None else sample_input)
+    params = init_params(network, k_net, obs[:1] if sample_input is None else sample_input, memory)
     ts = TrainState.create(apply_fn=network.apply, params=params, tx=tx)
-    return RunnerState(ts, RolloutState(env_state, obs, aux, rng), jnp.zeros((), jnp.int32))
+    return RunnerState(ts, RolloutState(env_state, obs, aux, rng, memory), jnp.zeros((), jnp.int32))

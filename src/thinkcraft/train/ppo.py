@@ -3,6 +3,15 @@
 Outer loop (impure, short): compile once → repeat { jitted chunk of K updates → log → checkpoint }.
 Each chunk is one XLA call with the runner state donated, so there is no host sync inside a chunk and
 the progress bar/metrics/checkpoints cost nothing on the device's critical path.
+
+`--num-seeds K` trains K independent seeds (seed, seed+1, ...) in that one program: the runner state gets a
+leading seed axis and the chunk is vmapped over it (rl/seeds.py; Craftax_Baselines' NUM_REPEATS). Seed i
+is the run `--seed seed+i`. Each logged chunk writes one metrics record per seed carrying `seed_index`
+(what `thinkcraft compare` reads); the progress line shows the mean over the seeds; checkpoints hold all
+K; `eval` / `collect` pick one with `--seed-index`. K = 1 is exactly the single-seed program and format.
+
+`--policy rnn` is Craftax_Baselines' `ppo_rnn.py` (rl/networks.ActorCriticRNN; the sequence update in
+rl/ppo.py). Its defaults are this config's (Baselines' ppo_rnn.py shares ppo.py's: see PPOConfig).
 """
 
 from __future__ import annotations
@@ -19,13 +28,40 @@ from thinkcraft.utils.errors import ConfigError, UserError, check
 SHAPE_FIELDS = (
     "env_name", "num_envs", "num_steps", "num_minibatches", "update_epochs", "layer_width",
     "optimistic_reset_ratio", "total_timesteps", "lr", "anneal_lr", "compute_dtype", "seed",
-    "updates_per_chunk",
+    "updates_per_chunk", "num_seeds", "policy",
 )
 
 
 @dataclass
 class PPOConfig(RunOptions):
-    """PPO on Craftax. Defaults equal Craftax_Baselines `ppo.py` except total_timesteps."""
+    """PPO on Craftax. Defaults equal Craftax_Baselines `ppo.py` except total_timesteps.
+
+    `--policy rnn` (Baselines' `ppo_rnn.py`) keeps every default: its script defaults are ppo.py's
+    (ENV_NAME Craftax-Symbolic-v1, NUM_ENVS 1024, NUM_STEPS 64, LR 2e-4 annealed linearly, UPDATE_EPOCHS 4,
+    NUM_MINIBATCHES 8, GAMMA 0.99, GAE_LAMBDA 0.8, CLIP_EPS 0.2, ENT_COEF 0.01, VF_COEF 0.5, MAX_GRAD_NORM
+    1.0, LAYER_SIZE 512, optimistic resets with ratio 16). Its network ignores --activation (ReLU, as
+    theirs); its minibatches split the envs, so num_minibatches must divide num_envs.
+
+    Differences from Craftax_Baselines that remain (none biases a learning comparison; bench/ppo_parity.py):
+    * episode statistics: Baselines logs per update the mean over the episodes that ended in its rollout;
+      we log per chunk of `updates_per_chunk` updates the mean over all episodes ended in the chunk (the
+      same episode-weighted mean over a longer window). Achievements are fractions of ended episodes
+      (theirs percentages: /100); `achievements/mean_rate` is their mean over achievements (Baselines'
+      `achievements` is their sum over achievements as fractions). Returns are the same LogWrapper sums of
+      rewards since the episode's start, timeouts and deaths both ending it;
+    * optimistic resets: the same number P = num_envs / ratio of fresh worlds per step. Baselines gives
+      each done env its own world when at most P are done (an argsort) and otherwise P done envs drawn by
+      `random.choice(p=done)` their own and the rest world j // ratio; we rank the done envs from a random
+      offset and give the k-th world k mod P (envs/craftax.py). Both: unique worlds up to P resets, shared
+      beyond; the worlds are i.i.d., so which done env gets which one changes no statistic;
+    * PRNG streams: keys are split in another order (same distributions; `--num-seeds` seeds are
+      `PRNGKey(seed + i)`, Baselines' NUM_REPEATS `split(PRNGKey(seed), K)`);
+    * Pixels envs: Baselines' ppo.py uses a conv net there (ActorCriticConv); ours is the MLP on the flattened
+      pixels (the parity comparison is on Symbolic envs);
+    * lr annealing: the same formula, lr × (1 − (count // (minibatches × epochs)) / num_updates), counted
+      per Adam step; initialisation: the same orthogonal scales and zero biases (flax's GRUCell defaults
+      for the RNN's GRU, as theirs).
+    """
 
     env_name: str = "Craftax-Symbolic-v1"
     """Craftax-Symbolic-v1 | Craftax-Classic-Symbolic-v1 | Craftax-Pixels-v1 | Craftax-Classic-Pixels-v1 (aliases: craftax, craftax-classic)."""
@@ -64,7 +100,13 @@ class PPOConfig(RunOptions):
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Matmul dtype of the networks (parameters stay float32). float32 = Baselines."""
     seed: int = 0
-    """Random seed (parameters, env worlds, actions)."""
+    """Random seed (parameters, env worlds, actions). With --num-seeds K: seeds seed .. seed+K-1."""
+    num_seeds: int = 1
+    """Independent seeds trained in one compiled program (vmapped, as Baselines' NUM_REPEATS); seed i equals a
+    run with --seed seed+i. Metrics: one record per seed (`seed_index`); `sps` counts all seeds' steps."""
+    policy: Literal["mlp", "rnn"] = "mlp"
+    """mlp: Baselines' ppo.py actor-critic (3 × layer_width, tanh). rnn: Baselines' ppo_rnn.py (Dense, GRU of
+    layer_width, 2-layer ReLU heads; the update runs whole env sequences from the rollout's first memory)."""
     updates_per_chunk: int = 8
     """PPO updates per jitted call; adjusted down to a divisor of the number of updates. Larger = fewer host round trips."""
     stop_after_updates: int = 0
@@ -83,12 +125,16 @@ class PPOConfig(RunOptions):
         from thinkcraft.envs.unroll import UNROLL_SETTINGS
 
         for f in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches",
-                  "layer_width", "updates_per_chunk"):
+                  "layer_width", "updates_per_chunk", "num_seeds"):
             check(getattr(self, f) > 0, f, f"must be > 0, got {getattr(self, f)}")
         check(self.total_timesteps >= self.batch_size, "total_timesteps",
               f"{self.total_timesteps} is less than one update (num_envs × num_steps = {self.batch_size})")
         check(self.batch_size % self.num_minibatches == 0, "num_minibatches",
               f"num_envs × num_steps = {self.batch_size} is not divisible by {self.num_minibatches} minibatches")
+        check(self.policy in ("mlp", "rnn"), "policy", f"mlp or rnn, not {self.policy!r}")
+        check(self.policy != "rnn" or self.num_envs % self.num_minibatches == 0, "num_minibatches",
+              f"--policy rnn splits the envs into minibatches of whole sequences: {self.num_minibatches} must "
+              f"divide num_envs={self.num_envs}")
         r = self.optimistic_reset_ratio
         check(r >= 1 and self.num_envs % min(r, self.num_envs) == 0, "optimistic_reset_ratio",
               f"{r} must be >= 1 and divide num_envs={self.num_envs}")
@@ -102,7 +148,8 @@ class PPOConfig(RunOptions):
         check(self.unroll_env_scans in UNROLL_SETTINGS, "unroll_env_scans", "auto, on or off")
 
     def run_label(self) -> str:
-        return f"{self.env_name}-s{self.seed}"
+        seeds = f"{self.seed}-{self.seed + self.num_seeds - 1}" if self.num_seeds > 1 else f"{self.seed}"
+        return f"{self.env_name}{'-rnn' if self.policy == 'rnn' else ''}-s{seeds}"
 
     @property
     def batch_size(self) -> int:
@@ -147,10 +194,19 @@ def build_env(cfg: PPOConfig):
 
 
 def build_network(cfg: PPOConfig, env):
-    """Plain PPO's actor-critic MLP for `env`'s actions."""
-    from thinkcraft.rl.networks import ActorCritic
+    """Plain PPO's actor-critic for `env`'s actions: the MLP, or with --policy rnn the GRU one."""
+    from thinkcraft.rl.networks import ActorCritic, ActorCriticRNN
 
+    if cfg.policy == "rnn":
+        return ActorCriticRNN(env.num_actions, cfg.layer_width, dtype=cfg.matmul_dtype)
     return ActorCritic(env.num_actions, cfg.layer_width, dtype=cfg.matmul_dtype)
+
+
+def initial_memory(cfg: PPOConfig):
+    """The policy's initial per-env memory (rl.ppo.Memory) for --policy rnn; None for the MLP."""
+    from thinkcraft.rl.ppo import initial_memory as zeros
+
+    return zeros(cfg.num_envs, cfg.layer_width) if cfg.policy == "rnn" else None
 
 
 def build_optimizer(cfg: PPOConfig):
@@ -186,25 +242,28 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     from thinkcraft.envs.craftax import achievement_names, achievement_weights
     from thinkcraft.rl.ppo import init_runner_state, make_train_chunk
+    from thinkcraft.rl.seeds import init_seeds, over_seeds, seeds_template, split_seeds
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.jaxcache import enable_compilation_cache
-    from thinkcraft.utils.progress import console
+    from thinkcraft.utils.progress import console, fmt_value
 
     session = TrainSession(cfg, "ppo", shape_fields=SHAPE_FIELDS, defaults=PPOConfig(),
                            total_steps=lambda c: c.num_updates * c.batch_size, title=lambda c: f"PPO {c.env_name}")
     cfg = session.cfg
     enable_compilation_cache()
     with session:
-        # 1. build and initialise (or restore)
+        # 1. build and initialise (or restore): each seed by the same jitted init (rl/seeds.py)
         env, network, tx = build(cfg)
-        init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng))
-        rng = jax.random.PRNGKey(cfg.seed)
-        runner = session.restore(jax.eval_shape(init, rng)) if session.resuming else init(rng)
-        start_update = int(runner.update)
+        init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng, memory=initial_memory(cfg)))
+        S = cfg.num_seeds
+        runner = (session.restore(seeds_template(init, cfg.seed, S)) if session.resuming
+                  else init_seeds(init, cfg.seed, S))
+        start_update = int(np.asarray(runner.update).reshape(-1)[0])
         session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
 
         K = cfg.chunk_updates
-        chunk = jax.jit(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), donate_argnums=0)
+        chunk = jax.jit(over_seeds(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), S),
+                        donate_argnums=0)
         names = achievement_names(cfg.env_name)
         max_return = float(sum(achievement_weights(cfg.env_name)))
 
@@ -212,7 +271,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         compiled = chunk.lower(runner).compile()
         compile_s = time.perf_counter() - t0
-        console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps in {compile_s:.1f} s", soft_wrap=True)
+        seeds = f" × {S} seeds" if S > 1 else ""
+        console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps{seeds} in {compile_s:.1f} s",
+                      soft_wrap=True)
         session.summary["compile_s"] = compile_s
 
         # 3. chunks: one device call each (runner donated), one host sync for the metrics
@@ -227,18 +288,28 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             m = jax.device_get(m)
             chunk_s = time.perf_counter() - t0
             update += K
-            sps = K * cfg.batch_size / chunk_s
-            rec = {k: float(v) for k, v in m.items() if not k.startswith("_")}
-            rec.update(episode_metrics(m, names, max_return))
-            rec.update({"sps": sps, "timing/chunk_s": chunk_s,
-                        "timing/compile_s": compile_s if update == start_update + K else None})
-            session.log(update, update * cfg.batch_size, rec, sps=sps, ret=rec.get("episode/return", float("nan")))
+            sps = S * K * cfg.batch_size / chunk_s
+            timing = {"sps": sps, "timing/chunk_s": chunk_s,
+                      "timing/compile_s": compile_s if update == start_update + K else None}
+            if S > 1:
+                timing["sps_per_seed"] = sps / S
+            recs = [chunk_record(mi, names, max_return) | timing for mi in split_seeds(m, S)]
+            ret = float(np.nanmean([r.get("episode/return", np.nan) for r in recs])) if any(
+                "episode/return" in r for r in recs) else float("nan")
+            session.log_seeds(update, update * cfg.batch_size, recs, sps=sps, ret=ret)
             session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params)
         session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params, force=True)
         summary = session.summary
         summary.update({"update": update, "env_steps": update * cfg.batch_size})
         console.print(
-            f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps; "
-            f"return {summary.get('episode/return', float('nan')):.2f}; sps {summary.get('sps', 0):,.0f}; "
-            f"run dir {session.run_dir}", soft_wrap=True)
+            f"done: {update:,}/{cfg.num_updates:,} updates, {update * cfg.batch_size:,} steps{seeds}; "
+            f"return {fmt_value(summary.get('episode/return', float('nan')))}{' (mean over seeds)' if S > 1 else ''}; "
+            f"sps {summary.get('sps', 0):,.0f}; run dir {session.run_dir}", soft_wrap=True)
     return summary
+
+
+def chunk_record(m: dict[str, Any], names: tuple[str, ...], max_return: float) -> dict[str, Any]:
+    """One seed's metrics of a chunk (host values): loss means and episode means."""
+    rec = {k: float(v) for k, v in m.items() if not k.startswith("_")}
+    rec.update(episode_metrics(m, names, max_return))
+    return rec

@@ -225,6 +225,27 @@ class TrainSession:
         self.summary.update(rec)
         return rec
 
+    def log_seeds(self, update: int, env_steps: int, records: Sequence[dict[str, Any]],
+                  **progress_fields: Any) -> list[dict[str, Any]]:
+        """A multi-seed run's chunk (`--num-seeds`): one metrics.jsonl record per seed carrying `seed_index`
+        (the layout `thinkcraft compare` reads); TensorBoard / W&B and the summary get the mean over the
+        seeds (of the keys every seed has). One record: exactly `log` (the single-seed format)."""
+        if len(records) == 1:
+            return [self.log(update, env_steps, records[0], **progress_fields)]
+        assert self._writer is not None and self._progress is not None, "call session.start(update) first"
+        out = []
+        for i, metrics in enumerate(records):
+            rec = {k: v for k, v in metrics.items() if v is not None}
+            rec.update(update=update, seed_index=i)
+            self._writer.write(env_steps, rec, external=False)
+            out.append(rec)
+        mean = {k: sum(r[k] for r in out) / len(out) for k in out[0]
+                if k != "seed_index" and all(isinstance(r.get(k), (int, float)) for r in out)}
+        self._writer.write(env_steps, mean, to_file=False)
+        self._progress.update(env_steps, **progress_fields)
+        self.summary.update(mean, num_seeds=len(out))
+        return out
+
     def checkpoint_due(self, update: int, force: bool = False) -> bool:
         cfg = self.cfg
         if update == self._last_ckpt_update:

@@ -60,14 +60,20 @@ class MetricsWriter:
             self._wandb = wandb.init(project=wandb_project, name=self.run_dir.name,
                                      config=dict(config or {}), dir=str(self.run_dir))
 
-    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    def write(self, step: int, metrics: Mapping[str, Any], to_file: bool = True, external: bool = True
+              ) -> dict[str, Any]:
+        """One record; `to_file` / `external`: to the JSONL / to TensorBoard and W&B (a multi-seed run
+        writes each seed's record to the file and their mean to the others, which keep one value per step)."""
         rec: dict[str, Any] = {"step": int(step), "time_s": round(time.time() - self._t0, 3)}
         for k, v in metrics.items():
             f = _to_float(v)
             if f is not None:
                 rec[k] = f
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        if to_file:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
+        if not external:
+            return rec
         if self._tb is not None:
             for k, v in rec.items():
                 if k not in ("step",):

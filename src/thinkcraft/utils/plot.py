@@ -41,8 +41,8 @@ def plot_curves(
     x_key: str = "step",
     x_label: str = "environment steps",
 ) -> Path | None:
-    """One subplot per key that appears in the metrics, against `x_key` (labelled `x_label`); returns the
-    PNG path (None if nothing to plot)."""
+    """One subplot per key that appears in the metrics, against `x_key` (labelled `x_label`), one line per
+    seed of a multi-seed run (records carrying `seed_index`); returns the PNG path (None if nothing to plot)."""
     recs = read_metrics(metrics_path)
     present = [k for k in keys if any(k in r for r in recs)]
     if not present:
@@ -51,10 +51,14 @@ def plot_curves(
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), squeeze=False)
+    seeds = sorted({r.get("seed_index") for r in recs}, key=lambda i: -1 if i is None else i)
     for ax, k in zip(axes[:, 0], present):
-        xs = [r[x_key] for r in recs if k in r]
-        ys = [r[k] for r in recs if k in r]
-        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
+        for seed in seeds:
+            xs = [r[x_key] for r in recs if k in r and r.get("seed_index") == seed]
+            ys = [r[k] for r in recs if k in r and r.get("seed_index") == seed]
+            ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=None if seed is None else f"seed {seed}")
+        if len(seeds) > 1:
+            ax.legend(fontsize="small")
         ax.set_ylabel(k)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and updates are counts
         ax.grid(alpha=0.3)

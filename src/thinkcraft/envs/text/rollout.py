@@ -11,7 +11,7 @@ step, not a long scan.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +55,10 @@ def random_rollout(
     seed: int = 0,
     every: int = 1,
     floors: Sequence[int] | None = None,
+    policy: Callable[[int, Any], Any] | None = None,
 ) -> Iterator[tuple[int, Any]]:
-    """Yield (step, batched states) at step 0 and every `every` steps of uniformly random play."""
+    """Yield (step, batched states) at step 0 and every `every` steps of uniformly random play, or of
+    `policy(step, states) -> (num_envs,) actions` (render's scripted walk) when given."""
     kind = env_kind(env)
     reset, step = _env_fns(kind)
     floors_a = jnp.asarray(np.zeros(num_envs, np.int32) if floors is None else np.asarray(floors, np.int32))
@@ -69,7 +71,7 @@ def random_rollout(
     num_actions = len(ACTION_NAMES[kind])
     for t in range(1, num_steps + 1):
         key, k_act, k_step, k_reset = jax.random.split(key, 4)
-        actions = jax.random.randint(k_act, (num_envs,), 0, num_actions)
+        actions = jax.random.randint(k_act, (num_envs,), 0, num_actions) if policy is None else jnp.asarray(policy(t, states), jnp.int32)
         states, done = step(jax.random.split(k_step, num_envs), states, actions)
         if bool(done.any()):  # rare: replace the ended envs by fresh ones (eager select, no new compile)
             fresh = reset(jax.random.split(k_reset, num_envs), floors_a)

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from thinkcraft.envs.textenvs.protocol import StepResult, check_len
+from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
 from thinkcraft.utils.errors import UserError
 
 
@@ -87,11 +87,11 @@ class CraftaxTextEnv:
     def active_indices(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(~self._done)]
 
-    def step(self, actions_text: Sequence[str]) -> StepResult:
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
         jax = self._jax
         import jax.numpy as jnp
 
-        active = self.active_indices()
+        active = stepped_indices(self.active_indices(), indices)
         check_len(actions_text, active)
         n = len(self._done)
         actions = np.full(n, self._noop, dtype=np.int32)
@@ -104,12 +104,15 @@ class CraftaxTextEnv:
                 actions[i] = a
         self._num_actions += len(active)
         self._num_invalid += int(invalid.sum())
+        # finished episodes keep their final state (no auto-reset), and so do the ones not stepped now; only
+        # stepped episodes advance their keys (an episode's randomness does not depend on the others' steps)
+        still = np.ones(n, dtype=bool)
+        still[active] = False
+        keep = jnp.asarray(still)
         split = jax.vmap(lambda k: jax.random.split(k))(self._keys)
-        self._keys, step_keys = split[:, 0], split[:, 1]
+        self._keys, step_keys = jnp.where(keep[:, None], self._keys, split[:, 0]), split[:, 1]
         prev_state = self._state
         _, new_state, reward, done, _info = self._step(step_keys, prev_state, jnp.asarray(actions))
-        # finished episodes keep their final state (no auto-reset): select per row
-        keep = jnp.asarray(self._done)
         self._state = jax.tree_util.tree_map(
             lambda old, new: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), old, new), prev_state, new_state
         )

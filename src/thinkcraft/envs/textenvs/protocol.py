@@ -6,6 +6,8 @@
 
 `step` takes and returns entries for the *active* episodes only, in the order of `env.active_indices()`
 before the call; finished episodes drop out (a batch of LLM calls never pays for finished episodes).
+`step(actions, indices=[...])` steps only those active episodes (in that order) and leaves the others as
+they are: episodes of a continuous-batching rollout move on as soon as their own turn is generated.
 
 Kinds (`make_text_env(name)` builds each):
 - `TaskEnv` (arith, gsm8k; task.py): one turn; the completion is graded by a reward function (rule or judge).
@@ -41,7 +43,7 @@ class TextEnv(Protocol):
 
     def reset(self, seeds: Sequence[int]) -> list[str]: ...
 
-    def step(self, actions_text: Sequence[str]) -> StepResult: ...
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult: ...
 
     def active_indices(self) -> list[int]: ...
 
@@ -52,6 +54,17 @@ def check_len(actions: Sequence[str], active: list[int]) -> None:
     """`step` takes one action per active episode."""
     if len(actions) != len(active):
         raise ValueError(f"step got {len(actions)} actions for {len(active)} active episodes")
+
+
+def stepped_indices(active: list[int], indices: Sequence[int] | None) -> list[int]:
+    """The episodes a step moves: all active ones, or `indices` (distinct, each active)."""
+    if indices is None:
+        return active
+    idx = [int(i) for i in indices]
+    live = set(active)
+    if len(set(idx)) != len(idx) or not set(idx) <= live:
+        raise ValueError(f"step indices must be distinct active episodes; got {idx}, active {sorted(live)}")
+    return idx
 
 
 def make_text_env(

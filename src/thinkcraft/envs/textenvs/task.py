@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from thinkcraft.envs.textenvs.base import Problem, RewardFn, Task
-from thinkcraft.envs.textenvs.protocol import StepResult, check_len
+from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
 
 
 class TaskEnv:
@@ -33,9 +33,10 @@ class TaskEnv:
     def active_indices(self) -> list[int]:
         return list(self._active)
 
-    def step(self, actions_text: Sequence[str]) -> StepResult:
-        check_len(actions_text, self._active)
-        probs = [self.problems[i] for i in self._active]
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
+        stepped = stepped_indices(self._active, indices)
+        check_len(actions_text, stepped)
+        probs = [self.problems[i] for i in stepped]
         results = self.reward_fn(probs, list(actions_text))
         n = len(results)
         self._num_answers += n
@@ -45,7 +46,8 @@ class TaskEnv:
              "gold": p.answer}
             for r, p in zip(results, probs)
         ]
-        self._active = []
+        gone = set(stepped)
+        self._active = [i for i in self._active if i not in gone]
         return StepResult(
             observations=[""] * n,
             rewards=np.array([r.reward for r in results], dtype=np.float32),

@@ -7,10 +7,16 @@ while it is unchanged; the suffixes then run through the decoder layers with cas
 (`attention.shared_prefix_attention`) that reads that one copy of the prefix KV. The plain path (prefix +
 item as one sequence, HF forward) is kept as the reference and is tested allclose.
 
-Generation (`decode.py`): own decode loop over the HF model (token-in/token-out) with temperature / top-p,
-stop strings, max tokens, n samples per item, sampled-token logprobs (unmodified softmax), seeds, and a
-thinking budget for `<think>` models. KV cache: dynamic, or static with optional `torch.compile` of the
-decode step (CUDA graphs); a shared prefix's KV is computed once and copied into every row's cache.
+Generation (`decode.py`, `batcher.py`): continuous batching over a slot KV cache - `submit` / `step` / `poll`
+(or the engine's own thread), `generate` as a wrapper; requests join the running batch at step boundaries and
+leave it when they end. Per-row temperature / top-p, stop strings, max tokens, n samples, sampled-token
+logprobs (unmodified softmax), seeds, a thinking budget enforced on the device in the same sequence (`rows.py`).
+The slots (`slots.py`): per-layer (S, Hkv, T + 1, d) buffers, the shared prefix stored once and read by every
+row through a log-sum-exp merge, new tokens prefilled packed (FlashAttention varlen on CUDA), the one-token
+step over all slots with fixed shapes (eager, or torch.compile + CUDA graphs). Which slot holds what - free,
+running, parked for an episode's next turn - and the eviction policy: `slot_table.py`. Allocation within the
+KV budget and the forward passes: `cache.py`; one iteration (admit, launch, collect, finish): `iteration.py`.
+Versioned weight updates at step boundaries: `weights.py`.
 
 The façade (`engine.py`): construction, capabilities, tokenization, chat template, SM limit, per-call
 contexts. Every reach into transformers/torch internals: `thinkcraft.llm.compat`.

@@ -30,9 +30,32 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def random_init_model(path: Any, seed: int, dtype: torch.dtype = torch.float32, **kwargs: Any) -> torch.nn.Module:
+    """The causal LM of the HF folder `path` (its config: same architecture and shapes) with weights drawn
+    by the model's own initialiser (transformers' `_init_weights`: e.g. normal(0, initializer_range) for
+    Llama), seeded: the same seed gives the same weights on any device (drawn on the CPU, in float32, then
+    cast). The torch global RNG is left as it was."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserError(f"random_weights must be an integer seed, got {seed!r}")
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    return lm.to(dtype)
+
+
 class HFEngine(PrefillMixin, DecodeMixin):
     """In-process transformers engine (see the package docstring). Hidden states: `PrefillMixin`;
-    generation: `DecodeMixin`; both read the model facts `_setup` records here."""
+    generation: `DecodeMixin`; both read the model facts `_setup` records here.
+
+    Generation options: `kv_cache` "static" (the decode step reads the whole slot: one shape) or "dynamic" (a
+    bucket of the longest running sequence); `compile_decode` (torch.compile of the one-token step, CUDA graphs
+    on a GPU); `max_slots` (sequences decoded at once; default `max_batch_size`), `max_seq_len` (KV columns one
+    sequence may use after its shared prefix; None: unbounded, a longer request is a clear error otherwise),
+    `kv_cache_gb` (the slots' memory budget; default half the free GPU memory at allocation, unbounded on
+    CPU), `evict` ("oldest" / "longest": which parked episode's KV goes when a request needs its slot)."""
 
     def __init__(
         self,
@@ -52,7 +75,14 @@ class HFEngine(PrefillMixin, DecodeMixin):
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
         quantize: Literal["none", "fp8"] = "none",
+        max_slots: int | None = None,
+        max_seq_len: int | None = None,
+        evict: Literal["oldest", "longest"] = "oldest",
+        kv_cache_gb: float | None = None,
+        random_weights: int | None = None,
     ) -> None:
+        """`random_weights`: a seed - the model's architecture and tokenizer with freshly initialised weights
+        (a control with no pretrained knowledge; see `random_init_model`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from thinkcraft.llm.models import resolve_model
@@ -64,7 +94,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         else:
             dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         tok = AutoTokenizer.from_pretrained(str(path))
-        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+        if random_weights is None:
+            lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+        else:
+            lm = random_init_model(path, random_weights, dtype=dt, attn_implementation=attn_implementation)
         lm.to(dev).eval()
         lm.requires_grad_(False)
         self._setup(
@@ -72,6 +105,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
             prefix_cache_size=prefix_cache_size, kv_cache=kv_cache, compile_decode=compile_decode,
             thinking_close_text=thinking_close_text, weight_update=False, compile_prefill=compile_prefill,
             sm_limit=sm_limit, chunk_overhead_tokens=chunk_overhead_tokens, quantize=quantize,
+            max_slots=max_slots, max_seq_len=max_seq_len, evict=evict, kv_cache_gb=kv_cache_gb,
         )
         self.model_path = path
 
@@ -101,6 +135,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         sm_limit: int | None = None,
         chunk_overhead_tokens: int = 512,
         quantize: str = "none",
+        max_slots: int | None = None,
+        max_seq_len: int | None = None,
+        evict: str = "oldest",
+        kv_cache_gb: float | None = None,
     ) -> None:
         """Model facts, then the prefill's and the decode's own state (each mixin's `_init_*`)."""
         if kv_cache not in ("dynamic", "static"):
@@ -130,7 +168,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self._init_prefill(max_batch_tokens, max_batch_size, prefix_reuse, prefix_cache_size, compile_prefill,
                            chunk_overhead_tokens, quantize)
-        self._init_decode(kv_cache, compile_decode, thinking_close_text)
+        self._init_decode(kv_cache, compile_decode, thinking_close_text, max_slots, max_seq_len, evict, kv_cache_gb)
 
     # --- protocol -------------------------------------------------------------------------------------
 
@@ -140,13 +178,14 @@ class HFEngine(PrefillMixin, DecodeMixin):
             hidden_states=True, generate=True, logprobs=True, prefix_reuse=True,
             weight_update=self._weight_update, hidden_size=self.hidden_size, num_layers=self.num_layers,
             token_ids_in=True, token_ids_out=True, tokenizer=True, device_tensors=True, device=str(self.device),
-            per_token_hidden_states=True, sm_partition=self.device.type == "cuda",
+            per_token_hidden_states=True, sm_partition=self.device.type == "cuda", continuous_batching=True,
+            turn_kv_reuse=True, versioned_weights=True,
         )
 
     def close(self) -> None:
+        self._batcher.stop()
+        self._batcher.free()
         self._prefix_cache.clear()
-        self._compiled_forward = None
-        self._static_cache = None
 
     def invalidate_prefix_cache(self) -> None:
         """Forget cached prefix KV (call after changing the weights the engine reads)."""

@@ -7,7 +7,8 @@ One synchronous step (each phase timed, `timing/<phase>`):
     2. env       parse/grade the completions -> per-turn rewards (multi-turn envs loop 1-2 until done)
     3. store     every episode -> trajectory store (token ids, logprobs, masks, rewards, policy_version)
     4. train     returns -> advantages (GRPO / RLOO / REINFORCE) or A*-PO targets -> token loss on generated
-                 tokens only, micro-batched with gradient accumulation
+                 tokens only, in micro-batches of a token budget packed into dense sequences
+                 (varlen attention; packing.py), LM-head log-probs in chunks, gradient accumulation
     5. log/ckpt  metrics, progress, PNG curve; checkpoint (adapter/weights, optimizer, step, RNG)
 
 The learner owns the torch model; the sampler reads the same parameters (no copy), so after step 4 the
@@ -25,7 +26,7 @@ from thinkcraft.train.llm_policy.learner import (
 from thinkcraft.train.llm_policy.loop import run
 from thinkcraft.train.llm_policy.model import (
     CHATML_TEMPLATE, check_engine_for_algo, load_policy, make_engine, make_judge, random_model, resolve_model_path,
-    train_bpe_tokenizer,
+    train_bpe_tokenizer, trainable,
 )
 from thinkcraft.train.llm_policy.rollout import (
     Episode, TurnSample, _prompt_corpus, _seed_of, _split_think, build_messages, encode_prompt,
@@ -37,6 +38,6 @@ __all__ = [
     "TrainRows", "TurnSample", "build_messages", "build_rows", "check_engine_for_algo", "checkpoint_state",
     "encode_prompt", "episode_record", "load_policy", "make_engine", "make_env_and_reward", "make_judge",
     "random_model", "resolve_model_path", "restore_state", "rollout", "row_scores_and_groups", "run",
-    "train_bpe_tokenizer",
+    "train_bpe_tokenizer", "trainable",
     "_prompt_corpus", "_seed_of", "_split_think",  # used by bench/grpo_arith.py (TRL at the same prompts) and tests
 ]

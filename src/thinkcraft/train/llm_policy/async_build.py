@@ -24,7 +24,7 @@ from thinkcraft.pools import (
 )
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import Learner
-from thinkcraft.train.llm_policy.rollout import Episode, build_messages, encode_prompt
+from thinkcraft.train.llm_policy.rollout import ChatPrompts, Episode
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,15 @@ def env_spec(cfg: LLMPolicyConfig) -> EnvSpec:
 
 
 def make_prompt_fn(tokenizer: Any, history_turns: int) -> Any:
-    """(system, history, obs) -> prompt token ids; one lock around the shared fast tokenizer (it can fail
-    "Already borrowed" when threads encode at once)."""
+    """(system prompt, n) -> a group's ChatPrompts: the synchronous loop's prompts (token in, token out), with
+    one lock around the shared fast tokenizer (it can fail "Already borrowed" when threads encode at once)."""
     lock = threading.Lock()
 
-    def prompt(system: str, history: list[tuple[str, str]], obs: str) -> list[int]:
+    def group_prompts(system: str, n: int) -> ChatPrompts:
         with lock:
-            return encode_prompt(tokenizer, build_messages(system, history, obs, history_turns))
+            return ChatPrompts(tokenizer, system, n, history_turns, lock)
 
-    return prompt
+    return group_prompts
 
 
 # -------------------------------------------------------------------------------------------- engines
@@ -106,13 +106,13 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
     for k, dev in enumerate(_devices(cfg, learner.device)):
         if dev == learner_dev and cfg.weight_sync == "shared":
             # the learner's own parameters: one lock for both, so an update never overlaps a batch
-            slots.append(EngineSlot(own_engine, SharedWeights(version), f"engine{k}-shared", dev, learner.autocast,
-                                    lock=model_lock))
+            slots.append(EngineSlot(own_engine, SharedWeights(version, own_engine, learner.autocast),
+                                    f"engine{k}-shared", dev, learner.autocast, lock=model_lock))
             continue
         twin = copy.deepcopy(learner.model).to(dev).eval().requires_grad_(False)
         engine = make_engine(twin, tokenizer, cfg)
-        slots.append(EngineSlot(engine, CopyWeights(twin, version, on_change=engine.invalidate_prefix_cache),
-                                f"engine{k}-copy", dev, _autocast(dev, learner)))
+        sync = CopyWeights(twin, version, on_change=engine.invalidate_prefix_cache, engine=engine)
+        slots.append(EngineSlot(engine, sync, f"engine{k}-copy", dev, _autocast(dev, learner)))
     for k, spec in enumerate(s.strip() for s in cfg.rollout_servers.split(",") if s.strip()):
         engine, client = weights_client(spec, model_dir, lora, HTTPOptions(timeout_s=cfg.rollout_timeout_s))
         slots.append(EngineSlot(engine, HTTPWeights(client, run_dir / "weights", version=-1), f"http{k}", None))
@@ -151,7 +151,7 @@ def build_rollout_pool(cfg: LLMPolicyConfig, tokenizer: Any, sampling: Any) -> R
     from dataclasses import replace
 
     settings = RolloutSettings(
-        env=env_spec(cfg), sampling=replace(sampling, n=1), history_turns=cfg.history_turns, env_mode=cfg.env_workers,
+        env=env_spec(cfg), sampling=replace(sampling, n=1), env_mode=cfg.env_workers,
         step_timeout_s=cfg.env_step_timeout_s, episode_timeout_s=cfg.env_episode_timeout_s or None,
         engine_timeout_s=cfg.rollout_timeout_s,
     )

@@ -249,7 +249,8 @@ def run_async(cfg: Any) -> dict[str, Any]:
         s, c = session.summary, run.coord
         failed = sum(v for k, v in c.counts.items() if k.startswith("rollout/failed/") and not k.endswith("/stopped"))
         console.print(f"done: {c.version:,}/{cfg.steps:,} steps; reward {s.get('reward/mean', float('nan')):.3f}; "
-                      f"staleness {s.get('staleness/mean', 0):.2f}; GPU idle {100 * s.get('gpu/idle_share', 0):.0f}%; "
+                      f"samples/s {s.get('perf/samples_per_s', 0):.2f}; staleness {s.get('staleness/mean', 0):.2f}; "
+                      f"{run.idle_label} idle {100 * s.get('gpu/idle_share', 0):.0f}%; "
                       f"groups failed {failed} (played again), abandoned {len(c.abandoned)}, in flight at the end "
                       f"{c.counts['rollout/failed/stopped']}; run dir {session.run_dir}", soft_wrap=True)
     return session.summary

@@ -76,6 +76,8 @@ class AsyncRun:
         self.coord = Coordinator(cfg, version, ResumeState.from_checkpoint(extra, version, cfg.prompts_per_step),
                                  group_seed_fn(cfg, carry.v_star), self.rollout, self.reward, self.train_pool)
         self.learner_device = device_name(p.learner.device)
+        # gpu/idle_share is the idle share of the devices our engines and learner use: GPUs, or the CPU here
+        self.idle_label = "GPU" if self.learner_device.startswith("cuda") else "CPU"
         self._prev = self._snapshot()
         return self
 
@@ -92,15 +94,17 @@ class AsyncRun:
             for e, tid, stale in zip(res.episodes, res.traj_ids, res.staleness):
                 rec = episode_record(e, self.cfg.env, min(t.policy_version for t in e.turns),
                                      {"algo": self.cfg.algo, "traj_id": tid, "staleness": stale})
-                self.writer.add(rec, learner_step=res.version - 1)
+                # under the update that trained it (1-based, as metrics.jsonl and the sync loop count): a resume
+                # drops the partitions after its checkpoint (loop._open_store)
+                self.writer.add(rec, learner_step=res.version)
         self.journal.write(json.dumps({"step": res.version, "groups": res.groups, "traj_ids": res.traj_ids,
                                        "staleness": res.staleness}) + "\n")
         self.journal.flush()
         rec = self._metrics(res)
         self.session.log(res.version, res.version, rec, reward=rec["reward/mean"], stale=rec["staleness/mean"],
                          queue=rec["queue/rollout_queued"] + rec["queue/rollout_running"],
-                         buffer=rec["queue/buffer_groups"], gpu_idle=rec["gpu/idle_share"],
-                         samples_s=rec["perf/samples_per_s"])
+                         buffer=rec["queue/buffer_groups"], samples_s=rec["perf/samples_per_s"],
+                         **{f"{self.idle_label.lower()}_idle": rec["gpu/idle_share"]})
         self.checkpoint(force=False)
 
     def checkpoint(self, force: bool) -> None:

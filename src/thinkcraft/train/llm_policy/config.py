@@ -53,8 +53,9 @@ class LLMPolicyConfig(RunOptions):
     """Nucleus sampling."""
     thinking_budget: int | None = None
     """For <think> models: close the thought after this many tokens (forced tokens are not trained)."""
-    history_turns: int = 2
-    """Multi-turn envs: how many past (observation, action) turns the prompt shows."""
+    history_turns: int = -1
+    """Multi-turn envs: how many past (observation, action) turns the prompt shows; -1 = all of them (prompts
+    only grow, so the engine keeps each episode's KV between turns and prefills only the new tokens)."""
     max_turns: int = 8
     """Craftax: decisions per episode (the episode step cap)."""
     format_penalty: float = 0.0
@@ -90,8 +91,23 @@ class LLMPolicyConfig(RunOptions):
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping (0 = off)."""
-    micro_batch_size: int = 8
-    """Rows (turns) per forward/backward; gradients accumulate over the batch."""
+    micro_batch_tokens: int = 8192
+    """Tokens per forward/backward (packed: the turns' real tokens; padded: rows x the longest); gradients
+    accumulate exactly over the batch. A turn longer than this gets a micro-batch of its own."""
+    micro_batch_size: int = 0
+    """At most this many rows (a turn, or an episode's turns: --pack-episodes) per micro-batch as well; 0 = the
+    token budget alone decides."""
+    pack: bool = True
+    """Pack a micro-batch's turns into one dense sequence (varlen attention kept within each turn) instead of
+    padding them to the longest; where no varlen kernel with a backward runs, the learner pads (and warns)."""
+    pack_episodes: bool = True
+    """Train an episode whose turns extend each other (each prompt = the previous prompt + reply + the new
+    observation, token for token: the full history) as one row - its last turn, every turn's reply trained under
+    its own advantage - instead of one row per turn repeating the history (the same loss and gradients, a
+    fraction of the tokens); turns that do not extend (a rewriting template, a history window) keep their own."""
+    logit_chunk_mib: float = 256.0
+    """Token log-probs go through the LM head at trained positions only, in chunks of at most this many MiB of
+    fp32 logits (forward and backward); 0 = the full (tokens x vocabulary) logits of every position at once."""
     clip_eps: float = 0.2
     """PPO/GRPO ratio clip."""
     kl_coef: float = 0.0
@@ -112,12 +128,17 @@ class LLMPolicyConfig(RunOptions):
     """A*-PO: regression weight of log πθ/πref."""
     apo_pool_size: int = 64
     """A*-PO: prompts (seeds) in the training pool whose V* is estimated offline."""
-    kv_cache: Literal["dynamic", "static"] = "dynamic"
-    """Engine KV cache during generation; static (+ --compile-decode) lets CUDA graphs replay the decode step."""
-    compile_decode: bool = False
-    """torch.compile the engine's decode step (GPU; first step pays the compile)."""
+    kv_cache: Literal["auto", "dynamic", "static"] = "auto"
+    """Decode attention width: static (the whole slot every step: one shape, one CUDA graph) or dynamic (a
+    bucket of the longest running sequence); auto = static with a compiled step, else dynamic."""
+    compile_decode: bool | None = None
+    """torch.compile the engine's decode step (CUDA graphs; the first steps pay the compile). None = auto: on
+    where the device supports it (CUDA), off elsewhere."""
     max_generate_batch: int = 1024
     """Sequences per engine decode batch."""
+    kv_cache_gb: float | None = None
+    """The engine's KV cache budget (GiB); None = half the GPU memory free when it is first allocated. Fewer
+    slots than episodes: parked episodes' KV is evicted (their next turn is prefilled whole)."""
     seed: int = 0
     """Seeds problems, sampling and LoRA init."""
     device: str = "auto"
@@ -134,7 +155,8 @@ class LLMPolicyConfig(RunOptions):
     (decoupled PPO: behaviour weight π_prox/π_behav outside the clip, AReaL) or tis (truncated importance
     sampling). Behaviour log-probs are the engine's."""
     offpolicy_cap: float = 2.0
-    """tis: truncate behaviour weights at this C; decoupled: drop tokens whose weight exceeds it (0 = keep all)."""
+    """tis: truncate behaviour weights at this C; decoupled: tokens whose weight exceeds it get weight 0 (AReaL's
+    cap; 0 = no cap)."""
 
     # --- asynchronous training: --mode async (train/llm_policy/async_loop.py, thinkcraft.pools) ---------------
     mode: Literal["sync", "async"] = "sync"
@@ -183,10 +205,13 @@ class LLMPolicyConfig(RunOptions):
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(self.temperature > 0, "temperature", "must be > 0 (sampling; the policy gradient needs samples)")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(self.history_turns >= 0, "history_turns", "must be >= 0")
+        check(self.history_turns >= -1, "history_turns", "must be >= 0 (a window of past turns) or -1 (all of them)")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
-        check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
+        check(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0 = no row limit)")
+        check(self.logit_chunk_mib >= 0, "logit_chunk_mib", "must be >= 0 (0 = full logits)")
+        check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or unset)")
         check(self.lr > 0, "lr", "must be > 0")
         check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
@@ -273,4 +298,13 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # Qwen2.5-0.5B body (ANCHORS.md, TRL reference): 358M parameters with a 2,048-token vocabulary
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, tie_word_embeddings=True, rope_theta=1_000_000.0),
+    # Qwen3-4B body (llm.testing.qwen3_4b_config): q/k norms, 128-dim heads; the vocabulary is the BPE's
+    "qwen3-4b": dict(arch="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True,
+                     rope_theta=1_000_000.0, rms_norm_eps=1e-6),
 }
+
+REAL_VOCAB: dict[str, int] = {"qwen2.5-0.5b": 151_936, "qwen3-4b": 151_936}
+"""The real models' vocabulary sizes (their LM heads' rows), for learner-only measurements that feed synthetic
+token ids to `random_model(shape, vocab_size=...)` (bench/learner_memory.py): the head's cost and the logits'
+memory are the real ones without training a 151,936-token BPE. MODEL_SHAPES' BPE vocabulary is 2,048 ids."""

@@ -1,12 +1,17 @@
-"""Learner: episodes -> per-row advantages -> padded token batches -> micro-batched loss (GRPO / RLOO /
-REINFORCE / A*-PO from rl.llm_losses) with gradient accumulation; checkpoint/resume of its state."""
+"""Learner: episodes -> per-turn advantages -> token rows (`build_rows`: an episode whose turns extend each
+other is one row, every turn's completion trained under its own advantage) -> micro-batched loss (GRPO / RLOO /
+REINFORCE / A*-PO from rl.llm_losses) over micro-batches of a token budget, packed (train/llm_policy/packing.py),
+with gradient accumulation and chunked LM-head log-probs (rl/chunked_logprobs.py); checkpoint/resume of its
+state."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from itertools import chain
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -14,17 +19,46 @@ from thinkcraft.utils.errors import UserError
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.train.llm_policy.rollout import Episode, TurnSample
 
+log = logging.getLogger(__name__)
+
+class RowTurns(NamedTuple):
+    """Host side: which turns each row of a `TrainRows` holds (`build_rows`)."""
+
+    starts: np.ndarray  # (R+1,) row r holds turns starts[r]:starts[r+1] (their segment ids)
+    trained: np.ndarray  # (T,) bool: the turn has a trained token (a sequence of 'seq-mean-token-mean')
+    turn_tokens: int  # real tokens of the one-row-per-turn layout
+
+    def seqs_per_row(self) -> np.ndarray:
+        """(R,) trained turns in each row."""
+        c = np.concatenate([[0], np.cumsum(self.trained)])
+        return c[self.starts[1:]] - c[self.starts[:-1]]
+
+    def metrics(self, tokens: float) -> dict[str, float]:
+        """Rows holding several turns of an episode (`episode_rows`) or one turn (`turn_rows`), and the share
+        of the one-row-per-turn layout's tokens that the `tokens` trained on saved."""
+        per_row = np.diff(self.starts)
+        return {"learner/episode_rows": float((per_row > 1).sum()), "learner/turn_rows": float((per_row == 1).sum()),
+                "learner/tokens_saved_frac": 1.0 - tokens / self.turn_tokens if self.turn_tokens else 0.0}
+
 
 @dataclass
 class TrainRows:
-    """One row per turn: right-padded [prompt | completion] token ids and what the loss needs."""
+    """The learner's batch (`build_rows`): one row per turn, or per episode whose turns extend each other; the
+    per-position tensors are aligned with the predicted token."""
 
-    input_ids: Any  # (B, L) long
-    attention_mask: Any  # (B, L)
-    loss_mask: Any  # (B, L-1) float, 1 on trained generated tokens (aligned with predicted positions)
-    old_logp: Any  # (B, L-1) engine logprobs of the sampled tokens (0 elsewhere)
-    advantages: Any  # (B,) per-row (turn) advantage or, for A*-PO, r - V*
-    rewards: Any  # (B,)
+    input_ids: Any  # (R, L) long
+    attention_mask: Any  # (R, L)
+    loss_mask: Any  # (R, L-1) float, 1 on trained generated tokens (aligned with predicted positions)
+    old_logp: Any  # (R, L-1) engine logprobs of the sampled tokens (0 elsewhere)
+    advantages: Any  # (R, L-1) per token: its turn's advantage on trained tokens (0 elsewhere)
+    rewards: Any  # (T,) per turn
+    segments: Any = None  # (R, L-1) long: the turn (0..T-1, in `build_rows`' order) of each generated token, -1 elsewhere
+    turns: RowTurns | None = None
+
+    def to(self, device) -> TrainRows:
+        return TrainRows(*(x.to(device) if hasattr(x, "to") else x for x in
+                           (self.input_ids, self.attention_mask, self.loss_mask, self.old_logp, self.advantages,
+                            self.rewards, self.segments)), self.turns)
 
 def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: int):
     """Flatten episodes to turns: returns-to-go scores and group ids (seed group × turn index), so a turn
@@ -40,37 +74,90 @@ def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: 
     return scores, groups
 
 def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_rewards: Sequence[float], pad_id: int,
-               device) -> TrainRows:
+               device, merge_episodes: bool = True) -> TrainRows:
+    """The learner's rows of `turns` (an episode's turns consecutive and in order), right-padded and laid out
+    with numpy in a few vectorised writes (no per-row tensors).
+
+    Where turn k+1's prompt starts with turn k's prompt + completion, token for token (the append-only
+    history of `history_turns=-1`), the two are one row: turn k+1's tokens, with every turn's completion
+    trained under its own advantage, behaviour log-probs and train mask, tagged with its turn (`segments`).
+    This is exact, not an approximation: causal attention shows turn k's completion the same tokens at the
+    same positions in either row. With the full history an episode then costs its last turn's tokens instead
+    of the sum over its turns. Turns that break the chain (a rewriting chat template, a history window) start
+    a new row; `merge_episodes=False`: one row per turn."""
     import torch
 
-    seqs = [t.prompt_ids + t.completion_ids for t in turns]
-    L = max(len(s) for s in seqs)
-    B = len(seqs)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L - 1), dtype=torch.float32)
-    old = torch.zeros((B, L - 1), dtype=torch.float32)
-    for i, (t, s) in enumerate(zip(turns, seqs)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        p, c = len(t.prompt_ids), len(t.completion_ids)
-        if c:
-            # predicted position q predicts token q+1: completion tokens p..p+c-1 are predicted at p-1..p+c-2
-            mask[i, p - 1 : p - 1 + c] = torch.tensor(t.train_mask or [1] * c, dtype=torch.float32)
-            if t.logprobs:
-                old[i, p - 1 : p - 1 + c] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return TrainRows(ids.to(device), attn.to(device), mask.to(device), old.to(device),
-                     torch.tensor(list(row_adv), dtype=torch.float32, device=device),
-                     torch.tensor(list(row_rewards), dtype=torch.float32, device=device))
+    T = len(turns)
+    plen = np.fromiter((len(t.prompt_ids) for t in turns), np.int64, T)
+    clen = np.fromiter((len(t.completion_ids) for t in turns), np.int64, T)
+    tlen = plen + clen
+    off = np.cumsum(tlen) - tlen
+    flat = np.fromiter(chain.from_iterable(t.prompt_ids + t.completion_ids for t in turns), np.int64, int(tlen.sum()))
+    joins = _continues(flat, off, plen, tlen) if merge_episodes else np.zeros(max(T - 1, 0), bool)
+    starts = np.flatnonzero(np.concatenate([[True], ~joins, [True]]))  # (R+1,) each row's first turn, then T
+    last = starts[1:] - 1
+    lens = tlen[last]
+    B, L = len(lens), int(lens.max())
+    valid = np.arange(L)[None] < lens[:, None]
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    ids[valid] = flat[np.repeat(off[last], lens) + _ragged_arange(lens)]
+    # predicted position q predicts token q+1: a turn's completion tokens p..p+c-1 are predicted at p-1..p+c-2,
+    # in its own row and in the row of a later turn that extends it alike
+    r = np.repeat(np.repeat(np.arange(B), np.diff(starts)), clen)
+    q = np.repeat(plen - 1, clen) + _ragged_arange(clen)
+    seg = np.repeat(np.arange(T), clen)
+    train = np.fromiter(chain.from_iterable(t.train_mask or [1] * len(t.completion_ids) for t in turns),
+                        np.float32, len(seg))
+    mask, old, adv = (np.zeros((B, L - 1), dtype=np.float32) for _ in range(3))
+    segments = np.full((B, L - 1), -1, dtype=np.int64)
+    mask[r, q] = train
+    old[r, q] = np.fromiter(chain.from_iterable(t.logprobs or [0.0] * len(t.completion_ids) for t in turns),
+                            np.float32, len(seg))
+    adv[r, q] = np.asarray(row_adv, dtype=np.float32)[seg] * train
+    segments[r, q] = seg
+    trained = np.bincount(seg, weights=train > 0, minlength=T) > 0
+
+    def dev(a: np.ndarray) -> Any:
+        return torch.from_numpy(a).to(device)
+
+    return TrainRows(dev(ids), dev(valid.astype(np.int64)), dev(mask), dev(old), dev(adv),
+                     torch.tensor(list(row_rewards), dtype=torch.float32, device=device), dev(segments),
+                     RowTurns(starts, trained, int(tlen.sum())))
+
+
+def _ragged_arange(n: np.ndarray) -> np.ndarray:
+    """0..n[0]-1, 0..n[1]-1, ... concatenated."""
+    return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+
+
+def _continues(flat: np.ndarray, off: np.ndarray, plen: np.ndarray, tlen: np.ndarray) -> np.ndarray:
+    """(T-1,) bool: turn k+1's prompt starts with turn k's prompt + completion, compared token for token in one
+    vectorised pass (the turns' tokens back to back in `flat`, turn k at off[k]:off[k]+tlen[k])."""
+    out = np.zeros(max(len(tlen) - 1, 0), dtype=bool)
+    cand = np.flatnonzero(plen[1:] >= tlen[:-1])
+    n = tlen[cand]
+    within = _ragged_arange(n)
+    differ = flat[np.repeat(off[cand], n) + within] != flat[np.repeat(off[cand + 1], n) + within]
+    bad = np.bincount(np.repeat(np.arange(len(cand)), n), weights=differ, minlength=len(cand))
+    out[cand[bad == 0]] = True
+    return out
 
 
 # =========================================================================================== learner
 
 class Learner:
-    """Owns the policy model and the optimizer; one `update` per step with gradient accumulation."""
+    """Owns the policy model and the optimizer; one `update` per step with gradient accumulation.
+
+    Each micro-batch (a token budget, `packing.plan`) runs the decoder once - packed (varlen attention) or as
+    padded rows - and only its trained positions go through the LM head, in chunks (`rl.chunked_logprobs`):
+    the (tokens x vocabulary) logits never exist at once (`logit_chunk_mib=0` keeps the old full logits)."""
 
     def __init__(self, cfg: LLMPolicyConfig, model, tokenizer, device, autocast_dtype) -> None:
         import torch
+
+        from thinkcraft.llm import compat
+        from thinkcraft.rl.chunked_logprobs import chunk_rows
+        from thinkcraft.train.llm_policy import packing
 
         self.cfg = cfg
         self.model = model
@@ -85,6 +172,14 @@ class Learner:
         if needs_ref and not self.is_lora:
             # full fine-tuning: the reference must be a frozen copy (LoRA gets it free: adapter off)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.packed = cfg.pack and packing.packed_kernel(device) is not None
+        if cfg.pack and not self.packed:
+            log.warning("no varlen attention kernel with a backward runs on %s: the learner pads rows instead", device)
+        packing.register_packed_attention()
+        vocab = compat.plain_lm_head(model)[0].shape[0]
+        self.rows_per_chunk = chunk_rows(vocab, cfg.logit_chunk_mib) if cfg.logit_chunk_mib > 0 else 0
+        self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
+        self._parts: dict[int, Any] = {}
 
     def autocast(self):
         """bf16 autocast on GPU (also around generation: full fine-tuning keeps fp32 master weights)."""
@@ -96,89 +191,151 @@ class Learner:
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=self.autocast_dtype)
 
-    def token_logprobs(self, input_ids, attention_mask, model=None):
-        from thinkcraft.rl.llm_losses import token_logprobs
+    def _model_parts(self, model):
+        """(decoder, its attention configs, head weight, head bias) of `model`, looked up once."""
+        from thinkcraft.llm import compat
 
-        model = model or self.model
+        if id(model) not in self._parts:
+            dec = compat.decoder_of(model)
+            self._parts[id(model)] = (dec, compat.attention_configs(dec), *compat.plain_lm_head(model))
+        return self._parts[id(model)]
+
+    def plan(self, rows: TrainRows, all_positions: bool = False) -> list:
+        """The micro-batches of `rows` (`packing.plan`); `all_positions`: every position with a next token is
+        read (not only the trained ones), in one padded micro-batch."""
+        from thinkcraft.train.llm_policy import packing
+
+        lengths, mask = packing.host_rows(rows.attention_mask, rows.loss_mask)
+        if all_positions:
+            mask = (np.arange(mask.shape[1])[None] < (lengths[:, None] - 1)).astype(np.float32)
+            return packing.plan(lengths, mask, 1 << 62, 0, False, self.device)
+        return packing.plan(lengths, mask, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
+                            self.device, rows.turns.seqs_per_row() if rows.turns is not None else None)
+
+    def logprobs(self, rows: TrainRows, mb, model=None):
+        """(rows, width - 1) log π of each trained position's next token in micro-batch `mb` (0 elsewhere).
+
+        Temperature 1: engines report log π at temperature 1 (protocol), so ratios compare like with like."""
+        from thinkcraft.llm import compat
+        from thinkcraft.rl.chunked_logprobs import full_linear_token_logprobs, linear_token_logprobs
+        from thinkcraft.train.llm_policy.packing import PACKED_ATTN
+
+        dec, attn, weight, bias = self._model_parts(model or self.model)
+        s, e, w = mb.start, mb.end, mb.width
         with self.autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        # temperature 1: engines report log π at temperature 1 (protocol), so ratios compare like with like
-        return token_logprobs(logits, input_ids)
+            if mb.packed:
+                ids = rows.input_ids.reshape(-1)[mb.gather][None]
+                with compat.attention_implementation(attn, PACKED_ATTN):
+                    h = dec(input_ids=ids, position_ids=mb.positions, use_cache=False,
+                            **compat.varlen_kwargs(mb.cu_seqlens, w)).last_hidden_state
+            else:
+                ids = rows.input_ids[s:e, :w]
+                h = dec(input_ids=ids, attention_mask=rows.attention_mask[s:e, :w], use_cache=False).last_hidden_state
+        h, ids = h.reshape(-1, h.shape[-1]), ids.reshape(-1)
+        if self.rows_per_chunk:
+            lp = linear_token_logprobs(h[mb.pred], weight, ids[mb.pred + 1], bias, 1.0, self.rows_per_chunk,
+                                       self.compute_dtype)
+        else:  # the full (tokens x vocabulary) logits of every position, as the causal LM's forward builds them
+            lp = full_linear_token_logprobs(h, weight, ids.roll(-1), bias, 1.0, self.compute_dtype)[mb.pred]
+        return lp.new_zeros((e - s) * (w - 1)).scatter(0, mb.scatter, lp).view(e - s, w - 1)
 
-    def ref_token_logprobs(self, input_ids, attention_mask):
+    def ref_logprobs(self, rows: TrainRows, mb):
         import torch
 
         with torch.no_grad():
             if self.ref_model is not None:
-                return self.token_logprobs(input_ids, attention_mask, model=self.ref_model)
+                return self.logprobs(rows, mb, model=self.ref_model)
             with self.model.disable_adapter():
-                return self.token_logprobs(input_ids, attention_mask)
+                return self.logprobs(rows, mb)
 
-    def update(self, rows: TrainRows, v_star=None) -> dict[str, float]:
-        """One optimizer step over all rows, micro-batched. Each micro-batch's loss is weighted by its share
-        of the batch (tokens or sequences, as the aggregation counts them), so accumulation equals the
-        full-batch loss."""
+    def token_logprobs(self, input_ids, attention_mask, model=None):
+        """(B, L-1) log π of every next token of right-padded rows (0 after each row's end)."""
         import torch
 
-        from thinkcraft.rl import llm_losses as L
+        rows = TrainRows(input_ids, attention_mask, torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1,
+                                                                device=input_ids.device), None, None, None)
+        (mb,) = self.plan(rows, all_positions=True)
+        return self.logprobs(rows, mb, model=model)
 
+    def update(self, rows: TrainRows, v_star=None) -> dict[str, float]:
+        """One optimizer step over all rows, micro-batched by tokens (`packing.plan`). Each micro-batch's loss
+        is weighted by its share of the batch (tokens or sequences, as the aggregation counts them), so
+        accumulation equals the full-batch loss. The loop reads nothing back from the device: the
+        statistics are summed there and read once at the end. `rows` come from `build_rows`; `v_star` (A*-PO)
+        is per turn, as `rows.rewards`."""
+        import torch
+
+        from thinkcraft.train.llm_policy.packing import layout_summary
+
+        if rows.segments is None or rows.turns is None:
+            raise ValueError("Learner.update takes the rows of build_rows (per-token segments and their turns)")
         cfg = self.cfg
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        B = rows.input_ids.shape[0]
-        mb = cfg.micro_batch_size
-        total_tokens = float(rows.loss_mask.sum().clamp(min=1.0))
-        total_seqs = float((rows.loss_mask.sum(-1) > 0).sum().clamp(min=1))
-        stats: dict[str, float] = {"losses/loss": 0.0, "losses/pg": 0.0, "losses/kl": 0.0, "losses/clip_frac": 0.0,
-                                   "losses/ratio": 0.0}
-        for s in range(0, B, mb):
-            sl = slice(s, min(s + mb, B))
-            ids, attn, mask = rows.input_ids[sl], rows.attention_mask[sl], rows.loss_mask[sl]
-            # trim right padding shared by the micro-batch
-            L_mb = int(attn.sum(-1).max())
-            ids, attn, mask = ids[:, :L_mb], attn[:, :L_mb], mask[:, : L_mb - 1]
-            n_tok = float(mask.sum())
-            n_seq = float((mask.sum(-1) > 0).sum())
-            if n_tok == 0:
-                continue
-            logp = self.token_logprobs(ids, attn)
-            # off-policy corrections (async rollouts): one optimizer step per batch, so the proximal policy
-            # is this forward's own log-probs, detached (rl.llm_losses, "off-policy corrections")
-            behav = rows.old_logp[sl, : L_mb - 1]
-            cap = cfg.offpolicy_cap or None
-            if cfg.algo == "apo":
-                ref = self.ref_token_logprobs(ids, attn)
-                seq = L.sequence_logprob(logp, mask)
-                st, capped = L.offpolicy_apo_loss(seq, L.sequence_logprob(ref, mask), rows.rewards[sl], v_star[sl],
-                                                  cfg.apo_beta2, seq.detach(), L.sequence_logprob(behav, mask),
-                                                  cfg.offpolicy, cap)
-                weight = n_seq / total_seqs
-                loss = st.loss * weight
-                stats["losses/loss"] += float(st.loss.detach()) * weight
-                stats["apo/log_ratio"] = stats.get("apo/log_ratio", 0.0) + float(st.log_ratio_mean) * weight
-                stats["offpolicy/capped_frac"] = stats.get("offpolicy/capped_frac", 0.0) + float(capped) * weight
-            else:
-                ref = self.ref_token_logprobs(ids, attn) if cfg.kl_coef > 0 else None
-                adv = L.broadcast_to_tokens(rows.advantages[sl], mask)
-                st = L.offpolicy_pg_loss(logp, logp.detach(), behav, adv, mask, cfg.offpolicy, cap,
-                                         clip_eps=cfg.clip_eps, ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
-                weight = (n_tok / total_tokens) if cfg.loss_agg == "token-mean" else (n_seq / total_seqs)
-                loss = st.loss * weight
-                stats["losses/loss"] += float(st.loss.detach()) * weight
-                stats["losses/pg"] += float(st.pg_loss) * weight
-                stats["losses/kl"] += float(st.kl) * weight
-                stats["losses/clip_frac"] += float(st.clip_frac) * weight
-                stats["losses/ratio"] += float(st.ratio_mean) * weight
-                if cfg.offpolicy != "none":
-                    for k, v in (("weight_mean", st.weight_mean), ("capped_frac", st.capped_frac)):
-                        stats[f"offpolicy/{k}"] = stats.get(f"offpolicy/{k}", 0.0) + float(v) * weight
-            loss.backward()
+        mbs = self.plan(rows)
+        stats = self._accumulate(rows, mbs, v_star)
         if cfg.max_grad_norm > 0:
-            gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-            stats["losses/grad_norm"] = float(gn)
+            stats["losses/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
+        names = list(stats)
+        values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=self.device).reshape(())
+                              for k in names]).tolist()
+        layout = layout_summary(mbs)
+        return {**dict(zip(names, values)), **layout, **rows.turns.metrics(layout["learner/tokens"])}
+
+    def _accumulate(self, rows: TrainRows, mbs: list, v_star) -> dict[str, Any]:
+        """Forward and backward of every micro-batch, each loss weighted by its share of the batch; returns the
+        weighted statistics as device tensors (nothing read back here)."""
+        cfg = self.cfg
+        total_tokens = max(sum(m.trained_tokens for m in mbs), 1)
+        total_seqs = max(sum(m.trained_seqs for m in mbs), 1)
+        by_tokens = cfg.algo != "apo" and cfg.loss_agg == "token-mean"
+        stats: dict[str, Any] = dict.fromkeys(("losses/loss", "losses/pg", "losses/kl", "losses/clip_frac",
+                                               "losses/ratio"), 0.0)
+        for mb in mbs:
+            if mb.trained_tokens == 0:
+                continue
+            weight = mb.trained_tokens / total_tokens if by_tokens else mb.trained_seqs / total_seqs
+            loss, parts = self._micro_loss(rows, mb, v_star)
+            (loss * weight).backward()
+            for k, v in parts.items():
+                stats[k] = stats.get(k, 0.0) + v.detach() * weight
         return stats
+
+    def _micro_loss(self, rows: TrainRows, mb, v_star):
+        """(loss, {metric: value}) of one micro-batch, on the (rows, width - 1) layout of `build_rows`. Its
+        sequences are its turns (`segments`, renumbered from 0 here), whether a row holds one or several."""
+        from thinkcraft.rl import llm_losses as L
+
+        cfg = self.cfg
+        sl, w = slice(mb.start, mb.end), mb.width
+        mask = rows.loss_mask[sl, : w - 1]
+        first, end = int(rows.turns.starts[mb.start]), int(rows.turns.starts[mb.end])
+        seg, n_seg = (rows.segments[sl, : w - 1] - first).clamp(min=0), end - first
+        logp = self.logprobs(rows, mb)
+        # off-policy corrections (async rollouts, --offpolicy): one optimizer step per batch, so the proximal
+        # policy is this forward's own log-probs, detached; the behaviour log-probs are the engine's
+        # (rl.llm_losses, "off-policy corrections"). "none" is the plain ratio to the behaviour policy.
+        behav, cap = rows.old_logp[sl, : w - 1], cfg.offpolicy_cap or None
+        corrected = cfg.offpolicy != "none"
+        if cfg.algo == "apo":
+            ref = self.ref_logprobs(rows, mb)
+            seq = L.sequence_logprob(logp, mask, seg, n_seg)
+            st, capped = L.offpolicy_apo_loss(seq, L.sequence_logprob(ref, mask, seg, n_seg), rows.rewards[first:end],
+                                              v_star[first:end], cfg.apo_beta2, seq.detach(),
+                                              L.sequence_logprob(behav, mask, seg, n_seg), cfg.offpolicy, cap)
+            parts = {"losses/loss": st.loss, "apo/log_ratio": st.log_ratio_mean}
+            return st.loss, ({**parts, "offpolicy/capped_frac": capped} if corrected else parts)
+        ref = self.ref_logprobs(rows, mb) if cfg.kl_coef > 0 else None
+        st = L.offpolicy_pg_loss(logp, logp.detach(), behav, rows.advantages[sl, : w - 1], mask, cfg.offpolicy, cap,
+                                 clip_eps=cfg.clip_eps, ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg,
+                                 segments=seg, num_segments=n_seg)
+        parts = {"losses/loss": st.loss, "losses/pg": st.pg_loss, "losses/kl": st.kl,
+                 "losses/clip_frac": st.clip_frac, "losses/ratio": st.ratio_mean}
+        if corrected:
+            parts.update({"offpolicy/weight_mean": st.weight_mean, "offpolicy/capped_frac": st.capped_frac})
+        return st.loss, parts
 
     # ---------------------------------------------------------------- checkpoints
 

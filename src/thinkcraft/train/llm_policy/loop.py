@@ -157,26 +157,29 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
     """One learner step (phases 1-4); returns its metrics and the new carry."""
     t_step = time.perf_counter()
     # 1-2. rollout (generate + env)
+    roll_metrics: dict[str, float] = {}
     episodes = rollout(p.env, p.engine, p.tokenizer, _step_seeds(cfg, step, carry.v_star), cfg.samples_per_prompt,
-                       p.sampling, cfg.history_turns, timer, gen_context=p.learner.autocast)
-    turns = [t for e in episodes for t in e.turns]
+                       p.sampling, cfg.history_turns, timer, gen_context=p.learner.autocast, metrics=roll_metrics)
     # 3. store
     if writer is not None:
         with timer.phase("store"):
             for e in episodes:
-                writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step)
+                # stored under the learner step this batch trains (1-based, as metrics.jsonl counts steps);
+                # policy_version (the weights that sampled it) is `step`
+                writer.add(episode_record(e, cfg.env, step, {"algo": cfg.algo}), learner_step=step + 1)
     # 4. train
     with timer.phase("train"):
         loss_stats, carry = update_on(cfg, p.learner, p.tokenizer, episodes, carry)
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
-    rec.update({"policy_version": step + 1, **loss_stats, **timer.metrics()})
+    rec.update({"policy_version": step + 1, **loss_stats, **roll_metrics, **timer.metrics()})
     return rec, carry
 
 
 def update_on(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, episodes: list[Episode], carry: Carry
               ) -> tuple[dict[str, float], Carry]:
-    """Phase 4 on a batch of episodes (also the async loop's learner): returns-to-go, advantages, padded
-    rows, one learner update. Returns the loss statistics (with advantage/abs_mean) and the new carry."""
+    """Phase 4 on a batch of episodes (also the async loop's learner): returns-to-go, advantages, the
+    learner's rows (episode-packed with --pack-episodes), one learner update. Returns the loss statistics
+    (with advantage/abs_mean) and the new carry."""
     import torch
 
     from thinkcraft.rl.llm_losses import ADVANTAGE_ESTIMATORS, AdvantageInputs, AdvantageOptions
@@ -189,7 +192,8 @@ def update_on(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, episodes: 
         AdvantageInputs(torch.tensor(scores, dtype=torch.float32), torch.tensor(groups, dtype=torch.long),
                         v_rows, carry.baseline),
         AdvantageOptions(scale_by_std=cfg.scale_adv_by_std, baseline_momentum=cfg.baseline_momentum))
-    rows = build_rows(turns, adv.values.tolist(), scores, tokenizer.pad_token_id, learner.device)
+    rows = build_rows(turns, adv.values.tolist(), scores, tokenizer.pad_token_id, learner.device,
+                      merge_episodes=cfg.pack_episodes)
     loss_stats = learner.update(rows, v_star=None if v_rows is None else v_rows.to(learner.device))
     loss_stats["advantage/abs_mean"] = float(adv.values.abs().mean())
     return loss_stats, carry._replace(baseline=adv.baseline)
@@ -236,5 +240,5 @@ def _open_store(cfg: LLMPolicyConfig, run_dir: Path, start_step: int) -> Any:
     from thinkcraft.data.writer import TrajectoryWriter, drop_partitions_from
 
     run = re.sub(r"[^A-Za-z0-9._-]", "-", run_dir.name) or "run"
-    drop_partitions_from(run_dir / "trajectories", run, start_step)
+    drop_partitions_from(run_dir / "trajectories", run, start_step + 1)  # learner steps after the checkpoint
     return TrajectoryWriter(run_dir / "trajectories", run=run, max_per_file=1024, max_seconds=30.0)

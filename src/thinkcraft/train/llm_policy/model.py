@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -15,8 +16,17 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048):
-    """A byte-level BPE (HF `tokenizers`) trained on `texts`, with ChatML special tokens and template."""
+THINKING_CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}<think>\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+"""ChatML where every assistant turn opens a thought: the prompt ends inside `<think>` (the thinking budget
+counts from there) and earlier replies are rendered exactly as sampled (append-only: turn-KV reuse)."""
+
+
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048, thinking: bool = False):
+    """A byte-level BPE (HF `tokenizers`) trained on `texts`, with ChatML special tokens and template; with
+    `thinking`, `<think>` / `</think>` as single (ordinary, decoded) tokens and `THINKING_CHATML_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,21 +44,30 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 2048):
         additional_special_tokens=specials[1:],
     )
     fast.chat_template = CHATML_TEMPLATE
+    if thinking:
+        fast.add_tokens(["<think>", "</think>"])
+        fast.chat_template = THINKING_CHATML_TEMPLATE
     return fast
 
-def random_model(shape: str, tokenizer, seed: int = 0):
-    """A Qwen2-architecture causal LM with random weights in the named shape."""
+def random_model(shape: str, tokenizer=None, seed: int = 0, vocab_size: int | None = None):
+    """A causal LM with random weights in the named shape (Qwen2 architecture, or the shape's `arch`), its
+    vocabulary the tokenizer's, or `vocab_size` ids (`config.REAL_VOCAB`: a learner fed synthetic token ids
+    needs no tokenizer)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if shape not in MODEL_SHAPES:
         raise UserError(f"unknown model shape {shape!r}; known: {', '.join(MODEL_SHAPES)}")
-    cfg = Qwen2Config(
-        vocab_size=len(tokenizer), max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **MODEL_SHAPES[shape],
+    kw = dict(MODEL_SHAPES[shape])
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        kw.pop("arch", "qwen2")]
+    cfg = config_cls(
+        vocab_size=vocab_size or len(tokenizer), max_position_embeddings=32768,
+        eos_token_id=tokenizer.eos_token_id if tokenizer is not None else 0,
+        pad_token_id=tokenizer.pad_token_id if tokenizer is not None else 0, bos_token_id=None, **kw,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg)
+    return model_cls(cfg)
 
 def resolve_model_path(spec: str) -> Path:
     """'default' (the bundled model, converted once), a .gguf file or a local HF folder; never downloads."""
@@ -58,12 +77,11 @@ def resolve_model_path(spec: str) -> Path:
 
 def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype):
     """(model, tokenizer) for the policy: pretrained from a folder or random weights in a named shape."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = cfg.model_spec
     if spec.scheme == "random":
-        tok = train_bpe_tokenizer(prompt_texts)
+        tok = train_bpe_tokenizer(prompt_texts, thinking=cfg.thinking_budget is not None)
         model = random_model(spec.target, tok, seed=cfg.seed)
         model.to(device=device, dtype=dtype)
     else:
@@ -75,6 +93,14 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
     if tok.chat_template is None:
         tok.chat_template = CHATML_TEMPLATE
     model.config.use_cache = True
+    return trainable(model, cfg), tok
+
+
+def trainable(model, cfg: LLMPolicyConfig):
+    """The model as the learner trains it: LoRA adapters on every linear layer (`--finetune lora`), or fp32
+    master weights (`full`, bf16 autocast for the forward)."""
+    import torch
+
     if cfg.finetune == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -82,21 +108,31 @@ def load_policy(cfg: LLMPolicyConfig, prompt_texts: Sequence[str], device, dtype
                           task_type="CAUSAL_LM")
         torch.manual_seed(cfg.seed)
         # PEFT keeps adapter weights in fp32 even when the base is bf16 (autocast_adapter_dtype)
-        model = get_peft_model(model, lcfg)
-    else:
-        model.float()  # full fine-tuning: fp32 master weights, bf16 autocast for the forward
-    return model, tok
+        with warnings.catch_warnings():  # PEFT reads transformers' deprecated `is_gradient_checkpointing` (v5)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return get_peft_model(model, lcfg)
+    return model.float()
 
 
 # =========================================================================================== sampler
+
+def decode_path(device_type: str, kv_cache: str = "auto", compile_decode: bool | None = None) -> tuple[str, bool]:
+    """(kv_cache, compile_decode) for the engine: the fastest path the device supports unless forced - a
+    compiled CUDA-graph step over the static width on CUDA, the eager step with a dynamic width elsewhere."""
+    compiled = device_type == "cuda" if compile_decode is None else bool(compile_decode)
+    width = ("static" if compiled else "dynamic") if kv_cache == "auto" else kv_cache
+    return width, compiled
+
 
 def make_engine(model, tokenizer, cfg: "LLMPolicyConfig"):
     """The in-process engine over the learner's model: `HFEngine.from_model` shares the parameters (no
     copy), so every rollout samples from the weights the learner just updated."""
     from thinkcraft.llm.hf import HFEngine
 
-    return HFEngine.from_model(model, tokenizer, kv_cache=cfg.kv_cache, compile_decode=cfg.compile_decode,
-                               max_batch_size=cfg.max_generate_batch)
+    device = next(model.parameters()).device
+    kv_cache, compiled = decode_path(device.type, cfg.kv_cache, cfg.compile_decode)
+    return HFEngine.from_model(model, tokenizer, kv_cache=kv_cache, compile_decode=compiled,
+                               max_batch_size=cfg.max_generate_batch, kv_cache_gb=cfg.kv_cache_gb)
 
 def check_engine_for_algo(capabilities, algo: str) -> None:
     """Algorithms with a behaviour-policy ratio need the sampled tokens' logprobs from the engine."""

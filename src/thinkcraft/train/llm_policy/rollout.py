@@ -1,10 +1,23 @@
-"""Rollouts: prompts (chat template, history window) -> engine.generate -> env reward; episodes as
-trajectory-store records. Token in, token out: sampled ids and logprobs are kept, never re-tokenized."""
+"""Rollouts: prompts (chat template, history) -> the engine -> env reward; episodes as trajectory-store
+records. Token in, token out: sampled ids and logprobs are kept, never re-tokenized.
+
+With an engine that batches continuously (`Capabilities.continuous_batching`, the in-process hf engine) every
+episode runs on its own: a turn is submitted, and as soon as it comes back the episode's env steps (together
+with the other episodes that are waiting, one batched env call) and its next turn is submitted, without
+waiting for the slowest row of the batch. Prompts only grow (`history_turns < 0`, the default: the whole
+history) - previous prompt + the sampled reply tokens + the new observation - so the engine keeps each
+episode's KV between turns and prefills only the new tokens; the system prompt is a shared prefix stored
+once. A chat template that is not append-only (Qwen3 drops earlier thoughts) is detected on the rendered
+text: that turn is tokenized whole and counted (`kv/template_fallbacks`). Other engines: every turn of all
+active episodes is one `generate` batch (lockstep).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,6 +38,19 @@ class TurnSample:
     reward: float = 0.0
     invalid: bool = False
     info: dict = field(default_factory=dict)
+    thinking_tokens: int = 0
+    """Tokens inside `<think>` this turn (counted by the engine)."""
+    thinking_budget: int | None = None
+    prefill_tokens: int = 0
+    """Prompt tokens the engine ran through the model this turn (0 when unknown: lockstep engines)."""
+    reused_tokens: int = 0
+    """Prompt tokens whose KV the engine already held (shared prefix, earlier turns)."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, the shared prefix's (the rest came from the episode's earlier turns)."""
+    template_fallback: bool = False
+    """The chat template rewrote earlier turns: this prompt was tokenized whole (no turn-KV reuse)."""
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    """[(first token index, weight version)] from the engine (several when weights changed mid-turn)."""
 
 @dataclass
 class Episode:
@@ -40,9 +66,11 @@ class Episode:
         return float(sum(t.reward for t in self.turns))
 
 def build_messages(system: str, history: Sequence[tuple[str, str]], obs: str, history_turns: int) -> list[dict]:
-    """Chat messages: system, the last K (observation, action) turns, the current observation."""
+    """Chat messages: system, the last K (observation, action) turns (all of them for K < 0), the current
+    observation."""
     msgs = [{"role": "system", "content": system}] if system else []
-    for o, a in list(history)[-history_turns:] if history_turns > 0 else []:
+    past = list(history) if history_turns < 0 else (list(history)[-history_turns:] if history_turns > 0 else [])
+    for o, a in past:
         msgs += [{"role": "user", "content": o}, {"role": "assistant", "content": a}]
     msgs.append({"role": "user", "content": obs})
     return msgs
@@ -53,53 +81,277 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
         ids = ids["input_ids"]
     return [int(x) for x in ids]
 
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of rendered texts (no extra special tokens: the template wrote them), one batched call."""
+    if not texts:
+        return []
+    return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
 def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int, sampling, history_turns: int,
-            timer=None, gen_context=None) -> list[Episode]:
+            timer=None, gen_context=None, metrics: dict | None = None, env_batch_frac: float = 0.25) -> list[Episode]:
     """Play one episode per (seed, sample): the G samples of a seed form group `index of the seed`.
 
-    Each turn, the active episodes' prompts go to the engine in one batch; completions keep the engine's
-    token ids and logprobs (never re-tokenized).
+    `metrics` (optional) receives the rollout's counters (`rollout_metrics` of the episodes plus the
+    engine's evictions). `env_batch_frac`: with a continuous-batching engine, waiting episodes step their env
+    together once they are this share of the running ones (or when the engine has nothing else to do).
     """
-    import contextlib
-    from dataclasses import replace
-
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
+    gen_ctx = gen_context if gen_context is not None else contextlib.nullcontext
     all_seeds = [int(s) for s in seeds for _ in range(samples_per_seed)]
     episodes = [Episode(seed=s, group=i // samples_per_seed) for i, s in enumerate(all_seeds)]
+    sampling = replace(sampling, n=1)
     t0 = time.perf_counter()
+    before = engine.decode_metrics() if engine.capabilities.continuous_batching else {}
     with phase("env"):
         obs = env.reset(all_seeds)
-    histories: list[list[tuple[str, str]]] = [[] for _ in episodes]
-    sampling = replace(sampling, n=1)
-    while True:
-        active = env.active_indices()
-        if not active:
-            break
-        with phase("generate"):
-            prompts = [encode_prompt(tokenizer, build_messages(env.system_prompt, histories[i], obs[i], history_turns))
-                       for i in active]
-            with (gen_context() if gen_context is not None else contextlib.nullcontext()):
-                comps = engine.generate(_token_batch(prompts), sampling)
-        with phase("env"):
-            res = env.step([c.text for c in comps])
-        for j, i in enumerate(active):
-            c = comps[j]
-            forced = set(c.forced_token_indices or ())
-            episodes[i].turns.append(TurnSample(
-                obs=obs[i], prompt_ids=list(c.prompt_token_ids or prompts[j]), completion_ids=list(c.token_ids),
-                logprobs=list(c.logprobs) if c.logprobs is not None else [], train_mask=[int(k not in forced) for k in range(len(c.token_ids))],
-                text=c.text, finish_reason=str(c.finish_reason), reward=float(res.rewards[j]),
-                invalid=bool(res.infos[j].get("invalid", False)), info=res.infos[j],
-            ))
-            histories[i].append((obs[i], c.text))
-            obs[i] = res.observations[j]
-            if res.terminated[j] or res.truncated[j]:
-                episodes[i].terminated = bool(res.terminated[j])
-                episodes[i].truncated = bool(res.truncated[j])
+    if engine.capabilities.continuous_batching:
+        _Continuous(env, engine, tokenizer, episodes, obs, sampling, history_turns, phase, gen_ctx,
+                    env_batch_frac).run()
+    else:
+        _lockstep(env, engine, tokenizer, episodes, obs, sampling, history_turns, phase, gen_ctx)
     wall = time.perf_counter() - t0
     for e in episodes:
         e.wall_time_s = wall
+    if metrics is not None:
+        metrics.update(rollout_metrics(episodes))
+        if before:
+            after = engine.decode_metrics()
+            metrics["kv/evictions"] = after["evictions"] - before["evictions"]
+            metrics["kv/invalidated"] = after["invalidated"] - before["invalidated"]
     return episodes
+
+
+def _turn_sample(obs: str, prompt: list[int], c, res, j: int, extra: dict | None = None) -> TurnSample:
+    """The turn record of completion `c` (the env's result row `j`)."""
+    forced = set(c.forced_token_indices or ())
+    return TurnSample(
+        obs=obs, prompt_ids=list(c.prompt_token_ids or prompt), completion_ids=list(c.token_ids),
+        logprobs=list(c.logprobs) if c.logprobs is not None else [],
+        train_mask=[int(k not in forced) for k in range(len(c.token_ids))], text=c.text,
+        finish_reason=str(c.finish_reason), reward=float(res.rewards[j]),
+        invalid=bool(res.infos[j].get("invalid", False)), info=res.infos[j], thinking_tokens=int(c.thinking_tokens),
+        **(extra or {}))
+
+
+def _lockstep(env, engine, tokenizer, episodes, obs, sampling, history_turns, phase, gen_ctx) -> None:
+    """Every turn of the active episodes as one `generate` batch (engines without continuous batching)."""
+    from thinkcraft.llm.protocol import Batch
+
+    histories: list[list[tuple[str, str]]] = [[] for _ in episodes]
+    while active := env.active_indices():
+        with phase("generate"):
+            prompts = [encode_prompt(tokenizer, build_messages(env.system_prompt, histories[i], obs[i], history_turns))
+                       for i in active]
+            with gen_ctx():
+                comps = engine.generate(Batch(items=prompts), sampling)
+        with phase("env"):
+            res = env.step([c.text for c in comps])
+        for j, i in enumerate(active):
+            episodes[i].turns.append(_turn_sample(obs[i], prompts[j], comps[j], res, j,
+                                                  {"thinking_budget": sampling.thinking_budget}))
+            histories[i].append((obs[i], comps[j].text))
+            obs[i] = res.observations[j]
+            if res.terminated[j] or res.truncated[j]:
+                episodes[i].terminated, episodes[i].truncated = bool(res.terminated[j]), bool(res.truncated[j])
+
+
+_ROLLOUT_IDS = itertools.count()
+
+
+@dataclass
+class _Chat:
+    """One episode's conversation: its messages, the rendered text of the current prompt and its ids."""
+
+    messages: list[dict]
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    fallback: bool = False
+
+
+class ChatPrompts:
+    """The prompts of `n` episodes, turn by turn, token in / token out (the sync rollout's continuous path and
+    the async rollout pool's workers both build theirs here). With the whole history (`history_turns < 0`) an
+    episode's next prompt is its previous prompt's ids + the reply's sampled ids + the tokens of what the chat
+    template writes after the reply (the new observation): prompts only grow, token for token, so an engine
+    can keep the episode's KV and the learner can train its turns as one row. A template that rewrote earlier
+    turns (detected on the rendered text) gets that prompt tokenized whole (`_Chat.fallback`). A history
+    window renders every prompt anew. One batched tokenizer call per `next`, under `lock` (a fast tokenizer
+    shared by threads can fail "Already borrowed")."""
+
+    def __init__(self, tokenizer, system_prompt: str, n: int, history_turns: int, lock: Any = None) -> None:
+        self.tok, self.system_prompt, self.history_turns = tokenizer, system_prompt, history_turns
+        self.append_only = history_turns < 0
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.chats = [_Chat(messages=list(self.system)) for _ in range(n)]
+        self.histories: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+        self._obs: list[str | None] = [None] * n
+        self.specials = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids}
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+
+    def next(self, idx: Sequence[int], obs: Sequence[str], comps: Sequence[Any]) -> list[list[int]]:
+        """The next prompts' ids of episodes `idx`, given their new observations and their last completions
+        (None on the first turn)."""
+        with self.lock:
+            pieces = [self._piece(i, o, c) for i, o, c in zip(idx, obs, comps)]
+            for i, ids in zip(idx, _encode_texts(self.tok, pieces)):
+                self.chats[i].ids = self.chats[i].ids + ids
+        return [self.chats[i].ids for i in idx]
+
+    def _piece(self, i: int, obs: str, c: Any) -> str:
+        """The text still to tokenize for episode i's next prompt (its chat updated to that prompt)."""
+        tok, chat = self.tok, self.chats[i]
+        if c is not None:
+            self.histories[i].append((self._obs[i], c.text))
+        self._obs[i] = obs
+        if not self.append_only:  # a history window: every prompt is new (the shared prefix is still reused)
+            chat.text = _render(tok, build_messages(self.system_prompt, self.histories[i], obs, self.history_turns))
+            chat.ids = []
+            return chat.text
+        sent = None
+        if c is not None:
+            # the reply as the model produced it (special tokens it sampled included, the closing EOS left
+            # to the template): the rendered history then extends exactly what the model saw
+            content, end = _reply_text(tok, c, self.specials)
+            sent = chat.text + content + end
+            chat.messages.append({"role": "assistant", "content": content})
+        chat.messages.append({"role": "user", "content": obs})
+        text = _render(tok, chat.messages)
+        chat.fallback = sent is not None and not text.startswith(sent)
+        chat.text = text
+        if sent is None or chat.fallback:
+            chat.ids = []
+            return text  # the whole prompt (first turn, or a template that rewrote earlier turns)
+        chat.ids = chat.ids + list(c.token_ids)
+        return text[len(sent):]  # only what the template added after the reply
+
+
+class _Continuous:
+    """The continuous-batching rollout (see the module docstring): submit, step the engine, step the env of
+    the episodes whose turn came back, submit their next turn."""
+
+    def __init__(self, env, engine, tokenizer, episodes, obs, sampling, history_turns, phase, gen_ctx,
+                 env_batch_frac) -> None:
+        self.env, self.engine, self.tok, self.episodes, self.obs = env, engine, tokenizer, episodes, list(obs)
+        self.sampling, self.history_turns, self.phase, self.gen_ctx = sampling, history_turns, phase, gen_ctx
+        self.env_batch_frac = env_batch_frac
+        self.append_only = history_turns < 0
+        self.rid = next(_ROLLOUT_IDS)
+        self.prompts = ChatPrompts(tokenizer, env.system_prompt, len(episodes), history_turns)
+        self.chats = self.prompts.chats
+        system = self.prompts.system
+        self.prefix = np.asarray(_encode_texts(tokenizer, [_render(tokenizer, system, False)])[0] if system else [],
+                                 dtype=np.int64)
+        self.in_flight: set[int] = set()
+        self.pending: list[Any] = []
+        """Turns back from the engine whose env step has not happened yet."""
+
+    def run(self) -> None:
+        n = len(self.episodes)
+        with self.phase("generate"):
+            self._submit(list(range(n)), [None] * n)
+            if self.append_only:  # size the cache for whole episodes once (no reallocation as they grow)
+                first = max(len(c.ids) for c in self.chats) - len(self.prefix)
+                per_turn = first + self.sampling.max_new_tokens + 16
+                self.engine.reserve(n, per_turn * max(int(self.env.max_turns), 1), len(self.prefix))
+        while self.in_flight or self.pending:
+            if self.in_flight:
+                with self.phase("generate"), self.gen_ctx():
+                    self.engine.step()
+                    self.pending += self.engine.poll()
+            self.in_flight.difference_update(r.tag for r in self.pending)
+            waiting = len(self.pending)
+            if waiting and (not self.in_flight or waiting >= self.env_batch_frac * (waiting + len(self.in_flight))):
+                results, self.pending = self.pending, []
+                self._env_step(results)
+
+    def _env_step(self, results: list) -> None:
+        idx = [r.tag for r in results]
+        with self.phase("env"):
+            texts = [r.completion.text for r in results]
+            # all active episodes in their own order: the plain protocol call; a subset: `indices`
+            res = self.env.step(texts) if idx == self.env.active_indices() else self.env.step(texts, indices=idx)
+        nxt, comps = [], []
+        for j, (i, r) in enumerate(zip(idx, results)):
+            c, chat = r.completion, self.chats[i]
+            self.episodes[i].turns.append(_turn_sample(self.obs[i], chat.ids, c, res, j, {
+                "thinking_budget": r.thinking_budget, "prefill_tokens": r.prefill_tokens,
+                "reused_tokens": r.reused_tokens, "shared_prefix_tokens": r.shared_prefix_tokens,
+                "template_fallback": chat.fallback,
+                "weight_versions": list(r.weight_versions)}))
+            self.obs[i] = res.observations[j]
+            if res.terminated[j] or res.truncated[j]:
+                ep = self.episodes[i]
+                ep.terminated, ep.truncated = bool(res.terminated[j]), bool(res.truncated[j])
+                self.engine.release((self.rid, i))
+            else:
+                nxt.append(i)
+                comps.append(c)
+        # Prompts are built and submitted in chunks, the engine stepped after each: the GPU prefills and decodes
+        # the first chunk while the host renders and tokenizes the next (one thread; the step only queues work)
+        for a in range(0, len(nxt), SUBMIT_CHUNK):
+            with self.phase("generate"):
+                self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
+                if a + SUBMIT_CHUNK < len(nxt):
+                    with self.gen_ctx():
+                        self.engine.step()
+                    self.pending += self.engine.poll()
+
+    def _submit(self, idx: list[int], comps: list) -> None:
+        """Next prompts of episodes `idx` (their last completions `comps`, None on the first turn), tokenized
+        in one batched call, and submitted."""
+        from thinkcraft.llm.protocol import GenerationRequest
+
+        for i, ids in zip(idx, self.prompts.next(idx, [self.obs[i] for i in idx], comps)):
+            prompt = np.asarray(ids, dtype=np.int64)
+            p = len(self.prefix)
+            shared = p if 0 < p < len(prompt) and np.array_equal(prompt[:p], self.prefix) else 0
+            self.engine.submit(GenerationRequest(ids, self.sampling, prefix_len=shared, tag=i,
+                                                 episode=(self.rid, i) if self.append_only else None))
+            self.in_flight.add(i)
+
+
+SUBMIT_CHUNK = 64
+"""Episodes whose next prompt is built and submitted before the engine is stepped again (see `_env_step`)."""
+
+
+def _reply_text(tok, c, specials: dict[int, str]) -> tuple[str, str]:
+    """(the reply's text as sampled, special tokens included, without the special token that ended it; that
+    token's text): the template writes its own end of turn after the content. One decode per reply."""
+    ids = c.token_ids
+    if ids and c.finish_reason in ("stop", "budget") and ids[-1] in specials:
+        return tok.decode(ids[:-1], skip_special_tokens=False), specials[ids[-1]]
+    return tok.decode(ids, skip_special_tokens=False), ""
+
+
+def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Per-rollout counters: prefill tokens the engine ran and the share turn reuse (and the shared prefix)
+    saved, template fallbacks, thinking length and budget per turn, budget hits."""
+    turns = [t for e in episodes for t in e.turns]
+    if not turns:
+        return {}
+    pre = sum(t.prefill_tokens for t in turns)
+    reused = sum(t.reused_tokens for t in turns)
+    by_turns = reused - sum(t.shared_prefix_tokens for t in turns)
+    out = {
+        "kv/prefill_tokens": float(pre),
+        "kv/reused_tokens": float(reused),
+        "kv/prefill_saved_frac": reused / max(pre + reused, 1),
+        "kv/turn_reuse_saved_frac": by_turns / max(pre + reused, 1),
+        "kv/template_fallbacks": float(sum(t.template_fallback for t in turns)),
+        "thinking/tokens_mean": float(np.mean([t.thinking_tokens for t in turns])),
+        "thinking/budget_hit_rate": float(np.mean([0 in t.train_mask for t in turns])),
+        "perf/weight_switches": float(sum(max(len(t.weight_versions) - 1, 0) for t in turns)),
+    }
+    budgets = [t.thinking_budget for t in turns if t.thinking_budget is not None]
+    if budgets:
+        out["thinking/budget"] = float(np.mean(budgets))
+    return out
 
 def _split_think(text: str) -> tuple[str, str]:
     """(thought, answer) of a `<think>` model's reply; ("", text) when there is no closed thought."""
@@ -166,9 +418,3 @@ def _seed_of(cfg: LLMPolicyConfig, step: int, i: int) -> int:
     """Problem seed of prompt i at learner step `step` >= 1; step 0 is the A*-PO pool (a disjoint range)."""
     base = cfg.seed * 1_000_003 + (10**9 if step == 0 else step * cfg.prompts_per_step)
     return (base + i) % (2**31 - 1)
-
-
-def _token_batch(prompts: list[list[int]]):
-    from thinkcraft.llm.protocol import Batch
-
-    return Batch(items=prompts)

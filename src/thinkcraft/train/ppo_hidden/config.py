@@ -11,7 +11,7 @@ from thinkcraft.train.ppo import PPOConfig
 from thinkcraft.utils.errors import ConfigError, check
 
 SHAPE_FIELDS = PPO_SHAPE_FIELDS + ("skip_n", "hidden_proj_dim", "layer", "pooling", "text_format", "overlap",
-                                   "engine_quantize")
+                                   "engine_quantize", "reset_pool_size", "engine_random_weights")
 
 DEFAULT_INSTRUCTIONS = (
     "You are an expert player of Craftax, a 2D open-world survival game. Below is the current game state. "
@@ -52,6 +52,16 @@ class PPOHiddenConfig(PPOConfig):
     """Width of the learned projection of the hidden state into the policy."""
     overlap: bool = False
     """Compute the next refresh's hidden states while the current window runs (one refresh interval stale)."""
+    reset_pool_size: int | None = None
+    """Fresh worlds generated at each refresh point for the envs whose episode ends before the next one,
+    encoded with the refresh so that a reset env acts on its new world's hidden state (rl/hidden.py).
+    None = num_envs / optimistic_reset_ratio (+6% LLM work per refresh at ratio 16); larger = fewer shared
+    worlds for +P/num_envs LLM work; 0 = the old scheme: a fresh world every step, the hidden input masked
+    after a reset until the next refresh."""
+    engine_random_weights: int | None = None
+    """hf engine: replace the model's weights by a random initialisation (the model's own initialiser,
+    this seed): same architecture and tokenizer, no knowledge - the control for "more inputs" vs "an
+    LLM's knowledge"."""
     overlap_env_sms: int = 16
     """With --overlap and an in-process LLM on the policy's GPU: SMs kept free of LLM work for the env steps
     (the LLM runs on a CUDA green context of the others). 0 = no partition (the two then nearly serialise)."""
@@ -68,12 +78,23 @@ class PPOHiddenConfig(PPOConfig):
                                   f"(refreshes happen at window boundaries); nearest valid: {near}, "
                                   f"or change --num-steps")
         check(self.hidden_proj_dim > 0, "hidden_proj_dim", "must be > 0")
+        check(self.reset_pool_size is None or self.reset_pool_size >= 0, "reset_pool_size",
+              "must be >= 0 (0 = the masked scheme)")
+        if self.engine_random_weights is not None and not is_hf_spec(self.engine):
+            raise ConfigError("engine_random_weights", f"applies to the in-process hf engine, not {self.engine!r}")
         check(self.overlap_env_sms >= 0, "overlap_env_sms", "must be >= 0 (0 = no SM partition)")
         if self.engine_quantize != "none" and not is_hf_spec(self.engine):
             raise ConfigError("engine_quantize", f"applies to the in-process hf engine, not {self.engine!r} "
                               f"(quantise a served model in its server: vLLM/SGLang --quantization fp8)")
         if "Pixels" in self.env_name:
             raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
+
+    @property
+    def pool_size(self) -> int:
+        """Worlds in each refresh's reset pool (0: no pool, the masked scheme)."""
+        if self.reset_pool_size is None:
+            return max(1, self.num_envs // self.reset_ratio)
+        return self.reset_pool_size
 
     @property
     def window_steps(self) -> int:
@@ -116,6 +137,8 @@ def engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
         opts["max_batch_tokens"] = cfg.engine_max_batch_tokens
     if cfg.engine_quantize != "none":
         opts["quantize"] = cfg.engine_quantize
+    if cfg.engine_random_weights is not None:
+        opts["random_weights"] = cfg.engine_random_weights
     return opts
 
 

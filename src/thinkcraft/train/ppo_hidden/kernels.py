@@ -1,9 +1,15 @@
 """ppo-hidden's state and its jitted kernels (shared with plain PPO: make_rollout, ppo_update).
 
-    install(state, hidden, age, valid)      a refresh: running-stat update + z-normalisation (rl.hidden)
+    new_pool(state)                         a refresh point's reset pool (rl/hidden.py; not with pool size 0)
+    install(state, hidden, age, valid, pool_hidden, keep)
+                                            a refresh: running-stat update + z-normalisation (rl.hidden)
     window(state)                           lax.scan of window_steps env+policy steps
     window_after_refresh(state, hidden)     install (age 0, every env valid) and the window, one call
-    update(state, trajs)                    GAE + PPO update over the windows' trajectories (state donated)
+    update(state, trajs, memory)            GAE + PPO update over the windows' trajectories (state donated);
+                                            `memory`: --policy rnn's memory at the update's first window
+
+With --num-seeds K every kernel is vmapped over a leading seed axis of the state and of the hidden states
+(rl/seeds.py); K = 1 compiles the unvmapped kernels.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig
 class HiddenRunner(NamedTuple):
     """Everything ppo-hidden carries from one update to the next (what a checkpoint holds)."""
 
-    runner: Any  # rl.ppo.RunnerState (its rollout.aux is an rl.hidden.HiddenAux)
+    runner: Any  # rl.ppo.RunnerState (its rollout.aux is an rl.hidden.HiddenAux; with a reset pool its
+    # rollout.env_state is an envs.craftax.PooledState)
     norm: Any  # rl.hidden.RunningNorm
     done_since_snapshot: Any  # (N,) bool, for --overlap: episodes ended since the pending snapshot
+    next_pool: Any = None  # --overlap with a reset pool: the next interval's pool (encoded by the worker)
 
 
 class Kernels(NamedTuple):
+    new_pool: Callable[[HiddenRunner], HiddenRunner]
     install: Callable[..., HiddenRunner]
     window: Callable[[HiddenRunner], tuple]
     window_after_refresh: Callable[[HiddenRunner, Any], tuple]
@@ -29,71 +38,110 @@ class Kernels(NamedTuple):
 
 
 def build_network(cfg: PPOHiddenConfig, env: Any) -> Any:
-    """The actor-critic that also reads the (projected) hidden state, its age and validity."""
-    from thinkcraft.rl.networks import ActorCriticAug
+    """The actor-critic that also reads the (projected) hidden state, its age and validity: the MLP, or with
+    --policy rnn the GRU one (the same features feed its embedding)."""
+    from thinkcraft.rl.networks import ActorCriticAug, ActorCriticRNN
 
+    if cfg.policy == "rnn":
+        return ActorCriticRNN(env.num_actions, cfg.layer_width, hidden_proj_dim=cfg.hidden_proj_dim,
+                              dtype=cfg.matmul_dtype)
     return ActorCriticAug(env.num_actions, cfg.layer_width, hidden_proj_dim=cfg.hidden_proj_dim,
                           dtype=cfg.matmul_dtype)
 
 
 def make_init(cfg: PPOHiddenConfig, env: Any, network: Any, tx: Any, hidden_size: int) -> Callable[[Any], HiddenRunner]:
     """Pure `init(rng) -> HiddenRunner` (jax.eval_shape of it is the checkpoint template)."""
+    import jax
     import jax.numpy as jnp
 
     from thinkcraft.rl.hidden import AugInput, RunningNorm, empty_aux
     from thinkcraft.rl.ppo import init_runner_state
+    from thinkcraft.train.ppo import initial_memory
 
-    N, H = cfg.num_envs, hidden_size
+    N, H, P = cfg.num_envs, hidden_size, cfg.pool_size
     sample = AugInput(jnp.zeros((1, env.obs_dim)), jnp.zeros((1, H)), jnp.zeros((1,)), jnp.zeros((1,)))
 
     def init(rng: Any) -> HiddenRunner:
-        runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H), sample_input=sample)
-        return HiddenRunner(runner, RunningNorm.create(H), jnp.zeros((N,), bool))
+        runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H, P), sample_input=sample,
+                                   memory=initial_memory(cfg))
+        next_pool = None
+        if P:  # the pools of the first refresh point (its new_pool replaces the current one in sync mode)
+            k_now, k_next = jax.random.split(jax.random.fold_in(rng, 1))
+            rs = runner.rollout
+            runner = runner._replace(rollout=rs._replace(env_state=env.with_pool(rs.env_state, env.make_pool(k_now, P))))
+            next_pool = env.make_pool(k_next, P) if cfg.overlap else None
+        return HiddenRunner(runner, RunningNorm.create(H), jnp.zeros((N,), bool), next_pool)
 
     return init
 
 
 def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
-    """The four jitted functions of the loop (compiled on first call: the fused refresh+window once)."""
+    """The jitted functions of the loop (compiled on first call: the fused refresh+window once)."""
     import jax
     import jax.numpy as jnp
 
     from thinkcraft.rl.hidden import aux_after_step, make_policy_input, refresh
-    from thinkcraft.rl.ppo import make_rollout, ppo_update
+    from thinkcraft.rl.ppo import make_rollout, policy_step, ppo_update
+    from thinkcraft.rl.seeds import over_seeds
 
-    N = cfg.num_envs
+    N, P, S = cfg.num_envs, cfg.pool_size, cfg.num_seeds
     policy_input = make_policy_input(float(cfg.skip_n))
     rollout = make_rollout(env, network.apply, cfg.window_steps, policy_input, aux_after_step)
     hp = cfg.hyper()
 
-    def _install(state: HiddenRunner, hidden: jax.Array, age: jax.Array, valid: jax.Array) -> HiddenRunner:
-        norm, aux = refresh(state.norm, hidden, jnp.full((N,), age, jnp.int32), valid)
+    def _new_pool(state: HiddenRunner) -> HiddenRunner:
+        """Sync: a fresh pool for the coming interval. Overlap: the pool made at the previous refresh point
+        (encoded by its worker call) becomes current; a fresh one is made for the next interval."""
         r = state.runner
-        return HiddenRunner(r._replace(rollout=r.rollout._replace(aux=aux)), norm, jnp.zeros((N,), bool))
+        rng, k = jax.random.split(r.rollout.rng)
+        fresh = env.make_pool(k, P)
+        current, nxt = (state.next_pool, fresh) if cfg.overlap else (fresh, None)
+        env_state = env.with_pool(r.rollout.env_state.env_state, current)
+        r = r._replace(rollout=r.rollout._replace(env_state=env_state, rng=rng))
+        return state._replace(runner=r, next_pool=nxt)
+
+    def _install(state: HiddenRunner, hidden: jax.Array, age: jax.Array, valid: jax.Array,
+                 pool_hidden: jax.Array | None = None, keep: jax.Array | None = None) -> HiddenRunner:
+        """New hidden states (N, H) at `age`, valid where `valid`; the current pool's (P, H); envs where
+        `keep` keep the hidden input they have (overlap: they reset into a pool world since the snapshot)."""
+        r = state.runner
+        old = r.rollout.aux
+        norm, aux = refresh(state.norm, hidden, jnp.full((N,), age, jnp.int32), valid, pool_hidden)
+        if keep is not None:
+            aux = aux._replace(hidden=jnp.where(keep[:, None], old.hidden, aux.hidden),
+                               age=jnp.where(keep, old.age, aux.age), valid=jnp.where(keep, old.valid, aux.valid))
+        return HiddenRunner(r._replace(rollout=r.rollout._replace(aux=aux)), norm, jnp.zeros((N,), bool),
+                            state.next_pool)
 
     def _window(state: HiddenRunner):
         r = state.runner
         rs, traj, stats = rollout(r.train_state.params, r.rollout)
         info = {"age": traj.obs.age.mean() * cfg.skip_n, "valid": traj.obs.valid.mean()}
         done_any = state.done_since_snapshot | traj.done.any(0)
-        return HiddenRunner(r._replace(rollout=rs), state.norm, done_any), traj, stats, info
+        return state._replace(runner=r._replace(rollout=rs), done_since_snapshot=done_any), traj, stats, info
 
     # Synchronous refresh: install (age 0, every env valid) and the window in one jitted call (one dispatch
     # of the big runner state instead of two; on an H100 at skip_n=1 no measurable SPS change). The window
-    # alone is compiled only when some windows have no refresh (skip_n > num_steps).
-    @jax.jit
+    # alone is compiled only when some windows have no refresh (skip_n > num_steps). `hidden` holds the
+    # envs' N rows, then the reset pool's P.
     def window_after_refresh(state: HiddenRunner, hidden: jax.Array):
-        return _window(_install(state, hidden, 0, jnp.ones((N,), bool)))
+        pool_hidden = hidden[N:] if P else None
+        return _window(_install(state, hidden[:N], 0, jnp.ones((N,), bool), pool_hidden))
 
-    def _update(state: HiddenRunner, trajs: tuple):
+    def _update(state: HiddenRunner, trajs: tuple, memory: Any = None):
         r = state.runner
         traj = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trajs)
         ts = r.train_state
-        _, last_value = network.apply(ts.params, policy_input(r.rollout.obs, r.rollout.aux))
+        x = policy_input(r.rollout.obs, r.rollout.aux)
+        _, _, last_value = policy_step(network.apply, ts.params, x, r.rollout.memory)
         rng, k = jax.random.split(r.rollout.rng)
-        ts, metrics = ppo_update(ts, traj, last_value, k, hp)
+        ts, metrics = ppo_update(ts, traj, last_value, k, hp, memory)
         r = r._replace(train_state=ts, rollout=r.rollout._replace(rng=rng), update=r.update + 1)
         return state._replace(runner=r), metrics
 
-    return Kernels(install=jax.jit(_install), window=jax.jit(_window), window_after_refresh=window_after_refresh,
-                   update=jax.jit(_update, donate_argnums=0))
+    # the age of an install is one number for every seed
+    return Kernels(new_pool=jax.jit(over_seeds(_new_pool, S)),
+                   install=jax.jit(over_seeds(_install, S, in_axes=(0, 0, None, 0, 0, 0))),
+                   window=jax.jit(over_seeds(_window, S)),
+                   window_after_refresh=jax.jit(over_seeds(window_after_refresh, S)),
+                   update=jax.jit(over_seeds(_update, S), donate_argnums=0))

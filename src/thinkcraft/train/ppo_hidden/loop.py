@@ -63,6 +63,7 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     import jax
 
     from thinkcraft.envs.craftax import env_kind
+    from thinkcraft.rl.seeds import init_seeds, seeds_template
     from thinkcraft.train.ppo import build_env, build_optimizer
     from thinkcraft.train.ppo_hidden.kernels import build_kernels, build_network, make_init
     from thinkcraft.train.ppo_hidden.schedule import make_schedule
@@ -77,8 +78,9 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     env = build_env(cfg)
     network = build_network(cfg, env)
     init = make_init(cfg, env, network, build_optimizer(cfg), H)
-    rng = jax.random.PRNGKey(cfg.seed)
-    state = session.restore(jax.eval_shape(init, rng)) if session.resuming else jax.jit(init)(rng)
+    S = cfg.num_seeds  # each seed initialised by the same jitted init (rl/seeds.py)
+    state = (session.restore(seeds_template(init, cfg.seed, S)) if session.resuming
+             else init_seeds(jax.jit(init), cfg.seed, S))
     # written only now: a resumed run's checkpoint has been verified by `restore` first
     session.save_config(num_updates=cfg.num_updates, batch_size=cfg.batch_size, hidden_size=H,
                         windows_per_update=cfg.windows_per_update, updates_per_refresh=cfg.updates_per_refresh)
@@ -90,14 +92,17 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update) and the hidden-state source
     kernels = build_kernels(cfg, env, network)
     src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer)
-    console.print(f"ppo-hidden: {cfg.num_envs} envs, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
+    seeds = f" × {S} seeds" if S > 1 else ""
+    console.print(f"ppo-hidden: {cfg.num_envs} envs{seeds}, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
                   f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
-                  f"{', overlap' if cfg.overlap else ''}")
+                  f"{', overlap' if cfg.overlap else ''}; "
+                  + (f"resets draw from a pool of {cfg.pool_size} worlds per refresh" if cfg.pool_size
+                     else "hidden input masked after a reset until the next refresh (no reset pool)"))
 
     # 4. updates: windows (each after the schedule's refresh), the PPO update, log, checkpoint
     session.summary["hidden_size"] = H
     try:
-        with make_schedule(cfg, src, kernels.install, engine) as schedule:
+        with make_schedule(cfg, src, kernels, engine) as schedule:
             return _train(cfg, session, state, kernels, schedule)
     except EngineFailed as e:
         raise UserError(f"the LLM engine failed: {e}. The last checkpoint in {session.run_dir} is intact; "
@@ -135,7 +140,7 @@ def _train(cfg: PPOHiddenConfig, session: Any, state: HiddenRunner, kernels: Ker
 
     names = achievement_names(cfg.env_name)
     max_return = float(sum(achievement_weights(cfg.env_name)))
-    start_update = update = int(state.runner.update)
+    start_update = update = int(np.asarray(state.runner.update).reshape(-1)[0])
     end_update = cfg.num_updates
     if cfg.stop_after_updates:
         end_update = min(end_update, start_update + cfg.stop_after_updates)
@@ -147,13 +152,15 @@ def _train(cfg: PPOHiddenConfig, session: Any, state: HiddenRunner, kernels: Ker
         state, metrics, stats_sum, infos = _one_update(cfg, state, update, kernels, schedule, timer)
         update += 1
         wall = time.perf_counter() - t_update0
-        rec = _update_metrics(cfg, timer, wall, metrics, stats_sum, infos, schedule.pop_suffix_tokens(), state,
-                              names, max_return)
+        recs = _update_metrics(cfg, timer, wall, metrics, stats_sum, infos, schedule.pop_suffix_tokens(), state,
+                               names, max_return)
+        rec = recs[0]
         shares = {"llm": f"{100 * rec['llm/share']:.0f}%"}
         if cfg.overlap:
             shares["wait"] = f"{100 * rec['llm/wait_share']:.0f}%"
-        session.log(update, update * cfg.batch_size, rec, sps=rec["sps"], **shares,
-                    ret=rec.get("episode/return", float("nan")))
+        rets = [r["episode/return"] for r in recs if "episode/return" in r]
+        session.log_seeds(update, update * cfg.batch_size, recs, sps=rec["sps"], **shares,
+                          ret=float(np.mean(rets)) if rets else float("nan"))
         if cfg.overlap and update == start_update + 2:
             _warn_if_llm_bound(timer.seconds("llm_wait"), wall)
         session.maybe_checkpoint(update, update * cfg.batch_size, state, state.runner.train_state.params)
@@ -169,6 +176,7 @@ def _one_update(cfg: PPOHiddenConfig, state: HiddenRunner, update: int, kernels:
     import jax.numpy as jnp
 
     trajs, stats_sum, infos = [], None, []
+    memory = state.runner.rollout.memory  # --policy rnn: the update reruns the windows from here
     for _ in range(cfg.windows_per_update):
         state, fresh = schedule.before_window(state, update)
         t0 = time.perf_counter()
@@ -179,41 +187,55 @@ def _one_update(cfg: PPOHiddenConfig, state: HiddenRunner, update: int, kernels:
         infos.append(info)
         stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
     with timer.phase("update"):
-        state, metrics = kernels.update(state, tuple(trajs))
+        state, metrics = kernels.update(state, tuple(trajs), memory)
         metrics = jax.device_get(metrics)
     return state, metrics, stats_sum, infos
 
 
 def _update_metrics(cfg: PPOHiddenConfig, timer: Any, wall: float, metrics: dict, stats_sum: Any, infos: list,
-                    tokens: list[float], state: HiddenRunner, names: tuple[str, ...], max_return: float) -> dict:
-    """One update's record: losses, episodes, `timing/<phase>`, sps, the LLM's share, hidden-state stats."""
+                    tokens: list[float], state: HiddenRunner, names: tuple[str, ...], max_return: float) -> list[dict]:
+    """One update's records, one per seed: losses, episodes and hidden-state stats of the seed, and what
+    the seeds share - `timing/<phase>`, sps (all seeds' steps), the LLM's share."""
     import jax
 
     from thinkcraft.rl.ppo import episode_sums
+    from thinkcraft.rl.seeds import split_seeds
     from thinkcraft.train.ppo import episode_metrics
 
-    stats_h = jax.device_get(stats_sum)
-    infos = jax.device_get(infos)
-    rec = {k: float(v) for k, v in metrics.items()}
-    rec.update(episode_metrics(episode_sums(stats_h), names, max_return))
-    rec.update(timer.metrics())
+    S = cfg.num_seeds
+    shared = dict(timer.metrics())
     # the loop's time outside its timed phases; under --overlap the LLM phase runs in the worker beside them
     # (the loop's share of it is timing/llm_wait), so it is not part of the loop's sum
     loop_phases = timer.total() - (timer.seconds("llm") if cfg.overlap else 0.0)
-    rec["timing/other"] = wall - loop_phases
-    rec.update({
-        "sps": cfg.batch_size / wall, "timing/update_wall": wall,
+    shared["timing/other"] = wall - loop_phases
+    shared.update({
+        "sps": S * cfg.batch_size / wall, "timing/update_wall": wall,
         # the LLM's busy time over the wall; with --overlap it runs beside the env, so what the loop lost to
         # it is llm/wait_share (the time it waited for a refresh to finish)
         "llm/share": timer.seconds("llm") / wall,
         "llm/wait_share": (timer.seconds("llm_wait") if cfg.overlap else timer.seconds("llm")) / wall,
         "llm/refreshes": len(tokens),
         "llm/prompt_suffix_tokens": float(np.nanmean(tokens)) if tokens and not np.isnan(tokens).all() else None,
-        "hidden/age_mean": float(np.mean([i["age"] for i in infos])),
-        "hidden/valid_frac": float(np.mean([i["valid"] for i in infos])),
-        "hidden/norm_count": float(state.norm.count),
     })
-    return rec
+    if S > 1:
+        shared["sps_per_seed"] = cfg.batch_size / wall
+    per_seed = zip(split_seeds(metrics, S), split_seeds(jax.device_get(stats_sum), S),
+                   split_seeds(jax.device_get(infos), S), split_seeds(jax.device_get(state.norm.count), S))
+    recs = []
+    for m, stats, seed_infos, norm_count in per_seed:
+        rec = {k: float(v) for k, v in m.items()}
+        rec.update(episode_metrics(episode_sums(stats), names, max_return))
+        rec.update(shared)
+        rec.update({
+            "hidden/age_mean": float(np.mean([i["age"] for i in seed_infos])),
+            "hidden/valid_frac": float(np.mean([i["valid"] for i in seed_infos])),
+            "hidden/norm_count": float(norm_count),
+        })
+        if cfg.pool_size and rec.get("episode/count") is not None:
+            # resets per refresh interval / pool worlds: > 1 means worlds were shared (rl/hidden.py)
+            rec["hidden/pool_draws_per_world"] = rec["episode/count"] * cfg.skip_n / cfg.num_steps / cfg.pool_size
+        recs.append(rec)
+    return recs
 
 
 def _warn_if_llm_bound(wait_s: float, wall_s: float) -> None:

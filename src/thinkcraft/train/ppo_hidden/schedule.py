@@ -5,15 +5,18 @@ The loop calls one method before each window of an update:
     state, fresh = schedule.before_window(state, update)
     state, ... = kernels.window(state) if fresh is None else kernels.window_after_refresh(state, fresh)
 
-* `SyncRefresh`: at a refresh point, render the current observations and call the LLM; the window then
-  starts with hidden states of age 0 (installed inside the fused `window_after_refresh`).
+* `SyncRefresh`: at a refresh point, draw the interval's reset pool, render the current observations and
+  the pool's worlds and call the LLM once on both; the window then starts with hidden states of age 0
+  (installed inside the fused `window_after_refresh`), and resets take the pool's worlds and hidden states.
 * `OverlappedRefresh` (`--overlap`): at a refresh point, install the *previous* snapshot's hidden states
-  (one refresh interval old: age skip_n; envs whose episode ended since that snapshot get valid = 0) and
-  start this snapshot's LLM call in a worker thread, which runs while the window's jitted scan holds the
-  calling thread (XLA drives its loop from the host but releases the GIL). The very first refresh is
-  synchronous (age 0). On the policy's GPU the LLM is confined to all but `overlap_env_sms` SMs (a CUDA
-  green context, llm/sm_partition.py): without that its matmuls hold every SM, the env's many small
-  kernels queue behind them, and the two times nearly add up (bench/overlap_probe.py measures both).
+  (one refresh interval old: age skip_n) and the pool made at the previous snapshot (encoded with it), and
+  start this snapshot's LLM call - the envs and the next interval's pool - in a worker thread, which runs
+  while the window's jitted scan holds the calling thread (XLA drives its loop from the host but releases
+  the GIL). An env whose episode ended since the previous snapshot keeps the pool world's hidden state it
+  reset into (without a pool: valid = 0 until the next refresh). The very first refresh is synchronous
+  (age 0; it encodes both pools). On the policy's GPU the LLM is confined to all but `overlap_env_sms`
+  SMs (a CUDA green context, llm/sm_partition.py): without that its matmuls hold every SM, the env's many
+  small kernels queue behind them, and the two times nearly add up (bench/overlap_probe.py measures both).
 
 Both record each refresh's mean suffix length (`pop_suffix_tokens`) and are context managers; the
 overlapped one owns its worker, its pending result and the SM partition, and gives them back on close.
@@ -31,15 +34,16 @@ from thinkcraft.utils.errors import ConfigError, UserError
 
 
 class RefreshSchedule:
-    """What both schedules share: the config, the source, the refreshes' suffix lengths, close()."""
+    """What both schedules share: the config, the source, the kernels, the refreshes' suffix lengths."""
 
-    def __init__(self, cfg: PPOHiddenConfig, src: HiddenStateSource) -> None:
+    def __init__(self, cfg: PPOHiddenConfig, src: HiddenStateSource, kernels: Any) -> None:
         self.cfg = cfg
         self.src = src
+        self.kernels = kernels
         self._tokens: list[float] = []
 
     def before_window(self, state: HiddenRunner, update: int) -> tuple[HiddenRunner, Any]:
-        """(state, fresh (N, H) hidden states for window_after_refresh, or None: run the window alone)."""
+        """(state, fresh (N [+ P], H) hidden states for window_after_refresh, or None: run the window alone)."""
         raise NotImplementedError
 
     def pop_suffix_tokens(self) -> list[float]:
@@ -57,13 +61,22 @@ class RefreshSchedule:
         self.close()
 
 
+def pooled_snapshot(state: HiddenRunner, *pools: Any) -> list[Any]:
+    """The batched craftax states a refresh renders, in order: the envs, then each given reset pool's worlds."""
+    return [state.runner.rollout.env_state] + [p.env_state for p in pools]
+
+
 class SyncRefresh(RefreshSchedule):
-    """Refresh from the current observations, then run the window (age 0)."""
+    """Draw the interval's reset pool; encode the current observations and the pool; run the window (age 0)."""
 
     def before_window(self, state: HiddenRunner, update: int) -> tuple[HiddenRunner, Any]:
         if not self.cfg.refreshes_in(update):
             return state, None
-        fresh = self.src.hidden(self.src.texts(state.runner.rollout.env_state))
+        pools = ()
+        if self.cfg.pool_size:
+            state = self.kernels.new_pool(state)
+            pools = (state.runner.rollout.env_state.pool,)
+        fresh = self.src.hidden(self.src.texts(*pooled_snapshot(state, *pools)))
         self._tokens.append(fresh.suffix_tokens)
         return state, fresh.hidden
 
@@ -71,12 +84,12 @@ class SyncRefresh(RefreshSchedule):
 class OverlappedRefresh(RefreshSchedule):
     """Install the previous snapshot's hidden states; compute this snapshot's in a worker thread."""
 
-    def __init__(self, cfg: PPOHiddenConfig, src: HiddenStateSource, install: Any, engine: Any) -> None:
-        super().__init__(cfg, src)
-        self.install = install  # the jitted kernels.install
+    def __init__(self, cfg: PPOHiddenConfig, src: HiddenStateSource, kernels: Any, engine: Any) -> None:
+        super().__init__(cfg, src, kernels)
         self.engine = engine
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="llm")
-        self._pending: FreshHidden | None = None  # the hidden states the next refresh point installs
+        # the hidden states the next refresh point installs: (envs (N, H), its pool's (P, H) or None, tokens)
+        self._pending: tuple[Any, Any, float] | None = None
         self._future: Future | None = None  # the LLM call of the latest snapshot
         try:
             self._sm_restore = _partition_for_overlap(engine, cfg)
@@ -90,27 +103,44 @@ class OverlappedRefresh(RefreshSchedule):
             return state, None
         import jax.numpy as jnp
 
-        timer = self.src.timer
-        texts = self.src.texts(state.runner.rollout.env_state)  # snapshot of this refresh point
-        if self._pending is None:  # the very first refresh: synchronous, age 0
+        N, P = self.cfg.num_envs, self.cfg.pool_size
+        timer, install = self.src.timer, self.kernels.install
+        if P:  # the pool made at the previous snapshot becomes current; a new one is made for the next interval
+            state = self.kernels.new_pool(state)
+        first = self._pending is None
+        # this refresh point's snapshot: the envs and the next interval's pool (the first: the current pool too)
+        pools = (((state.runner.rollout.env_state.pool,) if first else ()) + (state.next_pool,)) if P else ()
+        texts = self.src.texts(*pooled_snapshot(state, *pools))
+        # "all valid" / "keep none" built from the loop's own (committed) array: an uncommitted jnp.ones here
+        # made the next refresh compile `install` again (~0.5 s)
+        none = jnp.zeros_like(state.done_since_snapshot)
+        if first:  # the very first refresh: synchronous, age 0
             # ...but on the worker thread, so that its first-call costs (per-thread cuBLAS handles and
             # workspaces, compiled-graph guards) land in this update, which compiles anyway, not in the
             # first overlapped window
-            self._pending = self._executor.submit(self.src.hidden, texts).result()
+            fresh = self._executor.submit(self.src.hidden, texts).result()
+            h = fresh.hidden
+            S = self.cfg.num_seeds
+            h_envs, h_pool, h_next = ((_rows(h, 0, N, S), _rows(h, N, N + P, S), _rows(h, N + P, None, S)) if P
+                                      else (h, None, None))
             with timer.phase("norm"):
-                # "all valid" built from the loop's own (committed) array: an uncommitted jnp.ones here made
-                # the next refresh compile `install` again (~0.5 s)
-                state = self.install(state, self._pending.hidden, 0, ~jnp.zeros_like(state.done_since_snapshot))
+                state = install(state, h_envs, 0, ~none, h_pool, none)
+            self._pending = (h_envs, h_next, fresh.suffix_tokens)
         else:  # the previous snapshot's hidden states, one refresh interval old
             if self._future is not None:
                 with timer.phase("llm_wait"):
-                    self._pending = self._future.result()
+                    self._pending = _split(self._future.result(), N, P, self.cfg.num_seeds)
+            h_envs, h_pool, _ = self._pending
+            ended = state.done_since_snapshot
             with timer.phase("norm"):
-                state = self.install(state, self._pending.hidden, self.cfg.skip_n, ~state.done_since_snapshot)
+                if P:  # envs that reset since the snapshot act on their pool world's hidden state: keep it
+                    state = install(state, h_envs, self.cfg.skip_n, ~none, h_pool, ended)
+                else:
+                    state = install(state, h_envs, self.cfg.skip_n, ~ended, None, none)
             # this snapshot's LLM call runs in a worker thread while the window runs (the jitted scan holds
             # the calling thread until it is done; JAX releases the GIL)
             self._future = self._executor.submit(self.src.hidden, texts)
-        self._tokens.append(self._pending.suffix_tokens)
+        self._tokens.append(self._pending[2])
         return state, None
 
     def close(self) -> None:
@@ -121,8 +151,21 @@ class OverlappedRefresh(RefreshSchedule):
             self._sm_restore = None
 
 
-def make_schedule(cfg: PPOHiddenConfig, src: HiddenStateSource, install: Any, engine: Any) -> RefreshSchedule:
-    return OverlappedRefresh(cfg, src, install, engine) if cfg.overlap else SyncRefresh(cfg, src)
+def make_schedule(cfg: PPOHiddenConfig, src: HiddenStateSource, kernels: Any, engine: Any) -> RefreshSchedule:
+    return OverlappedRefresh(cfg, src, kernels, engine) if cfg.overlap else SyncRefresh(cfg, src, kernels)
+
+
+def _rows(h: Any, start: int, stop: int | None, num_seeds: int) -> Any:
+    """Rows start:stop of a refresh's hidden states: (rows, H), or with --num-seeds (K, rows, H)."""
+    return h[start:stop] if num_seeds == 1 else h[:, start:stop]
+
+
+def _split(fresh: FreshHidden, num_envs: int, pool_size: int, num_seeds: int = 1) -> tuple[Any, Any, float]:
+    """A worker result -> (the envs' hidden states, the next pool's or None, mean suffix tokens)."""
+    h = fresh.hidden
+    if not pool_size:
+        return h, None, fresh.suffix_tokens
+    return _rows(h, 0, num_envs, num_seeds), _rows(h, num_envs, None, num_seeds), fresh.suffix_tokens
 
 
 def _partition_for_overlap(engine: Any, cfg: PPOHiddenConfig) -> tuple[int | None] | None:

@@ -1,7 +1,11 @@
 """The hidden-state source: env states -> text (or token ids) -> engine -> JAX (N, H) on the policy's device.
 
     src = HiddenStateSource(engine, cfg, env_kind, timer)
-    fresh = src.hidden(src.texts(env_state))        # phases "render" and "llm" on `timer`
+    fresh = src.hidden(src.texts(env_state, pool.env_state))   # phases "render" and "llm" on `timer`
+
+With --num-seeds K the env states carry a leading seed axis: the K seeds' envs (and reset pools) are
+rendered and encoded in one engine call (one big batch: the point of running seeds together), seed-major,
+and the hidden states come back as (K, N [+ P], H).
 
 Two paths, chosen once per engine by `engine_takes_token_ids`: an in-process engine that tokenizes and
 returns device tensors gets compact observations rendered straight to token ids (each piece tokenized
@@ -76,16 +80,29 @@ class HiddenStateSource:
         self._Batch = Batch
         self._prefix_ids: list[int] | None = None
         self._token_renderer: Any = None
+        self._merge_seeds: Any = None  # jitted (K, N, ...) -> (K * N, ...) of every state leaf
 
-    def texts(self, env_state: Any) -> list[str] | list[list[int]]:
-        """The envs' observations as text, or - compact format on the token path - straight as token ids
+    def texts(self, *env_states: Any) -> list[str] | list[list[int]]:
+        """The observations of one or more batches of env states (the envs, then a reset pool's worlds), in
+        order, as text, or - compact format on the token path - straight as token ids
         (CompactTokenRenderer: each piece tokenized once, equal to tokenizing the text)."""
         import jax
 
+        from thinkcraft.envs.craftax import unwrap_env_state
         from thinkcraft.envs.text import CompactTokenRenderer, extract, render
 
         with self.timer.phase("render"):
-            sem = jax.device_get(extract(env_state))
+            # one extract per batch (the envs' states are not copied into one array), one device_get for all
+            K = self.cfg.num_seeds
+            if K > 1 and self._merge_seeds is None:
+                self._merge_seeds = jax.jit(lambda s: jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), s))
+            sems = jax.device_get([extract(s if K == 1 else self._merge_seeds(unwrap_env_state(s)))
+                                   for s in env_states])
+            if K > 1:  # seed-major rows: seed 0's envs, then its pool's worlds, then seed 1's ...
+                sems = [jax.tree.map(lambda x: x.reshape((K, -1) + x.shape[1:]), s) for s in sems]
+                sem = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1).reshape((-1,) + xs[0].shape[2:]), *sems)
+            else:
+                sem = sems[0] if len(sems) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *sems)
             if self.cfg.text_format == "compact" and self.token_path:
                 if self._token_renderer is None:
                     self._token_renderer = CompactTokenRenderer(self.engine.tokenizer)
@@ -93,13 +110,16 @@ class HiddenStateSource:
             return render(sem, fmt=self.cfg.text_format, env_kind=self.env_kind)
 
     def hidden(self, texts: list[str] | list[list[int]]) -> FreshHidden:
+        """One engine call on all the texts; (N, H) hidden states, (K, N, H) with K seeds."""
         with self.timer.phase("llm"):
             try:
-                return self._hidden_tokens(texts) if self.token_path else self._hidden_texts(texts)
+                fresh = self._hidden_tokens(texts) if self.token_path else self._hidden_texts(texts)
             except UserError:
                 raise
             except Exception as e:  # engine failures after the engine's own retries
                 raise EngineFailed(str(e)) from e
+        K = self.cfg.num_seeds
+        return fresh if K == 1 else fresh._replace(hidden=fresh.hidden.reshape((K, -1) + fresh.hidden.shape[1:]))
 
     def _hidden_tokens(self, texts: list[str] | list[list[int]]) -> FreshHidden:
         eng, Batch = self.engine, self._Batch

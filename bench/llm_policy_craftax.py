@@ -1,0 +1,201 @@
+"""Craftax llm-policy at engine speed: continuous batching, turn-KV reuse, the compiled decode step.
+
+    # GPU (one H100): the issue-19 grid - Qwen2.5-0.5B and Qwen3-4B shapes (random weights, a 2,048-token BPE
+    # trained on Craftax observations), 64 / 256 envs, 32-token actions, no thinking / a 256-token budget
+    python bench/llm_policy_craftax.py
+    python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0   # the goal row
+    python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --pack-episodes off
+                                                        # the same, one learner row per turn (the A/B of episode rows)
+    python bench/llm_policy_craftax.py --quick          # CPU smoke run (tiny shape, Craftax-Classic, 4 envs)
+
+Each configuration builds the policy exactly as `thinkcraft train llm-policy` does (`loop.build_policy`) and
+runs its synchronous learner steps (`loop.train_step`: rollout = generation + env, store off, train with the
+Learner as it is). The first step pays the compiles (Craftax, the decode step's CUDA graphs) and is left out;
+the numbers are over the following steps:
+
+    decisions_per_s           turns / (rollout + train) - end to end, synchronous
+    rollout_decisions_per_s   turns / (generate + env)
+    generate_tok_per_s        generated tokens / generate time (prefill, decode and prompt building)
+    generate_share            generate time / step time
+    prefill_tokens_saved_frac prompt tokens whose KV the engine already held (turn reuse + shared prefix;
+                              turn_reuse_saved_frac: by turn reuse alone)
+    peak_learner_gb           peak allocated GPU memory during the learner update (the engine's KV cache,
+                              resident, included: kv_cache_gb says how much of it that is)
+    learner_tokens_per_s      real (unpadded) tokens the learner trained on / train time (advantages, rows
+                              and the update). The learner alone, with the real vocabulary: bench/learner_memory.py
+    learner_tokens            real tokens the learner trains on per step (median): with --pack-episodes on (the
+                              default) an episode whose turns extend each other is one row, its last turn
+    learner_tokens_saved_frac 1 - learner_tokens / the tokens of one row per turn (each repeating the history)
+
+Writes bench/results/llm_policy_craftax.json (rows merged by configuration). Random weights never emit a
+parsable action: this measures speed only (every action is a no-op; episodes run to --max-turns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import card, print_table, today, write_records  # noqa: E402
+
+COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
+        "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
+        "learner_tokens", "learner_tokens_saved_frac", "kv_cache_gb", "s_per_step"]
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen3-4b"])
+    p.add_argument("--num-envs", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--thinking-budgets", nargs="+", type=int, default=[0, 256], help="0 = no thinking")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="action tokens (after the thought, if any)")
+    p.add_argument("--max-turns", type=int, default=8, help="decisions per episode")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="learner steps; the first is warm-up")
+    p.add_argument("--env", default="craftax", choices=["craftax", "craftax-classic"])
+    p.add_argument("--finetune", default="lora", choices=["lora", "full"])
+    p.add_argument("--micro-batch-tokens", type=int, default=8192, help="learner tokens per forward/backward")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
+    p.add_argument("--pack-episodes", default="on", choices=["on", "off"],
+                   help="train an episode whose turns extend each other as one row (off: one row per turn)")
+    p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
+    p.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV budget (default: half the free memory)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shape, Craftax-Classic, 4 envs, 2 turns")
+    p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.shapes, a.num_envs, a.thinking_budgets = ["tiny"], [4], [0, 6]
+        a.max_new_tokens, a.max_turns, a.group_size, a.steps, a.env = 6, 2, 2, 2, "craftax-classic"
+        a.micro_batch_tokens, a.device = 256, "cpu"
+    a.out = a.out or str(ROOT / "bench" / "results" / f"llm_policy_craftax{'_quick' if a.quick else ''}.json")
+    return a
+
+
+def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_dir: str) -> Any:
+    from thinkcraft.train.llm_policy import LLMPolicyConfig
+
+    close = 8  # tokens of the forced "</think>" line, with room to spare
+    return LLMPolicyConfig(
+        env=a.env, model=f"random:{shape}", run_dir=run_dir, steps=a.steps, prompts_per_step=num_envs // a.group_size,
+        group_size=a.group_size, max_new_tokens=a.max_new_tokens + (budget + close if budget else 0),
+        thinking_budget=budget or None, max_turns=a.max_turns, history_turns=-1, finetune=a.finetune,
+        micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
+        pack_episodes=a.pack_episodes == "on",
+        compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
+        device=a.device, store=False,
+        plot=False, seed=0)
+
+
+def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
+    import torch
+
+    from thinkcraft.train.llm_policy.loop import Carry, build_policy, train_step
+    from thinkcraft.utils.timing import PhaseTimer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(a, shape, num_envs, budget, tmp)
+        policy = build_policy(cfg)
+        cuda = policy.learner.device.type == "cuda"
+        peaks: list[float] = []
+        update = policy.learner.update
+
+        def measured_update(*args: Any, **kw: Any) -> Any:  # the peak of the learner phase alone
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            out = update(*args, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            return out
+
+        policy.learner.update = measured_update
+        recs, carry, timer = [], Carry(), PhaseTimer()
+        for step in range(a.steps):
+            timer.reset()
+            t0 = time.perf_counter()
+            rec, carry = train_step(cfg, policy, step, carry, None, timer)
+            rec["wall_s"] = time.perf_counter() - t0
+            recs.append(rec)
+            print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
+                  f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
+                  f"train {rec.get('timing/train', 0):.2f})", flush=True)
+        kv = policy.engine.decode_metrics()
+        kv_gb = kv["kv_cache_gb"]
+        engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
+        del policy
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    steady = recs[1:] or recs
+    turns = [r["episode/turns"] * num_envs for r in steady]
+    step_s = [r["timing/step"] for r in steady]
+    gen_s = [r.get("timing/generate", 0.0) for r in steady]
+    env_s = [r.get("timing/env", 0.0) for r in steady]
+    tokens = [r["completion/mean_tokens"] * n for r, n in zip(steady, turns)]
+    med = statistics.median
+    return {
+        "model_shape": shape, "num_envs": num_envs, "max_new_tokens": a.max_new_tokens, "thinking_budget": budget,
+        "decisions_per_s": round(sum(turns) / sum(step_s), 1),
+        "rollout_decisions_per_s": round(sum(turns) / (sum(gen_s) + sum(env_s)), 1),
+        "generate_tok_per_s": round(sum(tokens) / max(sum(gen_s), 1e-9), 1),
+        "generate_share": round(sum(gen_s) / sum(step_s), 3),
+        "prefill_tokens_saved_frac": round(med([r.get("kv/prefill_saved_frac", 0.0) for r in steady]), 3),
+        "turn_reuse_saved_frac": round(med([r.get("kv/turn_reuse_saved_frac", 0.0) for r in steady]), 3),
+        "peak_learner_gb": round(max(peaks), 2) if peaks else None,
+        "kv_cache_gb": round(kv_gb, 2),
+        "s_per_step": round(med(step_s), 3), "env_s": round(med(env_s), 3), "generate_s": round(med(gen_s), 3),
+        "train_s": round(med([r.get("timing/train", 0.0) for r in steady]), 3),
+        "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)
+                                      / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),
+        "learner_packed": bool(steady[-1].get("learner/packed", 0.0)),
+        "learner_tokens": round(med([r.get("learner/tokens", 0.0) for r in steady])),
+        "learner_tokens_saved_frac": round(med([r.get("learner/tokens_saved_frac", 0.0) for r in steady]), 3),
+        "learner_episode_rows": round(med([r.get("learner/episode_rows", 0.0) for r in steady])),
+        "learner_turn_rows": round(med([r.get("learner/turn_rows", 0.0) for r in steady])),
+        "pack_episodes": a.pack_episodes == "on",
+        "decisions_per_step": round(med(turns), 1), "mean_action_tokens": round(med(
+            [r["completion/mean_tokens"] for r in steady]), 1),
+        "thinking_tokens_mean": round(med([r.get("thinking/tokens_mean", 0.0) for r in steady]), 1),
+        "template_fallbacks": sum(r.get("kv/template_fallbacks", 0.0) for r in steady),
+        "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
+        "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
+        "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "env": a.env,
+        "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    rows = []
+    for shape in a.shapes:
+        for n in a.num_envs:
+            for budget in a.thinking_budgets:
+                try:
+                    rows.append(measure(a, shape, n, budget))
+                except Exception as e:  # noqa: BLE001 - one configuration failing (OOM) must not lose the others
+                    traceback.print_exc()
+                    rows.append({"model_shape": shape, "num_envs": n, "max_new_tokens": a.max_new_tokens,
+                                 "thinking_budget": budget, "pack_episodes": a.pack_episodes == "on", "error": f"{type(e).__name__}: {e}"[:400], "card": card(),
+                                 "date": today()})
+                write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
+                                                       "pack_episodes", "card"))
+    print_table(rows, COLS)
+    print(f"wrote {a.out}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

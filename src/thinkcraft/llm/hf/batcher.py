@@ -1,0 +1,355 @@
+"""Continuous batching: requests join the running decode batch at step boundaries, leave it when they end.
+
+One `step()` is one boundary and one decode iteration:
+
+    1. weight updates    queued `update_weights` calls are applied here, never inside an iteration
+    2. admit             queued requests take slots (free, or a parked episode's own, or evicted) and their
+                         new tokens are prefilled, packed (slots.PrefillCtx); their last logits join the batch
+    3. launch            sample every slot, advance the thinking/EOS/length state (rows.py), hand the host a
+                         small record (non-blocking copy), run the one-token forward of every slot
+                         (slots.DecodeCtx: fixed shapes, optionally compiled with CUDA graphs)
+    4. collect           read the record of the *previous* iteration (the device is already running this
+                         one: one host sync per step, overlapped), append tokens (vectorised over slots),
+                         finish rows that ended: their slot is free (or parked for their episode) at once
+
+A row therefore learns it ended one iteration late; the device has already stopped it (EOS, max tokens and
+the thinking budget are decided on the device). Stop strings are the one host-side end: the host cuts the
+text and stops the row on the device before the next iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
+
+import numpy as np
+import torch
+
+from thinkcraft.llm import compat
+from thinkcraft.llm.hf.cache import CacheMixin, Seq
+from thinkcraft.llm.hf.guides import compile_for
+from thinkcraft.llm.hf.iteration import IterationMixin
+from thinkcraft.llm.hf.slot_table import SlotTable
+from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
+from thinkcraft.llm.hf.weights import apply_state
+from thinkcraft.llm.protocol import (
+    Completion, EngineError, GenerationRequest, GenerationResult, StaleWeightsError, WeightUpdateError,
+)
+from thinkcraft.utils.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Update:
+    state: Any
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Batcher(CacheMixin, IterationMixin):
+    """The continuous-batching scheduler of one `HFEngine` (see the module docstring)."""
+
+    def __init__(self, eng: Any, *, max_slots: int, max_seq_len: int | None, evict: str, width: str,
+                 compile_step: bool, kv_cache_gb: float | None = None) -> None:
+        self.eng = eng
+        self.kv_cache_gb = kv_cache_gb
+        self.max_slots, self.max_seq_len, self.evict, self.width = max_slots, max_seq_len, evict, width
+        self.compile_step = compile_step
+        self._cv = threading.Condition(threading.RLock())
+        self._step_lock = threading.Lock()
+        self._queue: deque[Seq] = deque()
+        self._done: dict[int, GenerationResult] = {}
+        self._claimed: set[int] = set()
+        self._updates: list[_Update] = []
+        self._next_handle = 0
+        self.kv: SlotKV | None = None
+        self.table = SlotTable(0, evict)  # type: ignore[arg-type]
+        self.version = 0
+        self._params_version: int | None = None
+        self._prefix: np.ndarray | None = None
+        self._reserve = (0, 0, 0)
+        self._step_fn: Callable[..., torch.Tensor] | None = None
+        self.gen: torch.Generator | None = None
+        self.sync_timing = False
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("prefill_tokens", "reused_tokens", "fallbacks", "evictions", "invalidated", "decode_steps",
+             "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed"), 0.0)
+        self._thread: threading.Thread | None = None
+        self._stop_thread = False
+        self._restore_train = False
+        self._attn = register_slot_attention()
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def submit(self, req: GenerationRequest) -> int:
+        sp = self.eng._check_sampling(req.sampling)
+        prompt = np.asarray(req.prompt, dtype=np.int64)
+        if prompt.ndim != 1 or len(prompt) == 0:
+            raise UserError("a generation request needs at least one prompt token")
+        if not 0 <= req.prefix_len < len(prompt):
+            raise UserError(f"prefix_len {req.prefix_len} must be in [0, {len(prompt)}) (the prompt's length)")
+        if sp.structured is not None:
+            compile_for(self.eng, sp.structured)  # a bad schema or no xgrammar: one line, now
+        seq = Seq(-1, req, prompt)
+        if self.max_seq_len is not None and seq.need > self.max_seq_len:
+            raise UserError(
+                f"one sequence needs {seq.need} tokens of KV ({len(prompt)} prompt tokens, {req.prefix_len} of them a "
+                f"shared prefix, + {sp.max_new_tokens} new) but a slot holds at most {self.max_seq_len} "
+                "(max_seq_len): raise max_seq_len or shorten the episode (fewer turns, less history)")
+        with self._cv:
+            seq.handle = self._next_handle
+            self._next_handle += 1
+            self._queue.append(seq)
+            self.counters["requests"] += 1
+            self._cv.notify_all()
+        return seq.handle
+
+    def poll(self) -> list[GenerationResult]:
+        with self._cv:
+            out = [r for h, r in self._done.items() if h not in self._claimed]
+            for r in out:
+                del self._done[r.handle]
+            return out
+
+    def pending(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._cv:
+            return len(self._queue) + sum(s is not None for s in self._slot_seq) if self.kv else len(self._queue)
+
+    def busy(self) -> bool:
+        """Requests queued or running, or weight updates waiting (a record of an iteration in which every row
+        had already ended is read with the next one)."""
+        with self._cv:
+            return bool(self._queue or self._updates) or (self.kv is not None and bool(self.h_run.any()))
+
+    def release(self, episode: Hashable) -> None:
+        with self._cv:
+            if not self.table.release(episode):
+                for s in (self._slot_seq if self.kv else []):
+                    if s is not None and s.req.episode == episode:
+                        s.released = True
+
+    def reserve(self, slots: int, tokens: int, prefix_tokens: int = 0) -> None:
+        """Size the cache for at least `slots` sequences of `tokens` KV columns each (after a shared prefix of
+        up to `prefix_tokens`): allocated at the next admission if nothing runs (a rollout calls this once, so
+        the cache - and a compiled step's graphs - are not rebuilt as episodes grow). Capped by `max_slots` and
+        `max_seq_len`; the KV budget may give fewer slots (`_fit_slots`)."""
+        if self.max_seq_len is not None:
+            tokens = min(tokens, self.max_seq_len)
+        self._reserve = (min(slots, self.max_slots), tokens, prefix_tokens)
+
+    def step(self) -> bool:
+        """One boundary + one decode iteration (see the module docstring); True while work remains."""
+        with self._step_lock, self._contexts():
+            try:
+                self._apply_updates()
+                t0 = self._clock()
+                self._admit()
+                t1 = self._clock()
+                launched = self._launch()
+                self._collect(drain=not launched)
+            except BaseException as e:
+                self._fail_all(e)
+                raise
+            self.counters["prefill_s"] += t1 - t0
+            self.counters["decode_s"] += self._clock() - t1
+        with self._cv:
+            self._cv.notify_all()
+        return self.busy()
+
+    def _fail_all(self, e: BaseException) -> None:
+        """A step failed (a device error, an interrupt, a bug): every queued and running request ends with
+        `error` set (never a half-updated slot left running), parked KV is dropped, and the cache starts
+        clean at the next admission."""
+        msg = f"{type(e).__name__}: {e}"
+        with self._cv:
+            seqs = list(self._queue) + [s for s in (self._slot_seq if self.kv is not None else []) if s is not None]
+            self._queue.clear()
+            for seq in seqs:
+                self._done[seq.handle] = GenerationResult(
+                    handle=seq.handle, tag=seq.req.tag, episode=seq.req.episode, error=msg,
+                    completion=Completion(token_ids=[], text="", logprobs=None, finish_reason="error",
+                                          prompt_token_ids=seq.prompt.tolist()))
+            self.counters["failed"] += len(seqs)
+            self.kv, self._step_fn, self._prefix = None, None, None
+            self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
+            self._cv.notify_all()
+
+    def run_until(self, handles: list[int]) -> dict[int, GenerationResult]:
+        """Step (or wait for the engine's thread) until these requests finished; their results."""
+        with self._cv:
+            self._claimed.update(handles)
+        try:
+            while True:
+                with self._cv:
+                    if all(h in self._done for h in handles):
+                        out = {h: self._done.pop(h) for h in handles}
+                        failed = next((r.error for r in out.values() if r.error), None)
+                        if failed:
+                            raise EngineError(f"generation failed: {failed}")
+                        return out
+                    if self._thread is not None:
+                        self._cv.wait(0.05)
+                        continue
+                self.step()
+        except BaseException:
+            with self._cv:  # the call failed: its requests' error results are not left for `poll`
+                for h in handles:
+                    self._done.pop(h, None)
+            raise
+        finally:
+            with self._cv:
+                self._claimed.difference_update(handles)
+
+    def update_weights(self, state: Any, version: int) -> None:
+        """Apply at the next step boundary (now, if no step is running); raises WeightUpdateError (bad tensors;
+        StaleWeightsError for a stale version) and then the engine keeps its weights and version."""
+        with self._cv:
+            newest = max([self.version] + [u.version for u in self._updates])
+            if version <= newest:
+                raise StaleWeightsError(f"stale weight update: version {version} is not newer than {newest}; "
+                                        "kept the current weights")
+            u = _Update(state, version)
+            self._updates.append(u)
+            self._cv.notify_all()
+        while not u.done.wait(0.01):
+            if self._thread is None and self._step_lock.acquire(blocking=False):
+                try:
+                    with self._contexts():
+                        self._apply_updates()
+                finally:
+                    self._step_lock.release()
+        if u.error is not None:
+            raise u.error
+
+    def start(self, context: Callable[[], Any] | None = None) -> None:
+        """Step on a background thread while there is work (inside `context()`, e.g. an autocast)."""
+        if self._thread is not None:
+            return
+        self._stop_thread = False
+
+        def loop() -> None:
+            with (context() if context is not None else contextlib.nullcontext()):
+                while not self._stop_thread:
+                    if self.busy():
+                        try:
+                            self.step()
+                        except Exception:  # noqa: BLE001 - the requests in flight got error results; go on
+                            log.exception("engine step failed; the requests in flight end with an error")
+                    else:
+                        with self._cv:
+                            self._cv.wait(0.05)
+
+        self._thread = threading.Thread(target=loop, name="hf-engine-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        t, self._thread = self._thread, None
+        if t is not None:
+            self._stop_thread = True
+            with self._cv:
+                self._cv.notify_all()
+            t.join()
+
+    def free(self) -> None:
+        """Drop the cache (and anything queued, running or unpolled): the engine is closing."""
+        with self._step_lock, self._cv:
+            self.kv, self._step_fn, self._prefix = None, None, None
+            self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
+            self._queue.clear()
+            self._done.clear()
+
+    def metrics(self) -> dict[str, float]:
+        c = dict(self.counters)
+        c["evictions"] = float(self.table.evictions)
+        c["slots"] = float(len(self.table))
+        c["slot_tokens"] = float(self.kv.tokens if self.kv else 0)
+        c["kv_cache_gb"] = self.kv.nbytes / 2**30 if self.kv else 0.0
+        c["weights_version"] = float(self.version)
+        return c
+
+    # ---------------------------------------------------------------------------------------- contexts
+
+    @contextlib.contextmanager
+    def _contexts(self) -> Iterator[None]:
+        """No grad, eval mode, the SM partition's stream, embeddings in the autocast dtype, the slot attention.
+        A model the learner left training is switched to eval for as long as work remains, not per step
+        (each switch walks every module: milliseconds a step on a large PEFT model), and back once idle."""
+        eng = self.eng
+        if eng.model.training:
+            eng.model.eval()
+            self._restore_train = True
+        try:
+            with torch.no_grad(), eng._on_partition(), eng._autocast_embeddings(), eng._attn_impl(self._attn):
+                yield
+        finally:
+            if self._restore_train and not self.busy():
+                eng.model.train()
+                self._restore_train = False
+
+    def _clock(self) -> float:
+        if self.sync_timing and self.eng.device.type == "cuda":
+            torch.cuda.synchronize(self.eng.device)
+        return time.perf_counter()
+    # ---------------------------------------------------------------------------------- weight versions
+
+    def _apply_updates(self) -> None:
+        with self._cv:
+            ups, self._updates = self._updates, []
+        for u in ups:
+            try:
+                if u.version <= self.version:
+                    raise StaleWeightsError(f"stale weight update: version {u.version} is not newer than "
+                                            f"{self.version}; kept the current weights")
+                if self.kv is not None:
+                    self._collect(drain=True)  # the host knows every row's exact token count
+                if u.state is not None:
+                    apply_state(self.eng.model, u.state, u.version)
+                self._switch_version(u.version)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of update_weights
+                u.error = e if isinstance(e, WeightUpdateError) else WeightUpdateError(
+                    f"weight update to version {u.version} failed ({type(e).__name__}: {e}); kept version "
+                    f"{self.version}")
+            finally:
+                u.done.set()
+
+    def _switch_version(self, version: int) -> None:
+        """Running rows go on under the new weights (AReaL's partial rollouts), recording where: the next
+        token still comes from logits of the old weights, the one after from the new. Parked episodes' KV and
+        the shared prefix's are recomputed (safe default: a turn never starts on KV of older weights)."""
+        self.version = version
+        self.counters["weight_updates"] += 1
+        if self.kv is not None:
+            for s in np.flatnonzero(self.h_run):
+                self._slot_seq[s].versions.append((int(self.h_n[s]) + 1, version))
+        self._invalidate()
+        self._params_version = self._params_now()
+
+    def _invalidate(self) -> None:
+        """Weights changed: parked episodes' KV is dropped (their next turn is prefilled whole); the shared
+        prefix's KV is recomputed in place, so running rows read it under the new weights from the next step
+        and new requests keep sharing it."""
+        with self._cv:
+            self.counters["invalidated"] += self.table.drop_parked()
+        self.eng.invalidate_prefix_cache()
+        if self.kv is not None and self._prefix is not None:
+            self.kv.set_prefix(self.eng._prefix_kv(self._prefix.tolist()))
+
+    def _params_now(self) -> int | None:
+        return compat.weights_version(self.eng._lm.parameters()) if self.eng._weight_update else None
+
+    def _check_shared_weights(self) -> None:
+        """An engine sharing the learner's parameters sees optimizer steps as in-place changes: drop KV that
+        older weights computed (prefix, parked episodes) before admitting anything."""
+        now = self._params_now()
+        if now is not None and now != self._params_version:
+            if self._params_version is not None:
+                self._invalidate()
+            self._params_version = now

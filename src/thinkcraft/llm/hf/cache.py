@@ -1,0 +1,278 @@
+"""The batcher's KV cache: allocation and growth within the KV budget, and the forward passes over it.
+
+The cache (`slots.SlotKV`) is allocated at the first admission, sized for the queue and the caller's
+`reserve`, and grown only while nothing runs (parked episodes are carried over). The decode forward runs the
+decoder layers with the slot attention, eagerly or through torch.compile with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from thinkcraft.llm import compat
+from thinkcraft.llm.hf.guides import SlotGuides
+from thinkcraft.llm.hf.rows import RowState, Step, ThinkTokens, advance_and_place_flat, unflatten_step
+from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
+from thinkcraft.llm.hf.slots import SlotKV
+from thinkcraft.llm.protocol import GenerationRequest
+from thinkcraft.utils.errors import UserError
+
+log = logging.getLogger(__name__)
+_ROUND_TOKENS = 64
+"""Slot lengths and prefix capacities are multiples of this (growing episodes rarely reallocate)."""
+_WIDTH_BUCKET = 128
+"""Attention widths of the "dynamic" step are multiples of this (few distinct shapes: few CUDA graphs)."""
+
+
+DEFAULT_KV_FRACTION = 0.5
+"""Share of the free GPU memory the slot KV cache may take when `kv_cache_gb` is not given."""
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass
+class Seq:
+    """A submitted request as the batcher tracks it."""
+
+    handle: int
+    req: GenerationRequest
+    prompt: np.ndarray
+    slot: int = -1
+    offset: int = 0
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    fallback: bool = False
+    released: bool = False
+
+    @property
+    def need(self) -> int:
+        """Slot columns this sequence may fill (prompt after the shared prefix + new tokens)."""
+        return len(self.prompt) - self.req.prefix_len + self.req.sampling.max_new_tokens
+
+
+class CacheMixin:
+    """`Batcher`'s cache half (reads `eng`, `max_slots`, `kv_cache_gb`, `compile_step`, `counters`, `_queue`,
+    `_reserve`, `_collect`)."""
+
+    # -------------------------------------------------------------------------------- cache allocation
+
+    def _kv_dtype(self) -> torch.dtype:
+        kind = self.eng.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.eng.dtype
+
+    def _ensure_kv(self) -> None:
+        """Allocate the cache, or grow it while nothing runs (parked episodes' KV is carried over): slots for
+        the queue, columns for its longest request (rounded, so that growing episodes rarely reallocate)."""
+        q = list(self._queue)
+        want_slots, want_tokens, want_prefix = self._reserve
+        want_slots = max(want_slots, min(self.max_slots, _round_up(len(q), 8)))
+        want_tokens = _round_up(max([want_tokens] + [self._need(s) for s in q]), _ROUND_TOKENS)
+        want_prefix = _round_up(max([want_prefix] + [s.req.prefix_len for s in q]), _ROUND_TOKENS)
+        dtype = self._kv_dtype()
+        kv = self.kv
+        if kv is not None and kv.dtype == dtype and want_tokens <= kv.tokens and want_prefix <= kv.prefix_cap \
+                and (want_slots <= kv.slots or self._budget_limited):
+            return
+        if kv is not None and bool(self.h_run.any()):
+            if kv.dtype != dtype:
+                raise UserError(f"the engine's KV cache holds {kv.dtype} and this call computes in {dtype} while "
+                                "sequences run: use one autocast setting for all calls")
+            return  # requests that do not fit wait until the running ones end
+        old = None
+        if kv is not None:
+            self._collect(drain=True)
+            want_slots, want_tokens = max(want_slots, kv.slots), max(want_tokens, kv.tokens)
+            want_prefix = max(want_prefix, kv.prefix_cap)
+            if kv.dtype == dtype and bool((self.table.status == PARKED).any()):
+                old = (kv, self.table, self._prefix)
+            else:
+                self.counters["evictions"] += self.table.drop_parked()
+        try:
+            self._allocate(want_slots, want_tokens, want_prefix, dtype)
+        except torch.OutOfMemoryError:
+            if old is None:
+                raise
+            # the old cache and the new one do not fit together: drop the parked episodes' KV instead
+            self.counters["evictions"] += old[1].drop_parked()
+            old = None
+            self._allocate(want_slots, want_tokens, want_prefix, dtype)
+        if old is not None:
+            self._carry_over(*old)
+
+    def _need(self, seq: Seq) -> int:
+        """Slot columns `seq` needs: after its shared prefix if that is (or may become) the installed one."""
+        p = seq.req.prefix_len
+        shared = p > 0 and self.eng.prefix_reuse and (self._prefix is None or (
+            len(self._prefix) == p and np.array_equal(self._prefix, seq.prompt[:p])))
+        return seq.need if shared else len(seq.prompt) + seq.req.sampling.max_new_tokens
+
+    def _carry_over(self, kv: SlotKV, table: SlotTable, prefix: np.ndarray | None) -> None:
+        """Parked episodes and the shared prefix from the old cache into the new, larger one (same slot
+        indices; episodes whose slot no longer exists - a smaller KV budget - are evicted)."""
+        new = self.kv
+        parked = np.flatnonzero(table.status == PARKED)
+        lost = parked[parked >= new.slots]
+        for s in lost:
+            table.free(int(s))
+        table.evictions += len(lost)
+        keep = torch.as_tensor(parked[parked < new.slots], device=new.device)
+        if len(keep):
+            for src, dst in zip(kv.keys + kv.values, new.keys + new.values):
+                dst[keep, :, : kv.tokens] = src[keep, :, : kv.tokens]  # not the old scratch column
+        for src, dst in zip(kv.prefix_keys + kv.prefix_values, new.prefix_keys + new.prefix_values):
+            dst[:, :, : src.shape[2]].copy_(src)
+        new.prefix_len, self._prefix = kv.prefix_len, prefix
+        self.prefix_mask.copy_((new.pcols < new.prefix_len)[None, :].expand_as(self.prefix_mask))
+        self.table.adopt(table)
+
+    def _allocate(self, slots: int, tokens: int, prefix_cap: int, dtype: torch.dtype) -> None:
+        eng = self.eng
+        cfg = compat.text_config(eng._lm)
+        hkv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        dev = eng.device
+        self.kv = None  # free the old buffers first
+        wanted = slots
+        slots = self._fit_slots(slots, tokens, prefix_cap, SlotKV.bytes_per_token(eng.num_layers, hkv, head_dim, dtype))
+        self._budget_limited = slots < wanted
+        self.kv = SlotKV(eng.num_layers, slots, tokens, hkv, head_dim, prefix_cap, dtype, dev,
+                         static_addresses=self.compile_step)
+        self.table = SlotTable(slots, self.evict)  # type: ignore[arg-type]
+        self.state = RowState.empty(slots, dev)
+        self.prefix_mask = torch.zeros((slots, max(prefix_cap, 1)), dtype=torch.bool, device=dev)
+        vocab = int(compat.lm_head(eng._lm).weight.shape[0])
+        self.logits = torch.zeros((slots, vocab), dtype=torch.float32, device=dev)
+        self._no_lp = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self._prefix = None
+        self._slot_seq: list[Seq | None] = [None] * slots
+        self.h_run = np.zeros(slots, dtype=bool)
+        self.h_admit = np.zeros(slots, dtype=np.int64)
+        self.h_n = np.zeros(slots, dtype=np.int64)
+        self.h_len = np.zeros(slots, dtype=np.int64)
+        self.h_temp = np.zeros(slots, dtype=np.float32)
+        self.h_topp = np.ones(slots, dtype=np.float32)
+        self.h_wantlp = np.zeros(slots, dtype=bool)
+        self.h_think = np.zeros(slots, dtype=np.int64)
+        self.h_trunc = np.zeros(slots, dtype=bool)
+        self.guides = SlotGuides(eng, slots, dev)
+        self._grow_host(1)
+        pin = dev.type == "cuda"
+        self._rec_host = [torch.zeros((slots, 5), dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._lp_host = [torch.zeros(slots, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._events: list[Any] = [None, None]
+        self._iter = self._collected = 0
+        self._think_key: Any = None
+        self._step_fn = self._compiled_step() if self.compile_step else self._forward_last
+        flat = _compiled(advance_and_place_flat, "decode bookkeeping") if self.compile_step else advance_and_place_flat
+
+        def advance(st: RowState, tok: torch.Tensor, think: ThinkTokens, scratch_col: int) -> Step:
+            return unflatten_step(flat(tuple(st), tok, tuple(think), scratch_col))
+
+        self._advance = advance
+
+    def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> int:
+        """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default half the free
+        memory - the cache lives as long as the engine, and a learner sharing the GPU allocates its optimizer
+        state and activations after the first rollout): fewer slots than episodes means parked episodes get
+        evicted (memory stays bounded). One sequence that alone exceeds the budget is a clear error."""
+        budget = self.kv_cache_gb * 2**30 if self.kv_cache_gb is not None else None
+        if budget is None and self.eng.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.eng.device)
+            budget = DEFAULT_KV_FRACTION * free
+        if budget is None:
+            return slots
+        per_slot = (tokens + 1) * per_token
+        fit = int((budget - prefix_cap * per_token) // per_slot)
+        if fit < 1:
+            raise UserError(f"one sequence of {tokens} KV tokens needs {per_slot / 2**30:.2f} GiB, more than the KV "
+                            f"cache budget of {budget / 2**30:.2f} GiB: shorten the episode, or raise kv_cache_gb / "
+                            "free device memory")
+        if fit < slots:
+            log.warning("KV cache: %d of the %d wanted slots fit in %.1f GiB (%d tokens each); parked episodes will "
+                        "be evicted", fit, slots, budget / 2**30, tokens)
+        return min(slots, fit)
+
+    def _grow_host(self, cap: int) -> None:
+        old = getattr(self, "h_tok", None)
+        if old is not None and old.shape[1] >= cap:
+            return
+        s = len(self.h_run)
+        tok, lp, forced = np.zeros((s, cap), np.int64), np.zeros((s, cap), np.float32), np.zeros((s, cap), bool)
+        if old is not None:
+            n = old.shape[1]
+            tok[:, :n], lp[:, :n], forced[:, :n] = self.h_tok, self.h_lp, self.h_forced
+        self.h_tok, self.h_lp, self.h_forced = tok, lp, forced
+
+    def _think_tokens(self) -> ThinkTokens:
+        eng = self.eng
+        key = (frozenset(eng.eos_ids), eng.thinking_close_text, eng.think_open_id, eng.think_close_id)
+        if key != self._think_key:
+            close = eng._encode(eng.thinking_close_text, first=False) if eng.think_close_id is not None else []
+            dev = eng.device
+            self._think = ThinkTokens(
+                open_id=-1 if eng.think_open_id is None else int(eng.think_open_id),
+                close_id=-1 if eng.think_close_id is None else int(eng.think_close_id),
+                close_seq=torch.tensor(close or [eng.pad_id], dtype=torch.long, device=dev),
+                eos=torch.tensor(sorted(eng.eos_ids) or [-1], dtype=torch.long, device=dev))
+            self._think_key = key
+        return self._think
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def _forward_last(self, ids: torch.Tensor, pos: torch.Tensor, ctx: Any, last: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The decoder layers over `ids` with the slot attention, then the final norm and the LM head on the
+        last token of each row (or, packed, on the positions `last`): (rows, V) float32 logits."""
+        dec = self.eng._dec
+        h = dec.embed_tokens(ids)
+        pe = compat.rotary(dec, h, pos)
+        for layer in dec.layers:
+            h = compat.call_layer(layer, h, pos, pe, ctx)
+        h = h[:, -1] if last is None else h[0, last]
+        return compat.lm_head(self.eng._lm)(dec.norm(h)).float()
+
+    def _compiled_step(self) -> Callable[..., torch.Tensor]:
+        """The decode forward through torch.compile (CUDA graphs: "reduce-overhead"); eager, with one warning,
+        if compiling fails. Its output is copied into the batcher's own logits buffer (graph outputs are
+        overwritten by the next replay)."""
+        compiled = torch.compile(self._forward_last, mode="reduce-overhead", fullgraph=False)
+        failed = False
+
+        def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
+            nonlocal failed
+            if not failed:
+                try:
+                    return self.logits.copy_(compiled(ids, pos, ctx))
+                except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
+                    failed = True
+                    log.warning("compiled decode step unavailable (%s); running eager", e)
+            return self._forward_last(ids, pos, ctx)
+
+        return step
+
+
+def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """`fn` through torch.compile (fused kernels, no CUDA graphs: its inputs change every step); eager, with
+    one warning, if compiling fails."""
+    compiled = torch.compile(fn, dynamic=False)
+    failed = False
+
+    def call(*args: Any) -> Any:
+        nonlocal failed
+        if not failed:
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
+                failed = True
+                log.warning("compiled %s unavailable (%s); running eager", what, e)
+        return fn(*args)
+
+    return call

@@ -1,0 +1,302 @@
+"""The batcher's iteration: admit (prefill packed), launch (sample, advance, one-token forward), collect
+(read the previous iteration's record, finish rows). See `batcher.py` for the order and why."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
+from thinkcraft.llm.hf.rows import sample_rows
+from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
+from thinkcraft.llm.hf.slots import DecodeCtx, PrefillCtx, prefill_kernel
+from thinkcraft.llm.protocol import Completion, GenerationResult
+
+
+class IterationMixin:
+    """`Batcher`'s per-step half (reads the cache's state from `CacheMixin` and the scheduler's queue, table,
+    counters and version)."""
+
+    # ------------------------------------------------------------------------------------------- admit
+
+    def _admit(self) -> None:
+        with self._cv:
+            if not self._queue:
+                return
+        self._check_shared_weights()
+        self._ensure_kv()
+        kv, budget = self.kv, self.eng.max_batch_tokens
+        chunk: list[tuple[Seq, int, int]] = []  # (seq, slot, kept columns)
+        new_tokens = key_tokens = 0
+        while True:
+            with self._cv:
+                if not self._queue:
+                    break
+                seq = self._queue[0]
+                offset = self._prefix_for(seq, chunk)
+                if len(seq.prompt) - offset + seq.req.sampling.max_new_tokens > kv.tokens:
+                    break  # waits until the cache can grow (nothing running)
+                slot = self.table.take(seq.req.episode)
+                if slot is None:
+                    break
+                self._queue.popleft()
+                keep, fallback = 0, False
+                if self.table.status[slot] == PARKED:
+                    keep, fallback = reuse_len(self.table, slot, seq.prompt, offset, self.version)
+                self.table.run(slot, seq.req.episode, offset)
+            seq.slot, seq.offset, seq.fallback = slot, offset, fallback
+            seq.reused_tokens = offset + keep
+            seq.prefill_tokens = len(seq.prompt) - seq.reused_tokens
+            n_new, n_keys = seq.prefill_tokens, keep + seq.prefill_tokens + offset
+            if chunk and (new_tokens + n_new > budget or key_tokens + n_keys > 4 * budget):
+                self._prefill(chunk)
+                chunk, new_tokens, key_tokens = [], 0, 0
+            chunk.append((seq, slot, keep))
+            new_tokens, key_tokens = new_tokens + n_new, key_tokens + n_keys
+        if chunk:
+            self._prefill(chunk)
+
+    def _prefix_for(self, seq: Seq, chunk: list) -> int:
+        """The shared-prefix length this request's columns start after: its `prefix_len` when that prefix is
+        the installed one (or can be installed: no running or parked row reads the old one), else 0."""
+        p = seq.req.prefix_len
+        if p <= 0 or not self.eng.prefix_reuse or p > self.kv.prefix_cap:
+            return 0
+        pre = seq.prompt[:p]
+        if self._prefix is not None and len(self._prefix) == p and np.array_equal(self._prefix, pre):
+            return p
+        if self.table.uses_prefix() or any(s.offset > 0 for s, _, _ in chunk):
+            return 0
+        self.kv.set_prefix(self.eng._prefix_kv(pre.tolist()))
+        self._prefix = pre
+        self.prefix_mask.copy_((self.kv.pcols < p)[None, :].expand_as(self.prefix_mask))
+        return p
+
+    def _prefill(self, chunk: list[tuple[Seq, int, int]]) -> None:
+        """Prefill the new tokens of `chunk`'s rows packed into one sequence; their last logits join the batch
+        and their slots' device state is set."""
+        eng, kv = self.eng, self.kv
+        dev = eng.device
+        slots = np.array([s for _, s, _ in chunk], dtype=np.int64)
+        keep = np.array([k for _, _, k in chunk], dtype=np.int64)
+        offs = np.array([q.offset for q, _, _ in chunk], dtype=np.int64)
+        news = [q.prompt[q.offset + k:] for q, _, k in chunk]
+        n_new = np.array([len(x) for x in news], dtype=np.int64)
+        total = keep + n_new
+        tok_slot = np.repeat(slots, n_new)
+        tok_col = np.concatenate([np.arange(k, t) for k, t in zip(keep, total)])
+        ids = torch.from_numpy(np.concatenate(news)).to(dev)[None]
+        pos = torch.from_numpy(tok_col + np.repeat(offs, n_new)).to(dev)[None]
+        gather_col = np.concatenate([np.arange(t) for t in total])
+        gather_slot = np.repeat(slots, total)
+        p = kv.prefix_len if (offs > 0).any() else 0
+        key_index = None
+        k_len = total + np.where(offs > 0, p, 0)
+        if p:
+            starts = np.concatenate([[0], np.cumsum(total)[:-1]]) + p
+            key_index = torch.from_numpy(np.concatenate([
+                np.concatenate([np.arange(p) if o > 0 else np.zeros(0, np.int64), np.arange(s, s + t)])
+                for o, s, t in zip(offs, starts, total)])).to(dev)
+        cu_q = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
+                         t(tok_slot), t(tok_col), t(gather_slot), t(gather_col), key_index, t(cu_q), t(cu_k),
+                         int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype))
+        logits = self._forward_last(ids, pos, ctx, last=t(cu_q[1:].astype(np.int64) - 1))
+        idx = t(slots)
+        self.logits[idx] = logits
+        self._start_rows(chunk, slots, total, offs)
+        self.counters["prefill_tokens"] += float(n_new.sum())
+        self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
+        self.counters["fallbacks"] += float(sum(q.fallback for q, _, _ in chunk))
+
+    def _start_rows(self, chunk: list[tuple[Seq, int, int]], slots: np.ndarray, length: np.ndarray,
+                    offs: np.ndarray) -> None:
+        """Device and host state of freshly prefilled rows: active from the next iteration on."""
+        eng = self.eng
+        sps = [q.req.sampling for q, _, _ in chunk]
+        think_open, think_close = eng.think_open_id, eng.think_close_id
+        in_think = [think_open is not None and _last(q.prompt, think_open) > _last(q.prompt, think_close)
+                    for q, _, _ in chunk]
+        budget = [sp.thinking_budget if sp.thinking_budget is not None else 1 << 40 for sp in sps]
+        ints = np.stack([np.ones(len(slots)), np.zeros(len(slots)), [sp.max_new_tokens for sp in sps], in_think,
+                         np.zeros(len(slots)), budget, -np.ones(len(slots)), np.zeros(len(slots)), length, offs], 1)
+        floats = np.array([[sp.temperature, sp.top_p] for sp in sps], dtype=np.float32)
+        dev = eng.device
+        idx = torch.from_numpy(slots).to(dev)
+        iv = torch.from_numpy(ints.astype(np.int64)).to(dev)
+        fv = torch.from_numpy(floats).to(dev)
+        st = self.state
+        for j, name in enumerate(("active", "n_gen", "max_new", "in_think", "think_tokens", "budget", "force_pos",
+                                  "truncated", "length", "offset")):
+            tgt = getattr(st, name)
+            tgt[idx] = iv[:, j].to(tgt.dtype)
+        st.temperature[idx] = fv[:, 0]
+        st.top_p[idx] = fv[:, 1]
+        p = self.kv.prefix_len
+        self.prefix_mask[idx] = (self.kv.pcols[None, :] < p) & (torch.from_numpy(offs).to(dev) > 0)[:, None]
+        self._grow_host(max(sp.max_new_tokens for sp in sps))
+        self.h_run[slots] = True
+        self.h_admit[slots] = self._iter
+        self.h_n[slots] = 0
+        self.h_len[slots] = length
+        self.h_temp[slots] = floats[:, 0]
+        self.h_topp[slots] = floats[:, 1]
+        self.h_wantlp[slots] = [sp.logprobs for sp in sps]
+        for q, s, _ in chunk:
+            q.versions = [(0, self.version)]
+            self._slot_seq[s] = q
+            if q.req.sampling.structured is not None:  # structured outputs: the row's constraint starts
+                self.guides.open(s, q.req.sampling.structured)
+
+    # ------------------------------------------------------------------------------------------ launch
+
+    def _launch(self) -> bool:
+        if self.kv is None:
+            return False
+        k = self._iter
+        rows = self.h_run & (self.h_admit <= k)
+        if not rows.any():
+            return False
+        kv, st = self.kv, self.state
+        any_sampled = bool((self.h_temp[rows] > 0).any())
+        any_top_p = bool((self.h_topp[rows] < 1).any())
+        guided = self.guides.any_open(rows)  # structured outputs: sample from the masked logits
+        sample_from = self.guides.masked(self.logits) if guided else self.logits
+        tok = sample_rows(sample_from, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
+        step = self._advance(st, tok, self._think_tokens(), kv.tokens)
+        if self.h_wantlp[rows].any():
+            lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+            if guided and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
+                lpc = torch.log_softmax(sample_from, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+                lp = torch.where(torch.from_numpy(self.guides.constrained_lp).to(lp.device), lpc, lp)
+        else:
+            lp = self._no_lp
+        if guided:  # structured outputs: the matchers accept this step's tokens before the next mask
+            self.guides.advance(step.tokens)
+        buf = k % 2
+        self._rec_host[buf].copy_(step.record, non_blocking=True)
+        self._lp_host[buf].copy_(lp, non_blocking=True)
+        if self.eng.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events[buf] = ev
+        self.state = step.state
+        self.h_len[rows] += 1
+        width = kv.tokens
+        if self.width == "dynamic":
+            width = min(kv.tokens, _round_up(int(self.h_len[self.h_run].max()) + 1, _WIDTH_BUCKET))
+        use_prefix = kv.prefix_len > 0 and bool(self.table.uses_prefix())
+        ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
+                        kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
+                        kv.cols[:width], self.prefix_mask)
+        self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
+        self._iter += 1
+        return True
+
+    # ----------------------------------------------------------------------------------------- collect
+
+    def _collect(self, drain: bool) -> None:
+        """Read the records of finished iterations (all of them with `drain`, else all but the newest, which
+        the device is still computing) and finish the rows that ended."""
+        if self.kv is None:
+            return
+        while self._collected < self._iter - (0 if drain else 1):
+            k = self._collected
+            buf = k % 2
+            if self._events[buf] is not None:
+                self._events[buf].synchronize()
+            rows = np.flatnonzero(self.h_run & (self.h_admit <= k))
+            self._collected += 1
+            if not len(rows):
+                continue  # an iteration after every row had ended (the host learns one step late): not counted
+            self.counters["decode_steps"] += 1
+            rec = self._rec_host[buf].numpy()[rows]
+            n = self.h_n[rows]
+            self.h_tok[rows, n] = rec[:, 0]
+            self.h_lp[rows, n] = self._lp_host[buf].numpy()[rows]
+            self.h_forced[rows, n] = rec[:, 2].astype(bool)
+            self.h_n[rows] = n + 1
+            self.h_think[rows] = rec[:, 3]
+            self.h_trunc[rows] = rec[:, 4].astype(bool)
+            self.counters["generated_tokens"] += len(rows)
+            ended = [(int(s), "device") for s in rows[rec[:, 1] == 1]]
+            ended += [(int(s), "stop") for s in rows[rec[:, 1] == 0] if self._hit_stop(int(s))]
+            if ended:
+                self._finish(ended)
+
+    def _hit_stop(self, s: int) -> bool:
+        stop = self._slot_seq[s].req.sampling.stop
+        if not stop:
+            return False
+        n = self.h_n[s]
+        if self._forcing(s):
+            return False
+        tail = self.eng.tokenizer.decode(self.h_tok[s, max(0, n - 1 - max(len(x) for x in stop)):n].tolist(),
+                                         skip_special_tokens=True)
+        return any(x in tail for x in stop)
+
+    def _forcing(self, s: int) -> bool:
+        """Is the row inside its forced close sequence, tokens of it still to come (stop strings wait)?"""
+        n, c = int(self.h_n[s]), len(self._think.close_seq)
+        forced = np.flatnonzero(self.h_forced[s, :n])
+        return 0 < len(forced) < c
+
+    # ------------------------------------------------------------------------------------------ finish
+
+    def _finish(self, ended: list[tuple[int, str]]) -> None:
+        """Completions of the rows that ended; their slots are freed (or parked for their episode) and the
+        device stops them (rows the host ended on a stop string are still running there)."""
+        eng = self.eng
+        slots = [s for s, _ in ended]
+        toks = [self.h_tok[s, : self.h_n[s]].tolist() for s in slots]
+        texts = [eng.tokenizer.decode(t, skip_special_tokens=True) for t in toks]
+        idx = torch.as_tensor(slots, device=eng.device)
+        self.state.active[idx] = False
+        results = []
+        for (s, how), tokens, text in zip(ended, toks, texts):
+            seq = self._slot_seq[s]
+            sp = seq.req.sampling
+            n = len(tokens)
+            cut = [text.find(x) for x in sp.stop if x and x in text]
+            if cut:
+                text = text[: min(cut)]
+            forced = np.flatnonzero(self.h_forced[s, :n]).tolist()
+            if how == "stop" or (tokens[-1] in eng.eos_ids and (n - 1) not in forced):
+                finish = "stop"
+            else:
+                finish = "length"
+            if finish != "length" and self.h_trunc[s]:
+                finish = "budget"
+            comp = Completion(token_ids=tokens, text=text,
+                              logprobs=self.h_lp[s, :n].tolist() if sp.logprobs else None, finish_reason=finish,
+                              prompt_token_ids=seq.prompt.tolist(), thinking_tokens=int(self.h_think[s]),
+                              forced_token_indices=forced)
+            results.append(GenerationResult(
+                handle=seq.handle, completion=comp, tag=seq.req.tag, episode=seq.req.episode,
+                weight_versions=list(seq.versions), prefill_tokens=seq.prefill_tokens,
+                reused_tokens=seq.reused_tokens, shared_prefix_tokens=seq.offset, kv_fallback=seq.fallback,
+                thinking_budget=sp.thinking_budget))
+            self.h_run[s] = False
+            self._slot_seq[s] = None
+            self.guides.close(s)  # structured outputs: the slot may serve an unconstrained request next
+            keep = (seq.req.episode is not None and not seq.released and len(seq.versions) == 1
+                    and seq.versions[0][1] == self.version)
+            with self._cv:
+                if keep:
+                    self.table.park(s, np.concatenate([seq.prompt, np.asarray(tokens[:-1], dtype=np.int64)]),
+                                    seq.offset, self.version)
+                else:
+                    self.table.free(s)
+        with self._cv:
+            for r in results:
+                self._done[r.handle] = r
+            self._cv.notify_all()
+
+
+def _last(ids: np.ndarray, x: int | None) -> int:
+    if x is None:
+        return -1
+    hit = np.flatnonzero(ids == x)
+    return int(hit[-1]) if len(hit) else -1

@@ -1,0 +1,182 @@
+"""The slot KV cache of continuous batching, and the attention that reads and writes it.
+
+Every running (or parked) sequence owns a *slot*: row s of per-layer buffers (S, Hkv, T + 1, d). Column c of
+a slot holds the token at position `offset + c`, where `offset` is the shared prefix's length P for rows
+that read the shared prefix and 0 for the others. The shared prefix (instructions) is stored once, in its
+own buffers (1, Hkv, Pcap, d), and read by every row through a log-sum-exp merge (the cascade identity of
+`attention.merge_attention`) - never copied per row. Column T is scratch: writes of inactive rows (and of
+nothing else) land there and are never read, so one fixed-shape step serves any mix of active and idle
+slots (the CUDA-graph requirement), and a parked episode's KV survives the steps of the others.
+
+Two forward kinds, both through the decoder layers (`compat.call_layer`), with the context below passed to
+the attention function as the layer's `thinkcraft_prefix_kv` keyword (see `compat.PREFIX_KV_KWARG`):
+
+- `DecodeCtx`: one token per slot (B = S rows). The new K/V go to column `write_col[s]`; the query reads
+  columns < `key_len[s]` of its own slot (GQA heads folded, each byte read once, as
+  `attention.gqa_decode_attention`), over a width `cols` that is a bucket of the longest sequence ("dynamic")
+  or the whole slot ("static"), plus the shared prefix where `prefix_mask` says so.
+- `PrefillCtx`: the new tokens of several rows packed into one sequence (batch 1, no padding). Their K/V are
+  written to (tok_slot, tok_col); each row then attends to [shared prefix | its slot's columns so far], causal
+  aligned bottom-right: one FlashAttention varlen call on CUDA (`compat.flash_varlen`), the per-row
+  reference elsewhere (`attention.varlen_reference`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from thinkcraft.llm import attention as A
+from thinkcraft.llm import compat
+from thinkcraft.llm.compat import PREFIX_KV_KWARG
+
+SLOT_ATTN = "thinkcraft_slots"
+
+
+class DecodeCtx(NamedTuple):
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    prefix_keys: tuple[torch.Tensor, ...] | None
+    prefix_values: tuple[torch.Tensor, ...] | None
+    rows: torch.Tensor
+    """(S,) arange: the slot of each query row."""
+    write_col: torch.Tensor
+    """(S,) where this step's K/V go (column T, scratch, for inactive rows)."""
+    key_len: torch.Tensor
+    """(S,) columns a row reads after the write (>= 1: column 0 keeps an idle row's softmax finite)."""
+    cols: torch.Tensor
+    """(width,) arange: the columns read this step (its length is the attention width)."""
+    prefix_mask: torch.Tensor
+    """(S, Pcap) bool: prefix keys each row reads (none for rows without the shared prefix)."""
+
+
+class PrefillCtx(NamedTuple):
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    prefix_keys: tuple[torch.Tensor, ...] | None
+    prefix_values: tuple[torch.Tensor, ...] | None
+    prefix_len: int
+    tok_slot: torch.Tensor
+    """(N,) slot of each packed new token; `tok_col` (N,) its column."""
+    tok_col: torch.Tensor
+    gather_slot: torch.Tensor
+    """(K,) the slot columns every row reads, row after row (its columns 0..len-1 after the write)."""
+    gather_col: torch.Tensor
+    key_index: torch.Tensor | None
+    """(Kp,) packed keys = cat([prefix P, gathered K])[key_index] (None: no row reads the prefix)."""
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    kernel: Callable[..., torch.Tensor]
+
+
+class SlotKV:
+    """The buffers: per layer (S, Hkv, T + 1, d) keys and values, and the shared prefix's (1, Hkv, Pcap, d)."""
+
+    def __init__(self, num_layers: int, slots: int, tokens: int, kv_heads: int, head_dim: int, prefix_cap: int,
+                 dtype: torch.dtype, device: torch.device, static_addresses: bool) -> None:
+        self.slots, self.tokens, self.prefix_cap = slots, tokens, prefix_cap
+        self.dtype, self.device = dtype, device
+
+        def zeros(*shape: int) -> torch.Tensor:
+            t = torch.zeros(shape, dtype=dtype, device=device)
+            if static_addresses:
+                compat.mark_static_address(t)
+            return t
+
+        self.keys = tuple(zeros(slots, kv_heads, tokens + 1, head_dim) for _ in range(num_layers))
+        self.values = tuple(zeros(slots, kv_heads, tokens + 1, head_dim) for _ in range(num_layers))
+        self.prefix_keys = tuple(zeros(1, kv_heads, max(prefix_cap, 1), head_dim) for _ in range(num_layers))
+        self.prefix_values = tuple(zeros(1, kv_heads, max(prefix_cap, 1), head_dim) for _ in range(num_layers))
+        self.prefix_len = 0
+        self.rows = torch.arange(slots, device=device)
+        self.cols = torch.arange(tokens, device=device)
+        self.pcols = torch.arange(max(prefix_cap, 1), device=device)
+
+    @property
+    def nbytes(self) -> int:
+        bufs = self.keys + self.values + self.prefix_keys + self.prefix_values
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy a prefix's per-layer (1, Hkv, P, d) K/V into the prefix buffers (same addresses)."""
+        p = kv[0][0].shape[2]
+        for (k, v), kb, vb in zip(kv, self.prefix_keys, self.prefix_values):
+            kb[:, :, :p].copy_(k)
+            vb[:, :, :p].copy_(v)
+        self.prefix_len = p
+
+
+def _decode_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DecodeCtx,
+                      scale: float) -> torch.Tensor:
+    i = module.layer_idx
+    kc, vc = ctx.keys[i], ctx.values[i]
+    kc[ctx.rows, :, ctx.write_col] = k[:, :, 0]
+    vc[ctx.rows, :, ctx.write_col] = v[:, :, 0]
+    s, h, _, d = q.shape
+    hkv = kc.shape[1]
+    g = h // hkv
+    width = ctx.cols.shape[0]
+    mask = (ctx.cols[None, :] < ctx.key_len[:, None])[:, None, None, :]
+    out, lse = A.gqa_decode_attention(q, kc[:, :, :width], vc[:, :, :width], mask, scale, True)
+    if ctx.prefix_keys is not None:
+        # every row's queries against the one prefix copy: (1, Hkv, S*G, d) x (1, Hkv, Pcap, d)
+        qp = q.reshape(s, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, s * g, d)
+        pmask = ctx.prefix_mask.repeat_interleave(g, dim=0)[None, None]
+        o_p, lse_p = A.folded_attention_lse(qp, ctx.prefix_keys[i], ctx.prefix_values[i], pmask, scale)
+        o_p = o_p.reshape(hkv, s, g, d).permute(1, 0, 2, 3).reshape(s, h, 1, d)
+        lse_p = lse_p.reshape(hkv, s, g).permute(1, 0, 2).reshape(s, h)
+        out = A.merge_attention(o_p, lse_p[..., None], out, lse[..., None])
+    return out.transpose(1, 2)
+
+
+def _prefill_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PrefillCtx,
+                       scale: float) -> torch.Tensor:
+    i = module.layer_idx
+    kc, vc = ctx.keys[i], ctx.values[i]
+    kc[ctx.tok_slot, :, ctx.tok_col] = k[0].transpose(0, 1)
+    vc[ctx.tok_slot, :, ctx.tok_col] = v[0].transpose(0, 1)
+    ks = kc[ctx.gather_slot, :, ctx.gather_col]  # (K, Hkv, d)
+    vs = vc[ctx.gather_slot, :, ctx.gather_col]
+    if ctx.key_index is not None:
+        p = ctx.prefix_len
+        ks = torch.cat([ctx.prefix_keys[i][0, :, :p].transpose(0, 1), ks])[ctx.key_index]
+        vs = torch.cat([ctx.prefix_values[i][0, :, :p].transpose(0, 1), vs])[ctx.key_index]
+    out = ctx.kernel(q[0].transpose(0, 1).contiguous(), ks, vs, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k, scale)
+    return out[None]
+
+
+def slot_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN201
+    """transformers attention function for the slot cache (`DecodeCtx` / `PrefillCtx` in the layer's
+    `thinkcraft_prefix_kv` keyword); plain sdpa for calls without one."""
+    ctx = kwargs.pop(PREFIX_KV_KWARG, None)
+    if ctx is None:
+        return compat.sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    # one dtype for the cache and the maths: under autocast with fp32 weights, a q/k norm (Qwen3) hands back
+    # fp32 keys while the values come out of autocast's matmuls in bf16
+    dt = ctx.keys[0].dtype
+    query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    if isinstance(ctx, DecodeCtx):
+        return _decode_attention(module, query, key, value, ctx, scale), None
+    return _prefill_attention(module, query, key, value, ctx, scale), None
+
+
+def register_slot_attention() -> str:
+    """Register the slot attention with transformers (idempotent); returns its name."""
+    return compat.register_attention(SLOT_ATTN, slot_attention_forward)
+
+
+def prefill_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """The packed varlen attention for the prefill: FlashAttention varlen on CUDA in half precision (where
+    `attention.probe_varlen` found it working), the exact per-row reference elsewhere."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.probe_varlen(device):
+        return A.VARLEN_KERNELS[A._VARLEN["cuda"]]
+    return A.varlen_reference

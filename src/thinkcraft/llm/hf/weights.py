@@ -1,0 +1,78 @@
+"""Versioned weight updates for an engine that holds its own copy of the weights (same or another device).
+
+`apply_state` is all-or-nothing where it can be: every name and shape is checked, and every tensor staged on
+the parameter's device in its dtype (a host->device copy, or a peer-to-peer copy from another GPU), before
+any parameter changes; only then are the staged tensors copied in (same device, same shape and dtype: a copy
+that does not fail short of a device fault). A refused update raises `WeightUpdateError` and leaves the
+weights as they were. LoRA runs send the adapter tensors only (`lora_A` / `lora_B`, what the learner trains).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from thinkcraft.llm.protocol import WeightUpdateError
+
+WRAPPER_PREFIXES = ("base_model.model.", "_orig_mod.", "module.")
+"""Name prefixes a learner's model may add (PEFT, torch.compile, DDP); an update name is matched as it is,
+then with one of these removed."""
+
+
+def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, tied weights under each of their names."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _lookup(named: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    if name in named:
+        return named[name]
+    for p in WRAPPER_PREFIXES:
+        if name.startswith(p) and name[len(p):] in named:
+            return named[name[len(p):]]
+        if p + name in named:
+            return named[p + name]
+    return None
+
+
+def apply_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                version: int) -> int:
+    """Copy `state` (name -> tensor) into `model`'s parameters; returns how many tensors changed. Raises
+    `WeightUpdateError` (nothing changed) for an unknown name, a shape mismatch, a non-tensor or a failure
+    while staging the tensors on the device."""
+    items = list(state.items()) if isinstance(state, Mapping) else list(state)
+    if not items:
+        raise WeightUpdateError(f"weight update to version {version} carries no tensors")
+    named = _named(model)
+    targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, value in items:
+        target = _lookup(named, name)
+        if target is None:
+            raise WeightUpdateError(f"weight update to version {version}: the engine's model has no tensor {name!r}; "
+                                    "kept the previous weights")
+        if not isinstance(value, torch.Tensor):
+            raise WeightUpdateError(f"weight update to version {version}: {name} is a {type(value).__name__}, not a "
+                                    "tensor; kept the previous weights")
+        if tuple(value.shape) != tuple(target.shape):
+            raise WeightUpdateError(f"weight update to version {version}: {name} has shape {tuple(value.shape)}, the "
+                                    f"engine's is {tuple(target.shape)}; kept the previous weights")
+        targets.append((target, value))
+    try:
+        staged = [(t, v.detach().to(device=t.device, dtype=t.dtype, non_blocking=True)) for t, v in targets]
+    except (RuntimeError, TypeError) as e:  # out of memory, an unreachable device, an impossible cast
+        raise WeightUpdateError(f"weight update to version {version} could not be staged on the engine's device "
+                                f"({type(e).__name__}: {e}); kept the previous weights") from e
+    with torch.no_grad():
+        for t, v in staged:
+            t.copy_(v)
+    return len(staged)
+
+
+def is_lora_name(name: str) -> bool:
+    return "lora_A" in name or "lora_B" in name or "lora_embedding" in name
+
+
+def lora_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a PEFT model (what a LoRA learner publishes), detached."""
+    return {n: p.detach() for n, p in model.named_parameters() if is_lora_name(n)}

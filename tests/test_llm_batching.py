@@ -1,0 +1,424 @@
+"""Continuous batching in the hf engine (tiny random models, CPU): requests arriving at different steps give
+the tokens of one-at-a-time generation; an episode's KV kept between turns gives the logits of a full
+re-prefill; a prompt that does not extend the episode falls back (counted); eviction and the too-large
+error; weight updates at step boundaries (recorded switch, stale and failed updates refused)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from thinkcraft.llm.hf import HFEngine
+from thinkcraft.llm.hf.slot_table import PARKED, SlotTable, common_prefix_len, reuse_len
+from thinkcraft.llm.protocol import Batch, GenerationRequest, SamplingParams, WeightUpdateError
+from thinkcraft.llm.testing import tiny_llama
+from thinkcraft.utils.errors import UserError
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    return tiny_llama(thinking=True)
+
+
+def _ids(tok, text: str) -> list[int]:  # noqa: ANN001
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:  # noqa: ANN001
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return lp[pos, torch.tensor(tokens)].numpy()
+
+
+def _run(eng: HFEngine, handles: list[int]) -> dict:
+    out = {}
+    while len(out) < len(handles):
+        eng.step()
+        out.update({r.handle: r for r in eng.poll()})
+    return out
+
+
+def test_requests_joining_at_different_steps_equal_one_at_a_time(tiny) -> None:
+    model, tok = tiny
+    texts = ["Hello there", "The quick brown fox jumps over", "a", "Numbers: 1 2 3 4 5 6 7", "Once upon a time"]
+    prompts = [_ids(tok, t) for t in texts]
+    lengths = [6, 9, 3, 7, 5]
+    alone = HFEngine.from_model(model, tok)
+    want = [alone.generate(Batch(items=[p]), SamplingParams(max_new_tokens=n, temperature=0.0))[0]
+            for p, n in zip(prompts, lengths)]
+    eng = HFEngine.from_model(model, tok, max_slots=3)  # fewer slots than requests: some wait for a free slot
+    arrive = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step index -> requests submitted before it
+    handles: dict[int, int] = {}
+    got: dict[int, object] = {}
+    step = 0
+    while len(got) < len(prompts):
+        for i in arrive.get(step, []):
+            handles[eng.submit(GenerationRequest(prompts[i], SamplingParams(max_new_tokens=lengths[i], temperature=0.0),
+                                                 tag=i))] = i
+        eng.step()
+        got.update({r.tag: r for r in eng.poll()})
+        step += 1
+    for i, w in enumerate(want):
+        c = got[i].completion
+        assert c.token_ids == w.token_ids and c.finish_reason == w.finish_reason
+        np.testing.assert_allclose(c.logprobs, _forward_logprobs(model, prompts[i], c.token_ids), atol=1e-4)
+        assert got[i].weight_versions == [(0, 0)] and got[i].prefill_tokens == len(prompts[i])
+    assert eng.pending() == 0 and not eng.step()
+
+
+def _episode_prompts(tok, turns: int) -> list[list[int]]:  # noqa: ANN001
+    return [_ids(tok, f" observation {k}: tree at {k},{k + 1}; health {9 - k}. Act:") for k in range(turns)]
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_turn_kv_reuse_equals_full_prefill_over_five_turns(tiny, shared_prefix: bool) -> None:
+    """Each turn's prompt = the previous prompt + its completion + a new observation. With the episode's KV
+    kept, only the new tokens are prefilled, and every generated token's logprob (the logits) equals a
+    from-scratch prefill of the whole prompt (the next test reads the logits themselves)."""
+    model, tok = tiny
+    system = _ids(tok, "You play a game. Answer with one action.")
+    obs = _episode_prompts(tok, 5)
+    reuse = HFEngine.from_model(model, tok)
+    full = HFEngine.from_model(model, tok, prefix_reuse=False)
+    prompt, prev_seq, prefilled = system + obs[0], None, 0
+    for k in range(5):
+        h = reuse.submit(GenerationRequest(prompt, GREEDY, prefix_len=len(system) if shared_prefix else 0,
+                                           episode="ep"))
+        r = _run(reuse, [h])[h]
+        want = full.generate(Batch(items=[prompt]), GREEDY)[0]
+        assert r.completion.token_ids == want.token_ids
+        np.testing.assert_allclose(r.completion.logprobs, want.logprobs, atol=1e-5)
+        # kept: the shared prefix (turn 1), then everything but the previous turn's last sampled token
+        kept = len(prev_seq) - 1 if k else (len(system) if shared_prefix else 0)
+        assert (r.reused_tokens, r.prefill_tokens, r.kv_fallback) == (kept, len(prompt) - kept, False)
+        prefilled += r.prefill_tokens
+        prev_seq = prompt + r.completion.token_ids
+        prompt = prev_seq + (obs[k + 1] if k < 4 else [])
+    m = reuse.decode_metrics()
+    assert m["fallbacks"] == 0 and m["prefill_tokens"] == prefilled < sum(len(p) for p in [prompt]) * 2
+    reuse.release("ep")
+    assert reuse._batcher.table.parked("ep") is None
+
+
+def test_prefill_logits_after_reused_kv_equal_a_full_forward(tiny) -> None:
+    """The logits the first new token is sampled from, read straight after admission, equal the model's
+    logits at the end of the full prompt (turn 2 of an episode, with a shared prefix)."""
+    model, tok = tiny
+    system = _ids(tok, "System: be brief.")
+    p1 = system + _ids(tok, " first observation")
+    eng = HFEngine.from_model(model, tok)
+    h = eng.submit(GenerationRequest(p1, GREEDY, prefix_len=len(system), episode=1))
+    r = _run(eng, [h])[h]
+    p2 = p1 + r.completion.token_ids + _ids(tok, " second observation, longer than the first")
+    eng.submit(GenerationRequest(p2, GREEDY, prefix_len=len(system), episode=1))
+    b = eng._batcher
+    with b._step_lock, b._contexts():
+        b._admit()
+    slot = next(s for s, q in enumerate(b._slot_seq) if q is not None)
+    with torch.no_grad():
+        want = model(torch.tensor([p2])).logits[0, -1].float()
+    torch.testing.assert_close(b.logits[slot], want, atol=1e-4, rtol=1e-4)
+    assert b._slot_seq[slot].reused_tokens == len(p1) + len(r.completion.token_ids) - 1
+
+
+def test_non_append_prompt_falls_back_and_is_counted(tiny) -> None:
+    """A template that rewrites an earlier turn (Qwen3 drops earlier thoughts): the engine keeps only the
+    common token prefix, recomputes the rest, counts a fallback - and the tokens are still exact."""
+    model, tok = tiny
+    p1 = _ids(tok, "Turn one: <think> long thought here </think> act")
+    eng = HFEngine.from_model(model, tok)
+    r1 = _run(eng, [eng.submit(GenerationRequest(p1, GREEDY, episode="e"))])
+    reply = next(iter(r1.values())).completion.token_ids
+    cut = 3  # the "template" drops tokens after position 3 of the earlier turn
+    p2 = p1[:cut] + _ids(tok, " act") + reply + _ids(tok, " turn two")
+    h = eng.submit(GenerationRequest(p2, GREEDY, episode="e"))
+    r2 = _run(eng, [h])[h]
+    assert r2.kv_fallback and eng.decode_metrics()["fallbacks"] == 1
+    assert r2.reused_tokens == common_prefix_len(np.array(p1 + reply), np.array(p2))
+    assert r2.completion.token_ids == HFEngine.from_model(model, tok).generate(Batch(items=[p2]), GREEDY)[0].token_ids
+
+
+def test_eviction_policy_and_counter(tiny) -> None:
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok, max_slots=2)
+    prompts = {e: _ids(tok, f"episode {e} starts here" + " x" * e) for e in range(3)}
+    for e in range(3):  # the third episode needs a slot: the oldest parked one (episode 0) is evicted
+        _run(eng, [eng.submit(GenerationRequest(prompts[e], GREEDY, episode=e))])
+    t = eng._batcher.table
+    assert eng.decode_metrics()["evictions"] == 1 and t.parked(0) is None and t.parked(1) is not None
+    r = _run(eng, [h := eng.submit(GenerationRequest(prompts[0] + [5, 6], GREEDY, episode=0))])[h]
+    assert r.reused_tokens == 0 and not r.kv_fallback  # evicted: a full prefill, not a mismatch
+    # the pure policy: "longest" frees the parked slot holding the most tokens
+    table = SlotTable(3, "longest")
+    for s, n in enumerate([5, 9, 2]):
+        table.run(s, f"e{s}", 0)
+        table.park(s, np.arange(n), 0, 0)
+    assert table.take("new") == 1 and table.evictions == 1 and table.status[1] != PARKED
+    oldest = SlotTable(2, "oldest")
+    for s in (1, 0):
+        oldest.run(s, s, 0)
+        oldest.park(s, np.arange(3), 0, 0)
+    assert oldest.take("x") == 1  # parked first
+
+
+def test_one_episode_too_large_is_a_clear_error(tiny) -> None:
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok, max_seq_len=32)
+    with pytest.raises(UserError, match=r"needs 38 tokens of KV .* at most 32 \(max_seq_len\)"):
+        eng.submit(GenerationRequest(list(range(10, 40)), SamplingParams(max_new_tokens=8)))
+    eng.reserve(4, 64)  # a reservation is capped at max_seq_len
+    assert eng._batcher._reserve == (4, 32, 0)
+    # a KV budget that cannot hold one sequence is a clear error too
+    small = HFEngine.from_model(model, tok, kv_cache_gb=1e-6)
+    with pytest.raises(UserError, match="more than the KV cache budget"):
+        small.generate(Batch(items=[list(range(10, 40))]), SamplingParams(max_new_tokens=8))
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x head dim 16 x fp32
+    few = HFEngine.from_model(model, tok, kv_cache_gb=2.5 * 65 * per_token / 2**30)  # 2 slots of 64 (+ scratch)
+    out = few.generate(Batch(items=[[10 + i, 11, 12] for i in range(5)]), SamplingParams(max_new_tokens=3))
+    assert len(out) == 5 and few.decode_metrics()["slots"] <= 2
+
+
+def test_reuse_len_rules() -> None:
+    t = SlotTable(1)
+    t.run(0, "e", 2)
+    t.park(0, np.array([1, 2, 3, 4, 5]), 2, 7)
+    assert reuse_len(t, 0, np.array([1, 2, 3, 4, 5, 6]), 2, 7) == (3, False)  # all 5 kept: columns 2..4
+    assert reuse_len(t, 0, np.array([1, 2, 3, 4, 5]), 2, 7) == (2, False)  # the last prompt token is recomputed
+    assert reuse_len(t, 0, np.array([1, 2, 9, 4, 5, 6]), 2, 7) == (0, True)
+    assert reuse_len(t, 0, np.array([1, 2, 3, 4, 5, 6]), 0, 7) == (0, True)  # another prefix layout
+    assert reuse_len(t, 0, np.array([1, 2, 3, 4, 5, 6]), 2, 8) == (0, False)  # other weights: not a mismatch
+
+
+# --- weight updates -----------------------------------------------------------------------------------
+
+
+def _perturbed(model, scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+def test_weight_update_at_a_step_boundary_records_the_switch() -> None:
+    model, tok = tiny_llama(seed=2)
+    prompt = _ids(tok, "Count the trees and the stones:")
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+    before = HFEngine.from_model(*tiny_llama(seed=2)).generate(Batch(items=[prompt]), sp)[0].token_ids
+    new_state = _perturbed(model)
+    eng = HFEngine.from_model(model, tok)
+    h = eng.submit(GenerationRequest(prompt, sp, prefix_len=4))  # installs the shared prefix (old weights)
+    for _ in range(4):
+        eng.step()
+    eng.update_weights(new_state, version=1)  # between steps, on the stepping thread: applied now
+    r = _run(eng, [h])[h]
+    (i0, v0), (switch, v1) = r.weight_versions
+    assert (i0, v0, v1) == (0, 0, 1) and 1 <= switch < 12 and eng.weights_version == 1
+    toks = r.completion.token_ids
+    assert toks[:switch] == before[:switch] and toks != before  # old weights up to the switch, new after
+    # a request after the update runs on the new weights alone, and equals an engine built on them; its shared
+    # prefix (installed before the update, recomputed at it) is still shared
+    fresh, ftok = tiny_llama(seed=2)
+    fresh.load_state_dict({k: v for k, v in new_state.items()}, strict=False)
+    p = 4
+    h2 = eng.submit(GenerationRequest(prompt, sp, prefix_len=p))
+    r2 = _run(eng, [h2])[h2]
+    assert r2.reused_tokens == p and r2.weight_versions == [(0, 1)]
+    assert r2.completion.token_ids == HFEngine.from_model(fresh, ftok).generate(Batch(items=[prompt]), sp)[0].token_ids
+
+
+def test_stale_and_failed_updates_keep_the_old_weights_and_version() -> None:
+    model, tok = tiny_llama(seed=4)
+    eng = HFEngine.from_model(model, tok)
+    prompt = _ids(tok, "hello")
+    want = eng.generate(Batch(items=[prompt]), GREEDY)[0].token_ids
+    eng.update_weights(None, version=3)  # shared-weights engine: the version moves, nothing is copied
+    with pytest.raises(WeightUpdateError, match="stale"):
+        eng.update_weights(_perturbed(model), version=3)
+    w0 = model.model.embed_tokens.weight.detach().clone()
+    bad = _perturbed(model)
+    bad["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)  # shape mismatch, after valid tensors
+    with pytest.raises(WeightUpdateError, match="shape"):
+        eng.update_weights(bad, version=4)
+    with pytest.raises(WeightUpdateError, match="no tensor"):
+        eng.update_weights({"model.not_a_layer.weight": torch.zeros(1)}, version=4)
+    assert eng.weights_version == 3 and torch.equal(model.model.embed_tokens.weight, w0)
+    assert eng.generate(Batch(items=[prompt]), GREEDY)[0].token_ids == want
+    eng.update_weights(_perturbed(model), version=4)  # a good one after the failures is applied
+    assert eng.weights_version == 4 and not torch.equal(model.model.embed_tokens.weight, w0)
+
+
+def test_lora_adapter_update_only_and_parked_kv_invalidated() -> None:
+    peft = pytest.importorskip("peft")
+    model, tok = tiny_llama(seed=6)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    eng = HFEngine.from_model(lora, tok)
+    prompt = _ids(tok, "adapters only")
+    _run(eng, [eng.submit(GenerationRequest(prompt, GREEDY, episode="a"))])
+    assert eng._batcher.table.parked("a") is not None
+    adapters = {n: torch.randn_like(p) for n, p in lora.named_parameters() if "lora_B" in n}
+    eng.update_weights(adapters, version=1)
+    assert eng._batcher.table.parked("a") is None and eng.decode_metrics()["invalidated"] == 1
+    b_name = next(iter(adapters))
+    torch.testing.assert_close(dict(lora.named_parameters())[b_name], adapters[b_name])
+
+
+def test_update_from_another_thread_while_the_engine_thread_steps(tiny) -> None:
+    model, tok = tiny_llama(seed=8)
+    eng = HFEngine.from_model(model, tok)
+    eng.start()
+    try:
+        prompts = [_ids(tok, f"thread {i} prompt") for i in range(6)]
+        results: dict[int, object] = {}
+
+        def worker(i: int) -> None:
+            c = eng.generate(Batch(items=[prompts[i]]), SamplingParams(max_new_tokens=10, temperature=0.0))[0]
+            results[i] = c
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in ts:
+            t.start()
+        eng.update_weights(_perturbed(model, 0.01), version=1)
+        for t in ts:
+            t.join()
+        assert sorted(results) == list(range(6)) and eng.weights_version == 1
+        assert all(len(c.token_ids) == 10 for c in results.values())
+    finally:
+        eng.stop()
+
+
+def test_thinking_budget_under_continuous_batching(tiny) -> None:
+    """Rows with different budgets, arriving at different steps: each thought is closed exactly at its
+    budget in the same sequence (forced tokens marked), and the answer follows."""
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok)
+    prompt = _ids(tok, "Question: what next?<think>")
+    close = eng._encode(eng.thinking_close_text, first=False)
+    h0 = eng.submit(GenerationRequest(prompt, SamplingParams(max_new_tokens=16, temperature=0.0, thinking_budget=5)))
+    eng.step()
+    eng.step()
+    h1 = eng.submit(GenerationRequest(prompt + [5], SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                                   thinking_budget=2)))
+    res = _run(eng, [h0, h1])
+    for h, budget in ((h0, 5), (h1, 2)):
+        r = res[h]
+        c = r.completion
+        assert c.thinking_tokens == budget and r.thinking_budget == budget
+        assert c.token_ids[budget: budget + len(close)] == close
+        assert c.forced_token_indices == list(range(budget, budget + len(close)))
+        alone = HFEngine.from_model(model, tok).generate(
+            Batch(items=[c.prompt_token_ids]), SamplingParams(max_new_tokens=16, temperature=0.0, thinking_budget=budget))
+        assert alone[0].token_ids == c.token_ids
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_eager(tiny) -> None:
+    """compile_decode (torch.compile of the one-token step and of the bookkeeping; CUDA graphs on a GPU) gives
+    the eager tokens and logprobs, static and dynamic widths, with requests joining mid-way."""
+    import thinkcraft.llm.hf.cache as C
+
+    model, tok = tiny
+    prompts = [_ids(tok, t) for t in ("Hello there", "The quick brown fox", "a b c d e f")]
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0)
+    want = HFEngine.from_model(model, tok).generate(Batch(items=prompts), sp)
+    for width in ("static", "dynamic"):
+        eng = HFEngine.from_model(model, tok, kv_cache=width, compile_decode=True)
+        warned: list[str] = []
+        C.log.warning = lambda msg, *a: warned.append(msg % a)  # type: ignore[method-assign]
+        try:
+            got = eng.generate(Batch(items=prompts), sp)
+        finally:
+            del C.log.warning
+        if warned:
+            pytest.skip(f"torch.compile cannot build here: {warned[0][:200]}")
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode path (varlen prefill, CUDA graphs) needs a GPU")
+def test_cuda_compiled_step_and_turn_reuse_agree_with_eager_in_bf16() -> None:
+    """On a GPU: the FlashAttention varlen prefill and the compiled CUDA-graph step (static and dynamic widths)
+    give the eager engine's tokens (bf16: near-ties may flip, so >= 90% agree) and close logprobs, over a
+    3-turn episode with a shared prefix."""
+    model, tok = tiny_llama(thinking=True, dtype=torch.bfloat16)
+    model.cuda()
+    system = _ids(tok, "You play a game. Answer with one action.")
+    engines = {"eager": HFEngine.from_model(model, tok),
+               "static": HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True),
+               "dynamic": HFEngine.from_model(model, tok, kv_cache="dynamic", compile_decode=True)}
+    prompts, want = [system + _ids(tok, " first observation")], []
+    for k in range(3):  # the eager engine's episode fixes the prompts every engine gets
+        h = engines["eager"].submit(GenerationRequest(prompts[k], GREEDY, prefix_len=len(system), episode="e"))
+        want.append(_run(engines["eager"], [h])[h])
+        prompts.append(prompts[k] + want[k].completion.token_ids + _ids(tok, f" observation {k + 2}"))
+    for name in ("static", "dynamic"):
+        eng = engines[name]
+        got = []
+        for k in range(3):
+            h = eng.submit(GenerationRequest(prompts[k], GREEDY, prefix_len=len(system), episode="e"))
+            got.append(_run(eng, [h])[h])
+        assert np.mean([a.completion.token_ids == b.completion.token_ids for a, b in zip(want, got)]) >= 2 / 3, name
+        a, b = want[0].completion, got[0].completion
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=5e-2)
+        assert got[1].reused_tokens > len(system) and got[0].reused_tokens == len(system)
+
+
+def test_structured_and_free_requests_share_the_decode_batch() -> None:
+    """A JSON-schema-constrained request and free ones in the same running batch, joining at different steps:
+    the constrained answer parses, the free ones are the tokens they get alone (the mask touches their rows
+    not), and a slot freed by a constrained request serves a free one unconstrained."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from thinkcraft.llm.constrained import StructuredOutput
+
+    model, tok = tiny_llama(seed=3)
+    schema = {"type": "object", "properties": {"move": {"type": "string", "enum": ["left", "right"]}},
+              "required": ["move"]}
+    spec = StructuredOutput.from_schema(schema)
+    free_sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = [_ids(tok, f"state {i}: tree at ({i}, {i + 1})") for i in range(3)]
+    alone = HFEngine.from_model(model, tok).generate(Batch(items=prompts), free_sp)
+    eng = HFEngine.from_model(model, tok, max_slots=2)
+    h_json = eng.submit(GenerationRequest(prompts[0], SamplingParams(max_new_tokens=24, temperature=0.0,
+                                                                     structured=spec)))
+    eng.step()
+    h_free = [eng.submit(GenerationRequest(p, free_sp)) for p in prompts]
+    res = _run(eng, [h_json, *h_free])
+    assert json.loads(res[h_json].completion.text)["move"] in ("left", "right")
+    for h, want in zip(h_free, alone):
+        assert res[h].completion.token_ids == want.token_ids
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_engine_recovers(tiny, monkeypatch) -> None:
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok)
+    prompts = [_ids(tok, "Hello there"), _ids(tok, "The quick brown fox")]
+    want = eng.generate(Batch(items=prompts), GREEDY)
+    h = eng.submit(GenerationRequest(prompts[0], GREEDY, episode="e", tag="mine"))
+    eng.step()
+    real = type(eng._batcher)._forward_last
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fault (injected)")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(eng._batcher), "_forward_last", flaky)
+    eng._batcher._step_fn = eng._batcher._forward_last
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    (r,) = eng.poll()
+    assert (r.handle, r.tag, r.completion.finish_reason) == (h, "mine", "error") and "injected" in r.error
+    assert eng.pending() == 0 and eng.decode_metrics()["failed"] == 1
+    got = eng.generate(Batch(items=prompts), GREEDY)  # a clean cache: the same tokens as before the fault
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and eng.poll() == []

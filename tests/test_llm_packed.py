@@ -1,0 +1,394 @@
+"""Packed training (train/llm_policy/packing.py + the Learner): micro-batches of a token budget laid out as
+one dense sequence with varlen attention give the same log-probs, losses and gradients as the padded
+computation (fp32, CPU, tiny Llama / Qwen2 / Qwen3 models, LoRA and full fine-tuning), whatever the budget
+and the LM-head chunking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from thinkcraft.rl import llm_losses as L
+from thinkcraft.train import llm_policy as LP
+from thinkcraft.train.llm_policy import packing
+from thinkcraft.utils.errors import ConfigError
+
+VOCAB = 97
+
+
+def _model(arch: str, finetune: str = "lora"):
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    from thinkcraft.llm.testing import tiny_llama_config, tiny_qwen3_config
+
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = LP.random_model("tiny", vocab_size=VOCAB)
+    else:
+        cls, make = {"llama": (LlamaForCausalLM, tiny_llama_config), "qwen3": (Qwen3ForCausalLM, tiny_qwen3_config)}[arch]
+        model = cls(make(VOCAB))
+    with torch.no_grad():  # larger-than-default init: log-probs far from uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model = LP.trainable(model, _cfg(finetune=finetune))
+    if finetune == "lora":
+        with torch.no_grad():  # LoRA's B starts at 0 (then A gets no gradient): give both a value
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def _cfg(**kw):
+    base = dict(model="random:tiny", finetune="lora", lr=1e-2, max_grad_norm=0.0, micro_batch_tokens=1 << 20)
+    base.update(kw)
+    return LP.LLMPolicyConfig(**base)
+
+
+def _turns(lengths, seed=0):
+    """Turns of (prompt, completion) lengths with random ids; the second turn's last token forced (mask 0)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, (p, c) in enumerate(lengths):
+        ids = rng.integers(3, VOCAB, p + c).tolist()
+        mask = [1] * c
+        if k == 1 and c > 1:
+            mask[-1] = 0
+        out.append(LP.TurnSample(obs="", prompt_ids=ids[:p], completion_ids=ids[p:], logprobs=[0.0] * c,
+                                 train_mask=mask, text="", finish_reason="stop"))
+    return out
+
+
+LENGTHS = [(5, 4), (3, 6), (9, 2), (2, 1), (7, 5)]
+
+
+def _rows(model, lengths=LENGTHS, seed=0):
+    """Rows with off-policy old log-probs (current ones + noise: ratios away from 1, some clipped)."""
+    rows = LP.build_rows(_turns(lengths, seed), [1.0, -2.0, 0.5, 1.5, -0.7][: len(lengths)],
+                         [1.0, 0.0, 0.5, 1.0, 0.0][: len(lengths)], 0, torch.device("cpu"))
+    with torch.no_grad():
+        cur = L.token_logprobs(model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits,
+                               rows.input_ids)
+    noise = torch.randn(cur.shape, generator=torch.Generator().manual_seed(seed)) * 0.3
+    rows.old_logp.copy_((cur + noise) * rows.loss_mask)
+    return rows
+
+
+def _learner(cfg, model):
+    learner = LP.Learner(cfg, model, None, torch.device("cpu"), None)
+    learner.optimizer.step = lambda: None  # keep the weights: compare gradients
+    return learner
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def _reference(cfg, model, rows, v_star=None):
+    """The padded computation, independently: the causal LM's full logits of the whole batch, the losses of
+    rl.llm_losses on them, one backward. Returns (loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    ids, attn, mask = rows.input_ids, rows.attention_mask, rows.loss_mask
+    logp = L.token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
+    ref = None
+    if cfg.kl_coef > 0 or cfg.algo == "apo":
+        with torch.no_grad():
+            if cfg.finetune == "lora":
+                with model.disable_adapter():
+                    ref = L.token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
+            else:  # the learner's frozen copy has the same (initial) weights
+                ref = L.token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
+    if cfg.algo == "apo":
+        loss = L.apo_loss(L.sequence_logprob(logp, mask), L.sequence_logprob(ref, mask), rows.rewards, v_star,
+                          cfg.apo_beta2).loss
+    else:
+        loss = L.clipped_pg_loss(logp, rows.old_logp, rows.advantages, mask,
+                                 clip_eps=cfg.clip_eps, ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg).loss
+    loss.backward()
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return float(loss), grads
+
+
+def _assert_same(got, want):
+    assert set(got) == set(want)
+    assert any(g.abs().sum() > 0 for g in want.values())
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=2e-6, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+def test_boundaries_fill_the_token_budget():
+    lens = np.array([4, 3, 5, 9, 2, 2])
+    # packed: real tokens; a row over the budget alone
+    assert packing.boundaries(lens, 8, 0, True) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    # padded: rows x the longest (4,3 -> 2x4=8; +5 -> 3x5 > 8)
+    assert packing.boundaries(lens, 8, 0, False) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert packing.boundaries(lens, 10, 0, True) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert packing.boundaries(lens, 12, 0, True) == [(0, 3), (3, 5), (5, 6)]
+    assert packing.boundaries(lens, 100, 2, True) == [(0, 2), (2, 4), (4, 6)]  # the row cap
+    assert packing.boundaries(np.array([], dtype=np.int64), 8, 0, True) == []
+
+
+def test_padded_boundaries_count_rows_times_the_longest():
+    lens = np.array([2, 2, 2, 6, 1])
+    # 2,2,2 -> 3x2 = 6 <= 12; +6 -> 4x6 = 24 > 12; 6,1 -> 2x6 = 12
+    assert packing.boundaries(lens, 12, 0, False) == [(0, 3), (3, 5)]
+
+
+def test_plan_lays_out_packed_rows_back_to_back():
+    """Lengths 3, 5, 2 in a (3, 5) batch: gather walks each row's real tokens, positions restart at 0, cu
+    marks the boundaries, and each trained position maps to its packed index and its padded loss slot."""
+    lengths = np.array([3, 5, 2])
+    mask = np.zeros((3, 4), np.float32)
+    mask[0, 1:3] = 1  # row 0 predicts tokens 2, 3 (positions 1, 2)
+    mask[1, [2, 4 - 1]] = 1
+    mask[2, 0] = 1
+    (mb,) = packing.plan(lengths, mask, 100, 0, True, torch.device("cpu"))
+    assert (mb.start, mb.end, mb.width, mb.tokens, mb.trained_tokens, mb.trained_seqs) == (0, 3, 5, 10, 5, 3)
+    assert mb.gather.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]
+    assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 8, 10] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.pred.tolist() == [1, 2, 3 + 2, 3 + 3, 8 + 0]
+    assert mb.scatter.tolist() == [1, 2, 4 + 2, 4 + 3, 8 + 0]
+    (pad,) = packing.plan(lengths, mask, 100, 0, False, torch.device("cpu"))
+    assert pad.pred.tolist() == [1, 2, 5 + 2, 5 + 3, 10 + 0] and pad.scatter.tolist() == mb.scatter.tolist()
+    assert pad.gather is None and not pad.packed
+
+
+# ------------------------------------------------------------------------------------------ forward equality
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_packed_logprobs_equal_each_row_alone(arch):
+    """Every next-token log-prob of a packed micro-batch (and of a padded one) equals the row's own forward
+    through the causal LM: attention stays within each row, positions restart."""
+    model = _model(arch)
+    rows = _rows(model)
+    learner = _learner(_cfg(), model)
+    lengths, _ = packing.host_rows(rows.attention_mask, rows.loss_mask)
+    everything = (np.arange(rows.loss_mask.shape[1])[None] < lengths[:, None] - 1).astype(np.float32)
+    got = {}
+    with torch.no_grad():
+        for packed in (True, False):
+            (mb,) = packing.plan(lengths, everything, 1 << 20, 0, packed, torch.device("cpu"))
+            got[packed] = learner.logprobs(rows, mb)
+        for i, n in enumerate(lengths.tolist()):
+            ids = rows.input_ids[i: i + 1, :n]
+            want = L.token_logprobs(model(input_ids=ids).logits, ids)[0]
+            for packed in (True, False):
+                torch.testing.assert_close(got[packed][i, : n - 1], want, atol=1e-5, rtol=1e-5)
+                assert not got[packed][i, n - 1:].any()
+
+
+def test_packed_attention_under_autocast_with_fp32_weights(monkeypatch):
+    """Full fine-tuning keeps fp32 weights; under autocast RoPE hands the attention fp32 q/k, which the packed
+    function casts to the autocast dtype (the flash kernels take half precision only): CPU autocast runs the
+    same branch, and the packed result stays the padded one within bf16 rounding."""
+    model = _model("qwen2", "full")
+    rows = _rows(model)
+    learner = _learner(_cfg(finetune="full"), model)
+    lengths, mask = packing.host_rows(rows.attention_mask, rows.loss_mask)
+    seen = []
+
+    def recording(q, k, v, *a):  # noqa: ANN001, ANN002, ANN202
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return packing.sdpa_per_sequence(q, k, v, *a)
+
+    monkeypatch.setitem(packing.TRAIN_KERNELS, "sdpa", recording)
+    got = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for packed in (True, False):
+            (mb,) = packing.plan(lengths, mask, 1 << 20, 0, packed, torch.device("cpu"))
+            got[packed] = learner.logprobs(rows, mb)
+    assert seen == [{torch.bfloat16}] * 2  # both layers' kernels got bf16 q, k, v
+    torch.testing.assert_close(got[True], got[False], atol=0.1, rtol=0.05)
+
+
+def test_a_packed_row_does_not_see_its_neighbours():
+    model = _model("qwen2")
+    rows = _rows(model)
+    learner = _learner(_cfg(), model)
+    with torch.no_grad():
+        before = learner.logprobs(rows, learner.plan(rows)[0])
+        rows.input_ids[0, :9] = (rows.input_ids[0, :9] + 1) % VOCAB  # change row 0 only
+        after = learner.logprobs(rows, learner.plan(rows)[0])
+    assert learner.packed and not torch.equal(before[0], after[0])
+    torch.testing.assert_close(before[1:], after[1:], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ update equality
+
+
+@pytest.mark.parametrize("finetune,agg,kl", [
+    ("lora", "seq-mean-token-mean", 0.0), ("lora", "token-mean", 0.1), ("full", "seq-mean-token-mean", 0.1),
+    ("full", "token-mean", 0.0),
+])
+def test_packed_update_equals_the_padded_computation(finetune, agg, kl):
+    """Loss and gradients of a packed, micro-batched (budget 12 tokens: several micro-batches) update with
+    chunked log-probs equal the padded whole-batch computation, LoRA and full fine-tuning, both aggregations,
+    with and without the KL term (its reference log-probs packed too)."""
+    model = _model("qwen2", finetune)
+    cfg = _cfg(finetune=finetune, loss_agg=agg, kl_coef=kl, micro_batch_tokens=12, logit_chunk_mib=0.001)
+    rows = _rows(model)
+    want_loss, want = _reference(cfg, model, rows)
+    learner = _learner(cfg, model)
+    stats = learner.update(rows)
+    assert learner.packed and stats["learner/packed"] == 1.0 and stats["learner/micro_batches"] >= 3
+    assert stats["learner/tokens"] == float(sum(p + c for p, c in LENGTHS)) and stats["learner/pad_frac"] == 0.0
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    assert 0.0 < stats["losses/clip_frac"] < 1.0  # the off-policy ratios clip some tokens
+    _assert_same(_grads(model), want)
+
+
+def test_apo_update_equals_the_padded_computation():
+    model = _model("llama")
+    cfg = _cfg(algo="apo", env="arith", micro_batch_tokens=15)
+    rows = _rows(model)
+    v_star = torch.tensor([0.5, 0.2, 0.1, 0.9, 0.3])
+    want_loss, want = _reference(cfg, model, rows, v_star)
+    stats = _learner(cfg, model).update(rows, v_star=v_star)
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5)
+    _assert_same(_grads(model), want)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(micro_batch_tokens=1),  # every row alone
+    dict(micro_batch_tokens=20, micro_batch_size=2),
+    dict(pack=False, micro_batch_tokens=20),  # padded micro-batches
+    dict(logit_chunk_mib=0),  # the full logits of every position
+    dict(pack=False, logit_chunk_mib=0, micro_batch_size=1),  # the old learner's path
+])
+def test_layout_budget_and_chunking_do_not_change_the_gradient(kw):
+    model = _model("qwen3")
+    base = _cfg(loss_agg="seq-mean-token-mean")
+    rows = _rows(model, seed=3)
+    learner = _learner(base, model)
+    learner.update(rows)
+    want = _grads(model)
+    cfg = _cfg(**{**dict(loss_agg="seq-mean-token-mean"), **kw})
+    stats = _learner(cfg, model).update(rows)
+    assert stats["learner/packed"] == float(cfg.pack)
+    _assert_same(_grads(model), want)
+
+
+def test_token_logprobs_reads_every_position():
+    model = _model("qwen2")
+    rows = _rows(model)
+    learner = _learner(_cfg(), model)
+    with torch.no_grad():
+        got = learner.token_logprobs(rows.input_ids, rows.attention_mask)
+        want = L.token_logprobs(model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits,
+                                rows.input_ids)
+    real = rows.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def test_config_rejects_bad_learner_budgets():
+    for kw, field in ((dict(micro_batch_tokens=0), "micro-batch-tokens"), (dict(micro_batch_size=-1), "micro-batch-size"),
+                      (dict(logit_chunk_mib=-1.0), "logit-chunk-mib")):
+        with pytest.raises(ConfigError, match=field):
+            _cfg(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels with a backward need CUDA (none here)")
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_cuda_packed_update_matches_padded_in_bf16(finetune):
+    """On CUDA a varlen kernel is chosen (forward and backward probed against sdpa), and a bf16-autocast packed
+    update with chunked log-probs agrees with the padded one with full logits (bf16 tolerance, per parameter)."""
+    dev = torch.device("cuda")
+    assert packing.packed_kernel(dev) in packing.CUDA_CANDIDATES
+    grads = {}
+    for pack in (True, False):
+        model = _model("qwen3", finetune)
+        rows = _rows(model, seed=1)
+        model.to(dev)
+        rows = rows.to(dev)
+        cfg = _cfg(finetune=finetune, pack=pack, micro_batch_tokens=16, logit_chunk_mib=0.001 if pack else 0)
+        learner = LP.Learner(cfg, model, None, dev, torch.bfloat16)
+        learner.optimizer.step = lambda: None
+        assert learner.packed == pack
+        learner.update(rows)
+        grads[pack] = _grads(model)
+    assert set(grads[True]) == set(grads[False])
+    for n, want in grads[False].items():
+        err = float((grads[True][n] - want).norm() / want.norm().clamp(min=1e-6))
+        assert err < 0.05, f"{n}: relative error {err:.3f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA host syncs (no GPU here)")
+def test_cuda_micro_batch_loop_reads_nothing_back():
+    """The micro-batch loop (forward, chunked head, KL reference, loss, backward of each) never waits for the
+    device with LoRA: with torch's sync debug mode on, no synchronising call happens in it (the plan's one copy
+    to the host and the statistics' one read at the end are outside). Full fine-tuning adds torch's own: the
+    CUDA embedding backward reads its segment count on the host, once per micro-batch."""
+    import warnings
+
+    dev = torch.device("cuda")
+    model = _model("qwen3")
+    rows = _rows(model, seed=2)
+    model.to(dev)
+    rows = rows.to(dev)
+    learner = LP.Learner(_cfg(micro_batch_tokens=12, logit_chunk_mib=0.001, kl_coef=0.1), model, None, dev,
+                         torch.bfloat16)
+    inner = learner._accumulate
+    syncs = []
+
+    def watched(*a):  # noqa: ANN002, ANN202
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return inner(*a)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+    learner._accumulate = watched
+    stats = learner.update(rows)
+    assert stats["learner/micro_batches"] >= 3 and stats["learner/packed"] == 1.0
+    assert syncs == [], syncs[:3]
+
+
+def test_public_varlen_attention_takes_what_the_cuda_kernel_passes():
+    """The CUDA kernels can't run here; the public API's parameters that `attention._public_varlen` passes
+    (causal window, GQA) are checked in every build."""
+    import inspect
+
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    params = inspect.signature(varlen.varlen_attn).parameters
+    assert {"window_size", "enable_gqa", "scale"} <= set(params), list(params)
+
+
+def test_learner_memory_bench_quick_writes_its_rows(tmp_path):
+    """bench/learner_memory.py --quick runs every mode on CPU and writes the documented rows (so the GPU run
+    is not where it is debugged)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_learner_memory", root / "bench" / "learner_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "llm_policy_craftax_quick.json"
+    out.write_text(json.dumps([{"model_shape": "tiny", "num_envs": 4, "decisions_per_s": 1.0, "card": "x"}]))
+    assert mod.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0]["decisions_per_s"] == 1.0  # the end-to-end bench's rows are kept
+    learner = [r for r in rows if r.get("bench") == "learner"]
+    assert {r["mode"] for r in learner} == set(mod.MODES)
+    for r in learner:
+        assert {"model_shape", "vocab_size", "layout", "logits", "tokens", "learner_s", "learner_tokens_per_s",
+                "peak_learner_gb", "micro_batches", "card", "date"} <= set(r), r
+        assert r["learner_tokens_per_s"] > 0 and r["vocab_size"] == 4096
+        assert r["layout"] == ("packed" if r["mode"].startswith("packed") else "padded")
+    packed = next(r for r in learner if r["mode"] == "packed/chunked")
+    assert packed["pad_frac"] == 0.0 and packed["logits"] == "chunked"
