@@ -149,6 +149,14 @@ def test_eta_one_bound_journal_metrics_and_store(tmp_path, monkeypatch):
     assert len(ids) == len(set(ids)) == 24
     recs = store_records(cfg.run_dir)
     assert sorted(r.metadata.extra["traj_id"] for r in recs) == sorted(ids)
+    # `--resume --run-dir D --steps 5` alone continues the async run as async (the saved mode stands)
+    last = LP.run(LP.LLMPolicyConfig(run_dir=cfg.run_dir, resume=True, steps=5))
+    assert last["policy_version"] == 5 and "staleness/mean" in last
+    j = journal(cfg.run_dir)
+    assert [line["step"] for line in j] == [1, 2, 3, 4, 5]
+    ids = [t for line in j for t in line["traj_ids"]]
+    assert len(ids) == len(set(ids)) == 30
+    assert sorted(r.metadata.extra["traj_id"] for r in store_records(cfg.run_dir)) == sorted(ids)
 
 
 @pytest.mark.slow

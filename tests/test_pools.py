@@ -175,6 +175,18 @@ def test_thread_env_step_timeout_and_rebuild():
     assert len(env.call("reset", ([2],), 5.0)) == 1  # a fresh env for the next group
 
 
+def test_latency_env_waits_and_steps_a_subset_of_episodes():
+    """The slow env of the benchmarks keeps the text-env protocol: the synchronous loop's continuous rollout
+    steps the episodes whose turn came back (`indices`)."""
+    env = EnvSpec("arith", latency_ms=30).build()
+    env.reset([1, 2, 3])
+    t0 = time.perf_counter()
+    res = env.step(["#### 1"], indices=[1])
+    assert time.perf_counter() - t0 >= 0.03 and len(res.rewards) == 1
+    assert env.active_indices() == [0, 2]  # a one-turn task: episode 1 is done, the others wait for theirs
+    assert len(env.step(["#### 1", "#### 2"]).rewards) == 2 and env.active_indices() == []
+
+
 def test_process_env_killed_mid_episode_and_hung_step_are_replaced():
     env = ProcessEnv(EnvSpec("arith"))
     try:

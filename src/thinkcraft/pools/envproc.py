@@ -75,9 +75,11 @@ class LatencyEnv:
     def reset(self, seeds: Sequence[int]) -> list[str]:
         return self.env.reset(seeds)
 
-    def step(self, actions_text: Sequence[str]) -> Any:
+    def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> Any:
+        """One (batched) env step of the active episodes, or of `indices` (the text-env protocol), after the
+        latency."""
         time.sleep(self.latency_s)
-        return self.env.step(actions_text)
+        return self.env.step(actions_text) if indices is None else self.env.step(actions_text, indices=indices)
 
     def active_indices(self) -> list[int]:
         return self.env.active_indices()

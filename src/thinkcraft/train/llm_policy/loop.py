@@ -45,7 +45,7 @@ class Carry(NamedTuple):
 
 
 def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
-    if cfg.mode == "async":  # rollout, reward and training pools at once (async_loop.py)
+    if _run_mode(cfg) == "async":  # rollout, reward and training pools at once (async_loop.py)
         from thinkcraft.train.llm_policy.async_loop import run_async
 
         return run_async(cfg)
@@ -88,6 +88,20 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
                       f"invalid {100 * s.get('format/invalid_rate', 0):.0f}%; "
                       f"samples/s {s.get('perf/samples_per_s', 0):.2f}; run dir {session.run_dir}", soft_wrap=True)
     return session.summary
+
+
+def _run_mode(cfg: LLMPolicyConfig) -> str:
+    """sync or async; on --resume the saved run's mode unless the command line names another (the session's
+    merge rule, checkpoint.check_resume_compatible: `--resume --run-dir D` continues an async run as async)."""
+    if not cfg.resume or cfg.mode != LLMPolicyConfig.mode:
+        return cfg.mode
+    from thinkcraft.train.checkpoint import load_config_dict
+
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(cfg.runs_dir) / (cfg.run_name or "")
+    try:
+        return str(load_config_dict(run_dir).get("mode", cfg.mode))
+    except Exception:  # noqa: BLE001 - no readable run there: the session says so, in its words
+        return cfg.mode
 
 
 def build_policy(cfg: LLMPolicyConfig) -> Policy:
