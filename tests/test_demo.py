@@ -33,8 +33,10 @@ def test_demo_leaves_metrics_checkpoint_and_curve(tmp_path):
 
     meta = json.loads((run / "checkpoint" / "latest.json").read_text())
     assert meta["update"] == 2 and meta["env_steps"] == 256
-    assert (run / "checkpoint" / meta["state_file"]).stat().st_size > 10_000
-    assert (run / "checkpoint" / "params.msgpack").stat().st_size > 10_000
+    ck = run / "checkpoint" / meta["checkpoint"]  # checkpoint/<update>/, verified by its manifest
+    assert meta["checkpoint"] == "00000002" and set(meta["files"]) == {"state.msgpack", "params.msgpack"}
+    for name, rec in meta["files"].items():
+        assert (ck / name).stat().st_size == rec["bytes"] > 10_000
 
     png = (run / "curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
