@@ -21,7 +21,9 @@ Model (GPU): the Qwen2.5-0.5B body with random weights and a 2,048-token BPE (th
 bench/grpo_arith.py), LoRA. Rewards of a random model are ~0, so reward curves say little there; the speed
 rows are what the GPU run is for (the CPU learning check shows that async learns).
 
-Slow env: with whole-call batching (until issue 19's continuous batching) workers whose rows all fit one
+Engines: the sync reference runs the hf engine's continuous batching (each episode submitted on its own, its
+KV kept between turns, the system prompt's KV shared); the async front batches whole `generate` calls over
+the same engine (rows of every waiting episode, in group order). Slow env: workers whose rows all fit one
 engine batch step their envs in lockstep, and the engine then waits env / (env + generate) of the time; with
 1,024-token generations of seconds a 200 ms env is a few percent of that. tests/test_pools.py shows the
 engine kept busy once the rows in flight exceed one batch (`--max-generate-batch`).
