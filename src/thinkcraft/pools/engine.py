@@ -225,10 +225,13 @@ class EngineFront:
             self._generate(slot, taken)
 
     def _apply_update(self, slot: EngineSlot) -> None:
+        import contextlib
+
         update = self._update
         old = slot.sync.version
         try:
-            with slot.lock:
+            # in the generate calls' context (autocast): an engine recomputing KV it keeps computes it as they do
+            with slot.lock, (slot.gen_context() if slot.gen_context is not None else contextlib.nullcontext()):
                 slot.sync.apply(update)
             slot.failed_in_a_row = 0
         except Exception as e:  # noqa: BLE001 - the engine keeps its old weights; retried
