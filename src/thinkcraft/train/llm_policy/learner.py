@@ -30,6 +30,7 @@ class TrainRows:
     old_logp: Any  # (B, L-1) engine logprobs of the sampled tokens (0 elsewhere)
     advantages: Any  # (B,) per-row (turn) advantage or, for A*-PO, r - V*
     rewards: Any  # (B,)
+    allowed: Any = None  # rl.chunked_logprobs.AllowedTokens, index (B, L-1): grammar-constrained positions (json)
 
 def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: int):
     """Flatten episodes to turns: returns-to-go scores and group ids (seed group × turn index), so a turn
@@ -45,8 +46,9 @@ def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: 
     return scores, groups
 
 def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_rewards: Sequence[float], pad_id: int,
-               device) -> TrainRows:
-    """Right-padded rows of the turns, laid out with numpy in a few vectorised writes (no per-row tensors)."""
+               device, masks: Any = None) -> TrainRows:
+    """Right-padded rows of the turns, laid out with numpy in a few vectorised writes (no per-row tensors).
+    `masks` (`Learner.allowed_tokens`: per turn, each token's allowed set) makes `allowed`."""
     import torch
 
     lens = np.array([len(t.prompt_ids) + len(t.completion_ids) for t in turns], dtype=np.int64)
@@ -69,9 +71,16 @@ def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_reward
     def dev(a: np.ndarray) -> Any:
         return torch.from_numpy(a).to(device)
 
+    allowed = None
+    if masks is not None:  # constrained answers: each predicted position's allowed set (-1: every token)
+        from thinkcraft.rl.chunked_logprobs import AllowedTokens
+
+        at = np.full((B, L - 1), -1, dtype=np.int64)
+        at[r, q] = np.concatenate(list(masks.index) + [np.zeros(0, np.int64)])
+        allowed = AllowedTokens(masks.bitmask.to(device), dev(at))
     return TrainRows(dev(ids), dev(valid.astype(np.int64)), dev(mask), dev(old),
                      torch.tensor(list(row_adv), dtype=torch.float32, device=device),
-                     torch.tensor(list(row_rewards), dtype=torch.float32, device=device))
+                     torch.tensor(list(row_rewards), dtype=torch.float32, device=device), allowed)
 
 
 # =========================================================================================== learner
@@ -108,6 +117,7 @@ class Learner:
             log.warning("no varlen attention kernel with a backward runs on %s: the learner pads rows instead", device)
         packing.register_packed_attention()
         vocab = compat.plain_lm_head(model)[0].shape[0]
+        self.vocab_size = vocab
         self.rows_per_chunk = chunk_rows(vocab, cfg.logit_chunk_mib) if cfg.logit_chunk_mib > 0 else 0
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
@@ -143,6 +153,37 @@ class Learner:
         return packing.plan(lengths, mask, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
                             self.device)
 
+    def allowed_tokens(self, turns: Sequence[TurnSample]):
+        """For turns decoded under a grammar with "constrained" log-probs (json answers): each token's allowed
+        set, recomputed on the CPU by replaying the completions through the grammar from where the engine
+        started it (`llm.constrained.answer_start`: after the thought), forced tokens unmasked
+        (`llm.constrained.ReplayMasks`, one table for all turns; for `build_rows`). None when no turn was."""
+        import torch
+
+        from thinkcraft.llm.constrained import ReplayMasks, answer_start, compile_guide, replay_masks
+        from thinkcraft.llm.hf.decode import eos_ids_of
+
+        specs = list(dict.fromkeys(t.structured for t in turns
+                                   if t.structured is not None and t.structured.logprobs == "constrained"))
+        if not specs:
+            return None
+        vocab = self.tokenizer.get_vocab()
+        think = (vocab.get("<think>"), vocab.get("</think>"))
+        stops = eos_ids_of(self.model, self.tokenizer)
+        index = [np.full(len(t.completion_ids), -1, dtype=np.int64) for t in turns]
+        tables, offset = [], 0
+        for spec in specs:
+            sel = [k for k, t in enumerate(turns) if t.structured == spec]
+            forced = [[m == 0 for m in (turns[k].train_mask or [1] * len(turns[k].completion_ids))] for k in sel]
+            starts = [answer_start(turns[k].prompt_ids, turns[k].completion_ids, f, *think) for k, f in zip(sel, forced)]
+            rep = replay_masks(compile_guide(self.tokenizer, self.vocab_size, stops, spec),
+                               [turns[k].completion_ids for k in sel], starts, forced)
+            for k, x in zip(sel, rep.index):
+                index[k] = np.where(x >= 0, x + offset, -1)
+            tables.append(rep.bitmask)
+            offset += len(rep.bitmask)
+        return ReplayMasks(torch.cat(tables), index)
+
     def logprobs(self, rows: TrainRows, mb, model=None):
         """(rows, width - 1) log π of each trained position's next token in micro-batch `mb` (0 elsewhere).
 
@@ -163,11 +204,17 @@ class Learner:
                 ids = rows.input_ids[s:e, :w]
                 h = dec(input_ids=ids, attention_mask=rows.attention_mask[s:e, :w], use_cache=False).last_hidden_state
         h, ids = h.reshape(-1, h.shape[-1]), ids.reshape(-1)
+        allowed = None
+        if rows.allowed is not None:  # json answers: a softmax over the grammar's allowed tokens (constrained.py)
+            allowed = rows.allowed._replace(index=rows.allowed.index[s:e, : w - 1].reshape(-1)[mb.scatter])
         if self.rows_per_chunk:
             lp = linear_token_logprobs(h[mb.pred], weight, ids[mb.pred + 1], bias, 1.0, self.rows_per_chunk,
-                                       self.compute_dtype)
+                                       self.compute_dtype, allowed)
         else:  # the full (tokens x vocabulary) logits of every position, as the causal LM's forward builds them
-            lp = full_linear_token_logprobs(h, weight, ids.roll(-1), bias, 1.0, self.compute_dtype)[mb.pred]
+            if allowed is not None:
+                allowed = allowed._replace(index=allowed.index.new_full((h.shape[0],), -1).index_copy_(
+                    0, mb.pred, allowed.index))
+            lp = full_linear_token_logprobs(h, weight, ids.roll(-1), bias, 1.0, self.compute_dtype, allowed)[mb.pred]
         return lp.new_zeros((e - s) * (w - 1)).scatter(0, mb.scatter, lp).view(e - s, w - 1)
 
     def ref_logprobs(self, rows: TrainRows, mb):
