@@ -4,6 +4,8 @@
     # trained on Craftax observations), 64 / 256 envs, 32-token actions, no thinking / a 256-token budget
     python bench/llm_policy_craftax.py
     python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0   # the goal row
+    python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --pack-episodes off
+                                                        # the same, one learner row per turn (the A/B of episode rows)
     python bench/llm_policy_craftax.py --quick          # CPU smoke run (tiny shape, Craftax-Classic, 4 envs)
 
 Each configuration builds the policy exactly as `thinkcraft train llm-policy` does (`loop.build_policy`) and
@@ -21,6 +23,9 @@ the numbers are over the following steps:
                               resident, included: kv_cache_gb says how much of it that is)
     learner_tokens_per_s      real (unpadded) tokens the learner trained on / train time (advantages, rows
                               and the update). The learner alone, with the real vocabulary: bench/learner_memory.py
+    learner_tokens            real tokens the learner trains on per step (median): with --pack-episodes on (the
+                              default) an episode whose turns extend each other is one row, its last turn
+    learner_tokens_saved_frac 1 - learner_tokens / the tokens of one row per turn (each repeating the history)
 
 Writes bench/results/llm_policy_craftax.json (rows merged by configuration). Random weights never emit a
 parsable action: this measures speed only (every action is a no-op; episodes run to --max-turns).
@@ -45,7 +50,7 @@ from common import card, print_table, today, write_records  # noqa: E402
 
 COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
         "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
-        "kv_cache_gb", "s_per_step"]
+        "learner_tokens", "learner_tokens_saved_frac", "kv_cache_gb", "s_per_step"]
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +66,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
     p.add_argument("--micro-batch-tokens", type=int, default=8192, help="learner tokens per forward/backward")
     p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
+    p.add_argument("--pack-episodes", default="on", choices=["on", "off"],
+                   help="train an episode whose turns extend each other as one row (off: one row per turn)")
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
     p.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV budget (default: half the free memory)")
@@ -85,6 +92,7 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         group_size=a.group_size, max_new_tokens=a.max_new_tokens + (budget + close if budget else 0),
         thinking_budget=budget or None, max_turns=a.max_turns, history_turns=-1, finetune=a.finetune,
         micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
+        pack_episodes=a.pack_episodes == "on",
         compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
         device=a.device, store=False,
         plot=False, seed=0)
@@ -153,6 +161,11 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)
                                       / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),
         "learner_packed": bool(steady[-1].get("learner/packed", 0.0)),
+        "learner_tokens": round(med([r.get("learner/tokens", 0.0) for r in steady])),
+        "learner_tokens_saved_frac": round(med([r.get("learner/tokens_saved_frac", 0.0) for r in steady]), 3),
+        "learner_episode_rows": round(med([r.get("learner/episode_rows", 0.0) for r in steady])),
+        "learner_turn_rows": round(med([r.get("learner/turn_rows", 0.0) for r in steady])),
+        "pack_episodes": a.pack_episodes == "on",
         "decisions_per_step": round(med(turns), 1), "mean_action_tokens": round(med(
             [r["completion/mean_tokens"] for r in steady]), 1),
         "thinking_tokens_mean": round(med([r.get("thinking/tokens_mean", 0.0) for r in steady]), 1),
@@ -175,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - one configuration failing (OOM) must not lose the others
                     traceback.print_exc()
                     rows.append({"model_shape": shape, "num_envs": n, "max_new_tokens": a.max_new_tokens,
-                                 "thinking_budget": budget, "error": f"{type(e).__name__}: {e}"[:400], "card": card(),
+                                 "thinking_budget": budget, "pack_episodes": a.pack_episodes == "on", "error": f"{type(e).__name__}: {e}"[:400], "card": card(),
                                  "date": today()})
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
-                                                       "card"))
+                                                       "pack_episodes", "card"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

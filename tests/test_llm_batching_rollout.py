@@ -82,6 +82,9 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk:
     assert 0 < metrics["kv/turn_reuse_saved_frac"] < metrics["kv/prefill_saved_frac"]
     assert metrics["kv/evictions"] == 0 and engine.pending() == 0
     assert engine._batcher.table.parked((0, 0)) is None  # ended episodes released their KV
+    turns = [t for e in eps for t in e.turns]  # the learner trains each episode as one row: its last turn
+    rows = LP.build_rows(turns, [1.0] * len(turns), [0.0] * len(turns), tok.pad_token_id, torch.device("cpu"))
+    assert rows.turns.starts.tolist() == [0, 3, 6, 9, 12, 15, 18]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_counted(policy) -> None:
@@ -104,6 +107,9 @@ def test_a_template_that_rewrites_earlier_turns_is_counted(policy) -> None:
     expect = [k > 0 and len(e.turns[k - 1].text) > 2 for e in eps for k in range(3)]
     assert fell_back == expect and any(expect)
     assert metrics["kv/template_fallbacks"] == sum(expect)
+    turns = [t for e in eps for t in e.turns]  # the learner starts a new row at each rewritten turn
+    rows = LP.build_rows(turns, [1.0] * len(turns), [0.0] * len(turns), tok2.pad_token_id, torch.device("cpu"))
+    assert rows.turns.starts.tolist() == [k for k in range(len(turns) + 1) if k % 3 == 0 or (k < 6 and expect[k])]
     # the prompt the model saw is the template's own rendering, tokenized whole
     t = eps[0].turns[2]
     assert tok2.decode(t.prompt_ids) == tok2.apply_chat_template(
@@ -148,4 +154,7 @@ def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
         assert r["decisions_per_s"] > 0 and r["rollout_decisions_per_s"] >= r["decisions_per_s"]
         assert r["learner_tokens_per_s"] > 0 and r["learner_packed"]  # the learner packs on CPU too
         assert r["prefill_tokens_saved_frac"] > 0.5  # the system prompt and every earlier turn are reused
+        # each 2-turn episode is one learner row: its first turn's tokens are not trained on twice
+        assert r["learner_episode_rows"] == 4 and r["learner_turn_rows"] == 0
+        assert 0.25 < r["learner_tokens_saved_frac"] < 0.5 and r["learner_tokens"] > 0
     assert rows[1]["thinking_tokens_mean"] > 0  # the thinking rows think (and are cut at the budget)

@@ -104,7 +104,7 @@ def _reference(cfg, model, rows, v_star=None):
         loss = L.apo_loss(L.sequence_logprob(logp, mask), L.sequence_logprob(ref, mask), rows.rewards, v_star,
                           cfg.apo_beta2).loss
     else:
-        loss = L.clipped_pg_loss(logp, rows.old_logp, L.broadcast_to_tokens(rows.advantages, mask), mask,
+        loss = L.clipped_pg_loss(logp, rows.old_logp, rows.advantages, mask,
                                  clip_eps=cfg.clip_eps, ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg).loss
     loss.backward()
     grads = _grads(model)
@@ -149,7 +149,7 @@ def test_plan_lays_out_packed_rows_back_to_back():
     mask[1, [2, 4 - 1]] = 1
     mask[2, 0] = 1
     (mb,) = packing.plan(lengths, mask, 100, 0, True, torch.device("cpu"))
-    assert (mb.start, mb.end, mb.width, mb.tokens, mb.trained_tokens, mb.trained_rows) == (0, 3, 5, 10, 5, 3)
+    assert (mb.start, mb.end, mb.width, mb.tokens, mb.trained_tokens, mb.trained_seqs) == (0, 3, 5, 10, 5, 3)
     assert mb.gather.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]
     assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]
     assert mb.cu_seqlens.tolist() == [0, 3, 8, 10] and mb.cu_seqlens.dtype == torch.int32
@@ -308,8 +308,7 @@ def test_cuda_packed_update_matches_padded_in_bf16(finetune):
         model = _model("qwen3", finetune)
         rows = _rows(model, seed=1)
         model.to(dev)
-        rows = LP.TrainRows(*(t.to(dev) for t in (rows.input_ids, rows.attention_mask, rows.loss_mask,
-                                                   rows.old_logp, rows.advantages, rows.rewards)))
+        rows = rows.to(dev)
         cfg = _cfg(finetune=finetune, pack=pack, micro_batch_tokens=16, logit_chunk_mib=0.001 if pack else 0)
         learner = LP.Learner(cfg, model, None, dev, torch.bfloat16)
         learner.optimizer.step = lambda: None
@@ -335,8 +334,7 @@ def test_cuda_micro_batch_loop_reads_nothing_back():
     model = _model("qwen3")
     rows = _rows(model, seed=2)
     model.to(dev)
-    rows = LP.TrainRows(*(t.to(dev) for t in (rows.input_ids, rows.attention_mask, rows.loss_mask, rows.old_logp,
-                                               rows.advantages, rows.rewards)))
+    rows = rows.to(dev)
     learner = LP.Learner(_cfg(micro_batch_tokens=12, logit_chunk_mib=0.001, kl_coef=0.1), model, None, dev,
                          torch.bfloat16)
     inner = learner._accumulate

@@ -33,11 +33,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: LossAgg) -> torch.Tensor:
+def segment_sum(x: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """(num_segments,) sums of `x` over the positions of each segment id (`segments`: x's shape, ids in
+    [0, num_segments))."""
+    return x.new_zeros(num_segments).index_add(0, segments.reshape(-1), x.reshape(-1))
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: LossAgg, segments: torch.Tensor | None = None,
+              num_segments: int = 0) -> torch.Tensor:
     """'token-mean': every generated token weighs the same (DAPO, Dr. GRPO); 'seq-mean-token-mean':
-    mean over each sequence's tokens, then over sequences (the original GRPO objective)."""
+    mean over each sequence's tokens, then over sequences (the original GRPO objective).
+
+    The sequences are the rows, or with `segments` (per-token ids in [0, num_segments) where the mask is set)
+    the segments: the turns of an episode trained as one row (`learner.build_rows`) each stay a sequence of
+    their own. 'token-mean' ignores them."""
     if how == "token-mean":
         return masked_mean(per_token, mask)
+    if how == "seq-mean-token-mean" and segments is not None:
+        m = mask.to(per_token.dtype)
+        tokens = segment_sum(m, segments, num_segments)
+        has_tokens = (tokens > 0).to(per_token.dtype)
+        per_seq = segment_sum(per_token * m, segments, num_segments) / tokens.clamp(min=1.0)
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
     if how == "seq-mean-token-mean":
         has_tokens = (mask.sum(-1) > 0).to(per_token.dtype)
         per_seq = masked_mean(per_token, mask, dim=-1)
@@ -205,20 +222,23 @@ def clipped_pg_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     agg: LossAgg = "seq-mean-token-mean",
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
 ) -> PGStats:
     """PPO/GRPO clipped surrogate over generated tokens, plus an optional k3 KL penalty to the reference.
 
     -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) with ρ = exp(logp - old_logp). With one update per batch and
     `old_logp` equal to the current policy's, ρ = 1 and this is the plain policy gradient (REINFORCE/RLOO).
+    `advantages` are per token; `segments`: the sequences of 'seq-mean-token-mean' (`aggregate`).
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    pg = aggregate(per_token, mask, agg)
+    pg = aggregate(per_token, mask, agg, segments, num_segments)
     if ref_logp is not None and kl_coef != 0.0:
-        kl = aggregate(k3_kl(logp, ref_logp), mask, agg)
+        kl = aggregate(k3_kl(logp, ref_logp), mask, agg, segments, num_segments)
     else:
         kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
     loss = pg + kl_coef * kl
@@ -259,6 +279,10 @@ def apo_loss(
     return APOStats(loss, log_ratio.detach().mean(), adv.detach().mean())
 
 
-def sequence_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) token logprobs -> (B,) sum over generated tokens."""
+def sequence_logprob(token_logp: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None,
+                     num_segments: int = 0) -> torch.Tensor:
+    """(B, L) token logprobs -> (B,) sum over generated tokens; with `segments` (per-token ids), the
+    (num_segments,) sums of each segment instead."""
+    if segments is not None:
+        return segment_sum(token_logp * mask.to(token_logp.dtype), segments, num_segments)
     return (token_logp * mask.to(token_logp.dtype)).sum(-1)

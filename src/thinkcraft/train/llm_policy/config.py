@@ -106,10 +106,16 @@ class LLMPolicyConfig(RunOptions):
     """Tokens per forward/backward (packed: the turns' real tokens; padded: rows x the longest); gradients
     accumulate exactly over the batch. A turn longer than this gets a micro-batch of its own."""
     micro_batch_size: int = 0
-    """At most this many rows (turns) per micro-batch as well; 0 = the token budget alone decides."""
+    """At most this many rows (a turn, or an episode's turns: --pack-episodes) per micro-batch as well; 0 = the
+    token budget alone decides."""
     pack: bool = True
     """Pack a micro-batch's turns into one dense sequence (varlen attention kept within each turn) instead of
     padding them to the longest; where no varlen kernel with a backward runs, the learner pads (and warns)."""
+    pack_episodes: bool = True
+    """Train an episode whose turns extend each other (each prompt = the previous prompt + reply + the new
+    observation, token for token: the full history) as one row - its last turn, every turn's reply trained under
+    its own advantage - instead of one row per turn repeating the history (the same loss and gradients, a
+    fraction of the tokens); turns that do not extend (a rewriting template, a history window) keep their own."""
     logit_chunk_mib: float = 256.0
     """Token log-probs go through the LM head at trained positions only, in chunks of at most this many MiB of
     fp32 logits (forward and backward); 0 = the full (tokens x vocabulary) logits of every position at once."""

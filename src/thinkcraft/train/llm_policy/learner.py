@@ -1,4 +1,5 @@
-"""Learner: episodes -> per-row advantages -> padded token batches -> micro-batched loss (GRPO / RLOO /
+"""Learner: episodes -> per-turn advantages -> token rows (`build_rows`: an episode whose turns extend each
+other is one row, every turn's completion trained under its own advantage) -> micro-batched loss (GRPO / RLOO /
 REINFORCE / A*-PO from rl.llm_losses) over micro-batches of a token budget, packed (train/llm_policy/packing.py),
 with gradient accumulation and chunked LM-head log-probs (rl/chunked_logprobs.py); checkpoint/resume of its
 state."""
@@ -10,7 +11,7 @@ import logging
 import random
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,17 +21,47 @@ from thinkcraft.train.llm_policy.rollout import Episode, TurnSample
 
 log = logging.getLogger(__name__)
 
+class RowTurns(NamedTuple):
+    """Host side: which turns each row of a `TrainRows` holds (`build_rows`)."""
+
+    starts: np.ndarray  # (R+1,) row r holds turns starts[r]:starts[r+1] (their segment ids)
+    trained: np.ndarray  # (T,) bool: the turn has a trained token (a sequence of 'seq-mean-token-mean')
+    turn_tokens: int  # real tokens of the one-row-per-turn layout
+
+    def seqs_per_row(self) -> np.ndarray:
+        """(R,) trained turns in each row."""
+        c = np.concatenate([[0], np.cumsum(self.trained)])
+        return c[self.starts[1:]] - c[self.starts[:-1]]
+
+    def metrics(self, tokens: float) -> dict[str, float]:
+        """Rows holding several turns of an episode (`episode_rows`) or one turn (`turn_rows`), and the share
+        of the one-row-per-turn layout's tokens that the `tokens` trained on saved."""
+        per_row = np.diff(self.starts)
+        return {"learner/episode_rows": float((per_row > 1).sum()), "learner/turn_rows": float((per_row == 1).sum()),
+                "learner/tokens_saved_frac": 1.0 - tokens / self.turn_tokens if self.turn_tokens else 0.0}
+
+
 @dataclass
 class TrainRows:
-    """One row per turn: right-padded [prompt | completion] token ids and what the loss needs."""
+    """The learner's batch (`build_rows`): one row per turn, or per episode whose turns extend each other; the
+    per-position tensors are aligned with the predicted token."""
 
-    input_ids: Any  # (B, L) long
-    attention_mask: Any  # (B, L)
-    loss_mask: Any  # (B, L-1) float, 1 on trained generated tokens (aligned with predicted positions)
-    old_logp: Any  # (B, L-1) engine logprobs of the sampled tokens (0 elsewhere)
-    advantages: Any  # (B,) per-row (turn) advantage or, for A*-PO, r - V*
-    rewards: Any  # (B,)
-    allowed: Any = None  # rl.chunked_logprobs.AllowedTokens, index (B, L-1): grammar-constrained positions (json)
+    input_ids: Any  # (R, L) long
+    attention_mask: Any  # (R, L)
+    loss_mask: Any  # (R, L-1) float, 1 on trained generated tokens (aligned with predicted positions)
+    old_logp: Any  # (R, L-1) engine logprobs of the sampled tokens (0 elsewhere)
+    advantages: Any  # (R, L-1) per token: its turn's advantage on trained tokens (0 elsewhere)
+    rewards: Any  # (T,) per turn
+    segments: Any = None  # (R, L-1) long: the turn (0..T-1, in `build_rows`' order) of each generated token, -1 elsewhere
+    turns: RowTurns | None = None
+    allowed: Any = None  # rl.chunked_logprobs.AllowedTokens, index (R, L-1): each predicted position's grammar-
+    # allowed set (json answers; -1: every token), following each turn's completion into its row like `old_logp`
+
+    def to(self, device) -> TrainRows:
+        return TrainRows(*(x.to(device) if hasattr(x, "to") else x for x in
+                           (self.input_ids, self.attention_mask, self.loss_mask, self.old_logp, self.advantages,
+                            self.rewards, self.segments)), self.turns,
+                         None if self.allowed is None else type(self.allowed)(*(x.to(device) for x in self.allowed)))
 
 def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: int):
     """Flatten episodes to turns: returns-to-go scores and group ids (seed group × turn index), so a turn
@@ -46,41 +77,91 @@ def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: 
     return scores, groups
 
 def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_rewards: Sequence[float], pad_id: int,
-               device, masks: Any = None) -> TrainRows:
-    """Right-padded rows of the turns, laid out with numpy in a few vectorised writes (no per-row tensors).
-    `masks` (`Learner.allowed_tokens`: per turn, each token's allowed set) makes `allowed`."""
+               device, merge_episodes: bool = True, masks: Any = None) -> TrainRows:
+    """The learner's rows of `turns` (an episode's turns consecutive and in order), right-padded and laid out
+    with numpy in a few vectorised writes (no per-row tensors).
+
+    Where turn k+1's prompt starts with turn k's prompt + completion, token for token (the append-only
+    history of `history_turns=-1`), the two are one row: turn k+1's tokens, with every turn's completion
+    trained under its own advantage, behaviour log-probs and train mask, tagged with its turn (`segments`).
+    This is exact, not an approximation: causal attention shows turn k's completion the same tokens at the
+    same positions in either row. With the full history an episode then costs its last turn's tokens instead
+    of the sum over its turns. Turns that break the chain (a rewriting chat template, a history window) start
+    a new row; `merge_episodes=False`: one row per turn.
+
+    `masks` (`Learner.allowed_tokens`: per turn, each completion token's allowed set) makes `allowed`: each
+    set lands where its token is predicted, in the turn's own row or in the episode row that extends it."""
     import torch
 
-    lens = np.array([len(t.prompt_ids) + len(t.completion_ids) for t in turns], dtype=np.int64)
-    prompt = np.array([len(t.prompt_ids) for t in turns], dtype=np.int64)
-    comp = lens - prompt
-    B, L = len(turns), int(lens.max())
+    T = len(turns)
+    plen = np.fromiter((len(t.prompt_ids) for t in turns), np.int64, T)
+    clen = np.fromiter((len(t.completion_ids) for t in turns), np.int64, T)
+    tlen = plen + clen
+    off = np.cumsum(tlen) - tlen
+    flat = np.fromiter(chain.from_iterable(t.prompt_ids + t.completion_ids for t in turns), np.int64, int(tlen.sum()))
+    joins = _continues(flat, off, plen, tlen) if merge_episodes else np.zeros(max(T - 1, 0), bool)
+    starts = np.flatnonzero(np.concatenate([[True], ~joins, [True]]))  # (R+1,) each row's first turn, then T
+    last = starts[1:] - 1
+    lens = tlen[last]
+    B, L = len(lens), int(lens.max())
     valid = np.arange(L)[None] < lens[:, None]
     ids = np.full((B, L), pad_id, dtype=np.int64)
-    ids[valid] = np.fromiter(chain.from_iterable(t.prompt_ids + t.completion_ids for t in turns), np.int64, int(lens.sum()))
-    # predicted position q predicts token q+1: completion tokens p..p+c-1 are predicted at p-1..p+c-2
-    n = int(comp.sum())
-    r = np.repeat(np.arange(B), comp)
-    q = np.repeat(prompt - 1, comp) + np.arange(n) - np.repeat(np.cumsum(comp) - comp, comp)
-    mask = np.zeros((B, L - 1), dtype=np.float32)
-    old = np.zeros((B, L - 1), dtype=np.float32)
-    mask[r, q] = np.fromiter(chain.from_iterable(t.train_mask or [1] * len(t.completion_ids) for t in turns),
-                             np.float32, n)
+    ids[valid] = flat[np.repeat(off[last], lens) + _ragged_arange(lens)]
+    # predicted position q predicts token q+1: a turn's completion tokens p..p+c-1 are predicted at p-1..p+c-2,
+    # in its own row and in the row of a later turn that extends it alike
+    r = np.repeat(np.repeat(np.arange(B), np.diff(starts)), clen)
+    q = np.repeat(plen - 1, clen) + _ragged_arange(clen)
+    seg = np.repeat(np.arange(T), clen)
+    train = np.fromiter(chain.from_iterable(t.train_mask or [1] * len(t.completion_ids) for t in turns),
+                        np.float32, len(seg))
+    mask, old, adv = (np.zeros((B, L - 1), dtype=np.float32) for _ in range(3))
+    segments = np.full((B, L - 1), -1, dtype=np.int64)
+    mask[r, q] = train
     old[r, q] = np.fromiter(chain.from_iterable(t.logprobs or [0.0] * len(t.completion_ids) for t in turns),
-                            np.float32, n)
+                            np.float32, len(seg))
+    adv[r, q] = np.asarray(row_adv, dtype=np.float32)[seg] * train
+    segments[r, q] = seg
+    trained = np.bincount(seg, weights=train > 0, minlength=T) > 0
+
     def dev(a: np.ndarray) -> Any:
         return torch.from_numpy(a).to(device)
 
-    allowed = None
-    if masks is not None:  # constrained answers: each predicted position's allowed set (-1: every token)
-        from thinkcraft.rl.chunked_logprobs import AllowedTokens
+    return TrainRows(dev(ids), dev(valid.astype(np.int64)), dev(mask), dev(old), dev(adv),
+                     torch.tensor(list(row_rewards), dtype=torch.float32, device=device), dev(segments),
+                     RowTurns(starts, trained, int(tlen.sum())), _allowed(masks, r, q, (B, L - 1), device))
 
-        at = np.full((B, L - 1), -1, dtype=np.int64)
-        at[r, q] = np.concatenate(list(masks.index) + [np.zeros(0, np.int64)])
-        allowed = AllowedTokens(masks.bitmask.to(device), dev(at))
-    return TrainRows(dev(ids), dev(valid.astype(np.int64)), dev(mask), dev(old),
-                     torch.tensor(list(row_adv), dtype=torch.float32, device=device),
-                     torch.tensor(list(row_rewards), dtype=torch.float32, device=device), allowed)
+
+def _allowed(masks: Any, r: np.ndarray, q: np.ndarray, shape: tuple[int, int], device) -> Any:
+    """`AllowedTokens` of `masks` (per turn, each completion token's entry in `masks.bitmask`) scattered to the
+    (row, predicted position) of every completion token (`r`, `q` of `build_rows`), -1 elsewhere; None
+    without masks."""
+    if masks is None:
+        return None
+    import torch
+
+    from thinkcraft.rl.chunked_logprobs import AllowedTokens
+
+    at = np.full(shape, -1, dtype=np.int64)
+    at[r, q] = np.concatenate(list(masks.index) + [np.zeros(0, np.int64)])
+    return AllowedTokens(masks.bitmask.to(device), torch.from_numpy(at).to(device))
+
+
+def _ragged_arange(n: np.ndarray) -> np.ndarray:
+    """0..n[0]-1, 0..n[1]-1, ... concatenated."""
+    return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+
+
+def _continues(flat: np.ndarray, off: np.ndarray, plen: np.ndarray, tlen: np.ndarray) -> np.ndarray:
+    """(T-1,) bool: turn k+1's prompt starts with turn k's prompt + completion, compared token for token in one
+    vectorised pass (the turns' tokens back to back in `flat`, turn k at off[k]:off[k]+tlen[k])."""
+    out = np.zeros(max(len(tlen) - 1, 0), dtype=bool)
+    cand = np.flatnonzero(plen[1:] >= tlen[:-1])
+    n = tlen[cand]
+    within = _ragged_arange(n)
+    differ = flat[np.repeat(off[cand], n) + within] != flat[np.repeat(off[cand + 1], n) + within]
+    bad = np.bincount(np.repeat(np.arange(len(cand)), n), weights=differ, minlength=len(cand))
+    out[cand[bad == 0]] = True
+    return out
 
 
 # =========================================================================================== learner
@@ -151,7 +232,7 @@ class Learner:
             mask = (np.arange(mask.shape[1])[None] < (lengths[:, None] - 1)).astype(np.float32)
             return packing.plan(lengths, mask, 1 << 62, 0, False, self.device)
         return packing.plan(lengths, mask, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
-                            self.device)
+                            self.device, rows.turns.seqs_per_row() if rows.turns is not None else None)
 
     def allowed_tokens(self, turns: Sequence[TurnSample]):
         """For turns decoded under a grammar with "constrained" log-probs (json answers): each token's allowed
@@ -239,11 +320,14 @@ class Learner:
         """One optimizer step over all rows, micro-batched by tokens (`packing.plan`). Each micro-batch's loss
         is weighted by its share of the batch (tokens or sequences, as the aggregation counts them), so
         accumulation equals the full-batch loss. The loop reads nothing back from the device: the
-        statistics are summed there and read once at the end."""
+        statistics are summed there and read once at the end. `rows` come from `build_rows`; `v_star` (A*-PO)
+        is per turn, as `rows.rewards`."""
         import torch
 
         from thinkcraft.train.llm_policy.packing import layout_summary
 
+        if rows.segments is None or rows.turns is None:
+            raise ValueError("Learner.update takes the rows of build_rows (per-token segments and their turns)")
         cfg = self.cfg
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -256,21 +340,22 @@ class Learner:
         names = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=self.device).reshape(())
                               for k in names]).tolist()
-        return {**dict(zip(names, values)), **layout_summary(mbs)}
+        layout = layout_summary(mbs)
+        return {**dict(zip(names, values)), **layout, **rows.turns.metrics(layout["learner/tokens"])}
 
     def _accumulate(self, rows: TrainRows, mbs: list, v_star) -> dict[str, Any]:
         """Forward and backward of every micro-batch, each loss weighted by its share of the batch; returns the
         weighted statistics as device tensors (nothing read back here)."""
         cfg = self.cfg
         total_tokens = max(sum(m.trained_tokens for m in mbs), 1)
-        total_seqs = max(sum(m.trained_rows for m in mbs), 1)
+        total_seqs = max(sum(m.trained_seqs for m in mbs), 1)
         by_tokens = cfg.algo != "apo" and cfg.loss_agg == "token-mean"
         stats: dict[str, Any] = dict.fromkeys(("losses/loss", "losses/pg", "losses/kl", "losses/clip_frac",
                                                "losses/ratio"), 0.0)
         for mb in mbs:
             if mb.trained_tokens == 0:
                 continue
-            weight = mb.trained_tokens / total_tokens if by_tokens else mb.trained_rows / total_seqs
+            weight = mb.trained_tokens / total_tokens if by_tokens else mb.trained_seqs / total_seqs
             loss, parts = self._micro_loss(rows, mb, v_star)
             (loss * weight).backward()
             for k, v in parts.items():
@@ -278,22 +363,25 @@ class Learner:
         return stats
 
     def _micro_loss(self, rows: TrainRows, mb, v_star):
-        """(loss, {metric: value}) of one micro-batch, on the (rows, width - 1) layout of `build_rows`."""
+        """(loss, {metric: value}) of one micro-batch, on the (rows, width - 1) layout of `build_rows`. Its
+        sequences are its turns (`segments`, renumbered from 0 here), whether a row holds one or several."""
         from thinkcraft.rl import llm_losses as L
 
         cfg = self.cfg
         sl, w = slice(mb.start, mb.end), mb.width
         mask = rows.loss_mask[sl, : w - 1]
+        first, end = int(rows.turns.starts[mb.start]), int(rows.turns.starts[mb.end])
+        seg, n_seg = (rows.segments[sl, : w - 1] - first).clamp(min=0), end - first
         logp = self.logprobs(rows, mb)
         if cfg.algo == "apo":
             ref = self.ref_logprobs(rows, mb)
-            st = L.apo_loss(L.sequence_logprob(logp, mask), L.sequence_logprob(ref, mask), rows.rewards[sl],
-                            v_star[sl], cfg.apo_beta2)
+            st = L.apo_loss(L.sequence_logprob(logp, mask, seg, n_seg), L.sequence_logprob(ref, mask, seg, n_seg),
+                            rows.rewards[first:end], v_star[first:end], cfg.apo_beta2)
             return st.loss, {"losses/loss": st.loss, "apo/log_ratio": st.log_ratio_mean}
         ref = self.ref_logprobs(rows, mb) if cfg.kl_coef > 0 else None
-        adv = L.broadcast_to_tokens(rows.advantages[sl], mask)
-        st = L.clipped_pg_loss(logp, rows.old_logp[sl, : w - 1], adv, mask, clip_eps=cfg.clip_eps, ref_logp=ref,
-                               kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
+        st = L.clipped_pg_loss(logp, rows.old_logp[sl, : w - 1], rows.advantages[sl, : w - 1], mask,
+                               clip_eps=cfg.clip_eps, ref_logp=ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg,
+                               segments=seg, num_segments=n_seg)
         return st.loss, {"losses/loss": st.loss, "losses/pg": st.pg_loss, "losses/kl": st.kl,
                          "losses/clip_frac": st.clip_frac, "losses/ratio": st.ratio_mean}
 

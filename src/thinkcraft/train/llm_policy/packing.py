@@ -1,5 +1,5 @@
-"""Packed training: a batch's turns in micro-batches of a token budget, each one dense sequence (no padding)
-with attention kept within each turn.
+"""Packed training: a batch's rows (a turn each, or an episode's turns as one row: `learner.build_rows`) in
+micro-batches of a token budget, each one dense sequence (no padding) with attention kept within each row.
 
 A micro-batch of rows [start, end) is laid out either
 
@@ -138,7 +138,7 @@ class MicroBatch(NamedTuple):
     width: int  # the longest row: its loss tensors are (rows, width - 1), as `build_rows` lays them out
     tokens: int  # real tokens
     trained_tokens: int  # positions whose next token is trained
-    trained_rows: int  # rows with at least one
+    trained_seqs: int  # sequences (turns: a merged episode row counts each of its turns) with at least one
     packed: bool
     pred: torch.Tensor  # (n,) trained positions along the layout's flat token axis (packed: T; padded: rows*width)
     scatter: torch.Tensor  # (n,) the same positions in the flattened (rows, width - 1) loss layout
@@ -165,9 +165,11 @@ def boundaries(lengths: np.ndarray, token_budget: int, max_rows: int, packed: bo
 
 
 def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows: int, packed: bool,
-         device: torch.device) -> list[MicroBatch]:
+         device: torch.device, seqs: np.ndarray | None = None) -> list[MicroBatch]:
     """Micro-batches of a batch from its host-side row lengths (B,) and loss mask (B, L-1): boundaries, and
-    every index tensor built with numpy (no per-row Python) and sent to the device in two transfers."""
+    every index tensor built with numpy (no per-row Python) and sent to the device in two transfers.
+    `seqs` (B,): trained sequences in each row (`RowTurns.seqs_per_row`; None: one per row with a trained
+    token)."""
     L = loss_mask.shape[1] + 1
     trained = loss_mask > 0
     spans = boundaries(lengths, token_budget, max_rows, packed)
@@ -185,11 +187,12 @@ def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows
             parts += [np.arange(t) + np.repeat(np.arange(s, e) * L - off, lens), np.arange(t) - np.repeat(off, lens)]
             cus.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
         longs += parts
-        meta.append((s, e, w, int(lens.sum()), len(ri), int(trained[s:e].any(1).sum()), [len(p) for p in parts]))
+        n_seqs = int(seqs[s:e].sum()) if seqs is not None else int(trained[s:e].any(1).sum())
+        meta.append((s, e, w, int(lens.sum()), len(ri), n_seqs, [len(p) for p in parts]))
     flat = _to_device(np.concatenate(longs).astype(np.int64) if longs else np.zeros(0, np.int64), device)
     cu_flat = _to_device(np.concatenate(cus), device) if cus else None
     out, at, cu_at = [], 0, 0
-    for s, e, w, tokens, n_tok, n_rows, sizes in meta:
+    for s, e, w, tokens, n_tok, n_seqs, sizes in meta:
         views = []
         for n in sizes:
             views.append(flat[at: at + n])
@@ -197,9 +200,9 @@ def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows
         if packed:
             cu = cu_flat[cu_at: cu_at + e - s + 1]
             cu_at += e - s + 1
-            out.append(MicroBatch(s, e, w, tokens, n_tok, n_rows, True, views[0], views[1], views[2], views[3][None], cu))
+            out.append(MicroBatch(s, e, w, tokens, n_tok, n_seqs, True, views[0], views[1], views[2], views[3][None], cu))
         else:
-            out.append(MicroBatch(s, e, w, tokens, n_tok, n_rows, False, views[0], views[1]))
+            out.append(MicroBatch(s, e, w, tokens, n_tok, n_seqs, False, views[0], views[1]))
     return out
 
 
