@@ -333,7 +333,8 @@ def test_thought_opener_for_templates_that_do_not_open_the_thought(policy):
 @pytest.mark.slow
 def test_llm_policy_json_actions_on_craftax_classic_end_to_end(tmp_path):
     """random:tiny on Craftax-Classic, JSON actions with a reason after a budgeted thought: zero invalid
-    actions, and every update's ratio is 1 (the learner's constrained log-probs are the engine's)."""
+    actions, and every update's ratio is 1 (the learner's constrained log-probs are the engine's), with each
+    episode's turns trained as one row."""
     from thinkcraft.data.reader import read_table
     from thinkcraft.data.schema import table_to_records
     from thinkcraft.envs.text.names import ACTION_NAMES
@@ -349,6 +350,7 @@ def test_llm_policy_json_actions_on_craftax_classic_end_to_end(tmp_path):
     assert len(recs) == 2
     for r in recs:
         assert r["format/invalid_rate"] == 0.0 and r["losses/ratio"] == pytest.approx(1.0, abs=1e-4)
+        assert r["learner/episode_rows"] > 0  # --pack-episodes (the default): constrained turns in episode rows
     records = table_to_records(read_table(Path(cfg.run_dir) / "trajectories"))
     acts = [t.act for rec in records for t in rec.turns]
     assert len(acts) == 2 * 2 * 2 * 2 and all(parse_action_json(a, names) is not None for a in acts)
