@@ -178,7 +178,8 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
                             v_rows, carry.baseline),
             AdvantageOptions(scale_by_std=cfg.scale_adv_by_std, baseline_momentum=cfg.baseline_momentum))
         rows = build_rows(turns, adv.values.tolist(), scores, p.tokenizer.pad_token_id, p.learner.device,
-                          merge_episodes=cfg.pack_episodes)
+                          merge_episodes=cfg.pack_episodes,
+                          masks=p.learner.allowed_tokens(turns))  # json answers: the grammar's allowed sets
         loss_stats = p.learner.update(rows, v_star=None if v_rows is None else v_rows.to(p.learner.device))
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
     rec.update({"policy_version": step + 1, "advantage/abs_mean": float(adv.values.abs().mean()), **loss_stats,
