@@ -88,6 +88,13 @@ class PPOHiddenConfig(PPOConfig):
                               f"(quantise a served model in its server: vLLM/SGLang --quantization fp8)")
         if "Pixels" in self.env_name:
             raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
+        check(self.coordinator_address is None, "coordinator_address",
+              "multi-host runs are for train ppo; ppo-hidden splits its envs over one host's --devices")
+
+    def check_devices(self, count: int) -> None:
+        super().check_devices(count)
+        check(self.pool_size % count == 0, "reset_pool_size",
+              f"the reset pool's {self.pool_size} worlds must split evenly over {count} devices")
 
     @property
     def pool_size(self) -> int:
