@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from thinkcraft.train.ppo_hidden.config import SHAPE_FIELDS, PPOHiddenConfig, engine_options
+from thinkcraft.train.ppo_hidden.config import SHAPE_FIELDS, PPOHiddenConfig, build_engine
 from thinkcraft.train.ppo_hidden.kernels import HiddenRunner, Kernels
 from thinkcraft.train.ppo_hidden.schedule import RefreshSchedule
 from thinkcraft.train.ppo_hidden.source import EngineFailed
+from thinkcraft.llm.protocol import EngineError
 from thinkcraft.utils.errors import UserError
 
 
@@ -24,7 +25,6 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         return _run_never(cfg)
     # JAX must not grab most of the GPU: torch (the LLM) shares it
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from thinkcraft.llm import make_engine
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.progress import console
 
@@ -39,7 +39,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     own_engine = engine is None
     with session:
         if own_engine:
-            engine = make_engine(cfg.engine, **engine_options(cfg))
+            engine = build_engine(cfg)
         try:
             update = _setup_and_train(cfg, session, engine)
         finally:
@@ -123,11 +123,17 @@ def _run_never(cfg: PPOHiddenConfig) -> dict[str, Any]:
 
 
 def _hidden_size(engine: Any, cfg: PPOHiddenConfig, session: Any) -> int:
-    """The engine's hidden size, checked: it gives hidden states, reports their size, and (resuming) the
-    size matches the checkpoint's."""
+    """The engine's hidden size, checked: it gives hidden states, reports their size (a remote engine
+    asks its server: `model_info`), and (resuming) the size matches the checkpoint's."""
     caps = engine.capabilities
     if not caps.hidden_states:
         raise UserError(f"engine {cfg.engine!r} cannot return hidden states; use hf:<model> or sglang+http://...")
+    if caps.hidden_size is None and caps.remote_model_info:
+        try:
+            engine.model_info()
+        except EngineError as e:
+            raise UserError(f"engine {cfg.engine!r}: could not learn the model's hidden size from the server: {e}") from None
+        caps = engine.capabilities
     H = caps.hidden_size
     if H is None:
         raise UserError(f"engine {cfg.engine!r} does not report its hidden size")
