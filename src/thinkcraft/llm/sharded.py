@@ -126,7 +126,7 @@ class ShardedEngine:
         items = list(batch.items)
         shards = [(k, Batch(items[a:b], prefix=batch.prefix))
                   for k, (a, b) in enumerate(shard_bounds(len(items), len(self.engines))) if b > a]
-        calls = {k: _Call(lambda k=k, b=b: fn(self.engines[k], b)) for k, b in shards}
+        calls = {k: _Call(lambda k=k, b=b: self._on_device(k, fn, b)) for k, b in shards}
         out = {}
         for k, b in shards:
             attempt = 0
@@ -141,8 +141,20 @@ class ShardedEngine:
                                       f"{len(b)} items; last: {cause}")
                 attempt += 1
                 self._restart(k, cause, abandon=status == "timeout")
-                calls[k] = _Call(lambda k=k, b=b: fn(self.engines[k], b))
+                calls[k] = _Call(lambda k=k, b=b: self._on_device(k, fn, b))
         return [out[k] for k, _ in shards]
+
+    def _on_device(self, k: int, fn: Callable[[Any, Batch], Any], batch: Batch) -> Any:
+        """fn(engine k, batch) with engine k's GPU as the thread's current CUDA device (a new thread starts
+        on cuda:0; kernels that read the current device, streams among them, must see the engine's)."""
+        engine = self.engines[k]
+        device = engine.capabilities.device
+        if device is None or not device.startswith("cuda"):
+            return fn(engine, batch)
+        import torch
+
+        with torch.cuda.device(torch.device(device)):
+            return fn(engine, batch)
 
     def _restart(self, k: int, cause: str, abandon: bool) -> None:
         """Engine k replaced by a fresh one from its factory (the old one closed unless it hangs)."""
