@@ -11,6 +11,7 @@ are the same code on cuda:1..K.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -43,6 +44,12 @@ def tiny():
 @pytest.fixture(scope="module")
 def one(tiny) -> HFEngine:
     return HFEngine.from_model(*tiny)
+
+
+def fresh(tiny) -> HFEngine:
+    """An engine over its own copy of the tiny model (as K engines on K GPUs each hold theirs: engines that
+    share one module object race on its per-call settings, e.g. the attention implementation)."""
+    return HFEngine.from_model(copy.deepcopy(tiny[0]), tiny[1])
 
 
 def _batch(n: int) -> Batch:
@@ -89,7 +96,7 @@ def test_shard_bounds_are_contiguous_ordered_and_balanced():
 def test_sharded_engine_gathers_every_row_in_the_batch_order(tiny, one):
     """K = 3 engines on the CPU: the gathered (N, H) equals one engine's rows, item by item, for N above,
     at and below K, through the torch and the numpy paths; the tokenizer is engine 0's."""
-    eng = ShardedEngine([lambda: HFEngine.from_model(*tiny) for _ in range(3)], names=["cpu"] * 3)
+    eng = ShardedEngine([lambda: fresh(tiny) for _ in range(3)], names=["cpu"] * 3)
     caps = eng.capabilities
     assert caps.hidden_states and not caps.generate and caps.hidden_size == 64 and caps.device_tensors
     assert caps.tokenizer and not caps.sm_partition
@@ -114,7 +121,7 @@ def test_a_dead_engine_is_restarted_and_its_shard_retried(tiny, one, mode):
 
     def factory(k):
         def make():
-            e = Faulty(HFEngine.from_model(*tiny), mode, faults if k == 1 else [0])
+            e = Faulty(fresh(tiny), mode, faults if k == 1 else [0])
             built.append(e)
             return e
         return make
@@ -129,7 +136,7 @@ def test_a_dead_engine_is_restarted_and_its_shard_retried(tiny, one, mode):
 
 
 def test_an_engine_that_keeps_failing_stops_the_call_in_bounded_time(tiny):
-    eng = ShardedEngine([lambda: Faulty(HFEngine.from_model(*tiny), "hang", [99]) for _ in range(2)],
+    eng = ShardedEngine([lambda: Faulty(fresh(tiny), "hang", [99]) for _ in range(2)],
                         timeout_s=0.3, retries=1, names=["cuda:1", "cuda:2"])
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"feature engine cuda:1 failed 2 time\(s\).*no answer in 0.3 s"):
