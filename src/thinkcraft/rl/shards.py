@@ -175,6 +175,16 @@ def gather_to_host(state: Any) -> Any:
     return multihost_utils.process_allgather(state, tiled=True)
 
 
+def agree(flag: bool) -> bool:
+    """Process 0's `flag` on every process (one host: `flag`). A decision that leads to a collective (a
+    checkpoint's gather) must be the same everywhere: a time-based one differs between hosts' clocks."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
                            process_id: int | None) -> None:
     """`jax.distributed.initialize` for a multi-host run (before anything touches a device); 'auto' (or

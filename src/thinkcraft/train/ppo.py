@@ -377,10 +377,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
 
 def _checkpoint(session: Any, update: int, env_steps: int, runner: Any, force: bool = False) -> None:
-    """session.maybe_checkpoint, the state first gathered to this host when it spans several (multi-host)."""
-    from thinkcraft.rl.shards import gather_to_host
+    """session.maybe_checkpoint, the state first gathered to this host when it spans several (multi-host:
+    every process takes process 0's decision, since the gather is collective)."""
+    from thinkcraft.rl.shards import agree, gather_to_host
 
-    if session.checkpoint_due(update, force):
+    if agree(session.checkpoint_due(update, force)):
         state = gather_to_host(runner)
         session.save_checkpoint(update, env_steps, state, state.train_state.params)
 
