@@ -105,6 +105,7 @@ def test_sharded_engine_gathers_every_row_in_the_batch_order(tiny, one):
         got = eng.hidden_states_torch(_batch(n))
         assert got.shape == want.shape == (n, 64)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert eng.hidden_states_torch(Batch(items=[], prefix=[1, 2])).shape == (0, 64)
     texts = Batch(items=["tree (0,+1)", "water", "stone x3 (-1,0)", "cow"], prefix="Observation:\n")
     np.testing.assert_allclose(eng.hidden_states(texts), one.hidden_states(texts), atol=1e-5)
     assert eng.tokenize_batch(texts) == one.tokenize_batch(texts)
@@ -196,6 +197,14 @@ def test_train_ppo_hidden_end_to_end_against_thinkcraft_serve(tmp_path, tiny, se
     recs = [json.loads(line) for line in (tmp_path / "http/metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and recs[-1]["llm/refreshes"] == 2 and recs[-1]["timing/llm"] > 0
     assert np.isfinite(recs[-1]["losses/total"])
+    # thinkcraft plan on this real run: its rate is the run's steady SPS, its LLM pool the run's timing/llm
+    from thinkcraft.analysis.plan import measure
+
+    m = measure(cfg, recs)
+    assert m.job == "ppo-hidden" and m.rate == recs[1]["sps"]
+    feats = {p.name: p for p in m.pools}["features"]
+    assert feats.device_s_per_sample == pytest.approx(recs[1]["timing/llm"] / (2 * 8))  # 2 envs x 8 steps
+    assert main(["plan", str(tmp_path / "http"), "--target-samples-per-s", "1000"]) == 0
 
     assert main(["train", "ppo-hidden", *TINY, "--engine", f"hf:{model_dir}", "--feature-devices", "cpu", "cpu",
                  "--overlap", "--runs-dir", str(tmp_path), "--run-name", "k2"]) == 0

@@ -126,6 +126,8 @@ class ShardedEngine:
         items = list(batch.items)
         shards = [(k, Batch(items[a:b], prefix=batch.prefix))
                   for k, (a, b) in enumerate(shard_bounds(len(items), len(self.engines))) if b > a]
+        if not shards:  # an empty batch: engine 0's own (0, H) answer
+            return [self._on_device(0, fn, batch)]
         calls = {k: _Call(lambda k=k, b=b: self._on_device(k, fn, b)) for k, b in shards}
         out = {}
         for k, b in shards:
