@@ -64,6 +64,8 @@ class Measured(NamedTuple):
     rate: float  # measured rate (median over the records used)
     pools: tuple[PoolCost, ...]
     records_used: int
+    serial: bool = False
+    """The pools ran one after another on shared devices (a synchronous llm-policy run)."""
 
     def load(self, pool: PoolCost) -> float:
         """The pool's busy share in the measured run."""
@@ -139,7 +141,8 @@ def _measure_llm_policy(config: dict[str, Any], recs: list[dict[str, Any]]) -> M
         PoolCost("reward" if judge else "env+reward (CPU)", per_sample(reward_phase), 1, judge),
         PoolCost("learner", per_sample("timing/train"), 1, True, max_devices=1),
     )
-    return Measured("llm-policy", "samples/s", _median(recs, lambda r: r["perf/samples_per_s"]), pools, len(recs))
+    return Measured("llm-policy", "samples/s", _median(recs, lambda r: r["perf/samples_per_s"]), pools, len(recs),
+                    serial=not is_async)
 
 
 def _measure_ppo_hidden(config: dict[str, Any], recs: list[dict[str, Any]]) -> Measured:
@@ -180,13 +183,19 @@ def plan(m: Measured, target: float, nodes: int | None = None, gpus_per_node: in
         if c > utilization:
             notes.append(f"{name} needs {c:.1f} CPU cores at the target: one process's Python thread does it, "
                          f"so it caps the rate near {utilization * target / c:,.0f} {m.unit}")
+    if m.serial:
+        notes.append("measured synchronously (generation, reward and training in turn on one device): the pools "
+                     "on their own GPUs are train llm-policy --mode async (--rollout-devices / --rollout-servers)")
+    if m.job == "llm-policy" and (nodes or 1) > 1:
+        notes.append("llm-policy over several nodes runs its pools as Ray actors (the pools' Ray backend)")
     if m.job == "ppo-hidden":
         notes.append("ppo-hidden runs on one node: --devices for the env, --feature-devices for the LLM")
     capacity = None if nodes is None else nodes * (gpus_per_node or 0)
     split = rate = placement = fits = None
     if capacity is not None:
         usable = gpus_per_node if m.job == "ppo-hidden" else capacity
-        fits = sum(gpus.values()) <= usable
+        fits = sum(gpus.values()) <= usable and all(p.max_devices is None or gpus[p.name] <= p.max_devices
+                                                    for p in gpu_pools)
         split, rate = best_split(gpu_pools, usable, utilization)
         placement = place(split, nodes or 1, gpus_per_node or 0)
     return Plan(m, target, gpus, cores, capacity, fits, split, rate, placement, notes)
@@ -194,7 +203,8 @@ def plan(m: Measured, target: float, nodes: int | None = None, gpus_per_node: in
 
 def best_split(pools: list[PoolCost], total: int, utilization: float) -> tuple[dict[str, int], float]:
     """The max-min split of `total` GPUs over `pools` (one each first; then each next GPU to the pool that
-    limits the rate, within its max_devices) and the rate it reaches. Fewer GPUs than pools: they share."""
+    limits the rate, within its max_devices) and the rate it reaches, trimmed to the GPUs that rate needs (a
+    pool capped by max_devices leaves the rest idle). Fewer GPUs than pools: they share."""
     if total < len(pools):
         return {p.name: 0 for p in pools}, total * utilization / sum(p.device_s_per_sample for p in pools)
     n = {p.name: 1 for p in pools}
@@ -207,7 +217,11 @@ def best_split(pools: list[PoolCost], total: int, utilization: float) -> tuple[d
         if not open_:
             break
         n[min(open_, key=rate_of).name] += 1
-    return n, min(rate_of(p) for p in pools)
+    rate = min(rate_of(p) for p in pools)
+    if math.isfinite(rate):
+        n = {p.name: max(1, min(n[p.name], math.ceil(rate * p.device_s_per_sample / utilization - 1e-9)))
+             for p in pools}
+    return n, rate
 
 
 def place(split: dict[str, int], nodes: int, gpus_per_node: int) -> list[list[str]]:
@@ -281,8 +295,9 @@ def format_plan(p: Plan) -> str:
                  f"({', '.join(f'{k} {v}' for k, v in p.gpus.items())})")
     if p.capacity is not None:
         verdict = "fits" if p.fits else "does not fit"
+        idle = (p.capacity or 0) - sum((p.best_split or {}).values())
         lines.append(f"cluster of {p.capacity} GPUs: the target {verdict}; its best split "
-                     f"{p.best_split} reaches {p.best_rate:,.1f} {m.unit}")
+                     f"{p.best_split} reaches {p.best_rate:,.1f} {m.unit}" + (f" ({idle} GPUs idle)" if idle > 0 else ""))
         lines += [f"  node {i}: {', '.join(n) or '(idle)'}" for i, n in enumerate(p.placement or [])]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
