@@ -210,3 +210,15 @@ def test_train_ppo_hidden_end_to_end_against_thinkcraft_serve(tmp_path, tiny, se
                  "--overlap", "--runs-dir", str(tmp_path), "--run-name", "k2"]) == 0
     recs = [json.loads(line) for line in (tmp_path / "k2/metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and recs[-1]["hidden/valid_frac"] == 1.0 and np.isfinite(recs[-1]["losses/total"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (none here)")
+def test_sharded_engine_on_two_gpus_gathers_onto_the_policy_gpu(tiny):
+    """Engines on cuda:0 and cuda:1 (each its own copy of the model), gathered onto cuda:0: equal to one
+    engine's rows, on cuda:0, each engine's call made with its own GPU current."""
+    want = HFEngine.from_model(copy.deepcopy(tiny[0]).to("cuda:0"), tiny[1]).hidden_states_torch(_batch(9))
+    eng = ShardedEngine([lambda d=d: HFEngine.from_model(copy.deepcopy(tiny[0]).to(d), tiny[1])
+                         for d in ("cuda:0", "cuda:1")], gather_device="cuda:0", names=["cuda:0", "cuda:1"])
+    got = eng.hidden_states_torch(_batch(9))
+    assert str(got.device) == "cuda:0" and eng.capabilities.device == "cuda:0"
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
