@@ -192,6 +192,7 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
     (dict(mode="async", rollout_devices="gpu0"), "rollout-devices"),
     (dict(mode="async", rollout_servers="http://x:1"), "rollout-servers"),
     (dict(offpolicy="tis", offpolicy_cap=0.0), "offpolicy-cap"),
+    (dict(mode="async", action_format="json", max_new_tokens=64), "action-format"),  # not in the pools yet
 ])
 def test_async_config_rejects_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):

@@ -95,6 +95,7 @@ PROMISED = {
     "device_tensors": ("hidden_states_torch",),
     "per_token_hidden_states": ("token_hidden_states",),
     "sm_partition": ("set_sm_limit", "sm_limit"),
+    "remote_model_info": ("model_info",),
 }
 
 

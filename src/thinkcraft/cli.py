@@ -25,6 +25,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str, str]] = {
     ("train", "llm-policy"): ("thinkcraft.train.llm_policy", "LLMPolicyConfig", "run", "train the LLM itself as the policy (GRPO/RLOO/REINFORCE/A*-PO)"),
     ("eval",): ("thinkcraft.train.evaluate", "EvalConfig", "run", "run a checkpoint for M episodes; return and achievements"),
     ("compare",): ("thinkcraft.analysis.compare", "CompareConfig", "run", "curves and final IQM/mean with 95% CIs of groups of runs (rliable)"),
+    ("plan",): ("thinkcraft.analysis.plan", "PlanConfig", "run", "GPUs per pool (rollout/reward/learner, env/features) for a target rate, from a run's metrics"),
     ("render",): ("thinkcraft.envs.text.cli", "RenderConfig", "run", "print the text observations of a short random rollout"),
     ("serve",): ("thinkcraft.llm.serve", "ServeConfig", "run", "serve the hf engine over OpenAI- and SGLang-compatible HTTP"),
     ("models",): ("thinkcraft.llm.models", "ModelsConfig", "run", "list the models that resolve locally"),

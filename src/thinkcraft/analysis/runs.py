@@ -36,6 +36,9 @@ IGNORED_FIELDS = frozenset({
     "plot", "stop_after_updates", "updates_per_chunk", "unroll_env_scans", "log_every", "source",
     "their_argv", "baselines_dir", "baselines_commit",  # bench/baselines_adapter.py's provenance
     "minibatch_size", "num_updates",  # derived (Baselines' make_train writes them into its config)
+    # placement (README "Scale-out"): the same global batch and update on any number of devices or hosts
+    "devices", "coordinator_address", "num_processes", "process_id", "feature_devices", "feature_timeout_s",
+    "feature_retries",
 })
 """Config fields that never define a group (they name, place, seed, log or speed up a run)."""
 

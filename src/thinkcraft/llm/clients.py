@@ -2,7 +2,9 @@
 
 - `SGLangClient` / `SGLangEngine` (`sglang+http://host:port`): `/generate` for generation (token ids and
   logprobs) and hidden states (`return_hidden_states`; the server must run with
-  `--enable-return-hidden-states`; SGLang returns the last layer only).
+  `--enable-return-hidden-states`; SGLang returns the last layer only). `model_info()`: the served model's
+  hidden size from `GET /get_model_info` (`thinkcraft serve` reports it; where a server does not, one
+  one-token hidden-states request measures it).
 - `OpenAIClient` / `OpenAIEngine` (`openai+http://host:port/v1`): any OpenAI-compatible endpoint (vLLM's
   server, `thinkcraft serve`, hosted providers); generation only.
 
@@ -31,6 +33,7 @@ from thinkcraft.llm.protocol import (
     Completion,
     EngineCapabilityError,
     EngineError,
+    ModelInfo,
     SamplingParams,
 )
 from thinkcraft.utils.apikey import resolve_api_key
@@ -232,6 +235,24 @@ class SGLangClient:
         groups = await _gather_bounded([one(p) for p in prompts], self.http.options.max_concurrency)
         return [c for g in groups for c in g]
 
+    async def model_info(self) -> ModelInfo:
+        """`GET /get_model_info` (SGLang's route; `thinkcraft serve` adds `hidden_size` and
+        `num_hidden_layers`). SGLang's own answer has no hidden size: then one one-token hidden-states
+        request measures it (the width of the row it returns)."""
+        try:
+            info = await self.http.get("/get_model_info")
+        except EngineError as e:  # a server without the route answers 404: measure; anything else is an error
+            if not (isinstance(e.__cause__, HTTPStatusError) and e.__cause__.status == 404):
+                raise
+            info = {}
+        info = info if isinstance(info, dict) else {}
+        size = info.get("hidden_size")
+        if not isinstance(size, int) or size <= 0:
+            size = int((await self.hidden_states(Batch(items=["x"]))).shape[-1])
+        layers = info.get("num_hidden_layers")
+        return ModelInfo(model_path=str(info.get("model_path", "")), hidden_size=size,
+                         num_hidden_layers=layers if isinstance(layers, int) else None)
+
     async def hidden_states(self, batch: Batch, layer: int = -1, pooling: str = "last") -> np.ndarray:
         if layer != -1:
             raise EngineCapabilityError("SGLang returns the last layer's hidden states only (layer=-1)")
@@ -259,11 +280,21 @@ class SGLangEngine:
 
     def __init__(self, base_url: str, options: HTTPOptions | None = None, **http: Any) -> None:
         self.client = SGLangClient(base_url, options or HTTPOptions(**http))
+        self._info: ModelInfo | None = None
 
     @property
     def capabilities(self) -> Capabilities:
+        info = self._info
         return Capabilities(hidden_states=True, generate=True, logprobs=True, prefix_reuse=True,
-                            token_ids_in=True, token_ids_out=True)
+                            token_ids_in=True, token_ids_out=True, remote_model_info=True,
+                            hidden_size=None if info is None else info["hidden_size"],
+                            num_layers=None if info is None else info["num_hidden_layers"])
+
+    def model_info(self) -> ModelInfo:
+        """The served model's facts, asked once (capabilities then report the hidden size)."""
+        if self._info is None:
+            self._info = run_sync(self.client.model_info())
+        return self._info
 
     def hidden_states(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> np.ndarray:
         return run_sync(self.client.hidden_states(batch, layer, pooling))

@@ -11,7 +11,10 @@ matcher (its position in the grammar). Every decode step:
     state.advance(tok)             # one batched call: each live row's matcher accepts its token
 
 After the object closes the grammar allows only the stop tokens, so a row ends right after `}` with
-EOS, and every finished row parses. Rows whose token the matcher rejects (a token the engine forced,
+EOS, and every finished row parses. A row whose prompt ends inside a `<think>` thought starts its grammar
+when the thought closes (a sampled `</think>`, or the end of the thinking budget's forced close): the
+thought is the model's own, the answer after it is constrained (vLLM's reasoning-parser rule;
+`answer_start` states it for replays). Rows whose token the matcher rejects (a token the engine forced,
 or a pad after the engine ended the row on its own) are dropped from the constraint and counted in
 `rejected`, never crash the batch.
 
@@ -24,14 +27,19 @@ decode loop (the hf engine: `llm/hf/iteration.py`, lines marked "structured outp
 over all slots, a row opened when a request takes its slot and closed when it ends). `logprobs="constrained"` makes the
 engine report log-probs of the masked, renormalised distribution the token was sampled from;
 "model" (default) keeps the unmodified softmax, like unconstrained decoding.
+
+Learners that train on "constrained" log-probs recompute the same distribution (`replay_masks`: every
+completion replayed through a matcher, the allowed set at each position as a deduplicated bitmask table;
+`rl.chunked_logprobs` takes it for a masked log-sum-exp).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -170,6 +178,8 @@ class GuideState:
         """Rows whose matcher accepted a stop token after a complete value: finished, valid."""
         self.rejected = 0
         """Tokens a matcher refused (forced/pad tokens); their rows leave the constraint."""
+        self.waiting = np.zeros(rows, dtype=bool)
+        """Rows inside a thought: their matcher starts once the engine reports the thought closed."""
         self._batch = xgr.BatchGrammarMatcher()
         cuda = device.type == "cuda"
         self._mask_host = xgr.allocate_token_bitmask(rows, guide.vocab_size)
@@ -177,8 +187,10 @@ class GuideState:
             self._mask_host = self._mask_host.pin_memory()
         self._mask_dev = self._mask_host.to(device) if cuda else self._mask_host
         self._tok_host = torch.zeros(rows, dtype=torch.long, pin_memory=cuda)
+        self._closed_host = torch.zeros(rows, dtype=torch.bool, pin_memory=cuda)
         self._tok_ready: torch.cuda.Event | None = None
         self._pending = False
+        self._pending_closed = False
         self._backend = "auto"
 
     # --- the per-step calls -----------------------------------------------------------------------
@@ -205,16 +217,19 @@ class GuideState:
             self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], backend=self._backend)
         return logits
 
-    def advance(self, tokens: torch.Tensor) -> None:
+    def advance(self, tokens: torch.Tensor, thought_closed: torch.Tensor | None = None) -> None:
         """Record this step's token of every row ((rows,) on the logits' device); the matchers accept
-        them before the next mask. On CUDA the copy is asynchronous: call this before queueing the next
-        forward, so the host work overlaps it."""
-        if self.device.type == "cuda":
-            self._tok_host.copy_(tokens, non_blocking=True)
+        them before the next mask. `thought_closed` ((rows,) bool, after this token: no thought open, no
+        forced close under way) starts the waiting rows' grammars at the next token. On CUDA the copies
+        are asynchronous: call this before queueing the next forward, so the host work overlaps it."""
+        cuda = self.device.type == "cuda"
+        self._tok_host.copy_(tokens, non_blocking=cuda)
+        self._pending_closed = thought_closed is not None and bool(self.waiting.any())
+        if self._pending_closed:
+            self._closed_host.copy_(thought_closed, non_blocking=cuda)
+        if cuda:
             self._tok_ready = torch.cuda.Event()
             self._tok_ready.record()
-        else:
-            self._tok_host.copy_(tokens)
         self._pending = True
 
     def choose(self, logits: torch.Tensor, choose_fn: Any, want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,17 +239,25 @@ class GuideState:
         tok, logp = choose_fn(self.apply(logits))
         return tok, (model_logp if model_logp is not None else logp)
 
-    def open_row(self, row: int) -> None:
+    def open_row(self, row: int, after_thought: bool = False) -> None:
         """Put `row` under the constraint from its first token (continuous batching: a new request took this
-        slot). The other rows' pending tokens are accepted first (they belong to the step before)."""
+        slot), or with `after_thought` (its prompt ends inside a thought) from the first token after the
+        thought closes (`advance`'s `thought_closed`). The other rows' pending tokens are accepted first
+        (they belong to the step before)."""
         self._accept_pending()
-        self.matchers[row] = self._xgr.GrammarMatcher(self.guide.compiled)
-        self.live[row], self.terminated[row] = True, False
+        self.terminated[row] = False
+        self.waiting[row] = after_thought
+        if after_thought:
+            self.live[row] = False
+            self._mask_host[row] = -1
+        else:
+            self.matchers[row] = self._xgr.GrammarMatcher(self.guide.compiled)
+            self.live[row] = True
 
     def close_row(self, row: int) -> None:
         """Take `row` out of the constraint (its request ended; the slot may serve an unconstrained one)."""
         self._accept_pending()
-        self.live[row] = False
+        self.live[row] = self.waiting[row] = False
         self._mask_host[row] = -1
 
     @property
@@ -250,7 +273,17 @@ class GuideState:
 
     def all_done(self) -> bool:
         self._accept_pending()
-        return not self.live.any()
+        return not (self.live.any() or self.waiting.any())
+
+    def constraining(self) -> bool:
+        """Does any row's grammar mask the next token (pending tokens accepted, waiting rows started)?"""
+        self._accept_pending()
+        return bool(self.live.any())
+
+    @property
+    def watching(self) -> bool:
+        """Rows whose tokens this state must see (under a grammar, or waiting for their thought to close)."""
+        return bool(self.live.any() or self.waiting.any())
 
     # --- internals --------------------------------------------------------------------------------
 
@@ -261,6 +294,11 @@ class GuideState:
         if self._tok_ready is not None:
             self._tok_ready.synchronize()
         idx = np.flatnonzero(self.live)
+        if self._pending_closed:  # after the live rows took their tokens: a closed thought's last token is no answer's
+            self._pending_closed = False
+            for i in np.flatnonzero(self.waiting & self._closed_host.numpy()):
+                self.matchers[i] = self._xgr.GrammarMatcher(self.guide.compiled)
+                self.live[i], self.waiting[i] = True, False
         if not len(idx):
             return
         toks = self._tok_host.numpy()[idx]
@@ -278,10 +316,96 @@ class GuideState:
                 self._mask_host[i] = -1
 
 
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, V) bool of the tokens a (rows, ceil(V/32)) int32 xgrammar bitmask allows (bit j of word w =
+    token 32w + j). Unpacked bytewise (a uint8 view of the little-endian words: byte b of word w holds tokens
+    32w + 8b ..): one byte per token, never a wider temporary."""
+    assert sys.byteorder == "little", "xgrammar bitmasks are unpacked as little-endian words"
+    b = bitmask.contiguous().view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    return ((b[..., None] >> shifts) & 1).reshape(*bitmask.shape[:-1], -1)[..., :vocab_size].bool()
+
+
 def constrained_log_softmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Reference for tests: log-softmax over the tokens a (rows, ceil(V/32)) int32 bitmask allows
-    (bit j of word w = token 32w + j), -inf elsewhere."""
-    v = logits.shape[-1]
-    bits = (bitmask.to(torch.int64)[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :v].bool()
+    """Reference for tests: log-softmax over the tokens a (rows, ceil(V/32)) int32 bitmask allows, -inf
+    elsewhere."""
+    allowed = bitmask_to_bool(bitmask, logits.shape[-1])
     return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------- replays
+
+def prompt_in_thought(prompt_ids: Sequence[int] | np.ndarray, open_id: int | None, close_id: int | None) -> bool:
+    """Does the prompt end inside a `<think>` thought (its last open tag after its last close tag)? The
+    engine's rule for a row's starting state."""
+    if open_id is None:
+        return False
+    ids = np.asarray(prompt_ids)
+    last = lambda x: int(np.flatnonzero(ids == x)[-1]) if x is not None and (ids == x).any() else -1  # noqa: E731
+    return last(open_id) > last(close_id)
+
+
+def answer_start(prompt_ids: Sequence[int], token_ids: Sequence[int], forced: Sequence[bool], open_id: int | None,
+                 close_id: int | None) -> int:
+    """Index of the first generated token a structured request's grammar constrains, as the engine opens it:
+    0, or for a prompt that ends inside a thought the first sampled token after the thought closed (by a
+    sampled close tag, or by the thinking budget's forced close sequence: `forced` flags its tokens);
+    len(token_ids) when the thought never closed."""
+    if not prompt_in_thought(prompt_ids, open_id, close_id):
+        return 0
+    closed = False
+    for j, (t, f) in enumerate(zip(token_ids, forced)):
+        if closed and not f:
+            return j
+        closed = closed or bool(f) or t == close_id
+    return len(token_ids)
+
+
+class ReplayMasks(NamedTuple):
+    """The allowed sets of replayed completions: distinct bitmask rows and, per completion, each token's row."""
+
+    bitmask: torch.Tensor
+    """(M, ceil(V/32)) int32 (CPU): the distinct allowed sets (JSON positions repeat: M is small)."""
+    index: list[np.ndarray]
+    """Per completion, (len,) int64: the row of `bitmask` its token was sampled under; -1 = no constraint
+    (before `start`, forced tokens, after the grammar ended or refused a token)."""
+
+
+def replay_masks(guide: CompiledGuide, completions: Sequence[Sequence[int]], starts: Sequence[int],
+                 forced: Sequence[Sequence[bool]] | None = None) -> ReplayMasks:
+    """Replay each completion's tokens from `starts[i]` through a fresh matcher, as the engine's decode loop
+    did: at every position the allowed set is filled (one batched call over the completions still under
+    their grammar), then the token accepted. A token the matcher refuses (forced) takes its row out of the
+    constraint, as in the engine; forced tokens keep no mask. The rows are deduplicated."""
+    xgr = _xgr()
+    n = len(completions)
+    lens = np.array([len(c) for c in completions], dtype=np.int64)
+    starts_a = np.minimum(np.asarray(starts, dtype=np.int64).reshape(n), lens)
+    counts = lens - starts_a
+    offs = np.cumsum(counts) - counts
+    table = xgr.allocate_token_bitmask(max(int(counts.sum()), 1), guide.vocab_size)
+    index = [np.full(int(k), -1, dtype=np.int64) for k in lens]
+    matchers = [xgr.GrammarMatcher(guide.compiled) for _ in range(n)]
+    live = counts > 0
+    batch = xgr.BatchGrammarMatcher()
+    for t in range(int(counts.max(initial=0))):
+        idx = np.flatnonzero(live & (t < counts))
+        if not len(idx):
+            break
+        pos = starts_a[idx] + t
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in idx], table, (offs[idx] + t).tolist())
+        toks = [int(completions[i][p]) for i, p in zip(idx, pos)]
+        ok = np.asarray(batch.batch_accept_token([matchers[i] for i in idx], toks), dtype=bool)
+        for i, p, r, good in zip(idx, pos, offs[idx] + t, ok):
+            if not (forced is not None and forced[i][p]):
+                index[i][p] = r
+            if not good or matchers[i].is_terminated():
+                live[i] = False
+    used = np.concatenate([x[x >= 0] for x in index] + [np.zeros(0, np.int64)])
+    rows = table.numpy()[used]
+    void = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel()
+    _, first, inverse = np.unique(void, return_index=True, return_inverse=True)
+    remap = np.full(len(table), -1, dtype=np.int64)
+    remap[used] = inverse.reshape(-1)
+    return ReplayMasks(torch.from_numpy(rows[first].copy()), [np.where(x >= 0, remap[np.maximum(x, 0)], -1)
+                                                              for x in index])

@@ -9,7 +9,7 @@ the batch and across calls while it is unchanged. The full input of item i is `p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Hashable, Literal, Protocol, Sequence, TypedDict, runtime_checkable
 
 import numpy as np
 
@@ -131,6 +131,10 @@ class Capabilities:
     turn_kv_reuse: bool = False
     """A request carrying an `episode` key keeps that episode's KV after it finishes; the episode's next
     request prefills only the tokens past what the engine still holds (compared token by token)."""
+    remote_model_info: bool = False
+    """A remote engine: `model_info()` asks its server for the model's facts (`ModelInfo`: hidden size,
+    layers; one request, then cached) and `hidden_size` / `num_layers` here report them afterwards. Until
+    then they are None: declaring capabilities never touches the network."""
     versioned_weights: bool = False
     """`update_weights(state, version)` applies new weights at a decode-step boundary with a version check;
     results record the weight version of every generated token (`GenerationResult.weight_versions`)."""
@@ -178,6 +182,15 @@ class GenerationResult:
     error: str | None = None
     """Set when the engine failed while the request was queued or running (its completion is then empty,
     finish_reason "error"); the step that failed also raised."""
+
+
+class ModelInfo(TypedDict):
+    """A served model's facts (`thinkcraft serve`'s and SGLang's `GET /get_model_info`, the size probed
+    when a server does not report it)."""
+
+    model_path: str
+    hidden_size: int
+    num_hidden_layers: int | None
 
 
 @runtime_checkable

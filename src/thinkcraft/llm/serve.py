@@ -4,6 +4,8 @@ tried on one laptop.
 Endpoints (JSON):
   GET  /health                   {"status": "ok"}
   GET  /v1/models                OpenAI model list
+  GET  /get_model_info           SGLang's route: model_path, is_generation, and (an extension) hidden_size,
+                                 num_hidden_layers (what `train ppo-hidden --engine sglang+http://...` reads)
   POST /v1/completions           OpenAI completions (prompt: text, token ids, or a list of either)
   POST /v1/chat/completions      OpenAI chat completions (the tokenizer's chat template)
   POST /generate                 SGLang-style: text | input_ids (one or a list), sampling_params,
@@ -222,6 +224,11 @@ class _Routes:
         return JSONResponse({"object": "list",
                              "data": [{"id": self.model_name, "object": "model", "owned_by": "thinkcraft"}]})
 
+    async def model_info(self, request: Request) -> Response:
+        engine = self.srv.engine
+        return JSONResponse({"model_path": self.model_name, "tokenizer_path": self.model_name, "is_generation": True,
+                             "hidden_size": engine.hidden_size, "num_hidden_layers": engine.num_layers})
+
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._json(request))
         req.unsupported()
@@ -281,6 +288,7 @@ class _Routes:
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+            Route("/get_model_info", self._endpoint(self.model_info), methods=["GET"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/generate", self._endpoint(self.generate), methods=["POST"]),

@@ -59,6 +59,9 @@ class TurnRecord:
     reward: float = 0.0
     invalid: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    structured: Any = None
+    """The constrained-decoding spec of json answers (the learner replays its allowed sets); the async loop
+    runs free-text answers only, so None."""
 
 
 @dataclass

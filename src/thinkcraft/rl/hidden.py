@@ -116,9 +116,13 @@ def make_policy_input(age_scale: float):
 
 
 def refresh(norm: RunningNorm, hidden: jax.Array, age: jax.Array, valid: jax.Array,
-            pool_hidden: jax.Array | None = None) -> tuple[RunningNorm, HiddenAux]:
+            pool_hidden: jax.Array | None = None, rows: Any = None) -> tuple[RunningNorm, HiddenAux]:
     """Install new raw hidden states (N, H) and, with a reset pool, its worlds' (P, H): update the running
-    statistics over both, normalise."""
+    statistics over both, normalise. `rows(hidden, pool_hidden)` (env shards, rl/shards.py: every shard
+    holds every row) picks the rows this shard installs, after the statistics are updated over all of them
+    (so they stay one device's)."""
     norm = norm.update(hidden if pool_hidden is None else jnp.concatenate([hidden, pool_hidden]))
+    if rows is not None:
+        hidden, pool_hidden = rows(hidden, pool_hidden)
     pool = None if pool_hidden is None else norm.normalize(pool_hidden)
     return norm, HiddenAux(norm.normalize(hidden), age.astype(jnp.int32), valid, pool)

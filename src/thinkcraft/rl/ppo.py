@@ -151,9 +151,11 @@ def ppo_loss(
     advantages: jax.Array,
     targets: jax.Array,
     hp: PPOHyper,
+    axis_name: str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Craftax_Baselines' loss: clipped value loss (max of clipped/unclipped, ×0.5), clipped surrogate with
-    per-minibatch advantage normalisation, entropy bonus."""
+    per-minibatch advantage normalisation, entropy bonus. `axis_name` (env shards, rl/shards.py): this
+    shard's part of a minibatch; the advantages are normalised with the whole minibatch's mean and std."""
     pi, value = apply_fn(params, batch.obs)
     log_prob = pi.log_prob(batch.action)
 
@@ -162,7 +164,7 @@ def ppo_loss(
 
     log_ratio = log_prob - batch.log_prob
     ratio = jnp.exp(log_ratio)
-    adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    adv = normalize_advantages(advantages, axis_name)
     pg_loss = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - hp.clip_eps, 1.0 + hp.clip_eps) * adv).mean()
     entropy = pi.entropy().mean()
 
@@ -179,6 +181,16 @@ def ppo_loss(
     return total, aux
 
 
+def normalize_advantages(advantages: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """(A - mean) / (std + 1e-8) over the minibatch; over all shards' equal parts of it with `axis_name`
+    (the population std of the union: the mean of the shards' mean squared deviations from the global mean)."""
+    if axis_name is None:
+        return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    mean = jax.lax.pmean(advantages.mean(), axis_name)
+    var = jax.lax.pmean(jnp.square(advantages - mean).mean(), axis_name)
+    return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
+
+
 def ppo_update(
     train_state: TrainState,
     traj: Transition,
@@ -186,12 +198,17 @@ def ppo_update(
     rng: jax.Array,
     hp: PPOHyper,
     memory: Memory | None = None,
+    axis_name: str | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """GAE over the (T, N) trajectory, then epochs × minibatches of Adam steps. Returns mean loss metrics.
 
     Feed-forward (memory None): minibatches of (step, env) pairs shuffled over the flattened batch.
     Recurrent: `memory` is the memory the rollout started from; minibatches are whole env sequences
-    (`env_minibatches`), rerun from their initial carry with each step's reset flag (Baselines' ppo_rnn)."""
+    (`env_minibatches`), rerun from their initial carry with each step's reset flag (Baselines' ppo_rnn).
+
+    `axis_name` (env shards, rl/shards.py): `traj` is this shard's envs; each minibatch takes its equal
+    share from every shard, and its gradients (and loss metrics) are averaged over the shards before the
+    Adam step, so every shard applies the same update (the parameters stay replicated)."""
     advantages, targets = gae(traj.reward, traj.value, traj.done, last_value, hp.gamma, hp.gae_lambda)
     grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
     if memory is None:
@@ -223,7 +240,9 @@ def ppo_update(
         mbs = split(k)
 
         def minibatch(ts, mb):
-            (_, aux), grads = grad_fn(ts.params, *loss_inputs(ts, mb), hp)
+            (_, aux), grads = grad_fn(ts.params, *loss_inputs(ts, mb), hp, axis_name)
+            if axis_name is not None:  # equal shares: the mean of the shards' means is the minibatch's
+                grads, aux = jax.lax.pmean((grads, aux), axis_name)
             return ts.apply_gradients(grads=grads), aux
 
         ts, aux = jax.lax.scan(minibatch, ts, mbs)
@@ -282,11 +301,14 @@ def make_train_chunk(
     num_steps: int,
     hp: PPOHyper,
     updates_per_chunk: int,
+    axis_name: str | None = None,
 ) -> Callable[[RunnerState], tuple[RunnerState, dict[str, jax.Array]]]:
     """`chunk(runner) -> (runner, metrics)`: K × (rollout of num_steps + PPO update) in one scan.
 
     Metrics: loss means over the K updates; episode sums (`_episodes`, `_return_sum`, `_length_sum`,
-    `_achievement_counts`) over all episodes finished in the chunk.
+    `_achievement_counts`) over all episodes finished in the chunk. `axis_name`: one env shard's chunk
+    (rl/shards.py; `env` is the shard's envs): the update averages gradients over the shards and the
+    metrics are those of all shards.
     """
     rollout_fn = make_rollout(env, apply_fn, num_steps)
 
@@ -295,13 +317,16 @@ def make_train_chunk(
         rs, traj, stats = rollout_fn(ts.params, runner.rollout)
         _, _, last_value = policy_step(apply_fn, ts.params, rs.obs, rs.memory)
         rng, k = jax.random.split(rs.rng)
-        ts, metrics = ppo_update(ts, traj, last_value, k, hp, runner.rollout.memory)
+        ts, metrics = ppo_update(ts, traj, last_value, k, hp, runner.rollout.memory, axis_name)
         return RunnerState(ts, rs._replace(rng=rng), runner.update + 1), (metrics, stats)
 
     def chunk(runner: RunnerState):
         runner, (metrics, stats) = jax.lax.scan(one_update, runner, None, updates_per_chunk)
         out = jax.tree.map(jnp.mean, metrics)
-        out.update(episode_sums(jax.tree.map(lambda x: x.sum(0), stats)))
+        stats = jax.tree.map(lambda x: x.sum(0), stats)
+        if axis_name is not None:
+            stats = jax.lax.psum(stats, axis_name)
+        out.update(episode_sums(stats))
         return runner, out
 
     return chunk
@@ -336,3 +361,27 @@ def init_runner_state(
     params = init_params(network, k_net, obs[:1] if sample_input is None else sample_input, memory)
     ts = TrainState.create(apply_fn=network.apply, params=params, tx=tx)
     return RunnerState(ts, RolloutState(env_state, obs, aux, rng, memory), jnp.zeros((), jnp.int32))
+
+
+RUNNER_AXES = RunnerState(None, 0, None)
+"""`over_shards` axes of a RunnerState: the rollout (per env, PRNG key per shard) split, the rest replicated."""
+
+
+def init_sharded_runner(
+    env: VecEnv, network: Any, tx: optax.GradientTransformation, rng: jax.Array, num_shards: int,
+    aux: Any = None, sample_input: Any = None, memory: Memory | None = None,
+) -> RunnerState:
+    """`init_runner_state` for `num_shards` env shards (rl/shards.py): one set of parameters (from the same
+    key as a single device's), and per shard its envs (`env` is one shard's) reset with their own key, its
+    own rollout key, and `aux` / `memory` (one shard's initial values) repeated: rollout leaves (D, n, ...).
+    Pure, like init_runner_state."""
+    from thinkcraft.rl.shards import stack_shards
+
+    rng, k_net, k_env = jax.random.split(rng, 3)
+    # env resets vmapped over the shards' keys (world generation, no orthogonal init: rl/seeds.py's note)
+    obs, env_state = jax.vmap(env.reset)(jax.random.split(k_env, num_shards))
+    params = init_params(network, k_net, obs[0, :1] if sample_input is None else sample_input, memory)
+    ts = TrainState.create(apply_fn=network.apply, params=params, tx=tx)
+    rollout = RolloutState(env_state, obs, stack_shards(aux, num_shards), jax.random.split(rng, num_shards),
+                           stack_shards(memory, num_shards))
+    return RunnerState(ts, rollout, jnp.zeros((), jnp.int32))

@@ -92,7 +92,8 @@ def load_ppo_policy(run_dir: str | Path, num_envs: int, seed_index: int = 0):
         raise UserError(f"--seed-index {seed_index}: {run_dir} holds {K} seed(s) (seed indices 0..{K - 1})")
     cfg = dataclasses.replace(cfg, num_envs=num_envs, optimistic_reset_ratio=1,
                               total_timesteps=max(cfg.total_timesteps, num_envs * cfg.num_steps),
-                              num_minibatches=1, stop_after_updates=0, seed=cfg.seed + seed_index, num_seeds=1)
+                              num_minibatches=1, stop_after_updates=0, seed=cfg.seed + seed_index, num_seeds=1,
+                              devices=1, coordinator_address=None, num_processes=None, process_id=None)
     env = build_env(cfg)
     network = build_network(cfg, env)
 

@@ -10,6 +10,12 @@ is the run `--seed seed+i`. Each logged chunk writes one metrics record per seed
 (what `thinkcraft compare` reads); the progress line shows the mean over the seeds; checkpoints hold all
 K; `eval` / `collect` pick one with `--seed-index`. K = 1 is exactly the single-seed program and format.
 
+`--devices D` splits the envs over D devices in that one program (rl/shards.py: a Mesh over the env axis,
+`shard_map`; each device steps num_envs / D envs, each minibatch's gradients are averaged over the devices,
+so an update is one device's on the same global batch). D = 1 is exactly the single-device program;
+`--devices all` takes every device JAX sees, every host's after `--coordinator-address` (jax.distributed;
+README "Scale-out"). Combined with --num-seeds K: each seed's envs are split the same way.
+
 `--policy rnn` is Craftax_Baselines' `ppo_rnn.py` (rl/networks.ActorCriticRNN; the sequence update in
 rl/ppo.py). Its defaults are this config's (Baselines' ppo_rnn.py shares ppo.py's: see PPOConfig).
 """
@@ -28,7 +34,7 @@ from thinkcraft.utils.errors import ConfigError, UserError, check
 SHAPE_FIELDS = (
     "env_name", "num_envs", "num_steps", "num_minibatches", "update_epochs", "layer_width",
     "optimistic_reset_ratio", "total_timesteps", "lr", "anneal_lr", "compute_dtype", "seed",
-    "updates_per_chunk", "num_seeds", "policy",
+    "updates_per_chunk", "num_seeds", "policy", "devices",
 )
 
 
@@ -107,6 +113,18 @@ class PPOConfig(RunOptions):
     policy: Literal["mlp", "rnn"] = "mlp"
     """mlp: Baselines' ppo.py actor-critic (3 × layer_width, tanh). rnn: Baselines' ppo_rnn.py (Dense, GRU of
     layer_width, 2-layer ReLU heads; the update runs whole env sequences from the rollout's first memory)."""
+    devices: int | Literal["all"] = 1
+    """Devices the envs are split over (data-parallel: each steps num_envs / devices envs; each minibatch's
+    gradients are averaged across them, so an update equals one device's on the same global batch;
+    rl/shards.py). 1 = the single-device program; all = every device JAX sees (every host's with
+    --coordinator-address)."""
+    coordinator_address: str | None = None
+    """Multi-host (README "Scale-out"): jax.distributed's coordinator, process 0's host:port, the same on
+    every process; or auto (SLURM / Open MPI / Kubernetes give it, the process count and id)."""
+    num_processes: int | None = None
+    """Multi-host: the number of processes (one per host); None = detected with --coordinator-address auto."""
+    process_id: int | None = None
+    """Multi-host: this process's index (0 = the coordinator's host); None = detected."""
     updates_per_chunk: int = 8
     """PPO updates per jitted call; adjusted down to a divisor of the number of updates. Larger = fewer host round trips."""
     stop_after_updates: int = 0
@@ -146,7 +164,28 @@ class PPOConfig(RunOptions):
               f"must be a multiple of the chunk size ({self.chunk_updates} updates) so that the run stops at a chunk end")
         check(self.compute_dtype in ("float32", "bfloat16"), "compute_dtype", "float32 or bfloat16")
         check(self.unroll_env_scans in UNROLL_SETTINGS, "unroll_env_scans", "auto, on or off")
+        check(self.devices == "all" or (isinstance(self.devices, int) and self.devices >= 1), "devices",
+              f"a number >= 1 or all, not {self.devices!r}")
+        if self.devices != "all":
+            self.check_devices(self.devices)
+        multi = (self.num_processes, self.process_id)
+        check(self.coordinator_address is not None or multi == (None, None), "coordinator_address",
+              "--num-processes / --process-id need --coordinator-address (host:port or auto)")
 
+    def check_devices(self, count: int) -> None:
+        """The shapes split over `count` devices: each must get whole envs, minibatches and reset worlds
+        (also run for --devices all once the device count is known)."""
+        if count == 1:
+            return
+        check(self.num_envs % count == 0, "devices", f"num_envs={self.num_envs} must split evenly over {count} devices")
+        n = self.num_envs // count
+        check(n * self.num_steps % self.num_minibatches == 0, "num_minibatches",
+              f"each of {count} devices' {n} envs × {self.num_steps} steps must split into {self.num_minibatches} minibatches")
+        check(self.policy != "rnn" or n % self.num_minibatches == 0, "num_minibatches",
+              f"--policy rnn: {self.num_minibatches} minibatches must divide each device's {n} envs")
+        r = min(self.optimistic_reset_ratio, n)
+        check(n % r == 0, "optimistic_reset_ratio",
+              f"{self.optimistic_reset_ratio} must divide each device's {n} envs (--devices {count})")
     def run_label(self) -> str:
         seeds = f"{self.seed}-{self.seed + self.num_seeds - 1}" if self.num_seeds > 1 else f"{self.seed}"
         return f"{self.env_name}{'-rnn' if self.policy == 'rnn' else ''}-s{seeds}"
@@ -186,11 +225,13 @@ class PPOConfig(RunOptions):
 
 
 # Each caller builds what it uses (ppo-hidden its own network, eval no optimizer); `build` is all three.
-def build_env(cfg: PPOConfig):
-    """The batched Craftax env of a config (`unroll_env_scans` resolved by make_env)."""
+def build_env(cfg: PPOConfig, num_envs: int | None = None):
+    """The batched Craftax env of a config (`unroll_env_scans` resolved by make_env); `num_envs`: one env
+    shard's (--devices), with the reset ratio capped by it as the config's is by num_envs."""
     from thinkcraft.envs.craftax import make_env
 
-    return make_env(cfg.env_name, cfg.num_envs, cfg.reset_ratio, unroll_env_scans=cfg.unroll_env_scans)
+    n = cfg.num_envs if num_envs is None else num_envs
+    return make_env(cfg.env_name, n, min(cfg.optimistic_reset_ratio, n), unroll_env_scans=cfg.unroll_env_scans)
 
 
 def build_network(cfg: PPOConfig, env):
@@ -202,11 +243,29 @@ def build_network(cfg: PPOConfig, env):
     return ActorCritic(env.num_actions, cfg.layer_width, dtype=cfg.matmul_dtype)
 
 
-def initial_memory(cfg: PPOConfig):
-    """The policy's initial per-env memory (rl.ppo.Memory) for --policy rnn; None for the MLP."""
+def initial_memory(cfg: PPOConfig, num_envs: int | None = None):
+    """The policy's initial per-env memory (rl.ppo.Memory) for --policy rnn (of `num_envs`, default all);
+    None for the MLP."""
     from thinkcraft.rl.ppo import initial_memory as zeros
 
-    return zeros(cfg.num_envs, cfg.layer_width) if cfg.policy == "rnn" else None
+    return zeros(cfg.num_envs if num_envs is None else num_envs, cfg.layer_width) if cfg.policy == "rnn" else None
+
+
+def make_env_shards(cfg: PPOConfig, session: Any = None):
+    """The run's env shards (rl/shards.py) from --devices, after jax.distributed when multi-host; checked
+    against the shapes and, resuming, against the checkpoint's layout."""
+    from thinkcraft.rl.shards import initialize_distributed, make_shards
+
+    if cfg.coordinator_address is not None:
+        initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+    shards = make_shards(cfg.devices)
+    cfg.check_devices(shards.count)
+    if session is not None:
+        saved = session.saved_derived.get("env_shards", 1) if session.resuming else shards.count
+        if saved != shards.count:
+            raise UserError(f"the checkpoint splits the envs over {saved} device(s), this run over {shards.count}: "
+                            f"resume with --devices {saved}")
+    return shards
 
 
 def build_optimizer(cfg: PPOConfig):
@@ -241,8 +300,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     import jax
 
     from thinkcraft.envs.craftax import achievement_names, achievement_weights
-    from thinkcraft.rl.ppo import init_runner_state, make_train_chunk
+    from thinkcraft.rl.ppo import RUNNER_AXES, init_runner_state, init_sharded_runner, make_train_chunk
     from thinkcraft.rl.seeds import init_seeds, over_seeds, seeds_template, split_seeds
+    from thinkcraft.rl.shards import over_shards
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.jaxcache import enable_compilation_cache
     from thinkcraft.utils.progress import console, fmt_value
@@ -252,18 +312,26 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     cfg = session.cfg
     enable_compilation_cache()
     with session:
-        # 1. build and initialise (or restore): each seed by the same jitted init (rl/seeds.py)
-        env, network, tx = build(cfg)
-        init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng, memory=initial_memory(cfg)))
+        # 1. build and initialise (or restore): each seed by the same jitted init (rl/seeds.py); with
+        # --devices D each device's shard of the envs (rl/shards.py)
+        shards = make_env_shards(cfg, session)
+        D, n = shards.count, shards.local(cfg.num_envs)
+        env = build_env(cfg, n)
+        network, tx = build_network(cfg, env), build_optimizer(cfg)
+        init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng, memory=initial_memory(cfg)) if D == 1
+                       else init_sharded_runner(env, network, tx, rng, D, memory=initial_memory(cfg, n)))
         S = cfg.num_seeds
         runner = (session.restore(seeds_template(init, cfg.seed, S)) if session.resuming
                   else init_seeds(init, cfg.seed, S))
+        runner = shards.place(runner, RUNNER_AXES, S)
         start_update = int(np.asarray(runner.update).reshape(-1)[0])
-        session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size)
+        session.save_config(num_updates=cfg.num_updates, chunk_updates=cfg.chunk_updates, batch_size=cfg.batch_size,
+                            **({"env_shards": D} if D > 1 else {}))
 
         K = cfg.chunk_updates
-        chunk = jax.jit(over_seeds(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K), S),
-                        donate_argnums=0)
+        shard_chunk = over_shards(make_train_chunk(env, network.apply, cfg.num_steps, cfg.hyper(), K, shards.axis_name),
+                                  shards, (RUNNER_AXES,), (RUNNER_AXES, None))
+        chunk = jax.jit(over_seeds(shard_chunk, S), donate_argnums=0)
         names = achievement_names(cfg.env_name)
         max_return = float(sum(achievement_weights(cfg.env_name)))
 
@@ -271,7 +339,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         compiled = chunk.lower(runner).compile()
         compile_s = time.perf_counter() - t0
-        seeds = f" × {S} seeds" if S > 1 else ""
+        seeds = (f" × {S} seeds" if S > 1 else "") + (f" over {D} devices" if D > 1 else "")
         console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps{seeds} in {compile_s:.1f} s",
                       soft_wrap=True)
         session.summary["compile_s"] = compile_s
@@ -297,8 +365,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             ret = float(np.nanmean([r.get("episode/return", np.nan) for r in recs])) if any(
                 "episode/return" in r for r in recs) else float("nan")
             session.log_seeds(update, update * cfg.batch_size, recs, sps=sps, ret=ret)
-            session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params)
-        session.maybe_checkpoint(update, update * cfg.batch_size, runner, runner.train_state.params, force=True)
+            _checkpoint(session, update, update * cfg.batch_size, runner)
+        _checkpoint(session, update, update * cfg.batch_size, runner, force=True)
         summary = session.summary
         summary.update({"update": update, "env_steps": update * cfg.batch_size})
         console.print(
@@ -306,6 +374,16 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             f"return {fmt_value(summary.get('episode/return', float('nan')))}{' (mean over seeds)' if S > 1 else ''}; "
             f"sps {summary.get('sps', 0):,.0f}; run dir {session.run_dir}", soft_wrap=True)
     return summary
+
+
+def _checkpoint(session: Any, update: int, env_steps: int, runner: Any, force: bool = False) -> None:
+    """session.maybe_checkpoint, the state first gathered to this host when it spans several (multi-host:
+    every process takes process 0's decision, since the gather is collective)."""
+    from thinkcraft.rl.shards import agree, gather_to_host
+
+    if agree(session.checkpoint_due(update, force)):
+        state = gather_to_host(runner)
+        session.save_checkpoint(update, env_steps, state, state.train_state.params)
 
 
 def chunk_record(m: dict[str, Any], names: tuple[str, ...], max_return: float) -> dict[str, Any]:

@@ -25,16 +25,17 @@ def action_names(env_kind: str) -> tuple[str, ...]:
     return ACTION_NAMES[craftax_envs.env_kind(env_kind)]
 
 
-def action_prompt(env_kind: str) -> str:
-    """Numbered action list for an LLM prompt, plus how to answer."""
+ANSWER_LINE = "End your reply with one line `Action: <number or name>`, e.g. `Action: 5` or `Action: do`."
+
+
+def action_prompt(env_kind: str, how_to_answer: str = ANSWER_LINE) -> str:
+    """Numbered action list for an LLM prompt, plus how to answer (default: the `Action: ...` line that
+    `parse_action` reads)."""
     lines = [
         f"{i}: {name}" + (f" ({_HINTS[name]})" if name in _HINTS else "")
         for i, name in enumerate(action_names(env_kind))
     ]
-    return (
-        "Actions:\n" + "\n".join(lines) + "\nEnd your reply with one line `Action: <number or name>`, "
-        "e.g. `Action: 5` or `Action: do`."
-    )
+    return "Actions:\n" + "\n".join(lines) + "\n" + how_to_answer
 
 
 def _norm(name: str) -> str:

@@ -6,6 +6,8 @@
 - protocol.py: `TextEnv` (reset / step over the active episodes / counters), `StepResult`, `make_text_env`;
 - task.py: `TaskEnv`, one turn over a `Task`, graded by a reward function;
 - craftax.py: `CraftaxTextEnv`, compact text observations, parsed actions, env rewards;
+- jsonformat.py: answers as one JSON object (`action_format="json"`): schemas to constrain decoding to,
+  instructions, parsers;
 - the tasks and their rewards: a `Task` maps an integer seed to a `Problem` deterministically (so a GRPO
   group of G rollouts of one seed sees the same problem, and a run can be replayed); rewards are batched
   callables `(problems, completions) -> list[RewardResult]`: rule-based (rewards.py, `#### <number>`

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from thinkcraft.envs.textenvs import jsonformat
 from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
 from thinkcraft.utils.errors import UserError
 
@@ -19,6 +20,10 @@ class CraftaxTextConfig:
     """Episode step cap (truncation): LLM decisions are expensive, episodes are cut short."""
     format_penalty: float = 0.0
     """Subtracted from the reward of a turn whose action could not be parsed (a no-op is played)."""
+    action_format: str = "free"
+    """free (`Action: <name>` anywhere in the reply) or json (one JSON object, `jsonformat.action_schema`)."""
+    reason_chars: int = 0
+    """json: a reason string of at most this many characters before the action (0 = none)."""
 
 
 class CraftaxTextEnv:
@@ -39,6 +44,7 @@ class CraftaxTextEnv:
         from craftax.craftax_env import make_craftax_env_from_name
 
         from thinkcraft.envs import text as textpkg
+        from thinkcraft.envs.text.actions import ANSWER_LINE
         from thinkcraft.envs.craftax import ENV_KINDS, symbolic_env_name
 
         self.config = config
@@ -51,10 +57,19 @@ class CraftaxTextEnv:
         self._params = self._env.default_params
         self._noop = int(self._text.parse_action("noop", config.env_kind) or 0)
         game = "Craftax-Classic" if config.env_kind == "craftax-classic" else "Craftax"
+        self._names = self._text.action_names(config.env_kind)
+        self.answer_schema = None
+        """The JSON schema every turn's completion is constrained to (json format), else None."""
+        answer = ANSWER_LINE
+        if config.action_format == "json":
+            self.answer_schema = jsonformat.action_schema(self._names, config.reason_chars)
+            answer = jsonformat.action_instructions(config.reason_chars)
+        elif config.action_format != "free":
+            raise UserError(f"unknown action format {config.action_format!r}: use free or json")
         self.system_prompt = (
             f"You play {game}, a 2D survival and crafting game. Each turn you see the text observation; "
             "think briefly, then choose one action.\n" + self._text.COMPACT_FORMAT_DOC + "\n"
-            + self._text.action_prompt(config.env_kind)
+            + self._text.action_prompt(config.env_kind, answer)
         )
         env, params = self._env, self._params
         self._reset = jax.jit(jax.vmap(lambda k: env.reset(k, params)))
@@ -96,8 +111,10 @@ class CraftaxTextEnv:
         n = len(self._done)
         actions = np.full(n, self._noop, dtype=np.int32)
         invalid = np.zeros(n, dtype=bool)
+        json_answers = self.answer_schema is not None
         for i, text in zip(active, actions_text):
-            a = self._text.parse_action(text, self.config.env_kind)
+            a = (jsonformat.parse_action_json(text, self._names) if json_answers
+                 else self._text.parse_action(text, self.config.env_kind))
             if a is None:
                 invalid[i] = True
             else:

@@ -14,6 +14,9 @@ Kinds (`make_text_env(name)` builds each):
 - `CraftaxTextEnv` (craftax, craftax-classic; craftax.py): compact text observation per step; the
   completion's action is parsed (invalid → counted, a no-op is played, optional format penalty); env
   reward; a step cap (truncation).
+
+Either kind answers in free text or, with `action_format="json"`, with one JSON object: the env then has an
+`answer_schema` (a JSON Schema; None in free text) that a sampler constrains decoding to (jsonformat.py).
 """
 
 from __future__ import annotations
@@ -74,8 +77,12 @@ def make_text_env(
     gsm8k_path: str | None = None,
     max_steps: int = 32,
     format_penalty: float = 0.0,
+    action_format: str = "free",
+    reason_chars: int = 0,
 ) -> TextEnv:
-    """`arith`, `gsm8k` (needs `gsm8k_path`), `craftax`, `craftax-classic`."""
+    """`arith`, `gsm8k` (needs `gsm8k_path`), `craftax`, `craftax-classic`. `action_format` "json": every turn
+    answers with one JSON object (`env.answer_schema`; jsonformat.py), with a reason of at most
+    `reason_chars` characters first when > 0."""
     from thinkcraft.envs.textenvs.arith import ArithTask
     from thinkcraft.envs.textenvs.gsm8k import GSM8KTask
     from thinkcraft.envs.textenvs.rewards import RuleReward
@@ -84,12 +91,13 @@ def make_text_env(
     if name in ("arith", "gsm8k"):
         reward_fn = reward_fn or RuleReward()
         if name == "arith":
-            return TaskEnv(ArithTask(difficulty), reward_fn)
+            return TaskEnv(ArithTask(difficulty), reward_fn, action_format, reason_chars)
         if not gsm8k_path:
             raise UserError("--gsm8k-path: the gsm8k env needs a local JSONL/Parquet file (nothing is downloaded)")
-        return TaskEnv(GSM8KTask(gsm8k_path), reward_fn)
+        return TaskEnv(GSM8KTask(gsm8k_path), reward_fn, action_format, reason_chars)
     if name in ("craftax", "craftax-classic"):
         from thinkcraft.envs.textenvs.craftax import CraftaxTextConfig, CraftaxTextEnv
 
-        return CraftaxTextEnv(CraftaxTextConfig(env_kind=name, max_steps=max_steps, format_penalty=format_penalty))
+        return CraftaxTextEnv(CraftaxTextConfig(env_kind=name, max_steps=max_steps, format_penalty=format_penalty,
+                                                action_format=action_format, reason_chars=reason_chars))
     raise UserError(f"unknown text env {name!r}: use arith, gsm8k, craftax or craftax-classic")

@@ -6,6 +6,9 @@ from typing import Sequence
 
 import numpy as np
 
+from thinkcraft.utils.errors import UserError
+
+from thinkcraft.envs.textenvs import jsonformat
 from thinkcraft.envs.textenvs.base import Problem, RewardFn, Task
 from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
 
@@ -15,11 +18,19 @@ class TaskEnv:
 
     max_turns = 1
 
-    def __init__(self, task: Task, reward_fn: RewardFn) -> None:
+    def __init__(self, task: Task, reward_fn: RewardFn, action_format: str = "free", reason_chars: int = 0) -> None:
+        if action_format not in jsonformat.ACTION_FORMATS:
+            raise UserError(f"unknown action format {action_format!r}: use free or json")
         self.task = task
         self.reward_fn = reward_fn
         self.name = task.name
         self.system_prompt = task.instructions
+        self.answer_schema = None
+        """The JSON schema every completion is constrained to (json format: `{"answer": <integer>}`), else None.
+        Its answers reach the reward as `<reason>\n#### <n>` (`jsonformat.answer_as_hash_line`)."""
+        if action_format == "json":
+            self.answer_schema = jsonformat.answer_schema(reason_chars)
+            self.system_prompt = jsonformat.answer_instructions(reason_chars)
         self.problems: list[Problem] = []
         self._active: list[int] = []
         self._num_invalid = 0
@@ -37,7 +48,10 @@ class TaskEnv:
         stepped = stepped_indices(self._active, indices)
         check_len(actions_text, stepped)
         probs = [self.problems[i] for i in stepped]
-        results = self.reward_fn(probs, list(actions_text))
+        texts = list(actions_text)
+        if self.answer_schema is not None:
+            texts = [jsonformat.answer_as_hash_line(t) for t in texts]
+        results = self.reward_fn(probs, texts)
         n = len(results)
         self._num_answers += n
         self._num_invalid += sum(not r.format_ok for r in results)

@@ -29,7 +29,23 @@ from thinkcraft.llm.protocol import (
 )
 from thinkcraft.utils.errors import UserError
 
-__all__ = ["DecodeMixin", "top_p_filter"]
+__all__ = ["DecodeMixin", "eos_ids_of", "top_p_filter"]
+
+
+def eos_ids_of(lm: Any, tokenizer: Any) -> set[int]:
+    """The ids that end a generation: the model's generation config's and config's EOS ids and the
+    tokenizer's (what the engine stops on and a grammar's stop tokens are; a learner replaying constrained
+    answers needs the same set)."""
+    ids: set[int] = set()
+    for src in (getattr(lm, "generation_config", None), lm.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
 
 
 class DecodeMixin:
@@ -58,16 +74,7 @@ class DecodeMixin:
                                 evict=evict, width=kv_cache, compile_step=compile_decode, kv_cache_gb=kv_cache_gb)
 
     def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (getattr(self._lm, "generation_config", None), self._lm.config):
-            e = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(e, int):
-                ids.add(e)
-            elif isinstance(e, (list, tuple)):
-                ids.update(int(x) for x in e)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
+        return eos_ids_of(self._lm, self.tokenizer)
 
     def _check_sampling(self, sampling: SamplingParams) -> SamplingParams:
         if sampling.n < 1 or sampling.max_new_tokens < 1:

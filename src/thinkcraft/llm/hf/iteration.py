@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
 from thinkcraft.llm.hf.rows import sample_rows
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
@@ -117,8 +118,7 @@ class IterationMixin:
         eng = self.eng
         sps = [q.req.sampling for q, _, _ in chunk]
         think_open, think_close = eng.think_open_id, eng.think_close_id
-        in_think = [think_open is not None and _last(q.prompt, think_open) > _last(q.prompt, think_close)
-                    for q, _, _ in chunk]
+        in_think = [prompt_in_thought(q.prompt, think_open, think_close) for q, _, _ in chunk]
         budget = [sp.thinking_budget if sp.thinking_budget is not None else 1 << 40 for sp in sps]
         ints = np.stack([np.ones(len(slots)), np.zeros(len(slots)), [sp.max_new_tokens for sp in sps], in_think,
                          np.zeros(len(slots)), budget, -np.ones(len(slots)), np.zeros(len(slots)), length, offs], 1)
@@ -144,11 +144,11 @@ class IterationMixin:
         self.h_temp[slots] = floats[:, 0]
         self.h_topp[slots] = floats[:, 1]
         self.h_wantlp[slots] = [sp.logprobs for sp in sps]
-        for q, s, _ in chunk:
+        for (q, s, _), thinking in zip(chunk, in_think):
             q.versions = [(0, self.version)]
             self._slot_seq[s] = q
-            if q.req.sampling.structured is not None:  # structured outputs: the row's constraint starts
-                self.guides.open(s, q.req.sampling.structured)
+            if q.req.sampling.structured is not None:  # structured outputs: the row's constraint starts (after
+                self.guides.open(s, q.req.sampling.structured, after_thought=thinking)  # its thought, if open)
 
     # ------------------------------------------------------------------------------------------ launch
 
@@ -168,13 +168,14 @@ class IterationMixin:
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if self.h_wantlp[rows].any():
             lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
-            if guided and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
+            masked = sample_from is not self.logits  # (only rows still thinking: nothing masked this step)
+            if masked and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
                 lpc = torch.log_softmax(sample_from, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
                 lp = torch.where(torch.from_numpy(self.guides.constrained_lp).to(lp.device), lpc, lp)
         else:
             lp = self._no_lp
         if guided:  # structured outputs: the matchers accept this step's tokens before the next mask
-            self.guides.advance(step.tokens)
+            self.guides.advance(step.tokens, ~step.state.in_think & (step.state.force_pos < 0))
         buf = k % 2
         self._rec_host[buf].copy_(step.record, non_blocking=True)
         self._lp_host[buf].copy_(lp, non_blocking=True)
@@ -293,10 +294,3 @@ class IterationMixin:
             for r in results:
                 self._done[r.handle] = r
             self._cv.notify_all()
-
-
-def _last(ids: np.ndarray, x: int | None) -> int:
-    if x is None:
-        return -1
-    hit = np.flatnonzero(ids == x)
-    return int(hit[-1]) if len(hit) else -1

@@ -59,6 +59,8 @@ def check_async_config(cfg: Any) -> None:
             if getattr(cfg, name) != defaults[name]:
                 raise ConfigError(name, "applies to the asynchronous loop only: add --mode async")
         return
+    check(cfg.action_format == "free", "action_format",
+          "json answers (constrained decoding) run in the synchronous loop only for now: drop --mode async")
     check(cfg.max_staleness >= 0, "max_staleness", "must be >= 0 (0 = the synchronous schedule)")
     check(cfg.rollout_workers >= 1, "rollout_workers", "must be >= 1")
     check(cfg.env_step_timeout_s > 0, "env_step_timeout_s", "must be > 0")

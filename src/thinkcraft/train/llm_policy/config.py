@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 Algo = Literal["grpo", "rloo", "reinforce", "apo"]
 EnvName = Literal["arith", "gsm8k", "craftax", "craftax-classic"]
 ALGOS_NEEDING_LOGPROBS = ("grpo", "rloo", "reinforce")
+THINKING_CLOSE_TOKENS = len("\n</think>\n\n".encode())
+"""Tokens the engine's forced thought close can take at most (its default text's bytes)."""
 
 # Fields a resumed run must keep (the optimizer state holds lr and weight decay; the rest fix the model, the
 # problem stream or the group structure). Others (sampling, loss coefficients, logging) may change on resume.
@@ -60,6 +62,15 @@ class LLMPolicyConfig(RunOptions):
     """Craftax: decisions per episode (the episode step cap)."""
     format_penalty: float = 0.0
     """Craftax: reward subtracted when the action cannot be parsed (a no-op is played)."""
+    action_format: Literal["free", "json"] = "free"
+    """How a turn answers: free text (craftax `Action: <name>`, arith/gsm8k `#### <n>`), or json: decoding is
+    constrained to one JSON object (craftax {"action": <an action name>}, arith/gsm8k {"answer": <integer>};
+    xgrammar), valid by construction, and the learner's ratio uses log-probs of that constrained distribution
+    (softmax over the tokens the grammar allows at each position). With --thinking-budget the thought is free
+    and the answer after it constrained."""
+    action_reason_chars: int = 0
+    """json: a "reason" string of at most this many characters (printable ASCII) before the action/answer;
+    0 = none."""
     difficulty: int = 1
     """arith: difficulty level 1..6."""
     gsm8k_path: str | None = None
@@ -234,6 +245,7 @@ class LLMPolicyConfig(RunOptions):
             self.judge_engine_options()  # an unset variable or unreadable file fails here, before any loading
         if self.thinking_budget is not None:
             check(0 < self.thinking_budget < self.max_new_tokens, "thinking_budget", "must be in (0, max_new_tokens)")
+        self._validate_action_format()
         spec = _parsed("model", self.model, bare="hf", allowed=("hf", "random"))
         if spec.scheme == "random":
             check(spec.target in MODEL_SHAPES, "model", f"unknown shape {spec.target!r}; known: {', '.join(MODEL_SHAPES)}")
@@ -247,6 +259,34 @@ class LLMPolicyConfig(RunOptions):
         from thinkcraft.train.llm_policy.async_loop import check_async_config
 
         check_async_config(self)
+
+    def _validate_action_format(self) -> None:
+        """json answers: a grammar xgrammar builds, and a token budget that always holds the longest answer (after
+        the longest thought: the budget, the forced close, the answer), so that no answer is ever cut."""
+        check(self.action_reason_chars >= 0, "action_reason_chars", "must be >= 0")
+        if self.action_format != "json":
+            check(self.action_reason_chars == 0, "action_reason_chars", "is for --action-format json")
+            return
+        from thinkcraft.envs.textenvs import jsonformat
+        from thinkcraft.llm.constrained import check_schema
+
+        names = None
+        if self.is_multi_turn:
+            from thinkcraft.envs.text.names import ACTION_NAMES
+
+            names = ACTION_NAMES[self.env]
+        schema = (jsonformat.action_schema(names, self.action_reason_chars) if names is not None
+                  else jsonformat.answer_schema(self.action_reason_chars))
+        try:
+            check_schema(schema)
+        except UserError as e:
+            raise ConfigError("action_format", str(e)) from None
+        answer = jsonformat.max_answer_tokens(names, self.action_reason_chars)
+        thought = 0 if self.thinking_budget is None else self.thinking_budget + THINKING_CLOSE_TOKENS
+        check(self.max_new_tokens >= thought + answer, "max_new_tokens",
+              f"must be >= {thought + answer} with --action-format json"
+              + (f" (thinking budget {self.thinking_budget} + its close {THINKING_CLOSE_TOKENS}" if thought else " (")
+              + f"{' + ' if thought else ''}the longest answer {answer} tokens), so that no answer is cut")
 
     @property
     def model_spec(self) -> EngineSpec:

@@ -54,11 +54,14 @@ class TrainRows:
     rewards: Any  # (T,) per turn
     segments: Any = None  # (R, L-1) long: the turn (0..T-1, in `build_rows`' order) of each generated token, -1 elsewhere
     turns: RowTurns | None = None
+    allowed: Any = None  # rl.chunked_logprobs.AllowedTokens, index (R, L-1): each predicted position's grammar-
+    # allowed set (json answers; -1: every token), following each turn's completion into its row like `old_logp`
 
     def to(self, device) -> TrainRows:
         return TrainRows(*(x.to(device) if hasattr(x, "to") else x for x in
                            (self.input_ids, self.attention_mask, self.loss_mask, self.old_logp, self.advantages,
-                            self.rewards, self.segments)), self.turns)
+                            self.rewards, self.segments)), self.turns,
+                         None if self.allowed is None else type(self.allowed)(*(x.to(device) for x in self.allowed)))
 
 def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: int):
     """Flatten episodes to turns: returns-to-go scores and group ids (seed group × turn index), so a turn
@@ -74,7 +77,7 @@ def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: 
     return scores, groups
 
 def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_rewards: Sequence[float], pad_id: int,
-               device, merge_episodes: bool = True) -> TrainRows:
+               device, merge_episodes: bool = True, masks: Any = None) -> TrainRows:
     """The learner's rows of `turns` (an episode's turns consecutive and in order), right-padded and laid out
     with numpy in a few vectorised writes (no per-row tensors).
 
@@ -84,7 +87,10 @@ def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_reward
     This is exact, not an approximation: causal attention shows turn k's completion the same tokens at the
     same positions in either row. With the full history an episode then costs its last turn's tokens instead
     of the sum over its turns. Turns that break the chain (a rewriting chat template, a history window) start
-    a new row; `merge_episodes=False`: one row per turn."""
+    a new row; `merge_episodes=False`: one row per turn.
+
+    `masks` (`Learner.allowed_tokens`: per turn, each completion token's allowed set) makes `allowed`: each
+    set lands where its token is predicted, in the turn's own row or in the episode row that extends it."""
     import torch
 
     T = len(turns)
@@ -122,7 +128,22 @@ def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_reward
 
     return TrainRows(dev(ids), dev(valid.astype(np.int64)), dev(mask), dev(old), dev(adv),
                      torch.tensor(list(row_rewards), dtype=torch.float32, device=device), dev(segments),
-                     RowTurns(starts, trained, int(tlen.sum())))
+                     RowTurns(starts, trained, int(tlen.sum())), _allowed(masks, r, q, (B, L - 1), device))
+
+
+def _allowed(masks: Any, r: np.ndarray, q: np.ndarray, shape: tuple[int, int], device) -> Any:
+    """`AllowedTokens` of `masks` (per turn, each completion token's entry in `masks.bitmask`) scattered to the
+    (row, predicted position) of every completion token (`r`, `q` of `build_rows`), -1 elsewhere; None
+    without masks."""
+    if masks is None:
+        return None
+    import torch
+
+    from thinkcraft.rl.chunked_logprobs import AllowedTokens
+
+    at = np.full(shape, -1, dtype=np.int64)
+    at[r, q] = np.concatenate(list(masks.index) + [np.zeros(0, np.int64)])
+    return AllowedTokens(masks.bitmask.to(device), torch.from_numpy(at).to(device))
 
 
 def _ragged_arange(n: np.ndarray) -> np.ndarray:
@@ -177,6 +198,7 @@ class Learner:
             log.warning("no varlen attention kernel with a backward runs on %s: the learner pads rows instead", device)
         packing.register_packed_attention()
         vocab = compat.plain_lm_head(model)[0].shape[0]
+        self.vocab_size = vocab
         self.rows_per_chunk = chunk_rows(vocab, cfg.logit_chunk_mib) if cfg.logit_chunk_mib > 0 else 0
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
@@ -212,6 +234,37 @@ class Learner:
         return packing.plan(lengths, mask, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
                             self.device, rows.turns.seqs_per_row() if rows.turns is not None else None)
 
+    def allowed_tokens(self, turns: Sequence[TurnSample]):
+        """For turns decoded under a grammar with "constrained" log-probs (json answers): each token's allowed
+        set, recomputed on the CPU by replaying the completions through the grammar from where the engine
+        started it (`llm.constrained.answer_start`: after the thought), forced tokens unmasked
+        (`llm.constrained.ReplayMasks`, one table for all turns; for `build_rows`). None when no turn was."""
+        import torch
+
+        from thinkcraft.llm.constrained import ReplayMasks, answer_start, compile_guide, replay_masks
+        from thinkcraft.llm.hf.decode import eos_ids_of
+
+        specs = list(dict.fromkeys(t.structured for t in turns
+                                   if t.structured is not None and t.structured.logprobs == "constrained"))
+        if not specs:
+            return None
+        vocab = self.tokenizer.get_vocab()
+        think = (vocab.get("<think>"), vocab.get("</think>"))
+        stops = eos_ids_of(self.model, self.tokenizer)
+        index = [np.full(len(t.completion_ids), -1, dtype=np.int64) for t in turns]
+        tables, offset = [], 0
+        for spec in specs:
+            sel = [k for k, t in enumerate(turns) if t.structured == spec]
+            forced = [[m == 0 for m in (turns[k].train_mask or [1] * len(turns[k].completion_ids))] for k in sel]
+            starts = [answer_start(turns[k].prompt_ids, turns[k].completion_ids, f, *think) for k, f in zip(sel, forced)]
+            rep = replay_masks(compile_guide(self.tokenizer, self.vocab_size, stops, spec),
+                               [turns[k].completion_ids for k in sel], starts, forced)
+            for k, x in zip(sel, rep.index):
+                index[k] = np.where(x >= 0, x + offset, -1)
+            tables.append(rep.bitmask)
+            offset += len(rep.bitmask)
+        return ReplayMasks(torch.cat(tables), index)
+
     def logprobs(self, rows: TrainRows, mb, model=None):
         """(rows, width - 1) log π of each trained position's next token in micro-batch `mb` (0 elsewhere).
 
@@ -232,11 +285,17 @@ class Learner:
                 ids = rows.input_ids[s:e, :w]
                 h = dec(input_ids=ids, attention_mask=rows.attention_mask[s:e, :w], use_cache=False).last_hidden_state
         h, ids = h.reshape(-1, h.shape[-1]), ids.reshape(-1)
+        allowed = None
+        if rows.allowed is not None:  # json answers: a softmax over the grammar's allowed tokens (constrained.py)
+            allowed = rows.allowed._replace(index=rows.allowed.index[s:e, : w - 1].reshape(-1)[mb.scatter])
         if self.rows_per_chunk:
             lp = linear_token_logprobs(h[mb.pred], weight, ids[mb.pred + 1], bias, 1.0, self.rows_per_chunk,
-                                       self.compute_dtype)
+                                       self.compute_dtype, allowed)
         else:  # the full (tokens x vocabulary) logits of every position, as the causal LM's forward builds them
-            lp = full_linear_token_logprobs(h, weight, ids.roll(-1), bias, 1.0, self.compute_dtype)[mb.pred]
+            if allowed is not None:
+                allowed = allowed._replace(index=allowed.index.new_full((h.shape[0],), -1).index_copy_(
+                    0, mb.pred, allowed.index))
+            lp = full_linear_token_logprobs(h, weight, ids.roll(-1), bias, 1.0, self.compute_dtype, allowed)[mb.pred]
         return lp.new_zeros((e - s) * (w - 1)).scatter(0, mb.scatter, lp).view(e - s, w - 1)
 
     def ref_logprobs(self, rows: TrainRows, mb):

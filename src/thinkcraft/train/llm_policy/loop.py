@@ -207,7 +207,8 @@ def update_on(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, episodes: 
                         v_rows, carry.baseline),
         AdvantageOptions(scale_by_std=cfg.scale_adv_by_std, baseline_momentum=cfg.baseline_momentum))
     rows = build_rows(turns, adv.values.tolist(), scores, tokenizer.pad_token_id, learner.device,
-                      merge_episodes=cfg.pack_episodes)
+                      merge_episodes=cfg.pack_episodes,
+                      masks=learner.allowed_tokens(turns))  # json answers: the grammar's allowed sets
     loss_stats = learner.update(rows, v_star=None if v_rows is None else v_rows.to(learner.device))
     loss_stats["advantage/abs_mean"] = float(adv.values.abs().mean())
     return loss_stats, carry._replace(baseline=adv.baseline)

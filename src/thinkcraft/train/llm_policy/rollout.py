@@ -10,6 +10,11 @@ episode's KV between turns and prefills only the new tokens; the system prompt i
 once. A chat template that is not append-only (Qwen3 drops earlier thoughts) is detected on the rendered
 text: that turn is tokenized whole and counted (`kv/template_fallbacks`). Other engines: every turn of all
 active episodes is one `generate` batch (lockstep).
+
+JSON answers (`--action-format json`): an env with an `answer_schema` has every turn constrained to it
+(`SamplingParams.structured`, log-probs of the constrained distribution, which the learner recomputes). With
+a thinking budget the engine constrains the answer after the thought, so the prompt must open the thought:
+where the chat template's generation prompt does not, `<think>\n` is appended (and kept in the history).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class TurnSample:
     """The chat template rewrote earlier turns: this prompt was tokenized whole (no turn-KV reuse)."""
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     """[(first token index, weight version)] from the engine (several when weights changed mid-turn)."""
+    structured: Any = None
+    """The `llm.constrained.StructuredOutput` the answer was decoded under (json format), else None: its
+    `logprobs` are of the constrained distribution, which the learner recomputes (`Learner.allowed_tokens`)."""
 
 @dataclass
 class Episode:
@@ -105,7 +113,11 @@ def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int,
     gen_ctx = gen_context if gen_context is not None else contextlib.nullcontext
     all_seeds = [int(s) for s in seeds for _ in range(samples_per_seed)]
     episodes = [Episode(seed=s, group=i // samples_per_seed) for i, s in enumerate(all_seeds)]
-    sampling = replace(sampling, n=1)
+    sampling = replace(sampling, n=1, structured=answer_structure(env, sampling))
+    if sampling.structured is not None and not engine.capabilities.continuous_batching:
+        from thinkcraft.utils.errors import UserError
+
+        raise UserError("--action-format json needs the in-process hf engine (constrained decoding)")
     t0 = time.perf_counter()
     before = engine.decode_metrics() if engine.capabilities.continuous_batching else {}
     with phase("env"):
@@ -125,6 +137,29 @@ def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int,
             metrics["kv/evictions"] = after["evictions"] - before["evictions"]
             metrics["kv/invalidated"] = after["invalidated"] - before["invalidated"]
     return episodes
+
+
+def answer_structure(env, sampling):
+    """What the env's answers are constrained to: a `StructuredOutput` of its `answer_schema` with log-probs of
+    the constrained distribution (the learner's ratio compares like with like), or the sampling's own."""
+    schema = getattr(env, "answer_schema", None)
+    if schema is None:
+        return sampling.structured
+    import json
+
+    from thinkcraft.llm.constrained import StructuredOutput
+
+    return StructuredOutput(json.dumps(schema), logprobs="constrained")  # property order kept: reason first
+
+
+THOUGHT_OPENER = "<think>\n"
+
+
+def _needs_opener(sampling, text: str) -> bool:
+    """A constrained turn with a thinking budget whose rendered prompt does not end inside a thought."""
+    if sampling.structured is None or sampling.thinking_budget is None:
+        return False
+    return text.rfind("<think>") <= text.rfind("</think>")
 
 
 def _turn_sample(obs: str, prompt: list[int], c, res, j: int, extra: dict | None = None) -> TurnSample:
@@ -154,7 +189,8 @@ def _lockstep(env, engine, tokenizer, episodes, obs, sampling, history_turns, ph
             res = env.step([c.text for c in comps])
         for j, i in enumerate(active):
             episodes[i].turns.append(_turn_sample(obs[i], prompts[j], comps[j], res, j,
-                                                  {"thinking_budget": sampling.thinking_budget}))
+                                                  {"thinking_budget": sampling.thinking_budget,
+                                                   "structured": sampling.structured}))
             histories[i].append((obs[i], comps[j].text))
             obs[i] = res.observations[j]
             if res.terminated[j] or res.truncated[j]:
@@ -172,6 +208,8 @@ class _Chat:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     fallback: bool = False
+    opener: str = ""
+    """What the rollout appended to the rendered prompt (`THOUGHT_OPENER` or ""): part of the reply's message."""
 
 
 class ChatPrompts:
@@ -182,10 +220,13 @@ class ChatPrompts:
     can keep the episode's KV and the learner can train its turns as one row. A template that rewrote earlier
     turns (detected on the rendered text) gets that prompt tokenized whole (`_Chat.fallback`). A history
     window renders every prompt anew. One batched tokenizer call per `next`, under `lock` (a fast tokenizer
-    shared by threads can fail "Already borrowed")."""
+    shared by threads can fail "Already borrowed"). `sampling`: a constrained answer under a thinking budget
+    gets `THOUGHT_OPENER` appended where the template does not open the thought (`_needs_opener`)."""
 
-    def __init__(self, tokenizer, system_prompt: str, n: int, history_turns: int, lock: Any = None) -> None:
+    def __init__(self, tokenizer, system_prompt: str, n: int, history_turns: int, lock: Any = None,
+                 sampling: Any = None) -> None:
         self.tok, self.system_prompt, self.history_turns = tokenizer, system_prompt, history_turns
+        self.sampling = sampling
         self.append_only = history_turns < 0
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.chats = [_Chat(messages=list(self.system)) for _ in range(n)]
@@ -211,6 +252,7 @@ class ChatPrompts:
         self._obs[i] = obs
         if not self.append_only:  # a history window: every prompt is new (the shared prefix is still reused)
             chat.text = _render(tok, build_messages(self.system_prompt, self.histories[i], obs, self.history_turns))
+            chat.text += self._opener(chat.text)
             chat.ids = []
             return chat.text
         sent = None
@@ -219,9 +261,11 @@ class ChatPrompts:
             # to the template): the rendered history then extends exactly what the model saw
             content, end = _reply_text(tok, c, self.specials)
             sent = chat.text + content + end
-            chat.messages.append({"role": "assistant", "content": content})
+            chat.messages.append({"role": "assistant", "content": chat.opener + content})
         chat.messages.append({"role": "user", "content": obs})
         text = _render(tok, chat.messages)
+        chat.opener = self._opener(text)
+        text += chat.opener
         chat.fallback = sent is not None and not text.startswith(sent)
         chat.text = text
         if sent is None or chat.fallback:
@@ -229,6 +273,9 @@ class ChatPrompts:
             return text  # the whole prompt (first turn, or a template that rewrote earlier turns)
         chat.ids = chat.ids + list(c.token_ids)
         return text[len(sent):]  # only what the template added after the reply
+
+    def _opener(self, text: str) -> str:
+        return THOUGHT_OPENER if self.sampling is not None and _needs_opener(self.sampling, text) else ""
 
 
 class _Continuous:
@@ -242,7 +289,7 @@ class _Continuous:
         self.env_batch_frac = env_batch_frac
         self.append_only = history_turns < 0
         self.rid = next(_ROLLOUT_IDS)
-        self.prompts = ChatPrompts(tokenizer, env.system_prompt, len(episodes), history_turns)
+        self.prompts = ChatPrompts(tokenizer, env.system_prompt, len(episodes), history_turns, sampling=sampling)
         self.chats = self.prompts.chats
         system = self.prompts.system
         self.prefix = np.asarray(_encode_texts(tokenizer, [_render(tokenizer, system, False)])[0] if system else [],
@@ -283,7 +330,7 @@ class _Continuous:
                 "thinking_budget": r.thinking_budget, "prefill_tokens": r.prefill_tokens,
                 "reused_tokens": r.reused_tokens, "shared_prefix_tokens": r.shared_prefix_tokens,
                 "template_fallback": chat.fallback,
-                "weight_versions": list(r.weight_versions)}))
+                "weight_versions": list(r.weight_versions), "structured": self.sampling.structured}))
             self.obs[i] = res.observations[j]
             if res.terminated[j] or res.truncated[j]:
                 ep = self.episodes[i]
@@ -394,7 +441,8 @@ def make_env_and_reward(cfg: LLMPolicyConfig, judge: tuple[Any, Any] | None = No
             reward_fn = RuleReward(answer_weight=cfg.answer_weight, format_weight=cfg.format_weight,
                                    lenient=cfg.lenient_answer)
     env = make_text_env(cfg.env, reward_fn=reward_fn, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path,
-                        max_steps=cfg.max_turns, format_penalty=cfg.format_penalty)
+                        max_steps=cfg.max_turns, format_penalty=cfg.format_penalty, action_format=cfg.action_format,
+                        reason_chars=cfg.action_reason_chars)
     if cfg.env_latency_ms > 0:  # a slow env (benchmarks): every batched step waits this long
         from thinkcraft.pools.envproc import LatencyEnv
 

@@ -35,6 +35,14 @@ class PPOHiddenConfig(PPOConfig):
     """Engine spec: hf:<path-or-default>, vllm:<path>, sglang+http://host:port."""
     engine_device: str | None = None
     """Device for an in-process hf engine (default: cuda if available, else cpu)."""
+    feature_devices: tuple[str, ...] = ()
+    """In-process hf engines on these devices (e.g. cuda:1 cuda:2 cuda:3), one each: every refresh's texts
+    are split over them in contiguous shards and gathered back in order (llm/sharded.py); a failing or
+    silent engine is restarted and its shard retried. Empty = one engine (on --engine-device)."""
+    feature_timeout_s: float = 600.0
+    """--feature-devices: seconds one engine may take for its shard before it counts as dead (restarted)."""
+    feature_retries: int = 2
+    """--feature-devices: restarts + retries of a failed shard per refresh before the run stops (resumable)."""
     engine_max_batch_tokens: int | None = None
     """Tokens per engine forward chunk (default: the engine's own)."""
     engine_quantize: Literal["none", "fp8"] = "none"
@@ -88,6 +96,35 @@ class PPOHiddenConfig(PPOConfig):
                               f"(quantise a served model in its server: vLLM/SGLang --quantization fp8)")
         if "Pixels" in self.env_name:
             raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
+        if self.feature_devices:
+            self._check_feature_devices()
+        check(self.coordinator_address is None, "coordinator_address",
+              "multi-host runs are for train ppo; ppo-hidden splits its envs over one host's --devices")
+
+    def _check_feature_devices(self) -> None:
+        import re
+
+        devs = self.feature_devices
+        if not is_hf_spec(self.engine):
+            raise ConfigError("feature_devices", f"places in-process hf engines, not {self.engine!r} "
+                              f"(a served engine shards over its own GPUs: SGLang --dp-size)")
+        check(self.engine_device is None, "feature_devices", "replaces --engine-device (give the devices there)")
+        bad = [d for d in devs if not re.fullmatch(r"cpu|cuda(:\d+)?", d)]
+        check(not bad, "feature_devices", f"devices are cpu or cuda:N, not {bad}")
+        check(len(set(devs)) == len(devs) or set(devs) == {"cpu"}, "feature_devices", f"a device twice: {list(devs)}")
+        check(self.feature_timeout_s > 0, "feature_timeout_s", "must be > 0")
+        check(self.feature_retries >= 0, "feature_retries", "must be >= 0")
+        if any(d.startswith("cuda") for d in devs):
+            import torch
+
+            n = torch.cuda.device_count()
+            missing = [d for d in devs if d.startswith("cuda") and int((d.split(":") + ["0"])[1]) >= n]
+            check(not missing, "feature_devices", f"{missing}: torch sees {n} CUDA device(s)")
+
+    def check_devices(self, count: int) -> None:
+        super().check_devices(count)
+        check(self.pool_size % count == 0, "reset_pool_size",
+              f"the reset pool's {self.pool_size} worlds must split evenly over {count} devices")
 
     @property
     def pool_size(self) -> int:
@@ -140,6 +177,26 @@ def engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
     if cfg.engine_random_weights is not None:
         opts["random_weights"] = cfg.engine_random_weights
     return opts
+
+
+def build_engine(cfg: PPOHiddenConfig) -> Any:
+    """The run's hidden-state engine: `cfg.engine` built once, or with --feature-devices one per device
+    behind a ShardedEngine that gathers onto the policy's device (JAX's first: a GPU's torch twin, else
+    the first engine's device)."""
+    from thinkcraft.llm import make_engine
+
+    if not cfg.feature_devices:
+        return make_engine(cfg.engine, **engine_options(cfg))
+    import jax
+
+    from thinkcraft.llm.sharded import ShardedEngine
+
+    policy = jax.devices()[0]
+    gather = f"cuda:{policy.local_hardware_id}" if policy.platform == "gpu" else None
+    opts = engine_options(cfg)
+    return ShardedEngine([lambda d=d: make_engine(cfg.engine, **opts, device=d) for d in cfg.feature_devices],
+                         gather_device=gather, timeout_s=cfg.feature_timeout_s, retries=cfg.feature_retries,
+                         names=list(cfg.feature_devices))
 
 
 def make_prompt_prefix(cfg: PPOHiddenConfig) -> str:

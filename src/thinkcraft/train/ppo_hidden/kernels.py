@@ -9,7 +9,11 @@
                                             `memory`: --policy rnn's memory at the update's first window
 
 With --num-seeds K every kernel is vmapped over a leading seed axis of the state and of the hidden states
-(rl/seeds.py); K = 1 compiles the unvmapped kernels.
+(rl/seeds.py); K = 1 compiles the unvmapped kernels. With --devices D (rl/shards.py) every kernel is written
+for one env shard (n = N / D envs, p = P / D pool worlds) and run over all of them (`over_shards`): the
+per-env state carries a shard axis (`state_axes`), a refresh's hidden states (N [+ P], H) are replicated on
+every device and each shard takes its rows (the running statistics are updated over all of them, as on
+one device), the update averages gradients over the shards. D = 1 compiles exactly the unsharded kernels.
 """
 
 from __future__ import annotations
@@ -49,42 +53,71 @@ def build_network(cfg: PPOHiddenConfig, env: Any) -> Any:
                           dtype=cfg.matmul_dtype)
 
 
-def make_init(cfg: PPOHiddenConfig, env: Any, network: Any, tx: Any, hidden_size: int) -> Callable[[Any], HiddenRunner]:
-    """Pure `init(rng) -> HiddenRunner` (jax.eval_shape of it is the checkpoint template)."""
+def state_axes() -> HiddenRunner:
+    """`over_shards` axes of a HiddenRunner: per-env leaves (and the pools) split, the rest replicated."""
+    from thinkcraft.rl.ppo import RUNNER_AXES
+
+    return HiddenRunner(runner=RUNNER_AXES, norm=None, done_since_snapshot=0, next_pool=0)
+
+
+def make_init(cfg: PPOHiddenConfig, env: Any, network: Any, tx: Any, hidden_size: int,
+              shards: Any = None) -> Callable[[Any], HiddenRunner]:
+    """Pure `init(rng) -> HiddenRunner` (jax.eval_shape of it is the checkpoint template). `env` is one env
+    shard's with --devices (`shards`): the per-env state then has a leading shard axis."""
     import jax
     import jax.numpy as jnp
 
     from thinkcraft.rl.hidden import AugInput, RunningNorm, empty_aux
-    from thinkcraft.rl.ppo import init_runner_state
+    from thinkcraft.rl.ppo import init_runner_state, init_sharded_runner
     from thinkcraft.train.ppo import initial_memory
 
-    N, H, P = cfg.num_envs, hidden_size, cfg.pool_size
+    D = 1 if shards is None else shards.count
+    N, H, P = cfg.num_envs // D, hidden_size, cfg.pool_size // D  # one shard's
     sample = AugInput(jnp.zeros((1, env.obs_dim)), jnp.zeros((1, H)), jnp.zeros((1,)), jnp.zeros((1,)))
 
+    def over(fn: Callable, key: Any) -> Any:  # one pool per shard, each from its own key
+        return fn(key) if D == 1 else jax.vmap(fn)(jax.random.split(key, D))
+
     def init(rng: Any) -> HiddenRunner:
-        runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H, P), sample_input=sample,
-                                   memory=initial_memory(cfg))
+        if D == 1:
+            runner = init_runner_state(env, network, tx, rng, aux=empty_aux(N, H, P), sample_input=sample,
+                                       memory=initial_memory(cfg))
+        else:
+            runner = init_sharded_runner(env, network, tx, rng, D, aux=empty_aux(N, H, P), sample_input=sample,
+                                         memory=initial_memory(cfg, N))
         next_pool = None
         if P:  # the pools of the first refresh point (its new_pool replaces the current one in sync mode)
             k_now, k_next = jax.random.split(jax.random.fold_in(rng, 1))
             rs = runner.rollout
-            runner = runner._replace(rollout=rs._replace(env_state=env.with_pool(rs.env_state, env.make_pool(k_now, P))))
-            next_pool = env.make_pool(k_next, P) if cfg.overlap else None
-        return HiddenRunner(runner, RunningNorm.create(H), jnp.zeros((N,), bool), next_pool)
+            pool = over(lambda k: env.make_pool(k, P), k_now)
+            with_pool = env.with_pool if D == 1 else jax.vmap(env.with_pool)
+            runner = runner._replace(rollout=rs._replace(env_state=with_pool(rs.env_state, pool)))
+            next_pool = over(lambda k: env.make_pool(k, P), k_next) if cfg.overlap else None
+        done = jnp.zeros((N,), bool) if D == 1 else jnp.zeros((D, N), bool)
+        return HiddenRunner(runner, RunningNorm.create(H), done, next_pool)
 
     return init
 
 
-def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
-    """The jitted functions of the loop (compiled on first call: the fused refresh+window once)."""
+def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any, shards: Any = None) -> Kernels:
+    """The jitted functions of the loop (compiled on first call: the fused refresh+window once). With
+    `shards` (--devices) `env` is one shard's and each kernel runs over all shards (module doc)."""
     import jax
     import jax.numpy as jnp
 
     from thinkcraft.rl.hidden import aux_after_step, make_policy_input, refresh
     from thinkcraft.rl.ppo import make_rollout, policy_step, ppo_update
     from thinkcraft.rl.seeds import over_seeds
+    from thinkcraft.rl.shards import EnvShards, over_shards, shard_rows
 
-    N, P, S = cfg.num_envs, cfg.pool_size, cfg.num_seeds
+    shards = shards or EnvShards(1)
+    axis, D = shards.axis_name, shards.count
+    N_all, P_all, S = cfg.num_envs, cfg.pool_size, cfg.num_seeds
+    N, P = N_all // D, P_all // D  # one shard's envs and pool worlds (all of them when D = 1)
+
+    def rows(hidden: jax.Array, pool_hidden: jax.Array | None) -> tuple:
+        """This shard's rows of a refresh's hidden states, which every shard holds whole."""
+        return shard_rows(hidden, N, axis), None if pool_hidden is None else shard_rows(pool_hidden, P, axis)
     policy_input = make_policy_input(float(cfg.skip_n))
     rollout = make_rollout(env, network.apply, cfg.window_steps, policy_input, aux_after_step)
     hp = cfg.hyper()
@@ -106,7 +139,8 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
         `keep` keep the hidden input they have (overlap: they reset into a pool world since the snapshot)."""
         r = state.runner
         old = r.rollout.aux
-        norm, aux = refresh(state.norm, hidden, jnp.full((N,), age, jnp.int32), valid, pool_hidden)
+        norm, aux = refresh(state.norm, hidden, jnp.full((N,), age, jnp.int32), valid, pool_hidden,
+                            rows if D > 1 else None)
         if keep is not None:
             aux = aux._replace(hidden=jnp.where(keep[:, None], old.hidden, aux.hidden),
                                age=jnp.where(keep, old.age, aux.age), valid=jnp.where(keep, old.valid, aux.valid))
@@ -117,16 +151,18 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
         r = state.runner
         rs, traj, stats = rollout(r.train_state.params, r.rollout)
         info = {"age": traj.obs.age.mean() * cfg.skip_n, "valid": traj.obs.valid.mean()}
+        if D > 1:  # all shards' (equal shares)
+            stats, info = jax.lax.psum(stats, axis), jax.lax.pmean(info, axis)
         done_any = state.done_since_snapshot | traj.done.any(0)
         return state._replace(runner=r._replace(rollout=rs), done_since_snapshot=done_any), traj, stats, info
 
     # Synchronous refresh: install (age 0, every env valid) and the window in one jitted call (one dispatch
     # of the big runner state instead of two; on an H100 at skip_n=1 no measurable SPS change). The window
     # alone is compiled only when some windows have no refresh (skip_n > num_steps). `hidden` holds the
-    # envs' N rows, then the reset pool's P.
+    # envs' N rows, then the reset pool's P (with --devices: all shards' rows; install takes this shard's).
     def window_after_refresh(state: HiddenRunner, hidden: jax.Array):
-        pool_hidden = hidden[N:] if P else None
-        return _window(_install(state, hidden[:N], 0, jnp.ones((N,), bool), pool_hidden))
+        pool_hidden = hidden[N_all:] if P else None
+        return _window(_install(state, hidden[:N_all], 0, jnp.ones((N,), bool), pool_hidden))
 
     def _update(state: HiddenRunner, trajs: tuple, memory: Any = None):
         r = state.runner
@@ -135,13 +171,22 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any) -> Kernels:
         x = policy_input(r.rollout.obs, r.rollout.aux)
         _, _, last_value = policy_step(network.apply, ts.params, x, r.rollout.memory)
         rng, k = jax.random.split(r.rollout.rng)
-        ts, metrics = ppo_update(ts, traj, last_value, k, hp, memory)
+        ts, metrics = ppo_update(ts, traj, last_value, k, hp, memory, axis)
         r = r._replace(train_state=ts, rollout=r.rollout._replace(rng=rng), update=r.update + 1)
         return state._replace(runner=r), metrics
 
-    # the age of an install is one number for every seed
-    return Kernels(new_pool=jax.jit(over_seeds(_new_pool, S)),
-                   install=jax.jit(over_seeds(_install, S, in_axes=(0, 0, None, 0, 0, 0))),
-                   window=jax.jit(over_seeds(_window, S)),
+    # over the shards (identity for one): the per-env state split, a refresh's hidden states and the age
+    # replicated, the window's stats and info reduced in it; then over the seeds (the age of an install is
+    # one number for every seed)
+    st = state_axes()
+    window_out = (st, 0, None, None)
+    new_pool = over_shards(_new_pool, shards, (st,), st)
+    install = over_shards(_install, shards, (st, None, None, 0, None, 0), st)
+    window = over_shards(_window, shards, (st,), window_out)
+    window_after_refresh = over_shards(window_after_refresh, shards, (st, None), window_out)
+    update = over_shards(_update, shards, (st, 0, 0), (st, None))
+    return Kernels(new_pool=jax.jit(over_seeds(new_pool, S)),
+                   install=jax.jit(over_seeds(install, S, in_axes=(0, 0, None, 0, 0, 0))),
+                   window=jax.jit(over_seeds(window, S)),
                    window_after_refresh=jax.jit(over_seeds(window_after_refresh, S)),
-                   update=jax.jit(over_seeds(_update, S), donate_argnums=0))
+                   update=jax.jit(over_seeds(update, S), donate_argnums=0))

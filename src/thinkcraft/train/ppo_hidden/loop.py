@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from thinkcraft.train.ppo_hidden.config import SHAPE_FIELDS, PPOHiddenConfig, engine_options
+from thinkcraft.train.ppo_hidden.config import SHAPE_FIELDS, PPOHiddenConfig, build_engine
 from thinkcraft.train.ppo_hidden.kernels import HiddenRunner, Kernels
 from thinkcraft.train.ppo_hidden.schedule import RefreshSchedule
 from thinkcraft.train.ppo_hidden.source import EngineFailed
+from thinkcraft.llm.protocol import EngineError
 from thinkcraft.utils.errors import UserError
 
 
@@ -24,7 +25,6 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
         return _run_never(cfg)
     # JAX must not grab most of the GPU: torch (the LLM) shares it
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from thinkcraft.llm import make_engine
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.progress import console
 
@@ -39,7 +39,7 @@ def run(cfg: PPOHiddenConfig, engine: Any = None) -> dict[str, Any]:
     own_engine = engine is None
     with session:
         if own_engine:
-            engine = make_engine(cfg.engine, **engine_options(cfg))
+            engine = build_engine(cfg)
         try:
             update = _setup_and_train(cfg, session, engine)
         finally:
@@ -64,8 +64,8 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
 
     from thinkcraft.envs.craftax import env_kind
     from thinkcraft.rl.seeds import init_seeds, seeds_template
-    from thinkcraft.train.ppo import build_env, build_optimizer
-    from thinkcraft.train.ppo_hidden.kernels import build_kernels, build_network, make_init
+    from thinkcraft.train.ppo import build_env, build_optimizer, make_env_shards
+    from thinkcraft.train.ppo_hidden.kernels import build_kernels, build_network, make_init, state_axes
     from thinkcraft.train.ppo_hidden.schedule import make_schedule
     from thinkcraft.train.ppo_hidden.source import HiddenStateSource
     from thinkcraft.utils.jaxcache import enable_compilation_cache
@@ -74,25 +74,29 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     H = _hidden_size(engine, cfg, session)
     enable_compilation_cache()
 
-    # 2. env, network, optimizer, state (restored when resuming)
-    env = build_env(cfg)
+    # 2. env, network, optimizer, state (restored when resuming); with --devices D each device's env shard
+    shards = make_env_shards(cfg, session)
+    D = shards.count
+    env = build_env(cfg, shards.local(cfg.num_envs))
     network = build_network(cfg, env)
-    init = make_init(cfg, env, network, build_optimizer(cfg), H)
+    init = make_init(cfg, env, network, build_optimizer(cfg), H, shards)
     S = cfg.num_seeds  # each seed initialised by the same jitted init (rl/seeds.py)
     state = (session.restore(seeds_template(init, cfg.seed, S)) if session.resuming
              else init_seeds(jax.jit(init), cfg.seed, S))
     # written only now: a resumed run's checkpoint has been verified by `restore` first
     session.save_config(num_updates=cfg.num_updates, batch_size=cfg.batch_size, hidden_size=H,
-                        windows_per_update=cfg.windows_per_update, updates_per_refresh=cfg.updates_per_refresh)
+                        windows_per_update=cfg.windows_per_update, updates_per_refresh=cfg.updates_per_refresh,
+                        **({"env_shards": D} if D > 1 else {}))
     # Committed to the policy's device like everything the loop feeds back (the hidden states arrive
     # committed through DLPack): a jitted call whose inputs go from uncommitted to committed compiles
     # again, and for the fused refresh+window that is a second compile of the whole rollout (~40 s on a GPU).
-    state = jax.device_put(state, jax.devices()[0])
+    # With --devices: split over the mesh (the hidden states arrive replicated on it: source.py).
+    state = jax.device_put(state, jax.devices()[0]) if D == 1 else shards.place(state, state_axes(), S)
 
     # 3. jitted kernels (shared with plain PPO: make_rollout, ppo_update) and the hidden-state source
-    kernels = build_kernels(cfg, env, network)
-    src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer)
-    seeds = f" × {S} seeds" if S > 1 else ""
+    kernels = build_kernels(cfg, env, network, shards)
+    src = HiddenStateSource(engine, cfg, env_kind(cfg.env_name), session.timer, shards)
+    seeds = (f" × {S} seeds" if S > 1 else "") + (f" over {D} devices" if D > 1 else "")
     console.print(f"ppo-hidden: {cfg.num_envs} envs{seeds}, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
                   f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
                   f"{', overlap' if cfg.overlap else ''}; "
@@ -119,11 +123,17 @@ def _run_never(cfg: PPOHiddenConfig) -> dict[str, Any]:
 
 
 def _hidden_size(engine: Any, cfg: PPOHiddenConfig, session: Any) -> int:
-    """The engine's hidden size, checked: it gives hidden states, reports their size, and (resuming) the
-    size matches the checkpoint's."""
+    """The engine's hidden size, checked: it gives hidden states, reports their size (a remote engine
+    asks its server: `model_info`), and (resuming) the size matches the checkpoint's."""
     caps = engine.capabilities
     if not caps.hidden_states:
         raise UserError(f"engine {cfg.engine!r} cannot return hidden states; use hf:<model> or sglang+http://...")
+    if caps.hidden_size is None and caps.remote_model_info:
+        try:
+            engine.model_info()
+        except EngineError as e:
+            raise UserError(f"engine {cfg.engine!r}: could not learn the model's hidden size from the server: {e}") from None
+        caps = engine.capabilities
     H = caps.hidden_size
     if H is None:
         raise UserError(f"engine {cfg.engine!r} does not report its hidden size")

@@ -5,7 +5,9 @@
 
 With --num-seeds K the env states carry a leading seed axis: the K seeds' envs (and reset pools) are
 rendered and encoded in one engine call (one big batch: the point of running seeds together), seed-major,
-and the hidden states come back as (K, N [+ P], H).
+and the hidden states come back as (K, N [+ P], H). With --devices D (rl/shards.py) the env states carry a
+shard axis (after the seed axis): the shards' envs are rendered in shard order as one batch of N, and the
+hidden states come back replicated on every device (each shard installs its rows).
 
 Two paths, chosen once per engine by `engine_takes_token_ids`: an in-process engine that tokenizes and
 returns device tensors gets compact observations rendered straight to token ids (each piece tokenized
@@ -68,7 +70,7 @@ def to_policy_device(h: Any) -> Any:
 class HiddenStateSource:
     """Phase 1+2: env states → text → LLM hidden states (N, H) as a JAX array. Times its two phases."""
 
-    def __init__(self, engine: Any, cfg: PPOHiddenConfig, env_kind: str, timer: Any) -> None:
+    def __init__(self, engine: Any, cfg: PPOHiddenConfig, env_kind: str, timer: Any, shards: Any = None) -> None:
         from thinkcraft.llm.protocol import Batch
 
         self.engine = engine
@@ -80,7 +82,8 @@ class HiddenStateSource:
         self._Batch = Batch
         self._prefix_ids: list[int] | None = None
         self._token_renderer: Any = None
-        self._merge_seeds: Any = None  # jitted (K, N, ...) -> (K * N, ...) of every state leaf
+        self.shards = shards
+        self._merge_seeds: Any = None  # jitted (K, [D,] n, ...) -> (K * N, ...) of every state leaf
 
     def texts(self, *env_states: Any) -> list[str] | list[list[int]]:
         """The observations of one or more batches of env states (the envs, then a reset pool's worlds), in
@@ -94,9 +97,10 @@ class HiddenStateSource:
         with self.timer.phase("render"):
             # one extract per batch (the envs' states are not copied into one array), one device_get for all
             K = self.cfg.num_seeds
-            if K > 1 and self._merge_seeds is None:
-                self._merge_seeds = jax.jit(lambda s: jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), s))
-            sems = jax.device_get([extract(s if K == 1 else self._merge_seeds(unwrap_env_state(s)))
+            lead = (K > 1) + (self.shards is not None and self.shards.count > 1)  # seed and shard axes
+            if lead and self._merge_seeds is None:
+                self._merge_seeds = jax.jit(lambda s: jax.tree.map(lambda x: x.reshape((-1,) + x.shape[lead + 1:]), s))
+            sems = jax.device_get([extract(s if not lead else self._merge_seeds(unwrap_env_state(s)))
                                    for s in env_states])
             if K > 1:  # seed-major rows: seed 0's envs, then its pool's worlds, then seed 1's ...
                 sems = [jax.tree.map(lambda x: x.reshape((K, -1) + x.shape[1:]), s) for s in sems]
@@ -119,7 +123,9 @@ class HiddenStateSource:
             except Exception as e:  # engine failures after the engine's own retries
                 raise EngineFailed(str(e)) from e
         K = self.cfg.num_seeds
-        return fresh if K == 1 else fresh._replace(hidden=fresh.hidden.reshape((K, -1) + fresh.hidden.shape[1:]))
+        if K > 1:
+            fresh = fresh._replace(hidden=fresh.hidden.reshape((K, -1) + fresh.hidden.shape[1:]))
+        return fresh if self.shards is None else fresh._replace(hidden=self.shards.replicate(fresh.hidden))
 
     def _hidden_tokens(self, texts: list[str] | list[list[int]]) -> FreshHidden:
         eng, Batch = self.engine, self._Batch

@@ -1,0 +1,180 @@
+"""Scale-out (issue 21): throughput on 1, 2, 4 GPUs, each row with its one-GPU reference from the same command.
+
+    python bench/scale.py --jobs ppo --gpus 1 2 4                  # PPO, 1024 envs per GPU (--devices g)
+    python bench/scale.py --jobs ppo-hidden --gpus 1 2 4 --skip-n 25 5
+    python bench/scale.py --quick                                  # CPU plumbing: 2 forced host devices, tiny shapes
+
+Rows (`bench/results/scale.json`, merged by (job, gpus, skip_n) so that runs of a few rows at a time add up):
+
+* `ppo`: `train ppo --devices g --num-envs 1024·g` (Craftax-Symbolic, num_steps 64, Baselines' defaults), the
+  median SPS of the logged chunks after the first (compile); reference: g = 1. Goal: >= 1.9x on 2 GPUs,
+  >= 3.6x on 4.
+* `ppo-hidden`: 128 envs, skip_n 25 / 5, a Qwen3-4B-shaped random-weight LLM (bench/ppo_hidden_sps.py's
+  engine), --overlap. g = 1: env and LLM on GPU 0 (the LLM on a green context of all but 16 SMs); g > 1: the
+  env on GPU 0 and g - 1 feature engines on cuda:1..g-1 (llm/sharded.py, what `--feature-devices` builds;
+  the engines are built once and passed in). Goal: >= 30,000 SPS at skip 25 on 4 GPUs, >= 10,000 at skip 5.
+* `llm-policy`: needs the Ray backend of the pools (issue 21 item 3); without `thinkcraft.pools` the rows say
+  so instead of a number.
+
+Columns: {job, gpus, skip_n, sps (or samples_per_s), one_gpu_reference, speedup, goal, card, date, ...}.
+`--quick` writes bench/results/scale_quick.json (CPU numbers are plumbing checks, not results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import card, print_table, today, write_records  # noqa: E402
+
+GOALS = {("ppo", 2): "speedup >= 1.9", ("ppo", 4): "speedup >= 3.6",
+         ("ppo-hidden", 4, 25): "sps >= 30000", ("ppo-hidden", 4, 5): "sps >= 10000"}
+
+
+def steady(run_dir: Path, key: str) -> tuple[float | None, int]:
+    """Median of `key` over the logged records after the first (which compiles), and how many."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [r[key] for r in (recs[1:] if len(recs) > 1 else recs) if key in r]
+    return (statistics.median(vals) if vals else None), len(vals)
+
+
+def ppo_row(gpus: int, quick: bool, runs_dir: str, updates: int) -> dict[str, Any]:
+    from thinkcraft.train.ppo import PPOConfig, run
+
+    per = 8 if quick else 1024
+    chunk = 1 if quick else 4
+    cfg = PPOConfig(env_name="craftax-classic" if quick else "Craftax-Symbolic-v1", num_envs=per * gpus,
+                    num_steps=8 if quick else 64, layer_width=32 if quick else 512, devices=gpus,
+                    optimistic_reset_ratio=2 if quick else 16, updates_per_chunk=chunk,
+                    total_timesteps=per * gpus * (8 if quick else 64) * chunk * updates,
+                    runs_dir=runs_dir, run_name=f"ppo-g{gpus}", overwrite=True, plot=False,
+                    checkpoint_every_minutes=0.0)
+    run(cfg)
+    sps, n = steady(Path(runs_dir) / f"ppo-g{gpus}", "sps")
+    return {"job": "ppo", "gpus": gpus, "skip_n": None, "num_envs": cfg.num_envs, "sps": sps, "records": n}
+
+
+class EngineCache:
+    """One feature engine per slot (a device; on the CPU, several slots share it), built once for every row
+    that uses it; a ShardedEngine's restart after a fault builds a fresh one."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick, self.engines = quick, {}
+
+    def get(self, slot: str, device: str, fresh: bool = False) -> tuple[Any, str]:
+        if fresh or slot not in self.engines:
+            from ppo_hidden_sps import build_engine
+
+            self.engines[slot] = build_engine(self.quick, device=device)
+        return self.engines[slot]
+
+    def factory(self, slot: str, device: str) -> Any:
+        calls = [0]
+
+        def make() -> Any:
+            calls[0] += 1
+            return self.get(slot, device, fresh=calls[0] > 1)[0]
+
+        return make
+
+    def feature_engine(self, gpus: int) -> tuple[Any, str]:
+        """g = 1: the engine on the policy's device; g > 1: g - 1 engines on the other devices, sharded."""
+        from thinkcraft.llm.sharded import ShardedEngine
+
+        if gpus == 1:
+            return self.get("cpu:0" if self.quick else "cuda:0", "cpu" if self.quick else "cuda:0")
+        slots = [f"cpu:{k}" if self.quick else f"cuda:{k}" for k in range(1, gpus)]
+        devices = ["cpu" if self.quick else s for s in slots]
+        sharded = ShardedEngine([self.factory(s, d) for s, d in zip(slots, devices)],
+                                gather_device=None if self.quick else "cuda:0", timeout_s=600, retries=1, names=slots)
+        return sharded, f"{self.get(slots[0], devices[0])[1]} x {gpus - 1}"
+
+
+def ppo_hidden_row(gpus: int, skip_n: int, quick: bool, runs_dir: str, updates: int, engines: EngineCache
+                   ) -> dict[str, Any]:
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig, run
+
+    engine, desc = engines.feature_engine(gpus)
+    num_envs, num_steps = (4, 8) if quick else (128, 100)
+    name = f"hidden-g{gpus}-s{skip_n}"
+    cfg = PPOHiddenConfig(env_name="craftax-classic" if quick else "Craftax-Symbolic-v1", num_envs=num_envs,
+                          num_steps=num_steps, skip_n=skip_n, overlap=True, updates_per_chunk=1,
+                          layer_width=32 if quick else 512, hidden_proj_dim=8 if quick else 64,
+                          optimistic_reset_ratio=2 if quick else 16, total_timesteps=num_envs * num_steps * updates,
+                          runs_dir=runs_dir, run_name=name, overwrite=True, plot=False, checkpoint_every_minutes=0.0)
+    run(cfg, engine=engine)
+    d = Path(runs_dir) / name
+    sps, n = steady(d, "sps")
+    return {"job": "ppo-hidden", "gpus": gpus, "skip_n": skip_n, "num_envs": num_envs, "sps": sps, "records": n,
+            "engine": desc, "llm_wait_share": steady(d, "llm/wait_share")[0], "t_llm_s": steady(d, "timing/llm")[0],
+            "t_env_s": steady(d, "timing/env_policy")[0]}
+
+
+def llm_policy_rows(gpus: list[int]) -> list[dict[str, Any]]:
+    import importlib.util
+
+    if importlib.util.find_spec("thinkcraft.pools") is None or importlib.util.find_spec("ray") is None:
+        return [{"job": "llm-policy", "gpus": g, "skip_n": None, "samples_per_s": None,
+                 "note": "needs the Ray backend of the pools (issue 21 item 3) and ray installed"} for g in gpus]
+    return [{"job": "llm-policy", "gpus": g, "skip_n": None, "samples_per_s": None,
+             "note": "the Ray backend is present: its rows belong to its own bench (not measured here)"} for g in gpus]
+
+
+def with_references(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """one_gpu_reference, speedup and goal of each row, from the g = 1 row of its job (and skip_n)."""
+    ref = {(r["job"], r["skip_n"]): r.get("sps") for r in rows if r["gpus"] == 1}
+    for r in rows:
+        base = ref.get((r["job"], r["skip_n"]))
+        r["one_gpu_reference"] = base
+        r["speedup"] = r["sps"] / base if base and r.get("sps") else None
+        r["goal"] = GOALS.get((r["job"], r["gpus"], r["skip_n"])) or GOALS.get((r["job"], r["gpus"]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", nargs="+", default=["ppo", "ppo-hidden", "llm-policy"],
+                    choices=["ppo", "ppo-hidden", "llm-policy"])
+    ap.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default: 1 2 4 up to those visible)")
+    ap.add_argument("--skip-n", type=int, nargs="+", default=[25, 5])
+    ap.add_argument("--updates", type=int, default=6, help="logged records per row (the first, compiling, is dropped)")
+    ap.add_argument("--quick", action="store_true", help="CPU plumbing: 2 forced host devices, tiny shapes")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:  # before JAX starts: two host devices stand in for two GPUs
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    visible = len(jax.devices())
+    gpus = [g for g in (args.gpus or [1, 2, 4]) if g <= visible]
+    if 1 not in gpus:
+        gpus = [1, *gpus]  # every row's reference is measured in the same command
+    skips = [4, 2] if args.quick else args.skip_n
+    updates = 3 if args.quick else args.updates
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        if "ppo" in args.jobs:
+            rows += [ppo_row(g, args.quick, runs_dir, updates) for g in gpus]
+        if "ppo-hidden" in args.jobs:
+            engines = EngineCache(args.quick)
+            rows += [ppo_hidden_row(g, s, args.quick, runs_dir, updates, engines) for s in skips for g in gpus]
+    if "llm-policy" in args.jobs:
+        rows += llm_policy_rows([g for g in (2, 3, 4) if g <= max(visible, 4)])
+    stamp = {"card": card() + (f" x {visible}" if visible > 1 else ""), "date": today(), "quick": args.quick}
+    rows = [{**r, **stamp} for r in with_references(rows)]
+    print_table(rows, ["job", "gpus", "skip_n", "num_envs", "sps", "one_gpu_reference", "speedup", "goal", "note"])
+    out = args.out or str(Path(__file__).parent / "results" / ("scale_quick.json" if args.quick else "scale.json"))
+    print("wrote", write_records(out, rows, merge_keys=("job", "gpus", "skip_n")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""`ShardedEngine`: one hidden-state engine made of K engines (e.g. in-process hf engines on cuda:1..K).
+
+    eng = ShardedEngine([lambda d=d: make_engine("hf:/m", device=d) for d in ("cuda:1", "cuda:2")],
+                        gather_device="cuda:0", timeout_s=300, retries=2)
+    h = eng.hidden_states_torch(batch)       # (N, H) on cuda:0, rows in the batch's order
+
+Each call splits the batch's items into K contiguous shards (sizes differ by at most one), runs shard k on
+engine k in its own thread, and concatenates the K results in shard order on `gather_device`: row i of the
+result is item i's, whatever engine computed it. The shared prefix goes to every engine (each caches its
+own prefix KV). This is ppo-hidden's `--feature-devices` (DESIGN "Scale-out": the refresh's texts sharded
+over engines on other GPUs, gathered in order); it works unchanged under `--overlap` (the schedule's worker
+thread makes the call).
+
+Faults: a shard whose engine raises, or does not answer within `timeout_s`, is given to a new engine built
+by the same factory (the old one is closed, or abandoned if it hangs: its thread is a daemon), and retried,
+at most `retries` times per call; then the call raises `EngineError` naming the device and the cause. A run
+therefore never hangs on a dead engine: the longest a call can take is (retries + 1) x timeout_s per shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+
+from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, EngineError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """[start, stop) of k contiguous shards of n items, sizes n // k or n // k + 1, larger ones first
+    (numpy.array_split's rule); empty shards when n < k."""
+    q, r = divmod(n, k)
+    bounds, start = [], 0
+    for i in range(k):
+        stop = start + q + (i < r)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class _Call:
+    """One shard's call in a daemon thread: `wait(timeout)` -> ("ok", value) | ("error", exc) | ("timeout", None)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._out: tuple[str, Any] = ("timeout", None)
+        self._done = threading.Event()
+
+        def target() -> None:
+            try:
+                self._out = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._out = ("error", e)
+            self._done.set()
+
+        threading.Thread(target=target, daemon=True, name="sharded-engine-call").start()
+
+    def wait(self, timeout_s: float) -> tuple[str, Any]:
+        return self._out if self._done.wait(timeout_s) else ("timeout", None)
+
+
+class ShardedEngine:
+    """K engines behind one Engine for hidden states (module doc). `factories[k]()` builds engine k (again
+    after a fault); the engines must share a model (same tokenizer and hidden size: checked at start)."""
+
+    def __init__(self, factories: Sequence[Callable[[], Any]], gather_device: Any = None, timeout_s: float = 600.0,
+                 retries: int = 2, names: Sequence[str] | None = None) -> None:
+        if not factories:
+            raise ValueError("ShardedEngine needs at least one engine factory")
+        self.factories = list(factories)
+        self.names = list(names) if names is not None else [f"engine {k}" for k in range(len(factories))]
+        self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
+        self.restarts = 0
+        """Engines replaced after a fault since the start (a metric for the caller)."""
+        self.engines = [f() for f in self.factories]
+        caps = [e.capabilities for e in self.engines]
+        if not all(c.hidden_states for c in caps):
+            raise EngineCapabilityError("every engine of a ShardedEngine must return hidden states")
+        sizes = {c.hidden_size for c in caps}
+        if len(sizes) != 1:
+            raise EngineCapabilityError(f"the sharded engines disagree on the hidden size: {sorted(map(str, sizes))}")
+        self._caps = caps[0]
+        self.gather_device = gather_device
+        self.tokenizer = getattr(self.engines[0], "tokenizer", None) if self._caps.tokenizer else None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        c = self._caps
+        device = str(self.gather_device) if self.gather_device is not None and c.device_tensors else c.device
+        return Capabilities(hidden_states=True, generate=False, logprobs=False, prefix_reuse=c.prefix_reuse,
+                            hidden_size=c.hidden_size, num_layers=c.num_layers, token_ids_in=c.token_ids_in,
+                            tokenizer=c.tokenizer, device_tensors=c.device_tensors, device=device)
+
+    # --- the tokenizer (engine 0's; every engine has the same) ---------------------------------------
+
+    def tokenize_batch(self, batch: Batch) -> tuple[list[int], list[list[int]]]:
+        return self.engines[0].tokenize_batch(batch)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engines[0].apply_chat_template(*args, **kwargs)
+
+    # --- hidden states ------------------------------------------------------------------------------
+
+    def hidden_states_torch(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> Any:
+        """(N, H) torch tensor on `gather_device` (default: engine 0's device), rows in the batch's order."""
+        import torch
+
+        parts = self._map(batch, lambda e, b: e.hidden_states_torch(b, layer, pooling))
+        dev = self.gather_device if self.gather_device is not None else parts[0].device
+        return torch.cat([p.to(dev) for p in parts])
+
+    def hidden_states(self, batch: Batch, layer: int = -1, pooling: Literal["last", "mean"] = "last") -> np.ndarray:
+        parts = self._map(batch, lambda e, b: np.asarray(e.hidden_states(b, layer, pooling), np.float32))
+        return np.concatenate(parts)
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> list[Completion]:
+        raise EngineCapabilityError("a ShardedEngine computes hidden states only (ppo-hidden's feature engines)")
+
+    def _map(self, batch: Batch, fn: Callable[[Any, Batch], Any]) -> list[Any]:
+        """fn(engine k, shard k) for the non-empty shards, in parallel, each retried on a fresh engine
+        after a fault; the results in shard order."""
+        items = list(batch.items)
+        shards = [(k, Batch(items[a:b], prefix=batch.prefix))
+                  for k, (a, b) in enumerate(shard_bounds(len(items), len(self.engines))) if b > a]
+        if not shards:  # an empty batch: engine 0's own (0, H) answer
+            return [self._on_device(0, fn, batch)]
+        calls = {k: _Call(lambda k=k, b=b: self._on_device(k, fn, b)) for k, b in shards}
+        out = {}
+        for k, b in shards:
+            attempt = 0
+            while True:
+                status, value = calls[k].wait(self.timeout_s)
+                if status == "ok":
+                    out[k] = value
+                    break
+                cause = f"no answer in {self.timeout_s:g} s" if status == "timeout" else f"{type(value).__name__}: {value}"
+                if attempt >= self.retries:
+                    raise EngineError(f"feature engine {self.names[k]} failed {attempt + 1} time(s) on a shard of "
+                                      f"{len(b)} items; last: {cause}")
+                attempt += 1
+                self._restart(k, cause, abandon=status == "timeout")
+                calls[k] = _Call(lambda k=k, b=b: self._on_device(k, fn, b))
+        return [out[k] for k, _ in shards]
+
+    def _on_device(self, k: int, fn: Callable[[Any, Batch], Any], batch: Batch) -> Any:
+        """fn(engine k, batch) with engine k's GPU as the thread's current CUDA device (a new thread starts
+        on cuda:0; kernels that read the current device, streams among them, must see the engine's)."""
+        engine = self.engines[k]
+        device = engine.capabilities.device
+        if device is None or not device.startswith("cuda"):
+            return fn(engine, batch)
+        import torch
+
+        with torch.cuda.device(torch.device(device)):
+            return fn(engine, batch)
+
+    def _restart(self, k: int, cause: str, abandon: bool) -> None:
+        """Engine k replaced by a fresh one from its factory (the old one closed unless it hangs)."""
+        log.warning("feature engine %s failed (%s): restarting it and retrying its shard", self.names[k], cause)
+        old = self.engines[k]
+        if not abandon:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - a broken engine may fail to close; it is dropped either way
+                pass
+        self.engines[k] = self.factories[k]()
+        self.restarts += 1
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
