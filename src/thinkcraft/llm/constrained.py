@@ -36,7 +36,6 @@ completion replayed through a matcher, the allowed set at each position as a ded
 from __future__ import annotations
 
 import json
-import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, NamedTuple, Sequence
@@ -45,11 +44,10 @@ import numpy as np
 import torch
 
 from thinkcraft.utils.errors import UserError
+# one JSON layout and one bitmask unpacker for the engine, the learner and the envs (re-exported here)
+from thinkcraft.utils.structured import JSON_SEPARATORS, bitmask_to_bool  # noqa: F401
 
 INSTALL_HINT = "structured outputs need xgrammar: pip install xgrammar"
-JSON_SEPARATORS = (", ", ": ")
-"""The one JSON layout constrained answers take (compact, `json.dumps` default separators): no free
-whitespace, so a model cannot spend its token budget on blanks."""
 
 
 @dataclass(frozen=True)
@@ -360,16 +358,6 @@ class GuideState:
                 self.terminated[i] = True
                 self.live[i] = False
                 self._free(i)
-
-
-def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, V) bool of the tokens a (rows, ceil(V/32)) int32 xgrammar bitmask allows (bit j of word w =
-    token 32w + j). Unpacked bytewise (a uint8 view of the little-endian words: byte b of word w holds tokens
-    32w + 8b ..): one byte per token, never a wider temporary."""
-    assert sys.byteorder == "little", "xgrammar bitmasks are unpacked as little-endian words"
-    b = bitmask.contiguous().view(torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
-    return ((b[..., None] >> shifts) & 1).reshape(*bitmask.shape[:-1], -1)[..., :vocab_size].bool()
 
 
 def constrained_log_softmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
