@@ -116,3 +116,32 @@ def test_bad_schema_is_one_line():
     check_schema(SCHEMA)
     with pytest.raises(UserError, match="cannot be turned into a grammar"):
         check_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}})
+
+
+def test_padded_lm_head_ids_are_never_allowed_and_the_grammar_spans_the_tokenizer(engine):
+    """Logits wider than the tokenizer (a padded LM head): the grammar is built over the tokenizer's own ids
+    (xgrammar filled masks ~60x slower over the padding), the padded ids are -inf in every row under the
+    grammar and untouched in rows out of it, and the allowed set over the real ids is the unpadded guide's."""
+    from thinkcraft.llm.constrained import replay_masks
+
+    spec = StructuredOutput.from_schema(SCHEMA)
+    V = len(engine.tokenizer)
+    wide, exact = (compile_guide(engine.tokenizer, v, engine.eos_ids, spec) for v in (V + 100, V))
+    assert (wide.grammar_vocab, wide.vocab_size, exact.grammar_vocab) == (V, V + 100, V)
+    answer = engine.tokenizer('{"move": "left", "sure": true', add_special_tokens=False)["input_ids"]
+    states = [g.start(3, "cpu") for g in (wide, exact)]
+    for st in states:
+        st.close_row(2)  # row 2 out of the constraint: every id allowed, the padding too
+    for tok in answer:
+        w = states[0].apply(torch.zeros(3, V + 100))
+        e = states[1].apply(torch.zeros(3, V))
+        assert torch.equal(torch.isfinite(w[:2, :V]), torch.isfinite(e[:2]))
+        assert torch.isinf(w[:2, V:]).all() and torch.isfinite(w[2]).all()
+        for st in states:
+            st.advance(torch.tensor([tok, tok, tok]))
+    # the learner's replayed masks span the logits, the padding disallowed
+    masks = replay_masks(wide, [answer], [0])
+    assert masks.bitmask.shape[1] == wide.mask_words
+    from thinkcraft.llm.constrained import bitmask_to_bool
+    allowed = bitmask_to_bool(masks.bitmask, V + 100)
+    assert allowed[:, :V].any(1).all() and not allowed[:, V:].any()

@@ -56,7 +56,7 @@ def _mask_disallowed(z: torch.Tensor, allowed: AllowedTokens | None, a: int, b: 
     """Rows a..b of the logits `z` with the tokens their grammar disallows at -inf (in place)."""
     if allowed is None:
         return z
-    from thinkcraft.llm.constrained import bitmask_to_bool
+    from thinkcraft.utils.structured import bitmask_to_bool
 
     idx = allowed.index[a:b]
     bits = allowed.bitmask[idx.clamp(min=0)]

@@ -52,7 +52,7 @@ def answer_schema(reason_chars: int = 0) -> dict[str, Any]:
 def max_answer_tokens(names: Sequence[str] | None, reason_chars: int) -> int:
     """Tokens the longest answer can take: its bytes (a token is at least one byte) plus the stop token.
     `names`: the action names (None: a number answer)."""
-    from thinkcraft.llm.constrained import JSON_SEPARATORS
+    from thinkcraft.utils.structured import JSON_SEPARATORS
 
     value: Any = max(names, key=len) if names is not None else -(10**ANSWER_DIGITS - 1)
     key = ACTION_KEY if names is not None else ANSWER_KEY
