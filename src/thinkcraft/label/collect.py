@@ -111,6 +111,8 @@ def _table(cols: dict[str, Any], obs: np.ndarray | None) -> Any:
 
 
 def run(cfg: CollectConfig) -> dict[str, Any]:
+    """Roll the policy out and write the states (Parquet parts + manifest). One function of timed phases
+    (build, resume, chunks, finish) a little over 80 lines: the chunk loop shares their locals."""
     import jax
     import pyarrow.parquet as pq
 

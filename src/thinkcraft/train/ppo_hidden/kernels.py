@@ -101,7 +101,8 @@ def make_init(cfg: PPOHiddenConfig, env: Any, network: Any, tx: Any, hidden_size
 
 def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any, shards: Any = None) -> Kernels:
     """The jitted functions of the loop (compiled on first call: the fused refresh+window once). With
-    `shards` (--devices) `env` is one shard's and each kernel runs over all shards (module doc)."""
+    `shards` (--devices) `env` is one shard's and each kernel runs over all shards (module doc). Longer than
+    80 lines because the six kernels are closures over one set of shapes and helpers, defined side by side."""
     import jax
     import jax.numpy as jnp
 
