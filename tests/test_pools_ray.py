@@ -43,9 +43,13 @@ def _worker_setup() -> None:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install thinkcraft[ray])")
-    path = os.pathsep.join([str(SRC), str(TESTS)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}, "worker_process_setup_hook": "test_pools_ray._worker_setup"})
+    from thinkcraft.pools.ray_backend import connect
+
+    # the backend's own local start (the driver's cuda:0 hidden from the actors where there is CUDA), with
+    # the tests' folder importable and the parity env in every worker
+    assert connect("", hide_device="cuda:0" if torch.cuda.is_available() else None,
+                   env_vars={"PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}, num_cpus=2, log_to_driver=False,
+                   runtime_env={"worker_process_setup_hook": "test_pools_ray._worker_setup"})
     yield ray
     ray.shutdown()
 
@@ -178,11 +182,11 @@ def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):
     bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cuda:0"), bucket_mb=0.01)
     sync = RW.NcclWeights(0, bcast)
     state = {n: p.detach().clone().cuda() + 0.5 for n, p in model.named_parameters()}
-    sync.apply(WeightUpdate(1, state))
-    bf16 = {n: t.to(torch.bfloat16).cpu() for n, t in state.items()}
-    assert sync.version == 1 and bcast.sent[1] == RW.state_checksum(bf16)
-    version, _ = engine.call("checksum", sorted(state))
-    assert version == 1
+    sync.apply(WeightUpdate(1, state))  # several buckets of 0.01 MB
+    assert sync.version == 1 and bcast.sent[1] == RW.bf16_digest({n: t.cpu() for n, t in state.items()},
+                                                                   bcast.bucket_bytes)
+    bf16 = {n: t.to(torch.bfloat16).float().cpu() for n, t in state.items()}  # the engine's fp32 copy of them
+    assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(bf16))
     handle.kill()
 
 
@@ -222,6 +226,25 @@ def test_pack_unpack_round_trip_and_checksums():
     assert RW.state_checksum({n: t.double() for n, t in state.items()}) != cs
     assert RW.state_checksum({"x": state["a.bias"], "b.w": state["b.w"]}) != cs
     assert RW.state_checksum(state, ["b.w"]) == RW.state_checksum({"b.w": state["b.w"]})
+
+
+def test_bucket_fingerprints_see_one_ulp_and_a_swap():
+    import torch
+
+    flat = torch.randn(20_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    fp = RW.bucket_fingerprint(flat)
+    assert fp == RW.bucket_fingerprint(flat.clone()) == RW.bucket_fingerprint(flat, chunk=777)  # chunking-free
+    ulp = flat.clone()
+    ulp[12_345] = torch.nextafter(ulp[12_345:12_346], torch.tensor([10.0], dtype=torch.bfloat16))[0]
+    swap = flat.clone()
+    swap[[3, 9000]] = flat[[9000, 3]]
+    assert flat[3] != flat[9000]
+    assert RW.bucket_fingerprint(ulp) != fp and RW.bucket_fingerprint(swap) != fp
+    state = {"a": torch.randn(300), "b": torch.randn(50, 10)}
+    one = RW.bf16_digest(state, 10 ** 9)
+    assert one == RW.buckets_digest([RW.bucket_fingerprint(torch.cat([state["a"], state["b"].reshape(-1)])
+                                                           .to(torch.bfloat16))])
+    assert RW.bf16_digest(state, 600) != one  # two buckets: another digest, the same on both sides
 
 
 def test_delivery_check_names_the_mismatch():

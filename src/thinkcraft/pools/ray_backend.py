@@ -116,9 +116,10 @@ def placement_timeout_message(bundles: list[dict[str, float]], total: dict[str, 
               "--ray-start-timeout-s")
 
 
-def connect(address: str, hide_device: Any = None) -> bool:
-    """Join `address` (an existing cluster) or start a local Ray; True when this call started it. A local
-    Ray does not see `hide_device` (the learner's GPU): its actors get the other GPUs."""
+def connect(address: str, hide_device: Any = None, env_vars: dict[str, str] | None = None, **init_kw: Any) -> bool:
+    """Join `address` (an existing cluster) or start a local Ray (`init_kw`: more ray.init arguments, e.g.
+    num_cpus); True when this call started it. A local Ray does not see `hide_device` (the learner's GPU):
+    its actors get the other GPUs."""
     ray = require_ray()
     if ray.is_initialized():
         return False
@@ -135,7 +136,9 @@ def connect(address: str, hide_device: Any = None) -> bool:
     try:
         if hidden is not None:  # read by the raylet it starts (the driver's CUDA is already initialised)
             os.environ["CUDA_VISIBLE_DEVICES"] = hidden
-        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        runtime_env = dict(init_kw.pop("runtime_env", {}))
+        runtime_env["env_vars"] = {"PYTHONPATH": path, **(env_vars or {})}
+        ray.init(include_dashboard=False, runtime_env=runtime_env, **init_kw)
     finally:
         if hidden is not None:
             if saved is None:
@@ -206,6 +209,8 @@ class _EngineActor:
         self.sync = CopyWeights(self.model, version, on_change=self.engine.invalidate_prefix_cache)
         self.autocast = self.device.type == "cuda" and bool(cfg.bf16)
         self.group: Any = None
+        self.lock = threading.Lock()
+        """Held by generate and by every weight change (the actor serves calls on several threads)."""
         _seed_everything(seed)  # the sampling stream of the driver's engine (loop.build_policy seeds it last)
 
     def generate(self, batch: Any, sampling: Any) -> Any:
@@ -214,7 +219,7 @@ class _EngineActor:
         import torch
 
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
-        with ctx:
+        with self.lock, ctx:
             return self.engine.generate(batch, sampling)
 
     def load_state(self, version: int, state: dict[str, Any], kind: str) -> tuple[int, str]:
@@ -222,7 +227,8 @@ class _EngineActor:
         from thinkcraft.pools.weights import WeightUpdate
 
         got = state_checksum(state)
-        self.sync.apply(WeightUpdate(version, state, kind))  # type: ignore[arg-type]
+        with self.lock:
+            self.sync.apply(WeightUpdate(version, state, kind))  # type: ignore[arg-type]
         return self.sync.version, got
 
     def checksum(self, names: list[str]) -> tuple[int, str]:
@@ -237,12 +243,13 @@ class _EngineActor:
         self.group = nccl_group(host, port, rank, world)
 
     def nccl_load(self, version: int, metas: list[Any], bucket_bytes: int, kind: str) -> tuple[int, str]:
-        from thinkcraft.pools.ray_weights import nccl_receive, state_checksum
+        from thinkcraft.pools.ray_weights import nccl_receive
         from thinkcraft.pools.weights import WeightUpdate
 
-        got = nccl_receive(self.group, metas, bucket_bytes, self.device)
-        checksum = state_checksum(got)  # of what arrived, before it is cast to the engine's dtype
-        self.sync.apply(WeightUpdate(version, got, kind))  # type: ignore[arg-type]
+        # into fresh buffers (a batch may be running); the digest is of what arrived, before any cast
+        got, checksum = nccl_receive(self.group, metas, bucket_bytes, self.device)
+        with self.lock:
+            self.sync.apply(WeightUpdate(version, got, kind))  # type: ignore[arg-type]
         return self.sync.version, checksum
 
 

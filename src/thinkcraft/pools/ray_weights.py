@@ -94,6 +94,36 @@ def unpack_bucket(flat: Any, metas: Sequence[TensorMeta]) -> list[Any]:
     return out
 
 
+def bucket_fingerprint(flat: Any, chunk: int = 1 << 24) -> tuple[int, int]:
+    """A position-sensitive fingerprint of a flat 16-bit bucket, computed where it lies (the GPU for NCCL:
+    hashing the bytes on the CPU would cost more than the broadcast): (Σ v, Σ v·(i mod 8191 + 1)) over the
+    raw 16-bit values v, in int64. Any single changed value, and any swap of two values at positions that
+    differ mod 8191, changes it."""
+    import torch
+
+    bits = flat.reshape(-1).view(torch.int16)
+    s1 = s2 = 0
+    for a in range(0, bits.numel(), chunk):
+        v = bits[a:a + chunk].to(torch.int32)
+        w = (torch.arange(a, a + v.numel(), device=v.device, dtype=torch.int32) % 8191) + 1
+        s1 += int(v.sum(dtype=torch.int64))
+        s2 += int((v * w).sum(dtype=torch.int64))
+    return s1, s2
+
+
+def buckets_digest(prints: Sequence[tuple[int, int]]) -> str:
+    return hashlib.sha256(repr(list(prints)).encode()).hexdigest()
+
+
+def bf16_digest(state: dict[str, Any], bucket_bytes: int) -> str:
+    """What `nccl_send` reports for `state` (the reference for tests and checks)."""
+    import torch
+
+    metas = tensor_metas(state)
+    return buckets_digest([bucket_fingerprint(pack_bucket([state[metas[i].name] for i in idx], torch.bfloat16))
+                           for idx in plan_buckets(metas, 2, bucket_bytes)])
+
+
 # ------------------------------------------------------------------------------------- object store
 
 
@@ -165,8 +195,11 @@ def nccl_group(host: str, port: int, rank: int, world: int, timeout_s: float = 3
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.ProcessGroupNCCL(dist.PrefixStore("thinkcraft-weights", store), rank, world)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("thinkcraft-weights", store), rank, world, opts)
 
 
 def broadcast(group: Any, tensor: Any) -> None:
@@ -178,32 +211,32 @@ def broadcast(group: Any, tensor: Any) -> None:
 
 
 def nccl_send(group: Any, state: dict[str, Any], bucket_bytes: int, device: Any) -> str:
-    """Rank 0: the state as bf16 buckets; returns the checksum of what was sent (the bf16 values)."""
+    """Rank 0: the state as bf16 buckets; returns the digest of what was sent (bucket fingerprints)."""
     import torch
 
     metas = tensor_metas(state)
-    sent: dict[str, Any] = {}
+    prints = []
     for idx in plan_buckets(metas, 2, bucket_bytes):
         flat = pack_bucket([state[metas[i].name] for i in idx], torch.bfloat16, device)
         broadcast(group, flat)
-        for m, t in zip((metas[i] for i in idx), unpack_bucket(flat, [metas[i] for i in idx])):
-            sent[m.name] = t.to("cpu")
-    torch.cuda.synchronize(device)
-    return state_checksum(sent)
+        prints.append(bucket_fingerprint(flat))
+    return buckets_digest(prints)
 
 
-def nccl_receive(group: Any, metas: Sequence[TensorMeta], bucket_bytes: int, device: Any) -> dict[str, Any]:
-    """Ranks 1..K: the buckets `nccl_send` broadcasts, as name -> bf16 tensor on `device`."""
+def nccl_receive(group: Any, metas: Sequence[TensorMeta], bucket_bytes: int,
+                 device: Any) -> tuple[dict[str, Any], str]:
+    """Ranks 1..K: the buckets `nccl_send` broadcasts, as name -> bf16 tensor on `device`, and their digest."""
     import torch
 
     out: dict[str, Any] = {}
+    prints = []
     for idx in plan_buckets(metas, 2, bucket_bytes):
         ms = [metas[i] for i in idx]
         flat = torch.empty(sum(m.numel for m in ms), dtype=torch.bfloat16, device=device)
         broadcast(group, flat)
+        prints.append(bucket_fingerprint(flat))
         out.update({m.name: t for m, t in zip(ms, unpack_bucket(flat, ms))})
-    torch.cuda.synchronize(device)
-    return out
+    return out, buckets_digest(prints)
 
 
 def _free_port() -> int:
@@ -229,7 +262,7 @@ class NcclBroadcast:
         self._lock = threading.Lock()
         self._group: Any = None
         self.sent: dict[int, str] = {}
-        """version -> checksum, for the versions broadcast to the current group."""
+        """version -> digest sent (bucket fingerprints), for the version last broadcast to the current group."""
         self.results: dict[int, list[tuple[int, str]]] = {}
 
     def invalidate(self) -> None:
@@ -250,7 +283,7 @@ class NcclBroadcast:
 
     def send(self, update: WeightUpdate) -> tuple[str, list[tuple[int, str]]]:
         """Broadcast `update` once (later calls for the same version return the first result):
-        (the checksum sent, per engine (version, checksum received))."""
+        (the digest sent, per engine (version, digest received))."""
         import ray
 
         with self._lock:
@@ -274,7 +307,12 @@ class NcclBroadcast:
 
 
 class NcclWeights:
-    """WeightSync for the k-th Ray engine actor on the NCCL path (the broadcast is shared by all slots)."""
+    """WeightSync for the k-th Ray engine actor on the NCCL path (the broadcast is shared by all slots).
+
+    With several engines, the first slot to apply version v broadcasts it to every engine, so an engine may
+    hold v while its own slot still reports v-1 (until that slot's apply confirms it): its tokens are then
+    labelled one version older than the weights that made them. Staleness is over-, never under-estimated;
+    behaviour log-probs are always the actual weights'."""
 
     def __init__(self, rank: int, bcast: NcclBroadcast, version: int = 0) -> None:
         self.rank = rank
