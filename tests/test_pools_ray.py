@@ -6,6 +6,7 @@ the placement-timeout line) and the missing-Ray error run without Ray."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -57,7 +58,8 @@ def ray_cluster():
 def _ray_cfg(tmp_path, **kw):
     from test_async_loop import _cfg
 
-    return _cfg(tmp_path, mode="async", pool_backend="ray", ray_engine_cpus=1.0, ray_env_cpus=0.25, **kw)
+    return _cfg(tmp_path, **{"mode": "async", "pool_backend": "ray", "ray_engine_cpus": 1.0, "ray_env_cpus": 0.25,
+                             **kw})
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -90,23 +92,9 @@ def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp
 
     patch_reward(monkeypatch)
     cfg = _ray_cfg(tmp_path, steps=4, max_staleness=1, rollout_workers=2)
-    killed: list[str] = []
-
-    def killer() -> None:
-        consumed = Path(cfg.run_dir) / "consumed.jsonl"
-        deadline = time.time() + 300
-        while time.time() < deadline and not (consumed.exists() and consumed.read_text().count("\n") >= 1):
-            time.sleep(0.05)
-        for name in ray_cluster.util.list_named_actors():
-            if name.endswith(("-engine0-r0", "-env0-r0")):
-                ray_cluster.kill(ray_cluster.get_actor(name), no_restart=True)
-                killed.append(name)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    killed = _kill_after_first_update(ray_cluster, cfg.run_dir, ("-engine0-r0", "-env0-r0"))
     last = LP.run(cfg)
-    t.join(5)
-    assert len(killed) == 2, killed
+    assert killed() == 2
     assert last["policy_version"] == 4 and last["rollout/restarts"] >= 2
     assert last["rollout/failed"] >= 1  # at least the engine's next batch failed, and was played again
     # the replacement engine took the learner's weights before generating (it starts at version -1, and a
@@ -119,6 +107,55 @@ def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp
 
     state = ckpt(cfg.run_dir)["extra"]["async"]
     assert state["abandoned"] == [] and sorted(state["consumed"]) == sorted(groups)
+
+
+def test_judge_actor_scores_and_is_replaced(ray_cluster, tmp_path, monkeypatch):
+    """--reward judge with a judge engine of its own: the judge runs in its actor (a random-weight model:
+    its verdicts are garbage, so every reward is 0 where the workers' parity env alone scores ~half the
+    answers 1); killed after the first update, it is replaced and its groups are played again."""
+    from test_async_loop import journal, patch_reward
+
+    from thinkcraft.llm.testing import save_tiny, tiny_llama
+    from thinkcraft.train import llm_policy as LP
+
+    patch_reward(monkeypatch)
+    judge_dir = save_tiny(tmp_path / "judge", *tiny_llama(seed=1))
+    cfg = _ray_cfg(tmp_path, steps=3, rollout_workers=2, group_size=2, reward="judge", format_weight=0.0,
+                   judge_engine=f"hf:{judge_dir}", ray_engine_cpus=0.5)  # 0.5 + 2 x 0.25 + judge 1 = 2 CPUs
+    killed = _kill_after_first_update(ray_cluster, cfg.run_dir, ("-judge-r0",))
+    last = LP.run(cfg)
+    assert killed() == 1
+    assert last["policy_version"] == 3 and last["rollout/failed/reward_error"] >= 1
+    assert last["rollout/restarts"] == 0  # the judge is not a rollout worker
+    trained = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward/mean"] for m in trained] == [0.0, 0.0, 0.0]
+    groups = [g for line in journal(cfg.run_dir) for g in line["groups"]]
+    assert len(groups) == len(set(groups)) == 6
+
+
+def _kill_after_first_update(ray, run_dir, suffixes):
+    """A thread that ray.kills the named actors ending in `suffixes` once the first update is journalled;
+    returns a function giving the number killed (after the thread finished)."""
+    killed: list[str] = []
+
+    def killer() -> None:
+        consumed = Path(run_dir) / "consumed.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (consumed.exists() and consumed.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        for name in ray.util.list_named_actors():
+            if name.endswith(tuple(suffixes)):
+                ray.kill(ray.get_actor(name), no_restart=True)
+                killed.append(name)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+
+    def count() -> int:
+        t.join(5)
+        return len(killed)
+
+    return count
 
 
 # ---------------------------------------------------------------------------------------- weight sync
@@ -165,7 +202,8 @@ def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
     handle.kill()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL weight broadcast needs 2 CUDA GPUs (learner + one engine actor)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="the NCCL weight broadcast needs 2 CUDA GPUs (learner + one engine actor)")
 def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):
     import torch
 
@@ -256,10 +294,12 @@ def test_delivery_check_names_the_mismatch():
 
 
 def test_layout_and_the_placement_timeout_line():
-    layout = RayLayout(engines=2, engine_cpus=1.0, engine_gpus=1.0, env_workers=3, env_cpus=0.25, judge_gpus=0.5)
+    layout = RayLayout(engines=2, engine_cpus=1.0, engine_gpus=1.0, env_workers=3, env_cpus=0.25, judge=True,
+                       judge_gpus=0.5)
     b = layout.bundles()
     assert b[:2] == [{"CPU": 1.0, "GPU": 1.0}] * 2 and b[2:5] == [{"CPU": 0.25}] * 3
     assert b[5] == {"CPU": 1.0, "GPU": 0.5} and layout.env_bundle(1) == 3 and layout.judge_bundle == 5
+    assert RayLayout(1, 1.0, 0.0, 2, 0.5, judge=False).bundles() == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
     msg = placement_timeout_message(b, {"CPU": 16.0, "GPU": 1.0}, {"CPU": 12.0, "GPU": 0.0}, 30)
     assert "\n" not in msg
     assert "within 30s" in msg and "requested CPU 3.75, GPU 2.5 in 6 bundles" in msg

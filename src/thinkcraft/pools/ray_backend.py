@@ -67,14 +67,15 @@ class RayLayout:
     engine_gpus: float
     env_workers: int
     env_cpus: float
-    judge_gpus: float | None
-    """None: no judge actor (rule rewards, or the policy judging itself)."""
+    judge: bool
+    """A judge actor (--reward judge with an engine of its own; not for rule rewards or --judge-engine self)."""
+    judge_gpus: float = 0.0
 
     def bundles(self) -> list[dict[str, float]]:
         """Engines first (bundle k = engine k), then one per env worker, then the judge."""
         engine = {"CPU": self.engine_cpus, **({"GPU": self.engine_gpus} if self.engine_gpus > 0 else {})}
         out = [dict(engine) for _ in range(self.engines)] + [{"CPU": self.env_cpus} for _ in range(self.env_workers)]
-        if self.judge_gpus is not None:
+        if self.judge:
             out.append({"CPU": 1.0, **({"GPU": self.judge_gpus} if self.judge_gpus > 0 else {})})
         return out
 
@@ -86,10 +87,13 @@ class RayLayout:
         return self.engines + self.env_workers
 
 
-def ray_layout(cfg: Any) -> RayLayout:
-    judge = cfg.reward == "judge" and cfg.judge_engine != "self"
-    return RayLayout(cfg.ray_engines, cfg.ray_engine_cpus, cfg.ray_engine_gpus, cfg.rollout_workers, cfg.ray_env_cpus,
-                     cfg.ray_judge_gpus if judge else None)
+def ray_layout(cfg: Any, cuda: bool) -> RayLayout:
+    """The config's layout; GPU counts left unset are 1 where the machine has CUDA (`cuda`), else 0."""
+    def gpus(value: float | None) -> float:
+        return (1.0 if cuda else 0.0) if value is None else float(value)
+
+    return RayLayout(cfg.ray_engines, cfg.ray_engine_cpus, gpus(cfg.ray_engine_gpus), cfg.rollout_workers,
+                     cfg.ray_env_cpus, cfg.reward == "judge" and cfg.judge_engine != "self", gpus(cfg.ray_judge_gpus))
 
 
 def summed(bundles: list[dict[str, float]]) -> dict[str, float]:

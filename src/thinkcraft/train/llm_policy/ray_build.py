@@ -58,12 +58,6 @@ class RayPools:
         self.closers.clear()
 
 
-def _gpus(cfg: Any, value: float | None) -> float:
-    import torch
-
-    return (1.0 if torch.cuda.is_available() else 0.0) if value is None else float(value)
-
-
 def _transport(cfg: Any, engine_gpus: float, learner_device: Any) -> str:
     cuda = str(learner_device).startswith("cuda") and engine_gpus > 0
     if cfg.ray_weight_transport == "nccl" and not cuda:
@@ -84,16 +78,16 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     from thinkcraft.pools import ray_weights as RW
     from thinkcraft.train.llm_policy.async_build import env_spec, make_prompt_fn
 
+    import torch
+
     ray = RB.require_ray()
     p = policy
-    engine_gpus = _gpus(cfg, cfg.ray_engine_gpus)
-    transport = _transport(cfg, engine_gpus, p.learner.device)
+    layout = RB.ray_layout(cfg, torch.cuda.is_available())
+    transport = _transport(cfg, layout.engine_gpus, p.learner.device)
     started = RB.connect(cfg.ray_address, hide_device=p.learner.device)
     out = RayPools([], None, None, transport)
     if started:
         out.closers.append(ray.shutdown)
-    layout = replace(RB.ray_layout(cfg), engine_gpus=engine_gpus,
-                     judge_gpus=None if RB.ray_layout(cfg).judge_gpus is None else _gpus(cfg, cfg.ray_judge_gpus))
     pg = RB.reserve(layout.bundles(), cfg.ray_start_timeout_s)
     out.closers.append(lambda: remove_placement_group(pg))
     uid = uuid.uuid4().hex[:6]
@@ -135,7 +129,7 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
         max_queued=cfg.rollout_workers * 2, group_size=cfg.samples_per_prompt, engines=engines,
         env_actor=lambda w: actor(RB._EnvActor, f"env{w}", layout.env_bundle(w), layout.env_cpus, 0,
                                   lambda n: (settings.env,)))
-    if layout.judge_gpus is not None:
+    if layout.judge:
         h = actor(RB._JudgeActor, "judge", layout.judge_bundle, 1.0, layout.judge_gpus, lambda n: (cfg,))
         out.closers.append(h.kill)
         out.reward = RewardPool(RB.RayJudge(h, cfg.rollout_timeout_s), p.env.task.problem,
