@@ -13,7 +13,7 @@
 #   3. in the call that uses Ray (no need to carry the parts again):
 #        source bench/carry_ray.sh install && python -m pytest -q tests/test_pools_ray.py ...
 #      joins the parts, checks the sha256, installs into /tmp/site and puts it on PYTHONPATH.
-set -euo pipefail 2>/dev/null || true
+[[ "${BASH_SOURCE[0]}" == "$0" ]] && set -euo pipefail  # not when sourced: it would stay in the caller's shell
 DIR=.ray-whl
 PART_MB=${PART_MB:-56}
 PY=${PY:-/work/main/.venv/bin/python}
@@ -25,7 +25,7 @@ version() {  # the version installed here (the one the tests ran with)
 }
 
 prepare() {
-    grep -qx "/$DIR/" .git/info/exclude 2>/dev/null || echo "/$DIR/" >> "$(git rev-parse --git-path info/exclude)"
+    git check-ignore -q "$DIR/x" || { echo "$DIR/ must be git-ignored (it is in .gitignore)"; exit 1; }
     rm -rf "$DIR" && mkdir -p "$DIR/deps" "$DIR/full"
     local plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     plat="$plat --platform manylinux_2_24_x86_64 --platform manylinux1_x86_64 --platform any"

@@ -96,10 +96,11 @@ def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp
     last = LP.run(cfg)
     assert killed() == 2
     assert last["policy_version"] == 4 and last["rollout/restarts"] >= 2
-    assert last["rollout/failed"] >= 1  # at least the engine's next batch failed, and was played again
+    assert last["rollout/failed"] >= 1  # at least the killed env's next group failed, and was played again
     # the replacement engine took the learner's weights before generating (it starts at version -1, and a
     # slot lagging more than η versions generates nothing): every trained token within the bound
-    assert last["engine/min_version"] >= 2 and last["weights/update_failures"] == 0
+    # (the kill may land on a weight update instead of a batch: that update fails once and is retried)
+    assert last["engine/min_version"] >= 2 and last["weights/update_failures"] <= 1
     assert all(s <= 1 for line in journal(cfg.run_dir) for s in line["staleness"])
     groups = [g for line in journal(cfg.run_dir) for g in line["groups"]]
     assert len(groups) == len(set(groups)) == 8
@@ -168,18 +169,26 @@ def _tiny_model():
     return tiny_llama()
 
 
+def _engine_builder(tok):
+    """model -> the trainer's engine over it (train/llm_policy/model.make_engine), for a tiny config."""
+    import functools
+
+    from thinkcraft.train.llm_policy.config import LLMPolicyConfig
+    from thinkcraft.train.llm_policy.model import make_engine
+
+    return functools.partial(make_engine, tokenizer=tok, cfg=LLMPolicyConfig(model="random:tiny"))
+
+
 def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
     import torch
 
     from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
     from thinkcraft.pools.weights import WeightUpdate
-    from thinkcraft.train.llm_policy.config import LLMPolicyConfig
-
     ray = ray_cluster
     model, tok = _tiny_model()
     remote = ray.remote(_EngineActor)
     handle = ActorHandle("engine-w", lambda n: remote.options(num_cpus=0.5).remote(
-        model, tok, LLMPolicyConfig(model="random:tiny"), 0, 0, 1))
+        model, _engine_builder(tok), lambda: None, 0, 1, False))
     engine = RayEngine(handle, 60.0)
     sync = RW.ObjectStoreWeights(engine, RW._StoreCache(), version=0)
     handle.on_replace.append(sync.reset)
@@ -209,13 +218,11 @@ def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):
 
     from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
     from thinkcraft.pools.weights import WeightUpdate
-    from thinkcraft.train.llm_policy.config import LLMPolicyConfig
-
     ray = ray_cluster
     model, tok = _tiny_model()
     remote = ray.remote(_EngineActor)
     handle = ActorHandle("engine-n", lambda n: remote.options(num_gpus=1).remote(
-        model, tok, LLMPolicyConfig(model="random:tiny"), 0, 0, 1))
+        model, _engine_builder(tok), lambda: None, 0, 1, True))
     engine = RayEngine(handle, 120.0)
     bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cuda:0"), bucket_mb=0.01)
     sync = RW.NcclWeights(0, bcast)

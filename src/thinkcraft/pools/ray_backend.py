@@ -153,10 +153,11 @@ def connect(address: str, hide_device: Any = None, env_vars: dict[str, str] | No
 
 
 def _without_gpu(device: Any) -> str | None:
-    """CUDA_VISIBLE_DEVICES for a local Ray that must not hand out `device` (None: a CPU learner)."""
+    """CUDA_VISIBLE_DEVICES for a local Ray that must not hand out `device` (None: a CPU learner, or the
+    machine's only GPU, which the engines then share with the learner)."""
     import torch
 
-    if device is None or torch.device(device).type != "cuda":
+    if device is None or torch.device(device).type != "cuda" or torch.cuda.device_count() < 2:
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -197,25 +198,27 @@ class _EnvActor:
 
 
 class _EngineActor:
-    """An in-process HFEngine on its own copy of the policy (on the bundle's GPU, else the CPU)."""
+    """An in-process engine on its own copy of the policy (on the bundle's GPU, else the CPU).
 
-    def __init__(self, model: Any, tokenizer: Any, cfg: Any, version: int, seed: int, threads: int) -> None:
+    `make_engine(model) -> engine` builds it (the trainer's own builder, so the actor's engine is the one the
+    local backend would use); `setup()` runs first (the trainer seeds the sampling stream there)."""
+
+    def __init__(self, model: Any, make_engine: Callable[[Any], Any], setup: Callable[[], None], version: int,
+                 threads: int, bf16: bool) -> None:
         import torch
 
         from thinkcraft.pools.weights import CopyWeights
-        from thinkcraft.train.llm_policy.loop import _seed_everything
-        from thinkcraft.train.llm_policy.model import make_engine
 
         torch.set_num_threads(max(1, threads))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device).eval().requires_grad_(False)
-        self.engine = make_engine(self.model, tokenizer, cfg)
+        self.engine = make_engine(self.model)
         self.sync = CopyWeights(self.model, version, on_change=self.engine.invalidate_prefix_cache)
-        self.autocast = self.device.type == "cuda" and bool(cfg.bf16)
+        self.autocast = self.device.type == "cuda" and bf16
         self.group: Any = None
         self.lock = threading.Lock()
         """Held by generate and by every weight change (the actor serves calls on several threads)."""
-        _seed_everything(seed)  # the sampling stream of the driver's engine (loop.build_policy seeds it last)
+        setup()
 
     def generate(self, batch: Any, sampling: Any) -> Any:
         import contextlib
@@ -258,13 +261,10 @@ class _EngineActor:
 
 
 class _JudgeActor:
-    """The judge of --reward judge (its own engine, e.g. a model on its own GPU)."""
+    """The judge of --reward judge (its own engine, e.g. a model on its own GPU): `build() -> RewardFn`."""
 
-    def __init__(self, cfg: Any) -> None:
-        from thinkcraft.train.llm_policy.model import make_judge
-        from thinkcraft.train.llm_policy.rollout import make_env_and_reward
-
-        self.reward_fn = make_env_and_reward(cfg, judge=make_judge(cfg, None, None, None)).reward_fn
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self.reward_fn = build()
 
     def judge(self, problems: list[Any], completions: list[str]) -> Any:
         return self.reward_fn(problems, completions)

@@ -6,6 +6,7 @@ after them are the local backend's (async_build.py / async_run.py), unchanged.
 from __future__ import annotations
 
 import copy
+import functools
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
@@ -59,10 +60,23 @@ class RayPools:
 
 
 def _transport(cfg: Any, engine_gpus: float, learner_device: Any) -> str:
+    """nccl where the learner and the engines are on CUDA devices of their own (NCCL cannot join two ranks on
+    one GPU: a one-GPU machine, whose engines share the learner's GPU, uses the object store)."""
+    import torch
+
     cuda = str(learner_device).startswith("cuda") and engine_gpus > 0
     if cfg.ray_weight_transport == "nccl" and not cuda:
         raise ConfigError("ray_weight_transport", "nccl needs the learner and the engines on CUDA devices")
-    return cfg.ray_weight_transport if cfg.ray_weight_transport != "auto" else ("nccl" if cuda else "object_store")
+    apart = cuda and (bool(cfg.ray_address) or torch.cuda.device_count() > 1)
+    return cfg.ray_weight_transport if cfg.ray_weight_transport != "auto" else ("nccl" if apart else "object_store")
+
+
+def judge_reward(cfg: Any) -> Any:
+    """The judge's RewardFn (in the judge actor): its engine from --judge-engine, as the local loop builds it."""
+    from thinkcraft.train.llm_policy.model import make_judge
+    from thinkcraft.train.llm_policy.rollout import make_env_and_reward
+
+    return make_env_and_reward(cfg, judge=make_judge(cfg, None, None, None)).reward_fn
 
 
 def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
@@ -77,6 +91,8 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     from thinkcraft.pools import ray_backend as RB
     from thinkcraft.pools import ray_weights as RW
     from thinkcraft.train.llm_policy.async_build import env_spec, make_prompt_fn
+    from thinkcraft.train.llm_policy.loop import _seed_everything
+    from thinkcraft.train.llm_policy.model import make_engine
 
     import torch
 
@@ -104,10 +120,11 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     model_ref = ray.put(copy.deepcopy(p.learner.model).to("cpu"))
     engines = []
     for k in range(layout.engines):
-        # engine 0's first incarnation draws the driver engine's sampling stream (cfg.seed)
+        # engine 0's first incarnation draws the driver engine's sampling stream (cfg.seed, as build_policy)
         h = actor(RB._EngineActor, f"engine{k}", k, layout.engine_cpus, layout.engine_gpus,
-                  lambda n, k=k: (model_ref, p.tokenizer, cfg, version, cfg.seed + 1_000_003 * k + 7919 * n,
-                                  int(max(1, layout.engine_cpus))))
+                  lambda n, k=k: (model_ref, functools.partial(make_engine, tokenizer=p.tokenizer, cfg=cfg),
+                                  functools.partial(_seed_everything, cfg.seed + 1_000_003 * k + 7919 * n), version,
+                                  int(max(1, layout.engine_cpus)), cfg.bf16))
         engines.append(RB.RayEngine(h, cfg.rollout_timeout_s))
         out.closers.append(h.kill)
     if transport == "nccl":
@@ -130,7 +147,8 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
         env_actor=lambda w: actor(RB._EnvActor, f"env{w}", layout.env_bundle(w), layout.env_cpus, 0,
                                   lambda n: (settings.env,)))
     if layout.judge:
-        h = actor(RB._JudgeActor, "judge", layout.judge_bundle, 1.0, layout.judge_gpus, lambda n: (cfg,))
+        h = actor(RB._JudgeActor, "judge", layout.judge_bundle, 1.0, layout.judge_gpus,
+                  lambda n: (functools.partial(judge_reward, cfg),))
         out.closers.append(h.kill)
         out.reward = RewardPool(RB.RayJudge(h, cfg.rollout_timeout_s), p.env.task.problem,
                                 max_groups=cfg.judge_batch_groups)
