@@ -320,6 +320,23 @@ def test_placement_timeout_is_a_user_error(ray_cluster):
         reserve([{"CPU": 64.0}], timeout_s=1.0)
 
 
+class _Broken:
+    def __init__(self) -> None:
+        raise ValueError("no such env: nowhere")
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_an_actor_that_cannot_start_is_one_line(ray_cluster):
+    from thinkcraft.pools.ray_backend import ActorHandle, wait_ready
+
+    remote = ray_cluster.remote(_Broken)
+    h = ActorHandle("env7", lambda n: remote.options(num_cpus=0.1).remote())
+    with pytest.raises(UserError, match=r"^Ray actor env7 failed to start: ValueError: no such env: nowhere$"):
+        wait_ready([h], "ready", 60)
+
+
 def test_missing_ray_is_one_line(tmp_path, monkeypatch):
     from test_async_loop import _cfg
 

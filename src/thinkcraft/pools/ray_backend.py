@@ -220,6 +220,9 @@ class _EngineActor:
         """Held by generate and by every weight change (the actor serves calls on several threads)."""
         setup()
 
+    def ready(self) -> int:
+        return self.sync.version
+
     def generate(self, batch: Any, sampling: Any) -> Any:
         import contextlib
 
@@ -265,6 +268,9 @@ class _JudgeActor:
 
     def __init__(self, build: Callable[[], Any]) -> None:
         self.reward_fn = build()
+
+    def ready(self) -> bool:
+        return True
 
     def judge(self, problems: list[Any], completions: list[str]) -> Any:
         return self.reward_fn(problems, completions)
@@ -315,6 +321,26 @@ class ActorHandle:
         ray.kill(self.actor, no_restart=True)
 
 
+def wait_ready(actors: list[ActorHandle], method: str, timeout_s: float) -> list[Any]:
+    """`method()` of every actor, called at once: their first answers (each constructor has run), or a
+    UserError naming the actor that did not start and why."""
+    import ray
+
+    refs = [getattr(a.actor, method).remote() for a in actors]
+    out = []
+    for a, ref in zip(actors, refs):
+        try:
+            out.append(ray.get(ref, timeout=timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            raise UserError(f"Ray actor {a.name} did not start within {timeout_s:g}s") from None
+        except ray.exceptions.RayError as e:  # the constructor's exception is the last line of Ray's report
+            cause = getattr(e, "cause", None) or e
+            last = (str(cause).strip().splitlines() or [""])[-1]
+            detail = last if isinstance(cause, ray.exceptions.RayError) else f"{type(cause).__name__}: {last}"
+            raise UserError(f"Ray actor {a.name} failed to start: {detail}") from None
+    return out
+
+
 class ActorLost(RuntimeError):
     def __init__(self, name: str, how: str, detail: str) -> None:
         super().__init__(f"{name}: {detail}")
@@ -324,9 +350,9 @@ class ActorLost(RuntimeError):
 class RayEnvHandle:
     """A rollout worker's env in an actor, with the interface of pools.envproc's ThreadEnv / ProcessEnv."""
 
-    def __init__(self, actor: ActorHandle) -> None:
+    def __init__(self, actor: ActorHandle, system_prompt: str) -> None:
         self.actor = actor
-        self.system_prompt = actor.call("system_prompt")
+        self.system_prompt = system_prompt
 
     @property
     def restarts(self) -> int:
@@ -384,10 +410,12 @@ class RayRolloutPool(RolloutPool):
     """RolloutPool whose workers' envs are actors; `health().restarts` counts env and engine replacements."""
 
     def __init__(self, *args: Any, env_actor: Callable[[int], ActorHandle], engines: list[RayEngine],
-                 **kw: Any) -> None:
+                 start_timeout_s: float = 300.0, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.engines = engines
-        self._envs = {w: RayEnvHandle(env_actor(w)) for w in range(self.num_workers)}
+        actors = [env_actor(w) for w in range(self.num_workers)]  # all started at once, then awaited
+        prompts = wait_ready(actors, "system_prompt", start_timeout_s)
+        self._envs = {w: RayEnvHandle(a, p) for w, (a, p) in enumerate(zip(actors, prompts))}
 
     def _env_for(self, worker: int) -> Any:
         return self._envs[worker]

@@ -80,8 +80,23 @@ def judge_reward(cfg: Any) -> Any:
 
 
 def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
-    """Connect (or start Ray), reserve the placement group, start the actors; the pieces AsyncRun uses in
-    place of build_slots / build_rollout_pool / build_reward_pool."""
+    """Connect (or start Ray), reserve the placement group, start the actors (all at once, then awaited);
+    the pieces AsyncRun uses in place of build_slots / build_rollout_pool / build_reward_pool."""
+    import torch
+
+    from thinkcraft.pools import ray_backend as RB
+
+    layout = RB.ray_layout(cfg, torch.cuda.is_available())
+    out = RayPools([], None, None, _transport(cfg, layout.engine_gpus, policy.learner.device))
+    try:
+        _build(cfg, policy, version, layout, out)
+    except BaseException:
+        out.close()  # the actors, the placement group, and the local Ray this run started
+        raise
+    return out
+
+
+def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
     from dataclasses import replace
 
     from ray.util.placement_group import remove_placement_group
@@ -94,15 +109,8 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     from thinkcraft.train.llm_policy.loop import _seed_everything
     from thinkcraft.train.llm_policy.model import make_engine
 
-    import torch
-
     ray = RB.require_ray()
-    p = policy
-    layout = RB.ray_layout(cfg, torch.cuda.is_available())
-    transport = _transport(cfg, layout.engine_gpus, p.learner.device)
-    started = RB.connect(cfg.ray_address, hide_device=p.learner.device)
-    out = RayPools([], None, None, transport)
-    if started:
+    if RB.connect(cfg.ray_address, hide_device=p.learner.device):
         out.closers.append(ray.shutdown)
     pg = RB.reserve(layout.bundles(), cfg.ray_start_timeout_s)
     out.closers.append(lambda: remove_placement_group(pg))
@@ -111,10 +119,12 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     def actor(cls: Any, name: str, bundle: int, cpus: float, gpus: float, args: Callable[[int], tuple]) -> Any:
         """A replaceable actor in `bundle`; `args(n)`: the constructor's arguments for incarnation n."""
         remote = ray.remote(cls)
-        return RB.ActorHandle(name, lambda n: remote.options(
+        h = RB.ActorHandle(name, lambda n: remote.options(
             name=f"thinkcraft-{uid}-{name}-r{n}", num_cpus=cpus, num_gpus=gpus, max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         ).remote(*args(n)))
+        out.closers.append(h.kill)
+        return h
 
     # engines: a CPU copy of the learner's policy through the object store (a replacement starts from it)
     model_ref = ray.put(copy.deepcopy(p.learner.model).to("cpu"))
@@ -126,8 +136,8 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
                                   functools.partial(_seed_everything, cfg.seed + 1_000_003 * k + 7919 * n), version,
                                   int(max(1, layout.engine_cpus)), cfg.bf16))
         engines.append(RB.RayEngine(h, cfg.rollout_timeout_s))
-        out.closers.append(h.kill)
-    if transport == "nccl":
+    starting = [e.actor_handle for e in engines]  # awaited last: they start while the env actors do
+    if out.transport == "nccl":
         bcast = RW.NcclBroadcast(lambda: engines, p.learner.device, cfg.ray_bucket_mb, cfg.rollout_timeout_s)
         syncs: list[Any] = [RW.NcclWeights(k, bcast, version) for k in range(len(engines))]
     else:
@@ -136,6 +146,13 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     for e, s in zip(engines, syncs):
         e.actor_handle.on_replace.append(s.reset)
         out.slots.append(EngineSlot(e, s, e.actor_handle.name, f"ray:{e.actor_handle.name}"))
+    if layout.judge:
+        h = actor(RB._JudgeActor, "judge", layout.judge_bundle, 1.0, layout.judge_gpus,
+                  lambda n: (functools.partial(judge_reward, cfg),))
+        starting.append(h)
+        out.reward = RewardPool(RB.RayJudge(h, cfg.rollout_timeout_s), p.env.task.problem,
+                                max_groups=cfg.judge_batch_groups)
+        out.closers.append(lambda: out.reward.stop(drain=False, timeout_s=5.0))
     # rollout workers: the episode loop in the driver's worker threads, each env in its actor
     settings = RolloutSettings(
         env=env_spec(cfg), sampling=replace(p.sampling, n=1), history_turns=cfg.history_turns,
@@ -144,12 +161,7 @@ def build_ray_pools(cfg: Any, policy: Any, version: int) -> RayPools:
     out.rollout = RB.RayRolloutPool(
         settings, make_prompt_fn(p.tokenizer, cfg.history_turns), num_workers=cfg.rollout_workers,
         max_queued=cfg.rollout_workers * 2, group_size=cfg.samples_per_prompt, engines=engines,
+        start_timeout_s=cfg.ray_start_timeout_s,
         env_actor=lambda w: actor(RB._EnvActor, f"env{w}", layout.env_bundle(w), layout.env_cpus, 0,
                                   lambda n: (settings.env,)))
-    if layout.judge:
-        h = actor(RB._JudgeActor, "judge", layout.judge_bundle, 1.0, layout.judge_gpus,
-                  lambda n: (functools.partial(judge_reward, cfg),))
-        out.closers.append(h.kill)
-        out.reward = RewardPool(RB.RayJudge(h, cfg.rollout_timeout_s), p.env.task.problem,
-                                max_groups=cfg.judge_batch_groups)
-    return out
+    RB.wait_ready(starting, "ready", cfg.ray_start_timeout_s)
