@@ -259,7 +259,7 @@ class NcclBroadcast:
         self.device = device
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a replacement during send resets (invalidate) from the same thread
         self._group: Any = None
         self.sent: dict[int, str] = {}
         """version -> digest sent (bucket fingerprints), for the version last broadcast to the current group."""
@@ -300,6 +300,11 @@ class NcclBroadcast:
                 results = ray.get(recv, timeout=self.timeout_s)
             except Exception:
                 self._group = None  # a half-done broadcast leaves the group unusable: rebuilt next time
+                for e in self.engines():  # a dead engine is replaced now (else its slot would wait on it)
+                    try:
+                        e.call("ready", timeout_s=60.0)
+                    except Exception:  # noqa: BLE001 - replaced (ActorLost), or to be found by its slot
+                        pass
                 raise
             self.sent = {update.version: sent}
             self.results = {update.version: results}
@@ -313,6 +318,10 @@ class NcclWeights:
     hold v while its own slot still reports v-1 (until that slot's apply confirms it): its tokens are then
     labelled one version older than the weights that made them. Staleness is over-, never under-estimated;
     behaviour log-probs are always the actual weights'."""
+
+    device_tensors = True
+    """The learner publishes its state on its own device (async_build.weight_update): the buckets are packed
+    there, with no round trip through the CPU."""
 
     def __init__(self, rank: int, bcast: NcclBroadcast, version: int = 0) -> None:
         self.rank = rank
