@@ -211,6 +211,38 @@ def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
     handle.kill()
 
 
+def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
+    """The NCCL path's code (group of learner + engine actors, bf16 buckets, digests, versions, a replaced
+    engine rejoining a rebuilt group) over Gloo on the CPU."""
+    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
+    from thinkcraft.pools.weights import WeightUpdate
+
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    remote = ray.remote(_EngineActor)
+    handle = ActorHandle("engine-g", lambda n: remote.options(num_cpus=0.5, max_concurrency=4).remote(
+        model, _engine_builder(tok), lambda: None, 0, 1, False))
+    engine = RayEngine(handle, 120.0)
+    bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cpu"), bucket_mb=0.01, timeout_s=120, backend="gloo")
+    sync = RW.NcclWeights(0, bcast)
+    handle.on_replace.append(sync.reset)
+    state = {n: p.detach().clone() + 0.5 for n, p in model.named_parameters()}
+    assert len(RW.plan_buckets(RW.tensor_metas(state), 2, bcast.bucket_bytes)) > 3  # several buckets
+    sync.apply(WeightUpdate(1, state))
+    bf16 = {n: t.to(torch.bfloat16).float() for n, t in state.items()}  # the engine's fp32 copy of them
+    assert sync.version == 1 and bcast.sent[1] == RW.bf16_digest(state, bcast.bucket_bytes)
+    assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(bf16))
+    ray.kill(handle.actor, no_restart=True)  # the replacement joins a rebuilt group and gets version 2
+    with pytest.raises(Exception, match="died"):
+        engine.call("ready", timeout_s=30)
+    assert sync.version == -1 and bcast._group is None
+    state2 = {n: t - 1.0 for n, t in state.items()}
+    sync.apply(WeightUpdate(2, state2))
+    assert engine.call("checksum", sorted(state)) == (
+        2, RW.state_checksum({n: t.to(torch.bfloat16).float() for n, t in state2.items()}))
+    handle.kill()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="the NCCL weight broadcast needs 2 CUDA GPUs (learner + one engine actor)")
 def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):

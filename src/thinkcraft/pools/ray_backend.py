@@ -201,7 +201,7 @@ class _EngineActor:
     """An in-process engine on its own copy of the policy (on the bundle's GPU, else the CPU).
 
     `make_engine(model) -> engine` builds it (the trainer's own builder, so the actor's engine is the one the
-    local backend would use); `setup()` runs first (the trainer seeds the sampling stream there)."""
+    local backend would use); `setup()` runs last, as the driver seeds its sampling stream after building."""
 
     def __init__(self, model: Any, make_engine: Callable[[Any], Any], setup: Callable[[], None], version: int,
                  threads: int, bf16: bool) -> None:
@@ -247,10 +247,10 @@ class _EngineActor:
 
         return self.sync.version, state_checksum(dict(self.model.named_parameters()), names)
 
-    def nccl_join(self, host: str, port: int, rank: int, world: int) -> None:
+    def nccl_join(self, host: str, port: int, rank: int, world: int, backend: str = "nccl") -> None:
         from thinkcraft.pools.ray_weights import nccl_group
 
-        self.group = nccl_group(host, port, rank, world)
+        self.group = nccl_group(host, port, rank, world, backend=backend)
 
     def nccl_load(self, version: int, metas: list[Any], bucket_bytes: int, kind: str) -> tuple[int, str]:
         from thinkcraft.pools.ray_weights import nccl_receive

@@ -188,18 +188,22 @@ def check_delivery(version: int, sent: str, got_version: int, got: str) -> None:
 # --------------------------------------------------------------------------------------------- NCCL
 
 
-def nccl_group(host: str, port: int, rank: int, world: int, timeout_s: float = 300.0) -> Any:
+def nccl_group(host: str, port: int, rank: int, world: int, timeout_s: float = 300.0, backend: str = "nccl") -> Any:
     """A torch ProcessGroupNCCL of `world` ranks on a TCPStore at host:port (rank 0 hosts the store),
-    independent of the default process group."""
+    independent of the default process group. `backend="gloo"`: the same group over Gloo (CPU tensors: the
+    tests run the whole broadcast path with it)."""
     import datetime
 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+    store = dist.PrefixStore("thinkcraft-weights", dist.TCPStore(host, port, world, is_master=rank == 0,
+                                                                 timeout=timeout))
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return dist.ProcessGroupNCCL(dist.PrefixStore("thinkcraft-weights", store), rank, world, opts)
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
 
 
 def broadcast(group: Any, tensor: Any) -> None:
@@ -254,8 +258,9 @@ class NcclBroadcast:
     next send rebuilds the group with the current actors on a fresh port."""
 
     def __init__(self, engines: Callable[[], list[Any]], device: Any, bucket_mb: float = 256.0,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, backend: str = "nccl") -> None:
         self.engines = engines
+        self.backend = backend
         self.device = device
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self.timeout_s = timeout_s
@@ -277,8 +282,8 @@ class NcclBroadcast:
         engines = self.engines()
         host, port = ray.util.get_node_ip_address(), _free_port()
         world = len(engines) + 1
-        joins = [e.actor.nccl_join.remote(host, port, k + 1, world) for k, e in enumerate(engines)]
-        self._group = nccl_group(host, port, 0, world, self.timeout_s)
+        joins = [e.actor.nccl_join.remote(host, port, k + 1, world, self.backend) for k, e in enumerate(engines)]
+        self._group = nccl_group(host, port, 0, world, self.timeout_s, self.backend)
         ray.get(joins, timeout=self.timeout_s)
 
     def send(self, update: WeightUpdate) -> tuple[str, list[tuple[int, str]]]:
