@@ -134,7 +134,8 @@ def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> We
     if all(isinstance(s.sync, SharedWeights) for s in slots):
         return WeightUpdate(version)
     # only in-process copies: the tensors stay on the learner's device (device to device); else via the CPU
-    local = all(isinstance(s.sync, (SharedWeights, CopyWeights)) for s in slots)
+    local = all(isinstance(s.sync, (SharedWeights, CopyWeights)) or getattr(s.sync, "device_tensors", False)
+                for s in slots)  # device_tensors: the Ray backend's NCCL broadcast (pools/ray_weights.py)
     return WeightUpdate(version, trainable_state(learner.model, lora, device=None if local else "cpu"),
                         "lora" if lora else "full", meta=lora_meta(learner.model) if lora else None)
 

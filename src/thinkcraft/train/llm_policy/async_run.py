@@ -60,17 +60,28 @@ class AsyncRun:
         # 3. engines (shared / copies / HTTP) behind one front; rollout, reward and training pools
         self.model_lock = threading.Lock()
         model_dir = None if cfg.model_spec.scheme == "random" else str(resolve_model_path(cfg.model))
-        self.slots = build_slots(cfg, p.learner, p.tokenizer, p.engine, self.model_lock, self.run_dir, model_dir,
-                                 version)
-        self.rollout = build_rollout_pool(cfg, p.tokenizer, p.sampling)
+        self.ray = None
+        if cfg.pool_backend == "ray":  # engines, envs and judge as Ray actors (train/llm_policy/ray_build.py)
+            from thinkcraft.train.llm_policy.ray_build import build_ray_pools
+
+            self.ray = build_ray_pools(cfg, p, version)
+            self._closers.append(self.ray.close)
+            self.slots, self.rollout = self.ray.slots, self.ray.rollout
+        else:
+            self.slots = build_slots(cfg, p.learner, p.tokenizer, p.engine, self.model_lock, self.run_dir, model_dir,
+                                     version)
+            self.rollout = build_rollout_pool(cfg, p.tokenizer, p.sampling)
         self.front = build_front(cfg, self.slots, self.rollout)
         self.rollout.attach(self.front)
         self._closers.append(self.stop_pools)
         if not all(isinstance(s.sync, SharedWeights) for s in self.slots):
             self.front.publish(weight_update(p.learner, version, self.slots))  # HTTP engines start at these weights
         judge = p.env.reward_fn if cfg.reward == "judge" else None  # the JudgeReward built with the policy
-        self.reward = build_reward_pool(cfg, judge, p.env.task if judge is not None else None,
-                                        self.model_lock if cfg.judge_engine == "self" else None)
+        if self.ray is not None and self.ray.reward is not None:  # the judge in its actor
+            self.reward = self.ray.reward
+        else:
+            self.reward = build_reward_pool(cfg, judge, p.env.task if judge is not None else None,
+                                            self.model_lock if cfg.judge_engine == "self" else None)
         self.worker = TrainWorker(cfg, p.learner, p.tokenizer, self.front, self.slots, self.model_lock, version, carry)
         self.train_pool = self.worker.pool()
         self.coord = Coordinator(cfg, version, ResumeState.from_checkpoint(extra, version, cfg.prompts_per_step),

@@ -209,6 +209,30 @@ class LLMPolicyConfig(RunOptions):
     judge_batch_groups: int = 64
     """Async: groups graded together in one judge call."""
 
+    # --- where the async pools run: --pool-backend ray (pools/ray_backend.py, train/llm_policy/ray_build.py) --
+    pool_backend: Literal["local", "ray"] = "local"
+    """Async: the pools' workers as threads of this process (local), or as Ray actors in one placement group:
+    engines (--ray-engines), one env per rollout worker, and the judge of --reward judge (needs thinkcraft[ray])."""
+    ray_address: str = ""
+    """Ray: an existing cluster to join (e.g. auto, or ray://head:10001); empty starts a local Ray."""
+    ray_engines: int = 1
+    """Ray: engine actors, each with its own copy of the policy, batched by the driver's engine front."""
+    ray_engine_gpus: float | None = None
+    """Ray: GPUs per engine actor (None: 1 when this machine has CUDA, else 0)."""
+    ray_engine_cpus: float = 1.0
+    """Ray: CPUs per engine actor."""
+    ray_env_cpus: float = 0.25
+    """Ray: CPUs per rollout worker's env actor."""
+    ray_judge_gpus: float | None = None
+    """Ray, --reward judge with a judge engine of its own: GPUs of the judge actor (None: 1 with CUDA, else 0)."""
+    ray_weight_transport: Literal["auto", "object_store", "nccl"] = "auto"
+    """Ray: learner -> engines weights by an NCCL broadcast (bf16 buckets; auto with CUDA engines) or the
+    object store (exact tensors; auto on CPU)."""
+    ray_bucket_mb: float = 256.0
+    """Ray, NCCL weight sync: size of the flat bf16 buckets broadcast."""
+    ray_start_timeout_s: float = 120.0
+    """Ray: longest wait for the placement group; past it the run stops naming the resources it waited for."""
+
     def validate(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -259,6 +283,9 @@ class LLMPolicyConfig(RunOptions):
         from thinkcraft.train.llm_policy.async_loop import check_async_config
 
         check_async_config(self)
+        from thinkcraft.train.llm_policy.ray_build import check_ray_config
+
+        check_ray_config(self)
 
     def _validate_action_format(self) -> None:
         """json answers: a grammar xgrammar builds, and a token budget that always holds the longest answer (after

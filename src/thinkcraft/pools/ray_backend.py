@@ -1,0 +1,427 @@
+"""The Ray backend of the llm-policy pools (`train llm-policy --mode async --pool-backend ray`, issue 21).
+
+The same pool contract as the local backend (pools.contract: submit / poll / health / stop), the same
+coordinator, engine front and learner; what moves into Ray actors is the work that needs its own device
+or process:
+
+    driver (this process)                      Ray actors, in one placement group
+    ---------------------                      ----------------------------------------------------------
+    Coordinator, learner (--device)            EngineActor x --ray-engines  (bundle {CPU, GPU: --ray-engine-gpus})
+    EngineFront: batching over all episodes      an HFEngine on its own copy of the policy, CopyWeights
+      slot k -> RayEngine(actor k)  ------------>   generate(Batch) ; load_state / nccl_load (ray_weights.py)
+    RayRolloutPool: one thread per worker        EnvActor x --rollout-workers  (bundle {CPU: --ray-env-cpus})
+      episode loop -> RayEnvHandle(actor w) --->    the text env: reset / step / active_indices
+    RewardPool (judge rewards)                   JudgeActor (bundle {CPU, GPU: --ray-judge-gpus}): the judge
+      judge -> RayJudge(actor) ---------------->    engine of --judge-engine (not "self": that is the policy)
+
+Batching stays in the driver's EngineFront, so for a deterministic schedule (η = 0) the engine actor sees
+exactly the local backend's batches (same prompts, same order) and, seeded like the driver, draws the same
+samples: the Ray backend reproduces the local one (tests/test_pools_ray.py).
+
+Faults, with the local backend's semantics: an actor that dies (or hangs past its timeout: it is killed)
+is replaced by a fresh one in the same bundle and counted in `health().restarts`; the work it had in flight
+fails (env_crashed / env_step_timeout, engine_error, reward_error) and the coordinator plays that group
+again under its id, so nothing is lost or trained twice. A replaced engine starts from the initial weights
+and takes the newest published version before its next batch (its WeightSync is reset).
+
+Cluster: `--ray-address` joins an existing cluster (thinkcraft must be importable on its nodes); without
+it a local Ray is started (and stopped at the end). The placement group is reserved before anything
+runs; if it is not ready within `--ray-start-timeout-s` the run stops with the resources it requested
+and what the cluster has available.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from thinkcraft.pools.envproc import EnvFault, EnvSpec
+from thinkcraft.pools.rollout import RolloutPool
+from thinkcraft.utils.errors import UserError
+
+log = logging.getLogger(__name__)
+
+RAY_MISSING = "--pool-backend ray needs Ray, which is not installed: pip install thinkcraft[ray]"
+
+
+def require_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UserError(RAY_MISSING) from None
+    return ray
+
+
+# ------------------------------------------------------------------------------------------ resources
+
+
+@dataclass(frozen=True)
+class RayLayout:
+    """What the placement group reserves (from the config: `ray_layout`)."""
+
+    engines: int
+    engine_cpus: float
+    engine_gpus: float
+    env_workers: int
+    env_cpus: float
+    judge: bool
+    """A judge actor (--reward judge with an engine of its own; not for rule rewards or --judge-engine self)."""
+    judge_gpus: float = 0.0
+
+    def bundles(self) -> list[dict[str, float]]:
+        """Engines first (bundle k = engine k), then one per env worker, then the judge."""
+        engine = {"CPU": self.engine_cpus, **({"GPU": self.engine_gpus} if self.engine_gpus > 0 else {})}
+        out = [dict(engine) for _ in range(self.engines)] + [{"CPU": self.env_cpus} for _ in range(self.env_workers)]
+        if self.judge:
+            out.append({"CPU": 1.0, **({"GPU": self.judge_gpus} if self.judge_gpus > 0 else {})})
+        return out
+
+    def env_bundle(self, worker: int) -> int:
+        return self.engines + worker
+
+    @property
+    def judge_bundle(self) -> int:
+        return self.engines + self.env_workers
+
+
+def ray_layout(cfg: Any, cuda: bool) -> RayLayout:
+    """The config's layout; GPU counts left unset are 1 where the machine has CUDA (`cuda`), else 0."""
+    def gpus(value: float | None) -> float:
+        return (1.0 if cuda else 0.0) if value is None else float(value)
+
+    return RayLayout(cfg.ray_engines, cfg.ray_engine_cpus, gpus(cfg.ray_engine_gpus), cfg.rollout_workers,
+                     cfg.ray_env_cpus, cfg.reward == "judge" and cfg.judge_engine != "self", gpus(cfg.ray_judge_gpus))
+
+
+def summed(bundles: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def placement_timeout_message(bundles: list[dict[str, float]], total: dict[str, float],
+                              available: dict[str, float], timeout_s: float) -> str:
+    """The one line a run stops with when its placement group is not ready in time."""
+    def fmt(d: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in sorted(d.items()) if k in ("CPU", "GPU") or k in want) or "nothing"
+
+    want = summed(bundles)
+    short = {k: v for k, v in want.items() if available.get(k, 0.0) < v}
+    return (f"Ray could not reserve the pools' resources within {timeout_s:g}s: requested {fmt(want)} in "
+            f"{len(bundles)} bundles (largest {fmt(max(bundles, key=lambda b: sum(b.values())))}); the cluster has "
+            f"{fmt(total)}, available now {fmt(available)}"
+            + (f"; short of {', '.join(sorted(short))}" if short else "; no single node fits a bundle")
+            + ". Lower --ray-engines / --ray-engine-gpus / --ray-env-cpus / --rollout-workers, add nodes, or raise "
+              "--ray-start-timeout-s")
+
+
+def connect(address: str, hide_device: Any = None, env_vars: dict[str, str] | None = None, **init_kw: Any) -> bool:
+    """Join `address` (an existing cluster) or start a local Ray (`init_kw`: more ray.init arguments, e.g.
+    num_cpus); True when this call started it. A local Ray does not see `hide_device` (the learner's GPU):
+    its actors get the other GPUs."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return False
+    # local workers import thinkcraft from where the driver did (a source checkout on PYTHONPATH included)
+    import thinkcraft
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(thinkcraft.__file__)))
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    hidden = _without_gpu(hide_device)
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if hidden is not None:  # read by the raylet it starts (the driver's CUDA is already initialised)
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+        runtime_env = dict(init_kw.pop("runtime_env", {}))
+        runtime_env["env_vars"] = {"PYTHONPATH": path, **(env_vars or {})}
+        ray.init(include_dashboard=False, runtime_env=runtime_env, **init_kw)
+    finally:
+        if hidden is not None:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    return True
+
+
+def _without_gpu(device: Any) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a local Ray that must not hand out `device` (None: a CPU learner, or the
+    machine's only GPU, which the engines then share with the learner)."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return ",".join(d for i, d in enumerate(ids) if i != index)
+
+
+def reserve(bundles: list[dict[str, float]], timeout_s: float) -> Any:
+    """A ready placement group for `bundles`, or a UserError naming what it waited for."""
+    ray = require_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        total, available = ray.cluster_resources(), ray.available_resources()
+        remove_placement_group(pg)
+        raise UserError(placement_timeout_message(bundles, total, available, timeout_s)) from None
+    return pg
+
+
+# ----------------------------------------------------------------------------------------------- actors
+
+
+class _EnvActor:
+    """One rollout worker's text env."""
+
+    def __init__(self, spec: EnvSpec) -> None:
+        self.env = spec.build()
+
+    def system_prompt(self) -> str:
+        return self.env.system_prompt
+
+    def call(self, method: str, args: tuple) -> Any:
+        return getattr(self.env, method)(*args)
+
+
+class _EngineActor:
+    """An in-process engine on its own copy of the policy (on the bundle's GPU, else the CPU).
+
+    `make_engine(model) -> engine` builds it (the trainer's own builder, so the actor's engine is the one the
+    local backend would use); `setup()` runs last, as the driver seeds its sampling stream after building."""
+
+    def __init__(self, model: Any, make_engine: Callable[[Any], Any], setup: Callable[[], None], version: int,
+                 threads: int, bf16: bool) -> None:
+        import torch
+
+        from thinkcraft.pools.weights import CopyWeights
+
+        torch.set_num_threads(max(1, threads))
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.engine = make_engine(self.model)
+        self.sync = CopyWeights(self.model, version, on_change=self.engine.invalidate_prefix_cache)
+        self.autocast = self.device.type == "cuda" and bf16
+        self.group: Any = None
+        self.lock = threading.Lock()
+        """Held by generate and by every weight change (the actor serves calls on several threads)."""
+        setup()
+
+    def ready(self) -> int:
+        return self.sync.version
+
+    def generate(self, batch: Any, sampling: Any) -> Any:
+        import contextlib
+
+        import torch
+
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with self.lock, ctx:
+            return self.engine.generate(batch, sampling)
+
+    def load_state(self, version: int, state: dict[str, Any], kind: str) -> tuple[int, str]:
+        from thinkcraft.pools.ray_weights import state_checksum
+        from thinkcraft.pools.weights import WeightUpdate
+
+        got = state_checksum(state)
+        with self.lock:
+            self.sync.apply(WeightUpdate(version, state, kind))  # type: ignore[arg-type]
+        return self.sync.version, got
+
+    def checksum(self, names: list[str]) -> tuple[int, str]:
+        """(version held, checksum of the named parameters as the engine holds them)."""
+        from thinkcraft.pools.ray_weights import state_checksum
+
+        return self.sync.version, state_checksum(dict(self.model.named_parameters()), names)
+
+    def nccl_join(self, host: str, port: int, rank: int, world: int, backend: str = "nccl") -> None:
+        from thinkcraft.pools.ray_weights import nccl_group
+
+        self.group = nccl_group(host, port, rank, world, backend=backend)
+
+    def nccl_load(self, version: int, metas: list[Any], bucket_bytes: int, kind: str) -> tuple[int, str]:
+        from thinkcraft.pools.ray_weights import nccl_receive
+        from thinkcraft.pools.weights import WeightUpdate
+
+        # into fresh buffers (a batch may be running); the digest is of what arrived, before any cast
+        got, checksum = nccl_receive(self.group, metas, bucket_bytes, self.device)
+        with self.lock:
+            self.sync.apply(WeightUpdate(version, got, kind))  # type: ignore[arg-type]
+        return self.sync.version, checksum
+
+
+class _JudgeActor:
+    """The judge of --reward judge (its own engine, e.g. a model on its own GPU): `build() -> RewardFn`."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self.reward_fn = build()
+
+    def ready(self) -> bool:
+        return True
+
+    def judge(self, problems: list[Any], completions: list[str]) -> Any:
+        return self.reward_fn(problems, completions)
+
+
+class ActorHandle:
+    """A replaceable actor: `factory(k)` makes the k-th incarnation. A call that finds the actor dead, or
+    gets no answer within its timeout (the actor is then killed), replaces it and raises `ActorLost`."""
+
+    def __init__(self, name: str, factory: Callable[[int], Any]) -> None:
+        self.name = name
+        self.factory = factory
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self.actor = factory(0)
+        self.on_replace: list[Callable[[], None]] = []
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        import ray
+
+        actor = self.actor
+        try:
+            return ray.get(getattr(actor, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.replace(actor)
+            raise ActorLost(self.name, "timeout", f"{method} took more than {timeout_s:g}s (actor killed)") from None
+        except ray.exceptions.RayActorError as e:
+            self.replace(actor)
+            raise ActorLost(self.name, "died", f"{method}: actor died ({type(e).__name__})") from None
+
+    def replace(self, dead: Any) -> None:
+        """A fresh actor in place of `dead` (once, however many callers saw it die)."""
+        import ray
+
+        with self._lock:
+            if self.actor is not dead:
+                return
+            ray.kill(dead, no_restart=True)
+            self.restarts += 1
+            log.warning("ray: %s replaced (restart %d)", self.name, self.restarts)
+            self.actor = self.factory(self.restarts)
+        for f in self.on_replace:
+            f()
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+def wait_ready(actors: list[ActorHandle], method: str, timeout_s: float) -> list[Any]:
+    """`method()` of every actor, called at once: their first answers (each constructor has run), or a
+    UserError naming the actor that did not start and why."""
+    import ray
+
+    refs = [getattr(a.actor, method).remote() for a in actors]
+    out = []
+    for a, ref in zip(actors, refs):
+        try:
+            out.append(ray.get(ref, timeout=timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            raise UserError(f"Ray actor {a.name} did not start within {timeout_s:g}s") from None
+        except ray.exceptions.RayError as e:  # the constructor's exception is the last line of Ray's report
+            cause = getattr(e, "cause", None) or e
+            last = (str(cause).strip().splitlines() or [""])[-1]
+            detail = last if isinstance(cause, ray.exceptions.RayError) else f"{type(cause).__name__}: {last}"
+            raise UserError(f"Ray actor {a.name} failed to start: {detail}") from None
+    return out
+
+
+class ActorLost(RuntimeError):
+    def __init__(self, name: str, how: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.how = how
+
+
+class RayEnvHandle:
+    """A rollout worker's env in an actor, with the interface of pools.envproc's ThreadEnv / ProcessEnv."""
+
+    def __init__(self, actor: ActorHandle, system_prompt: str) -> None:
+        self.actor = actor
+        self.system_prompt = system_prompt
+
+    @property
+    def restarts(self) -> int:
+        return self.actor.restarts
+
+    def call(self, method: str, args: tuple, timeout_s: float | None) -> Any:
+        import ray
+
+        try:
+            return self.actor.call("call", method, args, timeout_s=timeout_s)
+        except ActorLost as e:
+            raise EnvFault("env_step_timeout" if e.how == "timeout" else "env_crashed", str(e)) from None
+        except ray.exceptions.RayTaskError as e:  # the env raised: its state is suspect, a fresh one next group
+            self.actor.replace(self.actor.actor)
+            raise EnvFault("env_error", f"{method}: {e.cause!r}") from None
+
+    def close(self) -> None:
+        self.actor.kill()
+
+
+class RayEngine:
+    """The `engine` of an EngineSlot whose engine is an actor (generate only: batching is the front's)."""
+
+    def __init__(self, actor: ActorHandle, timeout_s: float | None) -> None:
+        self.actor_handle = actor
+        self.timeout_s = timeout_s
+
+    @property
+    def actor(self) -> Any:
+        return self.actor_handle.actor
+
+    @property
+    def restarts(self) -> int:
+        return self.actor_handle.restarts
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return self.actor_handle.call(method, *args, timeout_s=timeout_s)
+
+    def generate(self, batch: Any, sampling: Any) -> Any:
+        return self.call("generate", batch, sampling, timeout_s=self.timeout_s)
+
+
+class RayJudge:
+    """RewardPool's judge, called in the judge actor (a failure fails the groups: played again)."""
+
+    def __init__(self, actor: ActorHandle, timeout_s: float | None) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+
+    def __call__(self, problems: list[Any], completions: list[str]) -> Any:
+        return self.actor.call("judge", problems, completions, timeout_s=self.timeout_s)
+
+
+class RayRolloutPool(RolloutPool):
+    """RolloutPool whose workers' envs are actors; `health().restarts` counts env and engine replacements."""
+
+    def __init__(self, *args: Any, env_actor: Callable[[int], ActorHandle], engines: list[RayEngine],
+                 start_timeout_s: float = 300.0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.engines = engines
+        actors = [env_actor(w) for w in range(self.num_workers)]  # all started at once, then awaited
+        prompts = wait_ready(actors, "system_prompt", start_timeout_s)
+        self._envs = {w: RayEnvHandle(a, p) for w, (a, p) in enumerate(zip(actors, prompts))}
+
+    def _env_for(self, worker: int) -> Any:
+        return self._envs[worker]
+
+    def health(self) -> Any:
+        from dataclasses import replace
+
+        h = super().health()
+        return replace(h, restarts=h.restarts + sum(e.restarts for e in self.engines))

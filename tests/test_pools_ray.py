@@ -1,0 +1,394 @@
+"""The Ray backend of the llm-policy pools (pools/ray_backend.py, pools/ray_weights.py, issue 21) on a local
+Ray cluster that this module starts (2 CPUs, no dashboard), tiny random models, the text env with a parity
+reward: the Ray backend reproduces the local one at η = 0; killed actors are replaced and every group is
+trained exactly once; weight sync delivers the learner's exact tensors. Pure helpers (buckets, checksums,
+the placement-timeout line) and the missing-Ray error run without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from thinkcraft.pools import ray_weights as RW
+from thinkcraft.pools.ray_backend import RayLayout, placement_timeout_message, require_ray
+from thinkcraft.utils.errors import ConfigError, UserError
+
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src"
+
+
+def _worker_setup() -> None:
+    """Runs in every Ray worker (worker_process_setup_hook): its envs score by completion-length parity, as
+    the driver's do under `patch_reward` (a random-weight model gets a reward with variance)."""
+    import thinkcraft.pools.envproc as envproc
+    from thinkcraft.envs.textenvs import ArithTask, RewardResult, TaskEnv
+
+    class Parity:
+        def __call__(self, problems, completions):
+            return [RewardResult(reward=float(len(c) % 2), correct=bool(len(c) % 2), format_ok=True)
+                    for c in completions]
+
+        def counters(self):
+            return {}
+
+    envproc.EnvSpec.build = lambda self: TaskEnv(ArithTask(1), Parity())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install thinkcraft[ray])")
+    from thinkcraft.pools.ray_backend import connect
+
+    # the backend's own local start (the driver's cuda:0 hidden from the actors where there is CUDA), with
+    # the tests' folder importable and the parity env in every worker
+    assert connect("", hide_device="cuda:0" if torch.cuda.is_available() else None,
+                   env_vars={"PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}, num_cpus=2, log_to_driver=False,
+                   runtime_env={"worker_process_setup_hook": "test_pools_ray._worker_setup"})
+    yield ray
+    ray.shutdown()
+
+
+def _ray_cfg(tmp_path, **kw):
+    from test_async_loop import _cfg
+
+    return _cfg(tmp_path, **{"mode": "async", "pool_backend": "ray", "ray_engine_cpus": 1.0, "ray_env_cpus": 0.25,
+                             **kw})
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+def test_ray_backend_reproduces_the_local_backend(ray_cluster, tmp_path, monkeypatch):
+    """η = 0, every group's episodes batched together: the engine actor sees the local front's batches and
+    draws the same samples; trajectories (ids, logprobs, rewards) and updates (LoRA weights, losses) agree."""
+    from test_async_loop import _cfg, _same_runs, patch_reward
+
+    from thinkcraft.train import llm_policy as LP
+
+    patch_reward(monkeypatch)
+    local = _cfg(tmp_path / "local", steps=2, mode="async", max_staleness=0, rollout_workers=2,
+                 gen_batch_wait_ms=60_000)
+    LP.run(local)
+    ray_run = _ray_cfg(tmp_path / "ray", steps=2, max_staleness=0, rollout_workers=2, gen_batch_wait_ms=60_000)
+    last = LP.run(ray_run)
+    assert last["policy_version"] == 2 and last["staleness/max"] == 0
+    _same_runs(local, ray_run, 2 * 2 * 3)
+
+
+def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp_path, monkeypatch):
+    """ray.kill of the engine actor and of an env actor after the first update: both are replaced (counted
+    in rollout/restarts), their groups fail and are played again, the run completes, and the journal trains
+    every group exactly once; the new engine catches up with the learner's weights."""
+    from test_async_loop import journal, patch_reward
+
+    from thinkcraft.train import llm_policy as LP
+
+    patch_reward(monkeypatch)
+    cfg = _ray_cfg(tmp_path, steps=4, max_staleness=1, rollout_workers=2)
+    killed = _kill_after_first_update(ray_cluster, cfg.run_dir, ("-engine0-r0", "-env0-r0"))
+    last = LP.run(cfg)
+    assert killed() == 2
+    assert last["policy_version"] == 4 and last["rollout/restarts"] >= 2
+    assert last["rollout/failed"] >= 1  # at least the killed env's next group failed, and was played again
+    # the replacement engine took the learner's weights before generating (it starts at version -1, and a
+    # slot lagging more than η versions generates nothing): every trained token within the bound
+    # (the kill may land on a weight update instead of a batch: that update fails once and is retried)
+    assert last["engine/min_version"] >= 2 and last["weights/update_failures"] <= 1
+    assert all(s <= 1 for line in journal(cfg.run_dir) for s in line["staleness"])
+    groups = [g for line in journal(cfg.run_dir) for g in line["groups"]]
+    assert len(groups) == len(set(groups)) == 8
+    from test_async_loop import ckpt
+
+    state = ckpt(cfg.run_dir)["extra"]["async"]
+    assert state["abandoned"] == [] and sorted(state["consumed"]) == sorted(groups)
+
+
+def test_judge_actor_scores_and_is_replaced(ray_cluster, tmp_path, monkeypatch):
+    """--reward judge with a judge engine of its own: the judge runs in its actor (a random-weight model:
+    its verdicts are garbage, so every reward is 0 where the workers' parity env alone scores ~half the
+    answers 1); killed after the first update, it is replaced and its groups are played again."""
+    from test_async_loop import journal, patch_reward
+
+    from thinkcraft.llm.testing import save_tiny, tiny_llama
+    from thinkcraft.train import llm_policy as LP
+
+    patch_reward(monkeypatch)
+    judge_dir = save_tiny(tmp_path / "judge", *tiny_llama(seed=1))
+    cfg = _ray_cfg(tmp_path, steps=3, rollout_workers=2, group_size=2, reward="judge", format_weight=0.0,
+                   judge_engine=f"hf:{judge_dir}", ray_engine_cpus=0.5)  # 0.5 + 2 x 0.25 + judge 1 = 2 CPUs
+    killed = _kill_after_first_update(ray_cluster, cfg.run_dir, ("-judge-r0",))
+    last = LP.run(cfg)
+    assert killed() == 1
+    assert last["policy_version"] == 3 and last["rollout/failed/reward_error"] >= 1
+    assert last["rollout/restarts"] == 0  # the judge is not a rollout worker
+    trained = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward/mean"] for m in trained] == [0.0, 0.0, 0.0]
+    groups = [g for line in journal(cfg.run_dir) for g in line["groups"]]
+    assert len(groups) == len(set(groups)) == 6
+
+
+def _kill_after_first_update(ray, run_dir, suffixes):
+    """A thread that ray.kills the named actors ending in `suffixes` once the first update is journalled;
+    returns a function giving the number killed (after the thread finished)."""
+    killed: list[str] = []
+
+    def killer() -> None:
+        consumed = Path(run_dir) / "consumed.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (consumed.exists() and consumed.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        for name in ray.util.list_named_actors():
+            if name.endswith(tuple(suffixes)):
+                ray.kill(ray.get_actor(name), no_restart=True)
+                killed.append(name)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+
+    def count() -> int:
+        t.join(5)
+        return len(killed)
+
+    return count
+
+
+# ---------------------------------------------------------------------------------------- weight sync
+
+
+def _tiny_model():
+    """(model, tokenizer): the 2-layer random-weight decoder of llm/testing.py."""
+    from thinkcraft.llm.testing import tiny_llama
+
+    return tiny_llama()
+
+
+def _engine_builder(tok):
+    """model -> the trainer's engine over it (train/llm_policy/model.make_engine), for a tiny config."""
+    import functools
+
+    from thinkcraft.train.llm_policy.config import LLMPolicyConfig
+    from thinkcraft.train.llm_policy.model import make_engine
+
+    return functools.partial(make_engine, tokenizer=tok, cfg=LLMPolicyConfig(model="random:tiny"))
+
+
+def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
+    import torch
+
+    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
+    from thinkcraft.pools.weights import WeightUpdate
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    remote = ray.remote(_EngineActor)
+    handle = ActorHandle("engine-w", lambda n: remote.options(num_cpus=0.5).remote(
+        model, _engine_builder(tok), lambda: None, 0, 1, False))
+    engine = RayEngine(handle, 60.0)
+    sync = RW.ObjectStoreWeights(engine, RW._StoreCache(), version=0)
+    handle.on_replace.append(sync.reset)
+    state = {n: p.detach().clone() + torch.randn_like(p) * 0.01 for n, p in model.named_parameters()}
+    sync.apply(WeightUpdate(1, state))
+    assert sync.version == 1
+    assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(state))
+    # an old version is ignored (the engine keeps version 1); a bad name leaves every tensor as it was
+    sync.apply(WeightUpdate(1, {n: t * 0 for n, t in state.items()}))
+    with pytest.raises(Exception, match="no parameter"):
+        sync.apply(WeightUpdate(2, {**state, "nope": torch.zeros(1)}))
+    assert sync.version == 1 and engine.call("checksum", sorted(state)) == (1, RW.state_checksum(state))
+    # the actor dies: replaced, reset, and the next apply brings the new one to the learner's tensors
+    ray.kill(handle.actor, no_restart=True)
+    with pytest.raises(Exception, match="died"):
+        engine.call("checksum", sorted(state), timeout_s=30)
+    assert handle.restarts == 1 and sync.version == -1
+    sync.apply(WeightUpdate(2, state))
+    assert engine.call("checksum", sorted(state)) == (2, RW.state_checksum(state))
+    handle.kill()
+
+
+def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
+    """The NCCL path's code (group of learner + engine actors, bf16 buckets, digests, versions, a replaced
+    engine rejoining a rebuilt group) over Gloo on the CPU."""
+    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
+    from thinkcraft.pools.weights import WeightUpdate
+
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    remote = ray.remote(_EngineActor)
+    handle = ActorHandle("engine-g", lambda n: remote.options(num_cpus=0.5, max_concurrency=4).remote(
+        model, _engine_builder(tok), lambda: None, 0, 1, False))
+    engine = RayEngine(handle, 120.0)
+    bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cpu"), bucket_mb=0.01, timeout_s=120, backend="gloo")
+    sync = RW.NcclWeights(0, bcast)
+    handle.on_replace.append(sync.reset)
+    state = {n: p.detach().clone() + 0.5 for n, p in model.named_parameters()}
+    assert len(RW.plan_buckets(RW.tensor_metas(state), 2, bcast.bucket_bytes)) > 3  # several buckets
+    sync.apply(WeightUpdate(1, state))
+    bf16 = {n: t.to(torch.bfloat16).float() for n, t in state.items()}  # the engine's fp32 copy of them
+    assert sync.version == 1 and bcast.sent[1] == RW.bf16_digest(state, bcast.bucket_bytes)
+    assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(bf16))
+    ray.kill(handle.actor, no_restart=True)  # the replacement joins a rebuilt group and gets version 2
+    with pytest.raises(Exception, match="died"):
+        engine.call("ready", timeout_s=30)
+    assert sync.version == -1 and bcast._group is None
+    state2 = {n: t - 1.0 for n, t in state.items()}
+    sync.apply(WeightUpdate(2, state2))
+    assert engine.call("checksum", sorted(state)) == (
+        2, RW.state_checksum({n: t.to(torch.bfloat16).float() for n, t in state2.items()}))
+    handle.kill()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="the NCCL weight broadcast needs 2 CUDA GPUs (learner + one engine actor)")
+def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):
+    import torch
+
+    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
+    from thinkcraft.pools.weights import WeightUpdate
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    remote = ray.remote(_EngineActor)
+    handle = ActorHandle("engine-n", lambda n: remote.options(num_gpus=1).remote(
+        model, _engine_builder(tok), lambda: None, 0, 1, True))
+    engine = RayEngine(handle, 120.0)
+    bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cuda:0"), bucket_mb=0.01)
+    sync = RW.NcclWeights(0, bcast)
+    state = {n: p.detach().clone().cuda() + 0.5 for n, p in model.named_parameters()}
+    sync.apply(WeightUpdate(1, state))  # several buckets of 0.01 MB
+    assert sync.version == 1 and bcast.sent[1] == RW.bf16_digest({n: t.cpu() for n, t in state.items()},
+                                                                   bcast.bucket_bytes)
+    bf16 = {n: t.to(torch.bfloat16).float().cpu() for n, t in state.items()}  # the engine's fp32 copy of them
+    assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(bf16))
+    handle.kill()
+
+
+# -------------------------------------------------------------------------------------- pure helpers
+
+
+def test_buckets_cover_every_tensor_once_in_order():
+    metas = [RW.TensorMeta(f"t{i}", (n,), n) for i, n in enumerate([3, 5, 20, 1, 1, 4])]
+    buckets = RW.plan_buckets(metas, elem_bytes=2, bucket_bytes=16)  # 8 elements a bucket
+    assert buckets == [[0, 1], [2], [3, 4, 5]]  # 20 elements alone; 1+1+4 = 6 fit
+    assert [i for b in buckets for i in b] == list(range(len(metas)))
+    assert RW.plan_buckets(metas, 2, 10 ** 9) == [list(range(6))]
+    with pytest.raises(ValueError):
+        RW.plan_buckets(metas, 2, 0)
+
+
+def test_pack_unpack_round_trip_and_checksums():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    state = {"b.w": torch.randn(3, 4, generator=g), "a.bias": torch.randn(5, generator=g)}
+    metas = RW.tensor_metas(state)
+    assert [m.name for m in metas] == ["a.bias", "b.w"]
+    flat = RW.pack_bucket([state[m.name] for m in metas], torch.bfloat16)
+    assert flat.dtype == torch.bfloat16 and flat.numel() == 17
+    back = dict(zip((m.name for m in metas), RW.unpack_bucket(flat, metas)))
+    for n, t in state.items():
+        assert back[n].shape == t.shape
+        assert torch.equal(back[n], t.to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        RW.unpack_bucket(flat[:-1], metas)
+    # the checksum: order-free over names, sensitive to one ulp, a dtype or a name
+    cs = RW.state_checksum(state)
+    assert cs == RW.state_checksum(dict(reversed(list(state.items()))))
+    bumped = {**state, "a.bias": torch.nextafter(state["a.bias"], state["a.bias"] + 1)}
+    assert RW.state_checksum(bumped) != cs
+    assert RW.state_checksum({n: t.double() for n, t in state.items()}) != cs
+    assert RW.state_checksum({"x": state["a.bias"], "b.w": state["b.w"]}) != cs
+    assert RW.state_checksum(state, ["b.w"]) == RW.state_checksum({"b.w": state["b.w"]})
+
+
+def test_bucket_fingerprints_see_one_ulp_and_a_swap():
+    import torch
+
+    flat = torch.randn(20_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    fp = RW.bucket_fingerprint(flat)
+    assert fp == RW.bucket_fingerprint(flat.clone()) == RW.bucket_fingerprint(flat, chunk=777)  # chunking-free
+    ulp = flat.clone()
+    ulp[12_345] = torch.nextafter(ulp[12_345:12_346], torch.tensor([10.0], dtype=torch.bfloat16))[0]
+    swap = flat.clone()
+    swap[[3, 9000]] = flat[[9000, 3]]
+    assert flat[3] != flat[9000]
+    assert RW.bucket_fingerprint(ulp) != fp and RW.bucket_fingerprint(swap) != fp
+    state = {"a": torch.randn(300), "b": torch.randn(50, 10)}
+    one = RW.bf16_digest(state, 10 ** 9)
+    assert one == RW.buckets_digest([RW.bucket_fingerprint(torch.cat([state["a"], state["b"].reshape(-1)])
+                                                           .to(torch.bfloat16))])
+    assert RW.bf16_digest(state, 600) != one  # two buckets: another digest, the same on both sides
+
+
+def test_delivery_check_names_the_mismatch():
+    RW.check_delivery(3, "abc", 3, "abc")
+    with pytest.raises(RuntimeError, match="checksum"):
+        RW.check_delivery(3, "abc", 3, "abd")
+    with pytest.raises(RuntimeError, match="reports version 2"):
+        RW.check_delivery(3, "abc", 2, "abc")
+
+
+def test_layout_and_the_placement_timeout_line():
+    layout = RayLayout(engines=2, engine_cpus=1.0, engine_gpus=1.0, env_workers=3, env_cpus=0.25, judge=True,
+                       judge_gpus=0.5)
+    b = layout.bundles()
+    assert b[:2] == [{"CPU": 1.0, "GPU": 1.0}] * 2 and b[2:5] == [{"CPU": 0.25}] * 3
+    assert b[5] == {"CPU": 1.0, "GPU": 0.5} and layout.env_bundle(1) == 3 and layout.judge_bundle == 5
+    assert RayLayout(1, 1.0, 0.0, 2, 0.5, judge=False).bundles() == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
+    msg = placement_timeout_message(b, {"CPU": 16.0, "GPU": 1.0}, {"CPU": 12.0, "GPU": 0.0}, 30)
+    assert "\n" not in msg
+    assert "within 30s" in msg and "requested CPU 3.75, GPU 2.5 in 6 bundles" in msg
+    assert "the cluster has CPU 16, GPU 1" in msg and "available now CPU 12, GPU 0" in msg and "short of GPU" in msg
+
+
+def test_placement_timeout_is_a_user_error(ray_cluster):
+    from thinkcraft.pools.ray_backend import reserve
+
+    with pytest.raises(UserError, match=r"requested CPU 64 in 1 bundles.*the cluster has CPU 2"):
+        reserve([{"CPU": 64.0}], timeout_s=1.0)
+
+
+class _Broken:
+    def __init__(self) -> None:
+        raise ValueError("no such env: nowhere")
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_an_actor_that_cannot_start_is_one_line(ray_cluster):
+    from thinkcraft.pools.ray_backend import ActorHandle, wait_ready
+
+    remote = ray_cluster.remote(_Broken)
+    h = ActorHandle("env7", lambda n: remote.options(num_cpus=0.1).remote())
+    with pytest.raises(UserError, match=r"^Ray actor env7 failed to start: ValueError: no such env: nowhere$"):
+        wait_ready([h], "ready", 60)
+
+
+def test_missing_ray_is_one_line(tmp_path, monkeypatch):
+    from test_async_loop import _cfg
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(UserError, match=r"pip install thinkcraft\[ray\]"):
+        require_ray()
+    with pytest.raises(UserError, match=r"pip install thinkcraft\[ray\]"):
+        _cfg(tmp_path, mode="async", pool_backend="ray")
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(pool_backend="ray"), "pool-backend"),  # sync mode
+    (dict(mode="async", ray_engines=2), "ray-engines"),  # without --pool-backend ray
+    (dict(mode="async", pool_backend="ray", ray_engines=0), "ray-engines"),
+    (dict(mode="async", pool_backend="ray", rollout_devices="cpu,cpu"), "rollout-devices"),
+])
+def test_ray_config_rejects_bad_values(tmp_path, kw, field):
+    pytest.importorskip("ray", reason="Ray is not installed")
+    from test_async_loop import _cfg
+
+    with pytest.raises(ConfigError, match=field):
+        _cfg(tmp_path, **kw)
+
