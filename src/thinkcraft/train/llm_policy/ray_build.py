@@ -155,7 +155,7 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
         out.closers.append(lambda: out.reward.stop(drain=False, timeout_s=5.0))
     # rollout workers: the episode loop in the driver's worker threads, each env in its actor
     settings = RolloutSettings(
-        env=env_spec(cfg), sampling=replace(p.sampling, n=1), history_turns=cfg.history_turns,
+        env=env_spec(cfg), sampling=replace(p.sampling, n=1),
         step_timeout_s=cfg.env_step_timeout_s, episode_timeout_s=cfg.env_episode_timeout_s or None,
         engine_timeout_s=cfg.rollout_timeout_s)
     out.rollout = RB.RayRolloutPool(
