@@ -17,8 +17,9 @@ stores the traced program itself, with JAX's own serialization (`jax.export`; no
   takes it from the live arguments' nodes of the same type, or from `static_aux` (for an init, whose
   argument is only a key). A miss checks that the stored structure rebuilds the real one before writing.
 * The key (`program_key`): sha256 of the jax / jaxlib / flax / optax versions, device kind and count, the
-  argument leaves' key paths, shapes, dtypes, weak types and shardings, `key_extra` (the config fields that
-  shape the program: the whole config minus run-only fields, `program_key_config`) and a hash of every .py
+  argument leaves' key paths, shapes, dtypes, weak types and shardings, the JAX options that change a trace
+  (x64, matmul precision, PRNG: `trace_flags`), `key_extra` (the config fields that shape the program: the
+  whole config minus run-only fields, `program_key_config`) and a hash of every .py
   file of the thinkcraft and craftax packages (read once per process, ~0.2 s), so an edited source or
   config never reuses a stale program.
 * A miss traces, exports, writes the bytes then the JSON (each to a temporary file renamed into place, the
@@ -103,6 +104,17 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[pkg] = "absent"
     return out
+
+
+TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+               "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+
+
+def trace_flags() -> dict[str, str]:
+    """The JAX options that change what a trace produces (X64, matmul precision, PRNG)."""
+    import jax
+
+    return {f: repr(getattr(jax.config, f, None)) for f in TRACE_FLAGS}
 
 
 def program_key(name: str, leaf_specs: list[tuple], key_extra: Any, device: tuple[str, int],
@@ -360,7 +372,8 @@ def compile_cached(jitted_fn: Callable, args: tuple, *, name: str, donate_argnum
     leaves, in_tree = jax.tree.flatten(args)
     donate = _flat_donate(args, donate_argnums)
     dev = jax.devices()[0]
-    key = program_key(name, specs, key_extra, (dev.device_kind, jax.device_count()), source_hash(), versions())
+    key = program_key(name, specs, {"config": key_extra, "jax": trace_flags()}, (dev.device_kind, jax.device_count()),
+                      source_hash(), versions())
     base = program_dir() / f"{name}-{key[:32]}"
     paths = (base.with_suffix(".jaxexport"), base.with_suffix(".json"))
     live = live_nodes(args, static_aux)
