@@ -120,6 +120,15 @@ def test_changed_key_misses(cache_dir):
     assert len(list(cache_dir.glob("*.json"))) == 4
 
 
+def test_prune_keeps_the_newest_entries_of_one_name(cache_dir):
+    for extra in (1, 2, 3):
+        _compile(extra)
+    pc.prune(cache_dir, "t-step", keep=2)
+    assert len(list(cache_dir.glob("t-step-*.json"))) == len(list(cache_dir.glob("t-step-*.jaxexport"))) == 2
+    assert len(list(cache_dir.glob("t-init-*.json"))) == 3  # another name's entries are left alone
+    assert _compile(3)[1].hit and not _compile(1)[1].hit
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "json"])
 def test_a_corrupt_entry_warns_and_traces_instead(cache_dir, damage):
     _, step1, ts = _compile()

@@ -21,7 +21,7 @@ stores the traced program itself, with JAX's own serialization (`jax.export`; no
   (x64, matmul precision, PRNG: `trace_flags`), `key_extra` (the config fields that shape the program: the
   whole config minus run-only fields, `program_key_config`) and a hash of every .py
   file of the thinkcraft and craftax packages (read once per process, ~0.2 s), so an edited source or
-  config never reuses a stale program.
+  config never reuses a stale program. The newest 16 entries of each program name are kept.
 * A miss traces, exports, writes the bytes then the JSON (each to a temporary file renamed into place, the
   JSON last: it commits the entry), and compiles the DESERIALIZED export's `call` - the very module a later
   hit compiles, so that the hit's XLA compile is a persistent-cache read. A hit deserializes and compiles
@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -55,6 +56,7 @@ ENV_DIR = "THINKCRAFT_PROGRAM_CACHE_DIR"
 FORMAT_VERSION = 1
 SOURCE_PACKAGES = ("thinkcraft", "craftax")
 VERSION_PACKAGES = ("jax", "jaxlib", "flax", "optax")
+KEEP_PER_NAME = 16  # entries kept per program name: several worktrees (source hashes) may share one cache
 
 
 class ProgramCacheWarning(RuntimeWarning):
@@ -275,7 +277,8 @@ def _flat_donate(args: tuple, donate_argnums: Iterable[int]) -> tuple[int, ...]:
     for a in args:
         starts.append(n)
         n += len(jax.tree.leaves(a))
-    return tuple(i for a in sorted(set(donate_argnums)) for i in range(starts[a], starts[a] + len(jax.tree.leaves(args[a]))))
+    return tuple(i for a in sorted(set(donate_argnums))
+                 for i in range(starts[a], starts[a] + len(jax.tree.leaves(args[a]))))
 
 
 def _compile_exported(exp: Any, leaves: list, donate: tuple[int, ...]) -> Any:
@@ -336,7 +339,17 @@ def _export_and_store(jitted_fn: Callable, args: tuple, in_tree: Any, leaves: li
                 "out_tree": out_json, "bytes": len(blob), "created_unix_s": time.time()}
         _write_atomic(paths[0], blob)
         _write_atomic(paths[1], json.dumps(meta).encode())  # last: the JSON commits the entry
+        prune(paths[1].parent, name)
     return _compile_exported(exp, leaves, donate), out_tree, rebuildable
+
+
+def prune(directory: Path, name: str, keep: int = KEEP_PER_NAME) -> None:
+    """Delete all but the `keep` newest entries of `name` (each source edit makes new keys)."""
+    mine = [p for p in directory.glob(f"{name}-*.json") if re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{32}}", p.stem)]
+    entries = sorted(mine, key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        for p in (old.with_suffix(".jaxexport"), old):  # the JSON last, as it commits the entry
+            p.unlink(missing_ok=True)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
