@@ -7,7 +7,7 @@ again in an identical second run that reads the first run's programs back.
 Each run is the real CLI in a fresh process (`python -m thinkcraft train ppo ... --no-plot`, two chunks),
 with JAX_COMPILATION_CACHE_DIR pointing at one cache directory that starts empty. Measured per run, from
 the process start: `first_update_s` (the first line of metrics.jsonl), `compile_s` (what the command reports
-for the chunk's XLA compile, or its cache read), `before_compile_s` (imports, env build, init, tracing and
+for the chunk's compile: tracing, lowering and XLA, or what of them the caches served), `before_compile_s` (imports, env build, init, tracing and
 lowering, unless the program cache served them), the cache entries the run wrote, and what the program
 cache did for each traced program (`program_cache`: e.g. "ppo-init:hit ppo-chunk:hit", from the command's
 "program cache: ..." lines; utils/program_cache.py). A second run that writes a new `jit_*` entry for the
@@ -144,7 +144,8 @@ def main() -> None:
         misses = records[1]["jit_entries_written"]
         print(f"second run: {records[1]['first_update_s']:.1f} s to the first update "
               f"({records[0]['first_update_s'] / records[1]['first_update_s']:.1f}x faster than the first); "
-              + (f"programs compiled again (cache misses): {misses}" if misses else "every program came from the cache"))
+              + (f"programs compiled again (cache misses): {misses}" if misses else "every program came from the cache")
+              + f"; program cache: {records[1]['program_cache']}")
     path = write_records(args.out, records,
                          merge_keys=("card", "env_name", "num_envs", "num_steps", "run", "program_cache_on"))
     print(f"wrote {path}")
