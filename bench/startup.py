@@ -95,6 +95,7 @@ def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: st
         "cache_entries_written": len(written),
         "jit_entries_written": [w.rsplit("-", 2)[0] for w in written if w.startswith("jit_")],
         "program_cache": " ".join(programs) or "none",
+        "program_cache_lines": [line for _, line in lines if PROGRAM_CACHE_LINE.search(line)],
     }
 
 
@@ -131,7 +132,7 @@ def main() -> None:
             records.append(rec)
             print(f"run {i}: first update at {rec['first_update_s']:.1f} s (compile {rec['compile_s']:.1f} s, "
                   f"before it {rec['before_compile_s']:.1f} s); wrote {rec['cache_entries_written']} cache entries "
-                  f"{rec['jit_entries_written']}; program cache: {rec['program_cache']}", file=sys.stderr)
+                  f"{rec['jit_entries_written']}", *rec["program_cache_lines"], sep="\n  ", file=sys.stderr)
     card = device_name()
     command = "python bench/startup.py " + " ".join(sys.argv[1:])
     for rec in records:

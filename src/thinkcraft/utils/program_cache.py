@@ -31,7 +31,8 @@ stores the traced program itself, with JAX's own serialization (`jax.export`; no
   wrong program. Arguments sharded over several devices (or several processes) bypass the cache, as do
   leaves that are not arrays. THINKCRAFT_PROGRAM_CACHE=0 turns it off.
 
-Each call prints one line, `program cache: hit|miss|off (<name> ...)` (bench/startup.py reads it).
+Each call prints one line, `program cache: hit|miss|off (<name> <key> ...)` with its seconds split into
+loading (or tracing and exporting) and XLA's compile or persistent-cache read (bench/startup.py reads it).
 """
 
 from __future__ import annotations
@@ -281,14 +282,17 @@ def _flat_donate(args: tuple, donate_argnums: Iterable[int]) -> tuple[int, ...]:
                  for i in range(starts[a], starts[a] + len(jax.tree.leaves(args[a]))))
 
 
-def _compile_exported(exp: Any, leaves: list, donate: tuple[int, ...]) -> Any:
+def _compile_exported(exp: Any, leaves: list, donate: tuple[int, ...]) -> tuple[Any, float]:
+    """The compiled `exp.call` and the seconds its XLA compile (or persistent-cache read) took."""
     import jax
 
-    return jax.jit(exp.call, donate_argnums=donate).lower(*leaves).compile()
+    lowered = jax.jit(exp.call, donate_argnums=donate).lower(*leaves)
+    t0 = time.perf_counter()
+    return lowered.compile(), time.perf_counter() - t0
 
 
-def _load(paths: tuple[Path, Path], leaves: list, live: dict, donate: tuple[int, ...]) -> tuple[Any, Any]:
-    """The compiled program and output structure of a stored entry (raises on anything wrong with it)."""
+def _load(paths: tuple[Path, Path], leaves: list, live: dict, donate: tuple[int, ...]) -> tuple[Any, Any, float]:
+    """The compiled program, output structure and XLA seconds of a stored entry (raises on anything wrong)."""
     from jax import export
 
     meta = json.loads(paths[1].read_text())
@@ -302,13 +306,13 @@ def _load(paths: tuple[Path, Path], leaves: list, live: dict, donate: tuple[int,
     out_tree = tree_from_json(meta["out_tree"], live)
     if out_tree.num_leaves != len(exp.out_avals):
         raise ValueError("stored output structure does not match the program's outputs")
-    return _compile_exported(exp, leaves, donate), out_tree
+    return *_compile_exported(exp, leaves, donate), out_tree
 
 
 def _export_and_store(jitted_fn: Callable, args: tuple, in_tree: Any, leaves: list, donate: tuple[int, ...],
-                      live: dict, paths: tuple[Path, Path], name: str) -> tuple[Any, Any, bool]:
+                      live: dict, paths: tuple[Path, Path], name: str) -> tuple[Any, float, Any, bool]:
     """Trace + export the flat function, write the entry if its output structure can be rebuilt, and
-    compile the deserialized export. Returns (compiled, output structure, written)."""
+    compile the deserialized export. Returns (compiled, XLA seconds, output structure, written)."""
     import jax
     from jax import export
 
@@ -340,7 +344,7 @@ def _export_and_store(jitted_fn: Callable, args: tuple, in_tree: Any, leaves: li
         _write_atomic(paths[0], blob)
         _write_atomic(paths[1], json.dumps(meta).encode())  # last: the JSON commits the entry
         prune(paths[1].parent, name)
-    return _compile_exported(exp, leaves, donate), out_tree, rebuildable
+    return *_compile_exported(exp, leaves, donate), out_tree, rebuildable
 
 
 def prune(directory: Path, name: str, keep: int = KEEP_PER_NAME) -> None:
@@ -392,18 +396,21 @@ def compile_cached(jitted_fn: Callable, args: tuple, *, name: str, donate_argnum
     live = live_nodes(args, static_aux)
     if paths[1].exists():
         try:
-            compiled, out_tree = _load(paths, leaves, live, donate)
-            _log(f"hit ({name} {key[:12]}, {time.perf_counter() - t0:.1f} s)")
+            compiled, xla_s, out_tree = _load(paths, leaves, live, donate)
+            total_s = time.perf_counter() - t0
+            _log(f"hit ({name} {key[:12]}, {total_s:.1f} s = {total_s - xla_s:.1f} s load + {xla_s:.1f} s XLA)")
             return CachedProgram(compiled, in_tree, out_tree, True, key)
         except Exception as e:  # noqa: BLE001 - any unusable entry: trace instead (and rewrite it)
             warnings.warn(f"program cache: cannot use {paths[1].name} ({type(e).__name__}: {e}); tracing instead",
                           ProgramCacheWarning, stacklevel=2)
     try:
-        compiled, out_tree, written = _export_and_store(jitted_fn, args, in_tree, leaves, donate, live, paths, name)
+        compiled, xla_s, out_tree, written = _export_and_store(jitted_fn, args, in_tree, leaves, donate, live, paths,
+                                                               name)
     except Exception as e:  # noqa: BLE001 - export or write failed: the plain compile still works
         warnings.warn(f"program cache: cannot export {name} ({type(e).__name__}: {e}); compiling without it",
                       ProgramCacheWarning, stacklevel=2)
         return jitted_fn.lower(*args).compile()
-    _log(f"miss ({name} {key[:12]}, {time.perf_counter() - t0:.1f} s; "
+    total_s = time.perf_counter() - t0
+    _log(f"miss ({name} {key[:12]}, {total_s:.1f} s = {total_s - xla_s:.1f} s trace and export + {xla_s:.1f} s XLA; "
          + ("saved)" if written else "not saved: its output structure cannot be rebuilt)"))
     return CachedProgram(compiled, in_tree, out_tree, False, key)
