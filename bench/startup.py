@@ -7,10 +7,13 @@ again in an identical second run that reads the first run's programs back.
 Each run is the real CLI in a fresh process (`python -m thinkcraft train ppo ... --no-plot`, two chunks),
 with JAX_COMPILATION_CACHE_DIR pointing at one cache directory that starts empty. Measured per run, from
 the process start: `first_update_s` (the first line of metrics.jsonl), `compile_s` (what the command reports
-for the chunk's XLA compile, or its cache read), `before_compile_s` (imports, env build, init, tracing and
-lowering: a cache cannot skip these) and the cache entries the run wrote. A second run that writes a new
-`jit_*` entry for the chunk missed the cache: its key changed between identical runs (the key is the
-lowered program without debug info, the compile options, jaxlib and the device kind).
+for the chunk's compile: tracing, lowering and XLA, or what of them the caches served), `before_compile_s` (imports, env build, init, tracing and
+lowering, unless the program cache served them), the cache entries the run wrote, and what the program
+cache did for each traced program (`program_cache`: e.g. "ppo-init:hit ppo-chunk:hit", from the command's
+"program cache: ..." lines; utils/program_cache.py). A second run that writes a new `jit_*` entry for the
+chunk missed the XLA cache: its key changed between identical runs (the key is the lowered program without
+debug info, the compile options, jaxlib and the device kind). `--no-program-cache` times the runs with
+THINKCRAFT_PROGRAM_CACHE=0 (tracing and lowering every time, as before the program cache).
 
 Goal (issue 17, item 8): on an H100 at 1024 envs the second run starts training in < 30 s (the first took
 ~140 s with the unrolled env loops). Writes bench/results/startup.json (one record per run).
@@ -34,6 +37,7 @@ from common import print_table, today, write_records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILED_LINE = re.compile(r"compiled a chunk of .* in ([0-9.]+) s")
+PROGRAM_CACHE_LINE = re.compile(r"program cache: (hit|miss|off) \(([\w-]+)")
 
 
 def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: str) -> dict[str, Any]:
@@ -45,6 +49,9 @@ def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: st
            "--total-timesteps", str(total), "--updates-per-chunk", str(updates_per_chunk),
            "--runs-dir", str(runs_dir), "--run-name", name, "--overwrite", "--no-plot", *args.extra]
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
+    env.pop("THINKCRAFT_PROGRAM_CACHE_DIR", None)  # the program cache lives in the fresh cache dir too
+    if args.no_program_cache:
+        env["THINKCRAFT_PROGRAM_CACHE"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     before = {p.name for p in cache.iterdir()} if cache.exists() else set()
     metrics = runs_dir / name / "metrics.jsonl"
@@ -77,6 +84,7 @@ def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: st
     compiled = [(t, float(m.group(1))) for t, line in lines if (m := COMPILED_LINE.search(line))]
     compiled_at_s, compile_s = compiled[0] if compiled else (float("nan"), float("nan"))
     written = sorted(n for n in {p.name for p in cache.iterdir()} - before if n.endswith("-cache"))
+    programs = [f"{m.group(2)}:{m.group(1)}" for _, line in lines if (m := PROGRAM_CACHE_LINE.search(line))]
     return {
         "run": name,
         "first_update_s": first_update_s,
@@ -86,6 +94,8 @@ def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: st
         "process_s": total_s,
         "cache_entries_written": len(written),
         "jit_entries_written": [w.rsplit("-", 2)[0] for w in written if w.startswith("jit_")],
+        "program_cache": " ".join(programs) or "none",
+        "program_cache_lines": [line for _, line in lines if PROGRAM_CACHE_LINE.search(line)],
     }
 
 
@@ -105,6 +115,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="identical runs on one cache (the first on an empty one)")
     ap.add_argument("--cache-dir", default=None, help="cache directory (default: a fresh temporary one)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--no-program-cache", action="store_true",
+                    help="THINKCRAFT_PROGRAM_CACHE=0: trace every program again (the XLA cache only)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup.json"))
     ap.add_argument("extra", nargs="*", help="more `train ppo` flags, after --")
     args = ap.parse_args()
@@ -120,20 +132,23 @@ def main() -> None:
             records.append(rec)
             print(f"run {i}: first update at {rec['first_update_s']:.1f} s (compile {rec['compile_s']:.1f} s, "
                   f"before it {rec['before_compile_s']:.1f} s); wrote {rec['cache_entries_written']} cache entries "
-                  f"{rec['jit_entries_written']}", file=sys.stderr)
+                  f"{rec['jit_entries_written']}", *rec["program_cache_lines"], sep="\n  ", file=sys.stderr)
     card = device_name()
     command = "python bench/startup.py " + " ".join(sys.argv[1:])
     for rec in records:
         rec.update({"card": card, "date": today(), "env_name": args.env_name, "num_envs": args.num_envs,
+                    "program_cache_on": not args.no_program_cache,
                     "num_steps": args.num_steps, "updates_per_chunk": args.updates_per_chunk, "command": command})
     print_table(records, ["run", "card", "num_envs", "first_update_s", "compile_s", "before_compile_s",
-                          "first_chunk_s", "cache_entries_written"])
+                          "first_chunk_s", "cache_entries_written", "program_cache"])
     if len(records) > 1:
         misses = records[1]["jit_entries_written"]
         print(f"second run: {records[1]['first_update_s']:.1f} s to the first update "
               f"({records[0]['first_update_s'] / records[1]['first_update_s']:.1f}x faster than the first); "
-              + (f"programs compiled again (cache misses): {misses}" if misses else "every program came from the cache"))
-    path = write_records(args.out, records, merge_keys=("card", "env_name", "num_envs", "num_steps", "run"))
+              + (f"programs compiled again (cache misses): {misses}" if misses else "every program came from the cache")
+              + f"; program cache: {records[1]['program_cache']}")
+    path = write_records(args.out, records,
+                         merge_keys=("card", "env_name", "num_envs", "num_steps", "run", "program_cache_on"))
     print(f"wrote {path}")
 
 

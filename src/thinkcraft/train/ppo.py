@@ -23,7 +23,7 @@ rl/ppo.py). Its defaults are this config's (Baselines' ppo_rnn.py shares ppo.py'
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -36,6 +36,8 @@ SHAPE_FIELDS = (
     "optimistic_reset_ratio", "total_timesteps", "lr", "anneal_lr", "compute_dtype", "seed",
     "updates_per_chunk", "num_seeds", "policy", "devices",
 )
+# config fields that never shape a traced program: the rest key the program cache (utils/program_cache.py)
+PROGRAM_KEY_EXCLUDE = (*(f.name for f in fields(RunOptions)), "seed", "stop_after_updates")
 
 
 @dataclass
@@ -298,6 +300,7 @@ def episode_metrics(m: dict[str, Any], achievement_names: tuple[str, ...], max_r
 
 def run(cfg: PPOConfig) -> dict[str, Any]:
     import jax
+    from flax.training.train_state import TrainState
 
     from thinkcraft.envs.craftax import achievement_names, achievement_weights
     from thinkcraft.rl.ppo import RUNNER_AXES, init_runner_state, init_sharded_runner, make_train_chunk
@@ -305,6 +308,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     from thinkcraft.rl.shards import over_shards
     from thinkcraft.train.session import TrainSession
     from thinkcraft.utils.jaxcache import enable_compilation_cache
+    from thinkcraft.utils.program_cache import compile_cached, program_key_config
     from thinkcraft.utils.progress import console, fmt_value
 
     session = TrainSession(cfg, "ppo", shape_fields=SHAPE_FIELDS, defaults=PPOConfig(),
@@ -321,6 +325,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         init = jax.jit(lambda rng: init_runner_state(env, network, tx, rng, memory=initial_memory(cfg)) if D == 1
                        else init_sharded_runner(env, network, tx, rng, D, memory=initial_memory(cfg, n)))
         S = cfg.num_seeds
+        key_extra = program_key_config(cfg, PROGRAM_KEY_EXCLUDE)
+        if not session.resuming:  # a traced init from the program cache (a resumed run restores its state)
+            init = compile_cached(init, (jax.random.PRNGKey(cfg.seed),), name="ppo-init", key_extra=key_extra,
+                                  static_aux={TrainState: (network.apply, tx)})
         runner = (session.restore(seeds_template(init, cfg.seed, S)) if session.resuming
                   else init_seeds(init, cfg.seed, S))
         runner = shards.place(runner, RUNNER_AXES, S)
@@ -337,7 +345,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
         # 2. compile once (AOT, timed apart from the steady-state SPS)
         t0 = time.perf_counter()
-        compiled = chunk.lower(runner).compile()
+        compiled = compile_cached(chunk, (runner,), name="ppo-chunk", donate_argnums=(0,), key_extra=key_extra)
         compile_s = time.perf_counter() - t0
         seeds = (f" × {S} seeds" if S > 1 else "") + (f" over {D} devices" if D > 1 else "")
         console.print(f"compiled a chunk of {K} update(s) × {cfg.batch_size:,} steps{seeds} in {compile_s:.1f} s",
