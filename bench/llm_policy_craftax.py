@@ -15,6 +15,7 @@ the numbers are over the following steps:
 
     decisions_per_s           turns / (rollout + train) - end to end, synchronous
     rollout_decisions_per_s   turns / (generate + env)
+    *_last                    the same for the last step alone (run --steps 4 or more for a steady one)
     generate_tok_per_s        generated tokens / generate time (prefill, decode and prompt building)
     generate_share            generate time / step time
     prefill_tokens_saved_frac prompt tokens whose KV the engine already held (turn reuse + shared prefix;
@@ -49,7 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import card, print_table, today, write_records  # noqa: E402
 
 COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
-        "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
+        "decisions_per_s_last", "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
         "learner_tokens", "learner_tokens_saved_frac", "kv_cache_gb", "s_per_step"]
 
 
@@ -150,6 +151,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "model_shape": shape, "num_envs": num_envs, "max_new_tokens": a.max_new_tokens, "thinking_budget": budget,
         "decisions_per_s": round(sum(turns) / sum(step_s), 1),
         "rollout_decisions_per_s": round(sum(turns) / (sum(gen_s) + sum(env_s)), 1),
+        # the last step alone: on a GPU the step after the first weight update has recompiled the decode
+        # step (H100, 2026-11-26: 118 s vs 20.7 s), which the averages above include with --steps 3
+        "decisions_per_s_last": round(turns[-1] / step_s[-1], 1),
+        "rollout_decisions_per_s_last": round(turns[-1] / (gen_s[-1] + env_s[-1]), 1),
         "generate_tok_per_s": round(sum(tokens) / max(sum(gen_s), 1e-9), 1),
         "generate_share": round(sum(gen_s) / sum(step_s), 3),
         "prefill_tokens_saved_frac": round(med([r.get("kv/prefill_saved_frac", 0.0) for r in steady]), 3),
