@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from llm_helpers import forward_logprobs
 from thinkcraft.llm.hf import HFEngine
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable, common_prefix_len, reuse_len
 from thinkcraft.llm.protocol import Batch, GenerationRequest, SamplingParams, WeightUpdateError
@@ -27,14 +28,6 @@ def tiny() -> tuple:
 
 def _ids(tok, text: str) -> list[int]:  # noqa: ANN001
     return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:  # noqa: ANN001
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
-    return lp[pos, torch.tensor(tokens)].numpy()
 
 
 def _run(eng: HFEngine, handles: list[int]) -> dict:
@@ -68,7 +61,7 @@ def test_requests_joining_at_different_steps_equal_one_at_a_time(tiny) -> None:
     for i, w in enumerate(want):
         c = got[i].completion
         assert c.token_ids == w.token_ids and c.finish_reason == w.finish_reason
-        np.testing.assert_allclose(c.logprobs, _forward_logprobs(model, prompts[i], c.token_ids), atol=1e-4)
+        np.testing.assert_allclose(c.logprobs, forward_logprobs(model, prompts[i], c.token_ids), atol=1e-4)
         assert got[i].weight_versions == [(0, 0)] and got[i].prefill_tokens == len(prompts[i])
     assert eng.pending() == 0 and not eng.step()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from llm_helpers import spread_lora_b, spread_weights
 from thinkcraft.rl import llm_losses as L
 from thinkcraft.train import llm_policy as LP
 
@@ -100,16 +101,10 @@ def test_every_token_of_the_prefix_is_compared():
 def _model(finetune: str):
     torch.manual_seed(0)
     model = LP.random_model("tiny", vocab_size=VOCAB)
-    with torch.no_grad():  # larger-than-default init: log-probs far from uniform
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
+    spread_weights(model)
     model = LP.trainable(model, _cfg(finetune=finetune)).double()
     if finetune == "lora":
-        with torch.no_grad():  # LoRA's B starts at 0: give it a value so that A gets a gradient
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.05)
+        spread_lora_b(model)
     return model.eval()
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from llm_helpers import forward_logprobs
 from thinkcraft.llm.attention import (
     attention_lse,
     attention_lse_reference,
@@ -234,14 +235,6 @@ def test_text_batch_tokenizes_prefix_and_items_apart(eng: HFEngine) -> None:
 PROMPTS = [[1, 50, 51, 52, 53, 54], [1, 60, 61], [1, 70, 71, 72, 73, 74, 75, 76, 77]]
 
 
-def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:  # noqa: ANN001
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
-    return lp[pos, torch.tensor(tokens)].numpy()
-
-
 def test_greedy_is_deterministic_batch_invariant_and_logprobs_match_forward(eng: HFEngine, tiny) -> None:
     sp = SamplingParams(max_new_tokens=8, temperature=0.0)
     a = eng.generate(Batch(items=PROMPTS), sp)
@@ -251,7 +244,7 @@ def test_greedy_is_deterministic_batch_invariant_and_logprobs_match_forward(eng:
     assert [c.token_ids for c in a] == [c.token_ids for c in singles]  # left padding does not change greedy
     for c, p in zip(a, PROMPTS):
         assert c.prompt_token_ids == p and len(c.token_ids) == len(c.logprobs)
-        np.testing.assert_allclose(c.logprobs, _forward_logprobs(tiny[0], p, c.token_ids), atol=1e-4)
+        np.testing.assert_allclose(c.logprobs, forward_logprobs(tiny[0], p, c.token_ids), atol=1e-4)
         assert c.text == eng.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         assert c.finish_reason in ("stop", "length")
 
@@ -273,7 +266,7 @@ def test_sampling_n_seed_and_logprobs(eng: HFEngine, tiny) -> None:
     assert [c.prompt_token_ids for c in a] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3  # item-major
     assert len({tuple(c.token_ids) for c in a[:3]}) > 1  # samples differ within a group
     for c in a[:3]:  # logprobs are under the unmodified model, not the tempered/top-p one
-        np.testing.assert_allclose(c.logprobs, _forward_logprobs(tiny[0], c.prompt_token_ids, c.token_ids), atol=1e-4)
+        np.testing.assert_allclose(c.logprobs, forward_logprobs(tiny[0], c.prompt_token_ids, c.token_ids), atol=1e-4)
     no_lp = eng.generate(Batch(items=PROMPTS[:1]), SamplingParams(max_new_tokens=3, logprobs=False, seed=1))
     assert no_lp[0].logprobs is None
 
@@ -325,7 +318,7 @@ def test_peft_wrapped_model_generates_and_keeps_training_mode(tiny) -> None:
     assert lora.training  # restored
     assert [c.token_ids for c in a] == [c.token_ids for c in eng.generate(Batch(items=PROMPTS[:2]), sp)]
     lora.eval()
-    np.testing.assert_allclose(a[0].logprobs, _forward_logprobs(lora, PROMPTS[0], a[0].token_ids), atol=1e-4)
+    np.testing.assert_allclose(a[0].logprobs, forward_logprobs(lora, PROMPTS[0], a[0].token_ids), atol=1e-4)
     b = Batch(items=ITEMS, prefix=PREFIX)
     torch.testing.assert_close(eng.hidden_states_torch(b), eng.hidden_states_torch(b, prefix_reuse=False), atol=1e-5, rtol=1e-4)
 
@@ -434,7 +427,7 @@ def test_generation_with_reused_prefix_equals_concatenated_prompts(tiny, kv_cach
     assert [c.prompt_token_ids for c in got] == [PREFIX + it for it in ITEMS for _ in range(2)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
-        np.testing.assert_allclose(g.logprobs, _forward_logprobs(tiny[0], g.prompt_token_ids, g.token_ids), atol=1e-4)
+        np.testing.assert_allclose(g.logprobs, forward_logprobs(tiny[0], g.prompt_token_ids, g.token_ids), atol=1e-4)
     assert len(reuse._prefix_cache) == 1
 
 

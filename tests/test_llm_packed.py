@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from llm_helpers import spread_lora_b, spread_weights
 from thinkcraft.rl import llm_losses as L
 from thinkcraft.train import llm_policy as LP
 from thinkcraft.train.llm_policy import packing
@@ -28,16 +29,10 @@ def _model(arch: str, finetune: str = "lora"):
     else:
         cls, make = {"llama": (LlamaForCausalLM, tiny_llama_config), "qwen3": (Qwen3ForCausalLM, tiny_qwen3_config)}[arch]
         model = cls(make(VOCAB))
-    with torch.no_grad():  # larger-than-default init: log-probs far from uniform
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
+    spread_weights(model)
     model = LP.trainable(model, _cfg(finetune=finetune))
     if finetune == "lora":
-        with torch.no_grad():  # LoRA's B starts at 0 (then A gets no gradient): give both a value
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.05)
+        spread_lora_b(model)
     return model.eval()
 
 

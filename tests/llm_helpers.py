@@ -1,0 +1,33 @@
+"""Helpers shared by the LLM tests (imported as `from llm_helpers import ...`; tests/ is on the path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:  # noqa: ANN001
+    """The log-probs a plain forward pass gives `tokens` after `prompt`: the reference for engine logprobs."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return lp[pos, torch.tensor(tokens)].numpy()
+
+
+def spread_weights(model):  # noqa: ANN001, ANN201
+    """A larger-than-default init, so log-probs are far from uniform (learner tests compare gradients)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def spread_lora_b(model):  # noqa: ANN001, ANN201
+    """LoRA's B starts at 0 (then A gets no gradient): give it a value."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    return model
