@@ -162,6 +162,22 @@ def _kill_after_first_update(ray, run_dir, suffixes):
 # ---------------------------------------------------------------------------------------- weight sync
 
 
+def _kill_and_wait_dead(ray, actor, timeout_s: float = 60.0) -> None:
+    """ray.kill returns before the actor is gone: a call sent at once can still be served by the old
+    process (a race CI hit). Wait until the actor itself answers with RayActorError."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError(f"actor still answering {timeout_s:g}s after ray.kill")
+
+
 def _tiny_model():
     """(model, tokenizer): the 2-layer random-weight decoder of llm/testing.py."""
     from thinkcraft.llm.testing import tiny_llama
@@ -202,7 +218,7 @@ def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
         sync.apply(WeightUpdate(2, {**state, "nope": torch.zeros(1)}))
     assert sync.version == 1 and engine.call("checksum", sorted(state)) == (1, RW.state_checksum(state))
     # the actor dies: replaced, reset, and the next apply brings the new one to the learner's tensors
-    ray.kill(handle.actor, no_restart=True)
+    _kill_and_wait_dead(ray, handle.actor)
     with pytest.raises(Exception, match="died"):
         engine.call("checksum", sorted(state), timeout_s=30)
     assert handle.restarts == 1 and sync.version == -1
@@ -232,7 +248,7 @@ def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
     bf16 = {n: t.to(torch.bfloat16).float() for n, t in state.items()}  # the engine's fp32 copy of them
     assert sync.version == 1 and bcast.sent[1] == RW.bf16_digest(state, bcast.bucket_bytes)
     assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(bf16))
-    ray.kill(handle.actor, no_restart=True)  # the replacement joins a rebuilt group and gets version 2
+    _kill_and_wait_dead(ray, handle.actor)  # the replacement joins a rebuilt group and gets version 2
     with pytest.raises(Exception, match="died"):
         engine.call("ready", timeout_s=30)
     assert sync.version == -1 and bcast._group is None
