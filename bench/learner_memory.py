@@ -83,7 +83,7 @@ def synthetic_rows(a: argparse.Namespace, vocab: int, device: Any) -> Any:
     sampled tokens each (engine log-probs a plausible -1 ± 0.5), advantages ±1."""
     import numpy as np
 
-    from thinkcraft.train.llm_policy import TurnSample, build_rows
+    from thinkcraft.train.llm_policy import TurnRecord, build_rows
 
     rng = np.random.default_rng(0)
     lo, hi = a.prompt_tokens
@@ -91,7 +91,7 @@ def synthetic_rows(a: argparse.Namespace, vocab: int, device: Any) -> Any:
     turns = []
     for p in rng.integers(lo, hi + 1, a.rows).tolist():
         ids = rng.integers(0, vocab, p + c).tolist()
-        turns.append(TurnSample(obs="", prompt_ids=ids[:p], completion_ids=ids[p:],
+        turns.append(TurnRecord(obs="", prompt_ids=ids[:p], completion_ids=ids[p:],
                                 logprobs=(-1.0 + 0.5 * rng.standard_normal(c)).tolist(), train_mask=[1] * c, text="",
                                 finish_reason="length"))
     adv = rng.choice([-1.0, 1.0], a.rows).tolist()

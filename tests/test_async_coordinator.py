@@ -34,7 +34,7 @@ def _cfg(**kw):
 def _result(req, rewards=(0.0, 1.0), version=0):
     trajs = []
     for k, r in enumerate(rewards):
-        t = Trajectory(f"g{req.group_id}s{k}", req.group_id, req.seed, k)
+        t = Trajectory(req.seed, req.group_id, k)
         t.turns.append(TurnRecord("o", [1], [2], [-1.0], [1], "x", "stop", policy_version=version, reward=r))
         trajs.append(t)
     return GroupResult(req, trajs)

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 
 def _turn(prompt, completion, logprobs=None, train_mask=None, reward=0.0):
-    return LP.TurnSample(obs="", prompt_ids=list(prompt), completion_ids=list(completion),
+    return LP.TurnRecord(obs="", prompt_ids=list(prompt), completion_ids=list(completion),
                          logprobs=list(logprobs if logprobs is not None else [-1.0] * len(completion)),
                          train_mask=list(train_mask if train_mask is not None else [1] * len(completion)), text="",
                          finish_reason="stop", reward=reward)
@@ -121,7 +121,7 @@ def _episodes(model, seed=0):
     rng = np.random.default_rng(seed)
     episodes = []
     for i, n_turns in enumerate([3, 1, 4, 2]):
-        e = LP.Episode(seed=i // 2, group=i // 2)
+        e = LP.Trajectory(seed=i // 2, group=i // 2)
         prompt = rng.integers(3, VOCAB, 4).tolist()
         for k in range(n_turns):
             if i == 2 and k == 2:
@@ -265,7 +265,7 @@ def test_apo_update_equals_the_per_turn_update(multi_turn, offpolicy):
     model = _model("lora")
     episodes = _episodes(model, seed=3)
     if not multi_turn:
-        episodes = [LP.Episode(e.seed, e.group, e.turns[:1]) for e in episodes]
+        episodes = [LP.Trajectory(e.seed, e.group, e.sample, e.turns[:1]) for e in episodes]
     n = sum(len(e.turns) for e in episodes)
     v_star = torch.linspace(-0.5, 0.5, n, dtype=torch.float32)
     learner = LP.Learner(_cfg(algo="apo", env="arith", micro_batch_tokens=30, offpolicy=offpolicy,

@@ -51,7 +51,7 @@ def _turns(lengths, seed=0):
         mask = [1] * c
         if k == 1 and c > 1:
             mask[-1] = 0
-        out.append(LP.TurnSample(obs="", prompt_ids=ids[:p], completion_ids=ids[p:], logprobs=[0.0] * c,
+        out.append(LP.TurnRecord(obs="", prompt_ids=ids[:p], completion_ids=ids[p:], logprobs=[0.0] * c,
                                  train_mask=mask, text="", finish_reason="stop"))
     return out
 

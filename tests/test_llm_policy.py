@@ -45,7 +45,7 @@ def test_engine_without_logprobs_is_an_error():
 
 
 def _turn(prompt, completion, logprobs=None, train_mask=None, reward=0.0):
-    return LP.TurnSample(obs="o", prompt_ids=list(prompt), completion_ids=list(completion),
+    return LP.TurnRecord(obs="o", prompt_ids=list(prompt), completion_ids=list(completion),
                          logprobs=list(logprobs or [-1.0] * len(completion)),
                          train_mask=list(train_mask or [1] * len(completion)), text="", finish_reason="stop",
                          reward=reward)
@@ -62,9 +62,9 @@ def test_build_rows_masks_only_generated_unforced_tokens():
 
 
 def test_multi_turn_returns_and_groups():
-    e0 = LP.Episode(seed=5, group=0, turns=[_turn([1], [2], reward=1.0), _turn([1], [2], reward=2.0)])
-    e1 = LP.Episode(seed=5, group=0, turns=[_turn([1], [2], reward=0.0)])
-    e2 = LP.Episode(seed=6, group=1, turns=[_turn([1], [2], reward=3.0)])
+    e0 = LP.Trajectory(seed=5, group=0, turns=[_turn([1], [2], reward=1.0), _turn([1], [2], reward=2.0)])
+    e1 = LP.Trajectory(seed=5, group=0, turns=[_turn([1], [2], reward=0.0)])
+    e2 = LP.Trajectory(seed=6, group=1, turns=[_turn([1], [2], reward=3.0)])
     scores, groups = LP.row_scores_and_groups([e0, e1, e2], gamma=0.5, max_turns=4)
     assert scores == pytest.approx([2.0, 2.0, 0.0, 3.0])
     # turn 0 of both samples of seed 5 share a group; turn 1 is its own; seed 6 is another group

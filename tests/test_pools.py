@@ -134,7 +134,7 @@ def test_staleness_bound_holds_in_a_random_schedule(eta):
 
 def _group(gid, rewards):
     req = GroupRequest(gid, seed=gid, num_samples=len(rewards))
-    trajs = [Trajectory(f"g{gid}s{k}", gid, gid, k) for k in range(len(rewards))]
+    trajs = [Trajectory(gid, gid, k) for k in range(len(rewards))]
     from thinkcraft.pools import TurnRecord
 
     for t, r in zip(trajs, rewards):

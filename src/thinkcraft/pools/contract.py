@@ -40,7 +40,8 @@ def traj_id(group_id: int, sample: int) -> str:
 
 @dataclass
 class TurnRecord:
-    """One generated turn of a trajectory, token in / token out."""
+    """One generated turn of a trajectory, token in / token out: the one record of a turn for the synchronous
+    rollout (train/llm_policy/rollout.py), the async rollout pool and the learner (`build_rows`)."""
 
     obs: str
     prompt_ids: list[int]
@@ -51,29 +52,70 @@ class TurnRecord:
     """1 on sampled tokens, 0 on tokens the engine forced (thinking-budget close)."""
     text: str
     finish_reason: str
-    policy_version: int
-    """Version of the weights that generated the turn's first token."""
-    version_switch_at: int | None = None
-    """Partial rollouts: index into `completion_ids` of the first token generated under a newer version
-    (the engine took new weights mid-turn at a decode-step boundary); None when one version made the turn."""
     reward: float = 0.0
     invalid: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    policy_version: int = 0
+    """Version of the weights that generated the turn's first token."""
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    """[(first token index, weight version)] as the engine reports them: several entries when it took new
+    weights mid-turn at a decode-step boundary (partial rollouts); [] when the engine reports none."""
+    thinking_tokens: int = 0
+    """Tokens inside `<think>` this turn (counted by the engine)."""
+    thinking_budget: int | None = None
+    prefill_tokens: int = 0
+    """Prompt tokens the engine ran through the model this turn (0 when unknown: engines without continuous
+    batching)."""
+    reused_tokens: int = 0
+    """Prompt tokens whose KV the engine already held (shared prefix, earlier turns)."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, the shared prefix's (the rest came from the episode's earlier turns)."""
+    template_fallback: bool = False
+    """The chat template rewrote earlier turns: this prompt was tokenized whole (no turn-KV reuse)."""
     structured: Any = None
-    """The constrained-decoding spec of json answers (the learner replays its allowed sets); the async loop
-    runs free-text answers only, so None."""
+    """The `llm.constrained.StructuredOutput` the answer was decoded under (json answers), else None: its
+    `logprobs` are of the constrained distribution, which the learner recomputes (`Learner.allowed_tokens`)."""
+
+    @property
+    def version_switch_at(self) -> int | None:
+        """Index into `completion_ids` of the first token generated under a newer version than the first
+        token's (partial rollouts); None when one version made the turn."""
+        return self.weight_versions[1][0] if len(self.weight_versions) > 1 else None
+
+    @classmethod
+    def of_completion(cls, obs: str, prompt: list[int], c: Any, reward: float, invalid: bool, info: dict[str, Any],
+                      version: int | None = None, **extra: Any) -> TurnRecord:
+        """The record of an engine completion `c` (llm.protocol.Completion) for prompt `prompt`, with the env's
+        verdict. The policy version is `version` where the caller knows it (a whole-call engine), else the
+        engine's first `weight_versions` entry (passed in `extra`)."""
+        forced = set(c.forced_token_indices or ())
+        versions = list(extra.pop("weight_versions", None) or [])
+        if version is None:
+            version = versions[0][1] if versions else 0
+        return cls(
+            obs=obs, prompt_ids=list(c.prompt_token_ids or prompt), completion_ids=list(c.token_ids),
+            logprobs=list(c.logprobs) if c.logprobs is not None else [],
+            train_mask=[int(k not in forced) for k in range(len(c.token_ids))], text=c.text,
+            finish_reason=str(c.finish_reason), reward=float(reward), invalid=bool(invalid), info=info,
+            policy_version=int(version), weight_versions=versions, thinking_tokens=int(c.thinking_tokens), **extra)
 
 
 @dataclass
 class Trajectory:
-    traj_id: str
-    group_id: int
+    """One episode: sample `sample` of group `group` (problem `seed`). The synchronous loop numbers its groups
+    within a step; the async coordinator issues global group ids."""
+
     seed: int
-    sample: int
+    group: int
+    sample: int = 0
     turns: list[TurnRecord] = field(default_factory=list)
     terminated: bool = False
     truncated: bool = False
     wall_time_s: float = 0.0
+
+    @property
+    def traj_id(self) -> str:
+        return traj_id(self.group, self.sample)
 
     @property
     def total_reward(self) -> float:

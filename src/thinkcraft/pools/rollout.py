@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 from thinkcraft.llm.protocol import Completion, SamplingParams
-from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult, PoolHealth, Trajectory, TurnRecord, traj_id
+from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult, PoolHealth, Trajectory, TurnRecord
 from thinkcraft.pools.engine import EngineFault, EngineFront
 from thinkcraft.pools.envproc import EnvFault, EnvSpec, make_env_handle
 from thinkcraft.pools.local import LocalPool, WorkerContext, WorkFailed
@@ -151,7 +151,7 @@ class RolloutPool:
 
         n = req.num_samples
         obs = list(env.call("reset", ([req.seed] * n,), timeout()))
-        trajs = [Trajectory(traj_id(req.group_id, k), req.group_id, req.seed, k) for k in range(n)]
+        trajs = [Trajectory(req.seed, req.group_id, k) for k in range(n)]
         group_prompts = self.prompt_fn(env.system_prompt, n)
         last: list[Completion | None] = [None] * n
         while True:
@@ -166,7 +166,9 @@ class RolloutPool:
                                                  s.engine_timeout_s)
             res = env.call("step", ([c.text for c in comps],), timeout())
             for j, i in enumerate(active):
-                trajs[i].turns.append(_turn(obs[i], prompts[j], comps[j], version, res, j))
+                trajs[i].turns.append(TurnRecord.of_completion(obs[i], prompts[j], comps[j], res.rewards[j],
+                                                               res.infos[j].get("invalid", False), dict(res.infos[j]),
+                                                               version))
                 last[i] = comps[j]
                 obs[i] = res.observations[j]
                 if res.terminated[j] or res.truncated[j]:
@@ -176,14 +178,3 @@ class RolloutPool:
             t.wall_time_s = wall
         return GroupResult(req, trajs, scored=s.env.reward == "rule")
 
-
-def _turn(obs: str, prompt: list[int], c: Any, version: int, res: Any, j: int) -> TurnRecord:
-    forced = set(c.forced_token_indices or ())
-    return TurnRecord(
-        obs=obs, prompt_ids=list(c.prompt_token_ids or prompt), completion_ids=list(c.token_ids),
-        logprobs=list(c.logprobs) if c.logprobs is not None else [],
-        train_mask=[int(k not in forced) for k in range(len(c.token_ids))], text=c.text,
-        finish_reason=str(c.finish_reason), policy_version=int(version),
-        # version_switch_at stays None until the engine takes weights between decode steps (issue 19's hook)
-        reward=float(res.rewards[j]), invalid=bool(res.infos[j].get("invalid", False)), info=dict(res.infos[j]),
-    )

@@ -19,6 +19,7 @@ once in three pools - rollouts, rewards, the learner - under a staleness bound `
 gives this loop's samples and updates exactly.
 """
 
+from thinkcraft.pools.contract import Trajectory, TurnRecord
 from thinkcraft.train.llm_policy.config import ALGOS_NEEDING_LOGPROBS, Algo, EnvName, LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import (
     Learner, TrainRows, build_rows, checkpoint_state, restore_state, row_scores_and_groups,
@@ -29,13 +30,13 @@ from thinkcraft.train.llm_policy.model import (
     train_bpe_tokenizer, trainable,
 )
 from thinkcraft.train.llm_policy.rollout import (
-    Episode, TurnSample, _prompt_corpus, _seed_of, _split_think, build_messages, encode_prompt,
+    _prompt_corpus, _seed_of, _split_think, build_messages, encode_prompt,
     episode_record, make_env_and_reward, rollout,
 )
 
 __all__ = [
-    "ALGOS_NEEDING_LOGPROBS", "Algo", "CHATML_TEMPLATE", "EnvName", "Episode", "LLMPolicyConfig", "Learner",
-    "TrainRows", "TurnSample", "build_messages", "build_rows", "check_engine_for_algo", "checkpoint_state",
+    "ALGOS_NEEDING_LOGPROBS", "Algo", "CHATML_TEMPLATE", "EnvName", "LLMPolicyConfig", "Learner",
+    "TrainRows", "Trajectory", "TurnRecord", "build_messages", "build_rows", "check_engine_for_algo", "checkpoint_state",
     "encode_prompt", "episode_record", "load_policy", "make_engine", "make_env_and_reward", "make_judge",
     "random_model", "resolve_model_path", "restore_state", "rollout", "row_scores_and_groups", "run",
     "train_bpe_tokenizer", "trainable",

@@ -24,7 +24,7 @@ from thinkcraft.pools import (
 )
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import Learner
-from thinkcraft.train.llm_policy.rollout import ChatPrompts, Episode
+from thinkcraft.train.llm_policy.rollout import ChatPrompts
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class TrainResult:
     traj_ids: list[str]
     staleness: list[int]
     """Per trajectory: version trained at - oldest version that generated it."""
-    episodes: list[Any] = field(default_factory=list)
+    trajectories: list[Any] = field(default_factory=list)
     train_s: float = 0.0
     """Seconds the update itself took (the learner's device time; waiting for the engine excluded)."""
 
@@ -188,15 +188,13 @@ class TrainWorker:
         return LocalPool("train", lambda b, ctx: self.train(b), num_workers=1, max_queued=1)
 
     def train(self, batch: TrainBatch) -> TrainResult:
-        """One update: the synchronous loop's phase 4 (loop.update_on) on the batch's episodes."""
+        """One update: the synchronous loop's phase 4 (loop.update_on) on the batch's trajectories."""
         from thinkcraft.train.llm_policy.loop import update_on
 
         trajs = [t for g in batch.groups for t in g.trajectories]
-        episodes = [Episode(seed=t.seed, group=gi, turns=t.turns, terminated=t.terminated, truncated=t.truncated,
-                            wall_time_s=t.wall_time_s) for gi, g in enumerate(batch.groups) for t in g.trajectories]
         with self.model_lock:  # shared-parameter engines wait; the version changes with the weights
             t0 = time.perf_counter()
-            stats, self.carry = update_on(self.cfg, self.learner, self.tokenizer, episodes, self.carry)
+            stats, self.carry = update_on(self.cfg, self.learner, self.tokenizer, trajs, self.carry)
             self.version += 1
             for s in self.slots:
                 if isinstance(s.sync, SharedWeights):
@@ -205,5 +203,5 @@ class TrainWorker:
         self.busy_s += train_s
         self.front.publish(weight_update(self.learner, self.version, self.slots))
         return TrainResult(self.version, stats, [g.request.group_id for g in batch.groups],
-                           [t.traj_id for t in trajs], [batch.version - t.oldest_version for t in trajs], episodes,
+                           [t.traj_id for t in trajs], [batch.version - t.oldest_version for t in trajs], trajs,
                            train_s)

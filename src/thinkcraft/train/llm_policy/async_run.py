@@ -102,7 +102,7 @@ class AsyncRun:
             raise UserError(f"the learner failed ({res.reason}: {res.detail}); the last checkpoint is intact")
         self.coord.trained(res)
         if self.writer is not None:
-            for e, tid, stale in zip(res.episodes, res.traj_ids, res.staleness):
+            for e, tid, stale in zip(res.trajectories, res.traj_ids, res.staleness):
                 rec = episode_record(e, self.cfg.env, min(t.policy_version for t in e.turns),
                                      {"algo": self.cfg.algo, "traj_id": tid, "staleness": stale})
                 # under the update that trained it (1-based, as metrics.jsonl and the sync loop count): a resume
@@ -150,7 +150,7 @@ class AsyncRun:
         timer = PhaseTimer()
         timer.add("generate", sum(now["engine"].busy_s) - sum(prev["engine"].busy_s))
         timer.add("train", res.train_s)
-        rec = _step_metrics(self.cfg, self.policy.env, res.episodes, dt, timer)
+        rec = _step_metrics(self.cfg, self.policy.env, res.trajectories, dt, timer)
         rec.update({"policy_version": res.version, **res.stats, **timer.metrics()})
         stale = np.asarray(res.staleness)
         rec["staleness/mean"], rec["staleness/max"] = float(stale.mean()), int(stale.max())

@@ -17,7 +17,7 @@ import numpy as np
 
 from thinkcraft.utils.errors import UserError
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
-from thinkcraft.train.llm_policy.rollout import Episode, TurnSample
+from thinkcraft.pools.contract import Trajectory, TurnRecord
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class TrainRows:
                             self.rewards, self.segments)), self.turns,
                          None if self.allowed is None else type(self.allowed)(*(x.to(device) for x in self.allowed)))
 
-def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: int):
+def row_scores_and_groups(episodes: Sequence[Trajectory], gamma: float, max_turns: int):
     """Flatten episodes to turns: returns-to-go scores and group ids (seed group × turn index), so a turn
     is compared with the same turn of the other samples of its seed."""
     from thinkcraft.rl.llm_losses import discounted_returns
@@ -76,7 +76,7 @@ def row_scores_and_groups(episodes: Sequence[Episode], gamma: float, max_turns: 
             groups.append(e.group * (max_turns + 1) + k)
     return scores, groups
 
-def build_rows(turns: Sequence[TurnSample], row_adv: Sequence[float], row_rewards: Sequence[float], pad_id: int,
+def build_rows(turns: Sequence[TurnRecord], row_adv: Sequence[float], row_rewards: Sequence[float], pad_id: int,
                device, merge_episodes: bool = True, masks: Any = None) -> TrainRows:
     """The learner's rows of `turns` (an episode's turns consecutive and in order), right-padded and laid out
     with numpy in a few vectorised writes (no per-row tensors).
@@ -234,7 +234,7 @@ class Learner:
         return packing.plan(lengths, mask, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
                             self.device, rows.turns.seqs_per_row() if rows.turns is not None else None)
 
-    def allowed_tokens(self, turns: Sequence[TurnSample]):
+    def allowed_tokens(self, turns: Sequence[TurnRecord]):
         """For turns decoded under a grammar with "constrained" log-probs (json answers): each token's allowed
         set, recomputed on the CPU by replaying the completions through the grammar from where the engine
         started it (`llm.constrained.answer_start`: after the thought), forced tokens unmasked

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from thinkcraft.pools.contract import Trajectory
 from thinkcraft.train.checkpoint import TORCH_CODEC
 from thinkcraft.train.llm_policy.config import SHAPE_FIELDS, LLMPolicyConfig
 from thinkcraft.train.llm_policy.learner import (
@@ -19,7 +20,7 @@ from thinkcraft.train.llm_policy.learner import (
 )
 from thinkcraft.train.llm_policy.model import _device, check_engine_for_algo, load_policy, make_engine, make_judge
 from thinkcraft.train.llm_policy.rollout import (
-    Episode, _prompt_corpus, _seed_of, episode_record, make_env_and_reward, rollout,
+    _prompt_corpus, _seed_of, episode_record, make_env_and_reward, rollout,
 )
 from thinkcraft.utils.errors import ConfigError
 
@@ -189,7 +190,7 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
     return rec, carry
 
 
-def update_on(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, episodes: list[Episode], carry: Carry
+def update_on(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, episodes: list[Trajectory], carry: Carry
               ) -> tuple[dict[str, float], Carry]:
     """Phase 4 on a batch of episodes (also the async loop's learner): returns-to-go, advantages, the
     learner's rows (episode-packed with --pack-episodes), one learner update. Returns the loss statistics
@@ -214,7 +215,7 @@ def update_on(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, episodes: 
     return loss_stats, carry._replace(baseline=adv.baseline)
 
 
-def _step_metrics(cfg: LLMPolicyConfig, env: Any, episodes: list[Episode], step_s: float, timer: Any
+def _step_metrics(cfg: LLMPolicyConfig, env: Any, episodes: list[Trajectory], step_s: float, timer: Any
                   ) -> dict[str, Any]:
     turns = [t for e in episodes for t in e.turns]
     n_gen = sum(len(t.completion_ids) for t in turns)

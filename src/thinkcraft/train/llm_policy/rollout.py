@@ -27,51 +27,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from thinkcraft.pools.contract import Trajectory, TurnRecord
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 
-
-@dataclass
-class TurnSample:
-    obs: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    train_mask: list[int]
-    """1 on sampled tokens, 0 on tokens the sampler forced (thinking budget)."""
-    text: str
-    finish_reason: str
-    reward: float = 0.0
-    invalid: bool = False
-    info: dict = field(default_factory=dict)
-    thinking_tokens: int = 0
-    """Tokens inside `<think>` this turn (counted by the engine)."""
-    thinking_budget: int | None = None
-    prefill_tokens: int = 0
-    """Prompt tokens the engine ran through the model this turn (0 when unknown: lockstep engines)."""
-    reused_tokens: int = 0
-    """Prompt tokens whose KV the engine already held (shared prefix, earlier turns)."""
-    shared_prefix_tokens: int = 0
-    """Of `reused_tokens`, the shared prefix's (the rest came from the episode's earlier turns)."""
-    template_fallback: bool = False
-    """The chat template rewrote earlier turns: this prompt was tokenized whole (no turn-KV reuse)."""
-    weight_versions: list[tuple[int, int]] = field(default_factory=list)
-    """[(first token index, weight version)] from the engine (several when weights changed mid-turn)."""
-    structured: Any = None
-    """The `llm.constrained.StructuredOutput` the answer was decoded under (json format), else None: its
-    `logprobs` are of the constrained distribution, which the learner recomputes (`Learner.allowed_tokens`)."""
-
-@dataclass
-class Episode:
-    seed: int
-    group: int
-    turns: list[TurnSample] = field(default_factory=list)
-    terminated: bool = False
-    truncated: bool = False
-    wall_time_s: float = 0.0
-
-    @property
-    def total_reward(self) -> float:
-        return float(sum(t.reward for t in self.turns))
 
 def build_messages(system: str, history: Sequence[tuple[str, str]], obs: str, history_turns: int) -> list[dict]:
     """Chat messages: system, the last K (observation, action) turns (all of them for K < 0), the current
@@ -102,7 +60,7 @@ def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int, sampling, history_turns: int,
-            timer=None, gen_context=None, metrics: dict | None = None, env_batch_frac: float = 0.25) -> list[Episode]:
+            timer=None, gen_context=None, metrics: dict | None = None, env_batch_frac: float = 0.25) -> list[Trajectory]:
     """Play one episode per (seed, sample): the G samples of a seed form group `index of the seed`.
 
     `metrics` (optional) receives the rollout's counters (`rollout_metrics` of the episodes plus the
@@ -112,7 +70,7 @@ def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int,
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
     gen_ctx = gen_context if gen_context is not None else contextlib.nullcontext
     all_seeds = [int(s) for s in seeds for _ in range(samples_per_seed)]
-    episodes = [Episode(seed=s, group=i // samples_per_seed) for i, s in enumerate(all_seeds)]
+    episodes = [Trajectory(seed=s, group=i // samples_per_seed, sample=i % samples_per_seed) for i, s in enumerate(all_seeds)]
     sampling = replace(sampling, n=1, structured=answer_structure(env, sampling))
     if sampling.structured is not None and not engine.capabilities.continuous_batching:
         from thinkcraft.utils.errors import UserError
@@ -162,16 +120,10 @@ def _needs_opener(sampling, text: str) -> bool:
     return text.rfind("<think>") <= text.rfind("</think>")
 
 
-def _turn_sample(obs: str, prompt: list[int], c, res, j: int, extra: dict | None = None) -> TurnSample:
-    """The turn record of completion `c` (the env's result row `j`)."""
-    forced = set(c.forced_token_indices or ())
-    return TurnSample(
-        obs=obs, prompt_ids=list(c.prompt_token_ids or prompt), completion_ids=list(c.token_ids),
-        logprobs=list(c.logprobs) if c.logprobs is not None else [],
-        train_mask=[int(k not in forced) for k in range(len(c.token_ids))], text=c.text,
-        finish_reason=str(c.finish_reason), reward=float(res.rewards[j]),
-        invalid=bool(res.infos[j].get("invalid", False)), info=res.infos[j], thinking_tokens=int(c.thinking_tokens),
-        **(extra or {}))
+def _turn(obs: str, prompt: list[int], c, res, j: int, **extra) -> TurnRecord:
+    """The record of completion `c` (the env's result row `j`)."""
+    return TurnRecord.of_completion(obs, prompt, c, res.rewards[j], res.infos[j].get("invalid", False),
+                                    dict(res.infos[j]), **extra)
 
 
 def _lockstep(env, engine, tokenizer, episodes, obs, sampling, history_turns, phase, gen_ctx) -> None:
@@ -188,9 +140,8 @@ def _lockstep(env, engine, tokenizer, episodes, obs, sampling, history_turns, ph
         with phase("env"):
             res = env.step([c.text for c in comps])
         for j, i in enumerate(active):
-            episodes[i].turns.append(_turn_sample(obs[i], prompts[j], comps[j], res, j,
-                                                  {"thinking_budget": sampling.thinking_budget,
-                                                   "structured": sampling.structured}))
+            episodes[i].turns.append(_turn(obs[i], prompts[j], comps[j], res, j,
+                                           thinking_budget=sampling.thinking_budget, structured=sampling.structured))
             histories[i].append((obs[i], comps[j].text))
             obs[i] = res.observations[j]
             if res.terminated[j] or res.truncated[j]:
@@ -326,11 +277,10 @@ class _Continuous:
         nxt, comps = [], []
         for j, (i, r) in enumerate(zip(idx, results)):
             c, chat = r.completion, self.chats[i]
-            self.episodes[i].turns.append(_turn_sample(self.obs[i], chat.ids, c, res, j, {
-                "thinking_budget": r.thinking_budget, "prefill_tokens": r.prefill_tokens,
-                "reused_tokens": r.reused_tokens, "shared_prefix_tokens": r.shared_prefix_tokens,
-                "template_fallback": chat.fallback,
-                "weight_versions": list(r.weight_versions), "structured": self.sampling.structured}))
+            self.episodes[i].turns.append(_turn(
+                self.obs[i], chat.ids, c, res, j, thinking_budget=r.thinking_budget, prefill_tokens=r.prefill_tokens,
+                reused_tokens=r.reused_tokens, shared_prefix_tokens=r.shared_prefix_tokens,
+                template_fallback=chat.fallback, weight_versions=r.weight_versions, structured=self.sampling.structured))
             self.obs[i] = res.observations[j]
             if res.terminated[j] or res.truncated[j]:
                 ep = self.episodes[i]
@@ -376,7 +326,7 @@ def _reply_text(tok, c, specials: dict[int, str]) -> tuple[str, str]:
     return tok.decode(ids, skip_special_tokens=False), ""
 
 
-def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+def rollout_metrics(episodes: Sequence[Trajectory]) -> dict[str, float]:
     """Per-rollout counters: prefill tokens the engine ran and the share turn reuse (and the shared prefix)
     saved, template fallbacks, thinking length and budget per turn, budget hits."""
     turns = [t for e in episodes for t in e.turns]
@@ -407,7 +357,7 @@ def _split_think(text: str) -> tuple[str, str]:
         return "", text
     return head.replace("<think>", "").strip(), tail.strip()
 
-def episode_record(e: Episode, env_name: str, policy_version: int, extra: dict[str, Any]):
+def episode_record(e: Trajectory, env_name: str, policy_version: int, extra: dict[str, Any]):
     from thinkcraft.data.schema import TrajectoryMetadata, TrajectoryRecord, Turn
 
     turns = [
