@@ -22,11 +22,13 @@ bench/grpo_arith.py), LoRA. Rewards of a random model are ~0, so reward curves s
 rows are what the GPU run is for (the CPU learning check shows that async learns).
 
 Engines: the sync reference runs the hf engine's continuous batching (each episode submitted on its own, its
-KV kept between turns, the system prompt's KV shared); the async front batches whole `generate` calls over
-the same engine (rows of every waiting episode, in group order). Slow env: workers whose rows all fit one
-engine batch step their envs in lockstep, and the engine then waits env / (env + generate) of the time; with
-1,024-token generations of seconds a 200 ms env is a few percent of that. tests/test_pools.py shows the
-engine kept busy once the rows in flight exceed one batch (`--max-generate-batch`).
+KV kept between turns, the system prompt's KV shared). The async front (`--gen-batching`, default auto =
+continuous with hf engines) submits every worker's turn to the engine's running decode batch at once and
+hands it back as soon as it ends (a group's turns stay on one engine, which keeps their KV); `whole` batches
+whole `generate` calls over the waiting rows instead (the η = 0 reproduction of the sync loop). Slow env:
+with continuous batching a group's env step overlaps the other groups' decoding; with whole calls, workers
+whose rows all fit one engine batch step their envs in lockstep and the engine waits env / (env + generate)
+of the time.
 
 Metrics per run (steady state: the first update, which pays warm-up, is left out): samples_per_s =
 trained trajectories / wall seconds; s_per_step = median seconds per update; gpu_idle_share = sync:
@@ -79,6 +81,8 @@ def _args(argv=None):
                    help="static KV cache + compiled decode step (default: on with a GPU, as the sync reference)")
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--max-generate-batch", type=int, default=1024, help="rows per engine batch (both loops)")
+    p.add_argument("--gen-batching", choices=["auto", "continuous", "whole"], default="auto",
+                   help="the async front's batching (train llm-policy --gen-batching)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="CPU plumbing check: tiny model, 3 steps, 50 ms env")
     p.add_argument("--learning-check", action="store_true",
@@ -125,7 +129,8 @@ def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_pat
     kw: dict = {}
     if mode == "async":
         workers = a.slow_env_workers if latency_ms else a.rollout_workers
-        kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy)
+        kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy,
+                  gen_batching=a.gen_batching)
         if a.gpus == 2:
             kw["rollout_devices"] = "cuda:0,cuda:1"
     return LLMPolicyConfig(
@@ -192,7 +197,11 @@ def _merged_rows(out: Path, rows: list[dict], keys: tuple[str, ...]) -> list[dic
     """This run's rows plus the file's earlier rows of other keys (what write_records will keep)."""
     old = json.loads(out.read_text()) if out.exists() else []
     new = {tuple(r.get(k) for k in keys) for r in rows}
-    return [r for r in old if tuple(r.get(k, "none" if k == "offpolicy" else None) for k in keys) not in new] + rows
+    return [r for r in old if tuple(r.get(k, OLD_ROW_DEFAULTS.get(k)) for k in keys) not in new] + rows
+
+
+OLD_ROW_DEFAULTS = {"offpolicy": "none", "gen_batching": "whole"}
+"""What rows written before a key existed ran with (the async front batched whole calls until it had a choice)."""
 
 
 def _sync_reference(a) -> list[dict]:
@@ -250,6 +259,8 @@ def main(argv=None) -> int:
         rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
                      "max_staleness": a.max_staleness if mode == "async" else 0,
                      "offpolicy": a.offpolicy if mode == "async" else "none",
+                     # auto resolves to continuous: the bench's engines are in-process hf engines
+                     "gen_batching": cfg.gen_batching.replace("auto", "continuous") if mode == "async" else None,
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
@@ -257,6 +268,7 @@ def main(argv=None) -> int:
         print(f"{task} {mode} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",
               flush=True)
+    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     if a.learning_check:  # every async run of the file so far (e.g. each correction) beside the sync reference
@@ -265,7 +277,6 @@ def main(argv=None) -> int:
                                                   f"({card()})")
     else:
         _plot(rows, out.with_suffix(".png"), f"GRPO sync vs async (η={a.max_staleness}), {a.model}, {card()}")
-    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy")
     write_records(out, rows, merge_keys=keys)
     ok = [r for r in rows if "error" not in r]
     print_table(ok, ["task", "mode", "gpus", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",

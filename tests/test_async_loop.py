@@ -110,7 +110,7 @@ def test_eta_zero_reproduces_the_synchronous_loop_multi_turn(tmp_path, monkeypat
     sync = _cfg(tmp_path / "sync", steps=2, group_size=2, max_new_tokens=4)
     LP.run(sync)
     asy = _cfg(tmp_path / "async", steps=2, group_size=2, max_new_tokens=4, mode="async", max_staleness=0,
-               rollout_workers=2, gen_batch_wait_ms=60_000)
+               rollout_workers=2, gen_batching="whole", gen_batch_wait_ms=60_000)
     LP.run(asy)
     _same_runs(sync, asy, 2 * 2 * 2)
 
@@ -122,7 +122,7 @@ def test_eta_zero_reproduces_the_synchronous_loop(tmp_path, monkeypatch):
     LP.run(sync)
     # 4 workers for 2 prompts: every group starts at once, the engine batches on all waiting episodes
     asy = _cfg(tmp_path / "async", steps=3, mode="async", max_staleness=0, rollout_workers=4,
-               gen_batch_wait_ms=60_000)
+               gen_batching="whole", gen_batch_wait_ms=60_000)
     last = LP.run(asy)
     assert last["policy_version"] == 3 and last["staleness/max"] == 0
     _same_runs(sync, asy, 3 * 2 * 3)
@@ -192,7 +192,9 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
     (dict(mode="async", rollout_devices="gpu0"), "rollout-devices"),
     (dict(mode="async", rollout_servers="http://x:1"), "rollout-servers"),
     (dict(offpolicy="tis", offpolicy_cap=0.0), "offpolicy-cap"),
-    (dict(mode="async", action_format="json", max_new_tokens=64), "action-format"),  # not in the pools yet
+    (dict(mode="async", action_format="json", max_new_tokens=64, rollout_servers="thinkcraft+http://x:1"),
+     "action-format"),  # HTTP engines do not constrain decoding to the grammar
+    (dict(gen_batching="whole"), "gen-batching"),  # async-only
 ])
 def test_async_config_rejects_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
@@ -212,3 +214,41 @@ def test_copy_engines_follow_the_learner(tmp_path, monkeypatch, kw):
     j = journal(cfg.run_dir)
     groups = [g for line in j for g in line["groups"]]
     assert len(groups) == len(set(groups)) == 6
+
+
+def test_continuous_front_keeps_turn_kv_and_is_on_policy_at_eta_zero(tmp_path, monkeypatch):
+    """--gen-batching continuous on a 3-turn env: a group's turns stay on the engine, which keeps each
+    episode's KV between turns (prefill saved) while other groups' turns join the running batch; at η = 0 every
+    token is the current policy's, so the learner's recomputed log-probs equal the engine's (ratio 1): the
+    reused KV and the token-in/token-out prompts are the ones the learner trains on."""
+    import thinkcraft.pools.envproc as envproc
+    from test_llm_policy import CountdownEnv
+
+    monkeypatch.setattr(envproc.EnvSpec, "build", lambda self: CountdownEnv())
+    cfg = _cfg(tmp_path, steps=2, group_size=2, max_new_tokens=4, mode="async", max_staleness=0, rollout_workers=2,
+               gen_batching="continuous")
+    LP.run(cfg)
+    ms = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in ms] == [1, 2]
+    for m in ms:
+        assert m["losses/ratio"] == pytest.approx(1.0, abs=1e-4) and m["staleness/max"] == 0
+        assert m["kv/turn_reuse_saved_frac"] > 0.2 and m["kv/template_fallbacks"] == 0
+        assert m["episode/turns"] == 3
+    ids = [i for line in journal(cfg.run_dir) for i in line["traj_ids"]]
+    assert len(ids) == len(set(ids)) == 2 * 2 * 2
+
+
+def test_async_json_answers_are_valid_and_on_policy(tmp_path):
+    """--action-format json in the async pools (continuous engine, η = 1): every answer parses (constrained
+    decoding in the workers' turns), and the learner's constrained log-probs match the engine's."""
+    from thinkcraft.envs.textenvs.jsonformat import ANSWER_KEY, max_answer_tokens, parse_answer
+
+    cfg = _cfg(tmp_path, steps=2, mode="async", max_staleness=0, rollout_workers=2, action_format="json",
+               action_reason_chars=8, max_new_tokens=max_answer_tokens(None, 8))
+    LP.run(cfg)
+    ms = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert len(ms) == 2
+    for m in ms:
+        assert m["format/invalid_rate"] == 0.0 and m["losses/ratio"] == pytest.approx(1.0, abs=1e-4)
+    acts = [t.act for rec in store_records(cfg.run_dir) for t in rec.turns]
+    assert len(acts) == 2 * 2 * 3 and all(parse_answer(a, ANSWER_KEY) is not None for a in acts)

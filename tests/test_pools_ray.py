@@ -73,7 +73,7 @@ def test_ray_backend_reproduces_the_local_backend(ray_cluster, tmp_path, monkeyp
     from thinkcraft.train import llm_policy as LP
 
     patch_reward(monkeypatch)
-    local = _cfg(tmp_path / "local", steps=2, mode="async", max_staleness=0, rollout_workers=2,
+    local = _cfg(tmp_path / "local", steps=2, mode="async", max_staleness=0, rollout_workers=2, gen_batching="whole",
                  gen_batch_wait_ms=60_000)
     LP.run(local)
     ray_run = _ray_cfg(tmp_path / "ray", steps=2, max_staleness=0, rollout_workers=2, gen_batch_wait_ms=60_000)

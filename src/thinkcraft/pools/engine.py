@@ -1,24 +1,33 @@
-"""The engine side of the rollout pool: many rollout workers, one batched engine call at a time per engine.
+"""The engine side of the rollout pool: many rollout workers, their turns batched onto the engines.
 
-Rollout workers call `EngineFront.generate(prompts, keys, sampling)` and block; one thread per engine
-("slot") takes the waiting requests as one batch when
+Rollout workers call `EngineFront.run(prompts, keys, sampling, ...)` (or `generate`, its completions and
+version) and block. One thread per engine ("slot") serves them in one of two ways (`batching`):
+
+**whole** (any engine: `generate(batch)`): the slot takes the waiting requests as one batch when
 
     - every episode that could ask is asking (pending rows ≥ `expected_rows()`, a count the rollout pool
       keeps: rows of running episodes + rows of queued groups that a free worker would start now), or
     - the batch is full (`max_batch_rows`), or
     - the oldest request has waited `batch_wait_s` (a straggler env never holds the engine).
 
-Rows are ordered by the workers' keys (group id, sample), so a batch is the same whatever the threads'
-timing: with η = 0 the first rule makes every batch exactly the synchronous loop's batch (same prompts,
-same order, same sampling stream). Continuous batching (issue 19: requests joining the running decode
-batch at step boundaries) replaces the whole-call batching here without changing this interface.
+  Rows are ordered by the workers' keys (group id, sample), so a batch is the same whatever the threads'
+  timing: with η = 0 the first rule makes every batch exactly the synchronous loop's batch (same prompts,
+  same order, same sampling stream).
+
+**continuous** (engines with `Capabilities.continuous_batching`, the in-process hf engine): every row is
+submitted at once and joins the engine's running decode batch at the next step boundary; the slot thread
+steps the engine and hands each request back as soon as its rows finished, so no group waits for another's
+long generation. A group's turns go to one engine (sticky by `route`): with `episodes` keys the engine keeps
+each episode's KV between turns and prefills only the new tokens (`release` drops it when the episode
+ends); `prefix_len` tokens of a prompt (the system prompt) are a prefix whose KV is stored once.
 
 Weights and versions: each slot has a `WeightSync` (pools/weights.py). `publish(update)` hands the newest
-learner weights to every slot; a slot applies them between two batches, before its next call (and, with
-the engine hook of issue 19, between decode steps). A failed update keeps the slot's old version, is
-logged and counted, and retried before the next batch; a slot that lags the learner by more than
-`max_lag` versions (η) generates nothing until it catches up, and after `max_update_failures` failures in
-a row the front stops with a clear error (`fatal`) instead of training on data staler than η.
+learner weights to every slot; a whole-call slot applies them between two batches, a continuous one between
+two decode steps (running rows go on under the new weights; every result says from which token:
+`GenerationResult.weight_versions`, AReaL's partial rollouts). A failed update keeps the slot's old
+version, is logged and counted, and retried; a slot that lags the learner by more than `max_lag` versions
+(η) starts nothing new until it catches up, and after `max_update_failures` failures in a row the front
+stops with a clear error (`fatal`) instead of training on data staler than η.
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Literal, Sequence
 
-from thinkcraft.llm.protocol import Batch, Completion, SamplingParams
+from thinkcraft.llm.protocol import Batch, Completion, GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +53,19 @@ class _Request:
     keys: list[Any]
     sampling: SamplingParams
     t_submit: float
+    prefix_len: int = 0
+    episodes: list[Hashable] | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    completions: list[Completion] | None = None
-    version: int = -1
+    results: list[GenerationResult | None] = field(default_factory=list)
     error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.prompts)
+
+    def fail(self, err: BaseException) -> None:
+        if not self.done.is_set():
+            self.error = err
+            self.done.set()
 
 
 @dataclass
@@ -94,6 +112,7 @@ class EngineFront:
         self,
         slots: Sequence[EngineSlot],
         *,
+        batching: Literal["whole", "continuous"] = "whole",
         max_batch_rows: int = 1024,
         batch_wait_s: float = 0.02,
         expected_rows: Callable[[], int] = lambda: 0,
@@ -102,6 +121,11 @@ class EngineFront:
         update_backoff_s: float = 0.5,
     ) -> None:
         self.slots = list(slots)
+        if batching == "continuous":
+            plain = [s.name for s in self.slots if not supports_continuous(s.engine)]
+            if plain:
+                raise ValueError(f"continuous batching needs engines that batch continuously; {plain} do not")
+        self.batching = batching
         self.max_batch_rows = max_batch_rows
         self.batch_wait_s = batch_wait_s
         self.expected_rows = expected_rows
@@ -109,46 +133,101 @@ class EngineFront:
         self.max_update_failures = max_update_failures
         self.update_backoff_s = update_backoff_s
         self._cv = threading.Condition()
-        self._pending: list[_Request] = []
+        self._pending: list[_Request] = []  # whole-call batching: one queue for every slot
+        self._queues: list[list[_Request]] = [[] for _ in self.slots]  # continuous: per slot
+        self._routes: dict[Hashable, int] = {}
+        self._load = [0] * len(self.slots)  # continuous: rows queued or running per slot
         self._update: Any = None  # the newest published WeightUpdate
         self._stopping = False
         self.fatal: str | None = None
         self.generate_failures = 0
         self._t0 = time.perf_counter()
-        self._threads = [threading.Thread(target=self._run, args=(s,), name=f"engine-{s.name}", daemon=True)
-                         for s in self.slots]
+        loop = self._run_continuous if batching == "continuous" else self._run
+        self._threads = [threading.Thread(target=loop, args=(k,), name=f"engine-{s.name}", daemon=True)
+                         for k, s in enumerate(self.slots)]
         for t in self._threads:
             t.start()
 
+    @property
+    def continuous(self) -> bool:
+        return self.batching == "continuous"
+
     # ------------------------------------------------------------------------------------ worker side
 
-    def generate(self, prompts: list[list[int]], keys: list[Any], sampling: SamplingParams,
-                 timeout_s: float | None = None) -> tuple[list[Completion], int]:
-        """Completions for `prompts` (one per prompt, n = 1) and the weight version that made them."""
-        req = _Request([list(p) for p in prompts], list(keys), sampling, time.perf_counter())
+    def run(self, prompts: list[list[int]], keys: list[Any], sampling: SamplingParams,
+            timeout_s: float | None = None, *, prefix_len: int = 0, episodes: list[Hashable] | None = None,
+            route: Hashable | None = None) -> list[GenerationResult]:
+        """One result per prompt (n = 1): the completion and the weight versions that made it. Continuous
+        batching: `route` (a group id) keeps a group on one engine, `episodes` (one key per prompt) lets the
+        engine keep each episode's KV for its next turn, the first `prefix_len` tokens are a shared prefix.
+        Whole-call batching ignores the three."""
+        req = _Request([list(p) for p in prompts], list(keys), sampling, time.perf_counter(), prefix_len,
+                       list(episodes) if episodes is not None and self.continuous else None)
         with self._cv:
             if self._stopping or self.fatal:
                 raise EngineFault(self.fatal or "the engine front is stopped")
-            self._pending.append(req)
+            if self.continuous:
+                k = self._route(route)
+                self._queues[k].append(req)
+                self._load[k] += len(req.prompts)
+            else:
+                self._pending.append(req)
             self._cv.notify_all()
         if not req.done.wait(timeout_s):
             with self._cv:  # by identity: another request may hold equal prompts
                 self._pending = [r for r in self._pending if r is not req]
+                for q in self._queues:
+                    q[:] = [r for r in q if r is not req]
+            req.fail(EngineFault("abandoned"))  # rows still running are dropped when they finish
             raise EngineFault(f"no completion within {timeout_s:g}s (engine busy, hung or dead)")
         if req.error is not None:
             raise EngineFault(f"{type(req.error).__name__}: {req.error}") from req.error
-        assert req.completions is not None
-        return req.completions, req.version
+        assert all(r is not None for r in req.results)
+        return req.results  # type: ignore[return-value]
+
+    def generate(self, prompts: list[list[int]], keys: list[Any], sampling: SamplingParams,
+                 timeout_s: float | None = None) -> tuple[list[Completion], int]:
+        """`run`'s completions and the oldest weight version that made them."""
+        res = self.run(prompts, keys, sampling, timeout_s)
+        return [r.completion for r in res], min(r.weight_versions[0][1] for r in res)
+
+    def release(self, route: Hashable | None, episodes: Sequence[Hashable] = ()) -> None:
+        """The group `route` ended (its engine may go to another group) and so did `episodes`: their KV is
+        dropped (continuous batching; a no-op otherwise)."""
+        if not self.continuous:
+            return
+        with self._cv:
+            k = self._routes.pop(route, None) if route is not None else None
+        for slot in ([self.slots[k]] if k is not None else self.slots):
+            for e in episodes:
+                slot.engine.release(e)
+
+    def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
+        """Continuous batching: size every engine's KV cache for `rows` sequences of `tokens` columns after a
+        shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows run)."""
+        if self.continuous:
+            for slot in self.slots:
+                slot.engine.reserve(rows, tokens, prefix_tokens)
 
     def notify(self) -> None:
         """The rollout pool's expected row count changed: re-check whether a batch is ready."""
         with self._cv:
             self._cv.notify_all()
 
+    def _route(self, route: Hashable | None) -> int:
+        """The slot of `route` (sticky), or the least loaded one for a new route. Under `_cv`."""
+        if route is not None and route in self._routes:
+            return self._routes[route]
+        k = min(range(len(self.slots)), key=lambda j: self._load[j])
+        if route is not None:
+            self._routes[route] = k
+        return k
+
     # ----------------------------------------------------------------------------------- learner side
 
     def publish(self, update: Any) -> None:
-        """The learner's new weights (a WeightUpdate); every slot takes them before its next batch."""
+        """The learner's new weights (a WeightUpdate); every slot takes them before its next batch (whole-call)
+        or decode step (continuous)."""
         with self._cv:
             if self._update is None or update.version > self._update.version:
                 self._update = update
@@ -168,14 +247,16 @@ class EngineFront:
         with self._cv:
             self._stopping = True
             pending, self._pending = self._pending, []
+            for q in self._queues:
+                pending += q
+                q.clear()
             self._cv.notify_all()
         for r in pending:
-            r.error = EngineFault("the engine front stopped")
-            r.done.set()
+            r.fail(EngineFault("the engine front stopped"))
         for t in self._threads:
             t.join(timeout_s)
 
-    # ----------------------------------------------------------------------------------- slot threads
+    # ------------------------------------------------------------------------ slot threads: whole calls
 
     def _ready(self, now: float) -> tuple[bool, float]:
         """(take a batch now?, seconds to wait otherwise)."""
@@ -191,6 +272,9 @@ class EngineFront:
         return (self.max_lag is not None and self._update is not None
                 and self._update.version - slot.sync.version > self.max_lag)
 
+    def _update_due(self, slot: EngineSlot, now: float) -> bool:
+        return self._update is not None and self._update.version > slot.sync.version and now >= slot.retry_at
+
     def _take(self, slot: EngineSlot) -> list[_Request] | None:
         """Wait until this slot should run a batch; None when stopping."""
         with self._cv:
@@ -198,10 +282,9 @@ class EngineFront:
                 if self._stopping or self.fatal:
                     return None
                 now = time.perf_counter()
-                needs_update = self._update is not None and self._update.version > slot.sync.version
-                if needs_update and now >= slot.retry_at:
+                if self._update_due(slot, now):
                     return []  # apply the update first (outside the condition lock)
-                if needs_update and self._lagging(slot):
+                if self._lagging(slot):
                     self._cv.wait(max(slot.retry_at - now, 1e-3))
                     continue
                 ready, wait = self._ready(now)
@@ -214,7 +297,8 @@ class EngineFront:
                     return taken
                 self._cv.wait(wait)
 
-    def _run(self, slot: EngineSlot) -> None:
+    def _run(self, k: int) -> None:
+        slot = self.slots[k]
         while True:
             taken = self._take(slot)
             if taken is None:
@@ -224,14 +308,127 @@ class EngineFront:
                 continue
             self._generate(slot, taken)
 
-    def _apply_update(self, slot: EngineSlot) -> None:
+    def _generate(self, slot: EngineSlot, taken: list[_Request]) -> None:
+        by_sampling: dict[SamplingParams, list[tuple[_Request, int]]] = {}
+        for r in taken:
+            for i in range(len(r.prompts)):
+                by_sampling.setdefault(r.sampling, []).append((r, i))
+        try:
+            for sampling, rows in by_sampling.items():
+                rows.sort(key=lambda ri: ri[0].keys[ri[1]])
+                with slot.lock:
+                    version = slot.sync.version
+                    t0 = time.perf_counter()
+                    with self._context(slot):
+                        comps = slot.engine.generate(Batch(items=[r.prompts[i] for r, i in rows]), sampling)
+                    slot.busy_s += time.perf_counter() - t0
+                if len(comps) != len(rows):
+                    raise EngineFault(f"the engine returned {len(comps)} completions for {len(rows)} prompts")
+                for (r, i), c in zip(rows, comps):
+                    r.results[i] = GenerationResult(-1, c, tag=r.keys[i], weight_versions=[(0, version)])
+                slot.batches += 1
+                slot.rows += len(rows)
+        except Exception as e:  # noqa: BLE001 - every request of the batch fails; the workers drop their groups
+            self.generate_failures += 1
+            log.warning("%s: generate failed for %d requests (%s: %s)", slot.name, len(taken), type(e).__name__, e)
+            for r in taken:
+                r.fail(e)
+            return
+        for r in taken:
+            r.done.set()
+
+    # ------------------------------------------------------------------------ slot threads: continuous
+
+    def _run_continuous(self, k: int) -> None:
+        """Submit what was routed here, apply due weight updates between decode steps, step, hand back."""
+        slot = self.slots[k]
+        running: dict[int, tuple[_Request, int]] = {}  # engine handle -> (request, row)
+        while True:
+            with self._cv:
+                while True:
+                    now = time.perf_counter()
+                    if self._stopping or self.fatal:
+                        stopping = True
+                        break
+                    stopping = False
+                    update = self._update_due(slot, now)
+                    taken: list[_Request] = []
+                    if not self._lagging(slot):  # lagging past η: nothing new starts on these weights
+                        taken, self._queues[k] = self._queues[k], []
+                    if taken or running or update:
+                        break
+                    self._cv.wait(max(slot.retry_at - now, 1e-3) if self._update is not None
+                                  and self._update.version > slot.sync.version else 0.5)
+            if stopping:
+                for r, _ in running.values():
+                    r.fail(EngineFault(self.fatal or "the engine front stopped"))
+                return
+            if update:
+                self._apply_update(slot)
+            for r in taken:
+                self._submit(k, r, running)
+            if running:
+                self._step(k, running)
+
+    def _submit(self, k: int, r: _Request, running: dict[int, tuple[_Request, int]]) -> None:
+        slot = self.slots[k]
+        if r.done.is_set():  # abandoned (timed out) while queued
+            self._unload(k, len(r.prompts))
+            return
+        try:
+            for i, prompt in enumerate(r.prompts):
+                p = r.prefix_len if 0 < r.prefix_len < len(prompt) else 0
+                h = slot.engine.submit(GenerationRequest(prompt, r.sampling, prefix_len=p, tag=r.keys[i],
+                                                         episode=r.episodes[i] if r.episodes else None))
+                running[h] = (r, i)
+        except Exception as e:  # noqa: BLE001 - a bad request (e.g. longer than a slot): its group fails
+            log.warning("%s: a request was refused (%s: %s)", slot.name, type(e).__name__, e)
+            r.fail(e)
+        slot.rows += len(r.prompts)
+
+    def _step(self, k: int, running: dict[int, tuple[_Request, int]]) -> None:
+        slot = self.slots[k]
+        try:
+            with slot.lock:  # a learner sharing these parameters changes them between two steps, never during one
+                t0 = time.perf_counter()
+                with self._context(slot):
+                    slot.engine.step()
+                slot.busy_s += time.perf_counter() - t0
+            slot.batches += 1
+        except Exception as e:  # noqa: BLE001 - the engine ended every running request with an error result
+            self.generate_failures += 1
+            log.warning("%s: decode step failed (%s: %s); its requests fail", slot.name, type(e).__name__, e)
+        for res in slot.engine.poll():
+            got = running.pop(res.handle, None)
+            if got is None:
+                continue
+            r, i = got
+            self._unload(k, 1)
+            if res.error:
+                r.fail(EngineFault(res.error))
+            elif not r.done.is_set():
+                r.results[i] = res
+                if all(x is not None for x in r.results):
+                    r.done.set()
+
+    def _unload(self, k: int, rows: int) -> None:
+        with self._cv:
+            self._load[k] -= rows
+
+    # ------------------------------------------------------------------------------------------- both
+
+    @staticmethod
+    def _context(slot: EngineSlot) -> Any:
         import contextlib
 
+        return slot.gen_context() if slot.gen_context is not None else contextlib.nullcontext()
+
+    def _apply_update(self, slot: EngineSlot) -> None:
         update = self._update
         old = slot.sync.version
         try:
             # in the generate calls' context (autocast): an engine recomputing KV it keeps computes it as they do
-            with slot.lock, (slot.gen_context() if slot.gen_context is not None else contextlib.nullcontext()):
+            with slot.lock, self._context(slot):
                 slot.sync.apply(update)
             slot.failed_in_a_row = 0
         except Exception as e:  # noqa: BLE001 - the engine keeps its old weights; retried
@@ -252,42 +449,14 @@ class EngineFront:
     def _fail_pending(self, err: BaseException) -> None:
         with self._cv:
             pending, self._pending = self._pending, []
+            for q in self._queues:
+                pending += q
+                q.clear()
         for r in pending:
-            r.error = err
-            r.done.set()
+            r.fail(err)
 
-    def _generate(self, slot: EngineSlot, taken: list[_Request]) -> None:
-        import contextlib
 
-        by_sampling: dict[SamplingParams, list[tuple[_Request, int]]] = {}
-        for r in taken:
-            for i in range(len(r.prompts)):
-                by_sampling.setdefault(r.sampling, []).append((r, i))
-        outs: dict[tuple[int, int], Completion] = {}
-        try:
-            for sampling, rows in by_sampling.items():
-                rows.sort(key=lambda ri: ri[0].keys[ri[1]])
-                with slot.lock:
-                    version = slot.sync.version
-                    ctx = slot.gen_context() if slot.gen_context is not None else contextlib.nullcontext()
-                    t0 = time.perf_counter()
-                    with ctx:
-                        comps = slot.engine.generate(Batch(items=[r.prompts[i] for r, i in rows]), sampling)
-                    slot.busy_s += time.perf_counter() - t0
-                if len(comps) != len(rows):
-                    raise EngineFault(f"the engine returned {len(comps)} completions for {len(rows)} prompts")
-                for (r, i), c in zip(rows, comps):
-                    outs[(id(r), i)] = c
-                    r.version = version
-                slot.batches += 1
-                slot.rows += len(rows)
-        except Exception as e:  # noqa: BLE001 - every request of the batch fails; the workers drop their groups
-            self.generate_failures += 1
-            log.warning("%s: generate failed for %d requests (%s: %s)", slot.name, len(taken), type(e).__name__, e)
-            for r in taken:
-                r.error = e
-                r.done.set()
-            return
-        for r in taken:
-            r.completions = [outs[(id(r), i)] for i in range(len(r.prompts))]
-            r.done.set()
+def supports_continuous(engine: Any) -> bool:
+    """The engine batches continuously (submit / step / poll / release: `Capabilities.continuous_batching`)."""
+    caps = getattr(engine, "capabilities", None)
+    return bool(getattr(caps, "continuous_batching", False)) and callable(getattr(engine, "submit", None))

@@ -47,6 +47,10 @@ class EnvSpec:
     lenient: bool = False
     latency_ms: float = 0.0
     """Injected latency per env step (ms)."""
+    action_format: Literal["free", "json"] = "free"
+    """json: answers are one JSON object (the env's `answer_schema`), free: free text."""
+    reason_chars: int = 0
+    """json answers: the longest reason string (0 = no reason field)."""
 
     def build(self) -> Any:
         from thinkcraft.envs.textenvs import RuleReward
@@ -57,7 +61,8 @@ class EnvSpec:
         else:
             reward_fn = RuleReward(0.0, 0.0, lenient=self.lenient)
         env = make_text_env(self.name, reward_fn=reward_fn, difficulty=self.difficulty, gsm8k_path=self.gsm8k_path,
-                            max_steps=self.max_turns, format_penalty=self.format_penalty)
+                            max_steps=self.max_turns, format_penalty=self.format_penalty,
+                            action_format=self.action_format, reason_chars=self.reason_chars)
         return LatencyEnv(env, self.latency_ms) if self.latency_ms > 0 else env
 
 

@@ -3,10 +3,12 @@ text env, against the shared engine front (batched generation, versioned weights
 
 Per turn: prompts of the group's active episodes (`prompt_fn(system, n)` gives the group's `GroupPrompts`,
 whose `next` builds them from the new observations and the last completions: train/llm_policy/rollout.py's
-ChatPrompts, the synchronous loop's prompts) -> `EngineFront.generate` (token ids + behaviour logprobs, and the
-weight version that made them) -> `env.step` -> one `TurnRecord` per active episode. Token in, token out: the
+ChatPrompts, the synchronous loop's prompts) -> `EngineFront.run` (token ids + behaviour logprobs, and the
+weight versions that made them) -> `env.step` -> one `TurnRecord` per active episode. Token in, token out: the
 engine's ids and logprobs are kept, never re-tokenized (a whole-history prompt extends the previous prompt
-with the reply's sampled ids).
+with the reply's sampled ids). With a continuously batching front the group's turns stay on one engine, which
+keeps each episode's KV between turns (released when the episode ends) and the system prompt's once; the
+first turn sizes the engines' KV caches for every worker's group (`_reserve`).
 
 Faults become dropped, counted groups (`Failure(reason)`), never a crashed run: an env step past
 `step_timeout_s`, an episode past `episode_timeout_s`, an env that crashed or raised (its process or
@@ -29,6 +31,10 @@ from thinkcraft.pools.local import LocalPool, WorkerContext, WorkFailed
 
 
 class GroupPrompts(Protocol):
+    """A group's prompt builder. Optional members (train/llm_policy/rollout.py's ChatPrompts has them):
+    `append_only` (prompts only grow: an engine may keep each episode's KV), `prefix_len(ids)` (the shared
+    prefix's length in a prompt) and `chats[i].fallback` (the template rewrote episode i's history)."""
+
     def next(self, idx: Sequence[int], obs: Sequence[str], comps: Sequence[Completion | None]) -> list[list[int]]:
         """The next prompts' token ids of episodes `idx`: their new observations, their last completions
         (None on the first turn)."""
@@ -67,6 +73,7 @@ class RolloutPool:
         self._not_started = 0
         self._envs: dict[int, Any] = {}
         self._env_restarts_closed = 0
+        self._reserved = False
         self._pool: LocalPool[GroupRequest, GroupResult] = LocalPool(
             "rollout", self._play, num_workers=num_workers, max_queued=max_queued)
 
@@ -115,6 +122,18 @@ class RolloutPool:
         if self.front is not None:
             self.front.notify()
 
+    def _reserve(self, first_prompt: list[int], prefix: int, keep_kv: bool) -> None:
+        """Size the engines' KV caches once, from the first prompt (as the synchronous rollout does): every
+        worker's group on one engine, each episode's whole history when its KV is kept between turns."""
+        with self._lock:  # before the first request of any worker reaches an engine
+            if self._reserved:
+                return
+            s = self.settings
+            per_turn = len(first_prompt) - prefix + s.sampling.max_new_tokens + 16
+            tokens = per_turn * (max(int(s.env.max_turns), 1) if keep_kv else 1)
+            self.front.reserve(self.num_workers * self.group_size, tokens, prefix)
+            self._reserved = True
+
     # ---------------------------------------------------------------------------------------- worker
 
     def _env_for(self, worker: int) -> Any:
@@ -153,28 +172,52 @@ class RolloutPool:
         obs = list(env.call("reset", ([req.seed] * n,), timeout()))
         trajs = [Trajectory(req.seed, req.group_id, k) for k in range(n)]
         group_prompts = self.prompt_fn(env.system_prompt, n)
+        # continuous batching: the group stays on one engine, which keeps each episode's KV between turns
+        # (prompts that only grow) and stores the shared prefix (the system prompt) once
+        keep_kv = self.front.continuous and getattr(group_prompts, "append_only", False)
+        episodes = [(req.group_id, req.attempt, k) for k in range(n)] if keep_kv else None
         last: list[Completion | None] = [None] * n
-        while True:
-            active = list(env.call("active_indices", (), timeout()))
-            self._set_active(req.group_id, len(active))
-            if not active:
-                break
-            if ctx.stopping:
-                raise WorkFailed("stopped", f"group {req.group_id} abandoned at stop")
-            prompts = group_prompts.next(active, [obs[i] for i in active], [last[i] for i in active])
-            comps, version = self.front.generate(prompts, [(req.group_id, i) for i in active], s.sampling,
-                                                 s.engine_timeout_s)
-            res = env.call("step", ([c.text for c in comps],), timeout())
-            for j, i in enumerate(active):
-                trajs[i].turns.append(TurnRecord.of_completion(obs[i], prompts[j], comps[j], res.rewards[j],
-                                                               res.infos[j].get("invalid", False), dict(res.infos[j]),
-                                                               version))
-                last[i] = comps[j]
-                obs[i] = res.observations[j]
-                if res.terminated[j] or res.truncated[j]:
-                    trajs[i].terminated, trajs[i].truncated = bool(res.terminated[j]), bool(res.truncated[j])
+        try:
+            while True:
+                active = list(env.call("active_indices", (), timeout()))
+                self._set_active(req.group_id, len(active))
+                if not active:
+                    break
+                if ctx.stopping:
+                    raise WorkFailed("stopped", f"group {req.group_id} abandoned at stop")
+                prompts = group_prompts.next(active, [obs[i] for i in active], [last[i] for i in active])
+                prefix = group_prompts.prefix_len(prompts[0]) if hasattr(group_prompts, "prefix_len") else 0
+                if self.front.continuous:
+                    self._reserve(prompts[0], prefix, keep_kv)
+                results = self.front.run(prompts, [(req.group_id, i) for i in active], s.sampling,
+                                         s.engine_timeout_s, prefix_len=prefix, route=req.group_id,
+                                         episodes=[episodes[i] for i in active] if episodes else None)
+                res = env.call("step", ([r.completion.text for r in results],), timeout())
+                ended = []
+                for j, i in enumerate(active):
+                    trajs[i].turns.append(_turn(obs[i], prompts[j], results[j], res, j, s.sampling,
+                                                getattr(group_prompts, "chats", None), i))
+                    last[i] = results[j].completion
+                    obs[i] = res.observations[j]
+                    if res.terminated[j] or res.truncated[j]:
+                        trajs[i].terminated, trajs[i].truncated = bool(res.terminated[j]), bool(res.truncated[j])
+                        ended.append(i)
+                if episodes and ended:
+                    self.front.release(None, [episodes[i] for i in ended])
+        finally:
+            self.front.release(req.group_id, episodes or ())
         wall = time.perf_counter() - t0
         for t in trajs:
             t.wall_time_s = wall
         return GroupResult(req, trajs, scored=s.env.reward == "rule")
 
+
+def _turn(obs: str, prompt: list[int], r: Any, res: Any, j: int, sampling: SamplingParams, chats: Any,
+          i: int) -> TurnRecord:
+    """The record of engine result `r` (a GenerationResult) for episode `i`, the env's result row `j`."""
+    return TurnRecord.of_completion(
+        obs, prompt, r.completion, res.rewards[j], res.infos[j].get("invalid", False), dict(res.infos[j]),
+        weight_versions=r.weight_versions, prefill_tokens=r.prefill_tokens,
+        reused_tokens=r.reused_tokens, shared_prefix_tokens=r.shared_prefix_tokens,
+        thinking_budget=r.thinking_budget if r.thinking_budget is not None else sampling.thinking_budget,
+        template_fallback=bool(chats[i].fallback) if chats is not None else False, structured=sampling.structured)

@@ -57,17 +57,19 @@ def env_spec(cfg: LLMPolicyConfig) -> EnvSpec:
     return EnvSpec(cfg.env, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path, max_turns=cfg.max_turns,
                    format_penalty=cfg.format_penalty, reward="deferred" if cfg.reward == "judge" else "rule",
                    answer_weight=cfg.answer_weight, format_weight=cfg.format_weight, lenient=cfg.lenient_answer,
-                   latency_ms=cfg.env_latency_ms)
+                   latency_ms=cfg.env_latency_ms, action_format=cfg.action_format,
+                   reason_chars=cfg.action_reason_chars)
 
 
-def make_prompt_fn(tokenizer: Any, history_turns: int) -> Any:
+def make_prompt_fn(tokenizer: Any, history_turns: int, sampling: Any = None) -> Any:
     """(system prompt, n) -> a group's ChatPrompts: the synchronous loop's prompts (token in, token out), with
-    one lock around the shared fast tokenizer (it can fail "Already borrowed" when threads encode at once)."""
+    one lock around the shared fast tokenizer (it can fail "Already borrowed" when threads encode at once).
+    `sampling`: json answers under a thinking budget open the thought in the prompt, as the sync loop does."""
     lock = threading.Lock()
 
     def group_prompts(system: str, n: int) -> ChatPrompts:
         with lock:
-            return ChatPrompts(tokenizer, system, n, history_turns, lock)
+            return ChatPrompts(tokenizer, system, n, history_turns, lock, sampling=sampling)
 
     return group_prompts
 
@@ -140,24 +142,50 @@ def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> We
                         "lora" if lora else "full", meta=lora_meta(learner.model) if lora else None)
 
 
+def front_batching(cfg: LLMPolicyConfig, slots: list[EngineSlot]) -> str:
+    """--gen-batching auto: continuous where every engine batches continuously (in-process hf engines), else
+    whole calls; an explicit continuous with engines that cannot is a clear error."""
+    from thinkcraft.pools.engine import supports_continuous
+    from thinkcraft.utils.errors import ConfigError
+
+    able = all(supports_continuous(s.engine) for s in slots)
+    if cfg.gen_batching == "continuous" and not able:
+        plain = ", ".join(s.name for s in slots if not supports_continuous(s.engine))
+        raise ConfigError("gen_batching", f"continuous needs engines that batch continuously (in-process hf "
+                                          f"engines); {plain} do not: use auto or whole")
+    if cfg.gen_batching == "auto":
+        return "continuous" if able else "whole"
+    return cfg.gen_batching
+
+
 def build_front(cfg: LLMPolicyConfig, slots: list[EngineSlot], pool: RolloutPool) -> EngineFront:
-    return EngineFront(slots, max_batch_rows=cfg.max_generate_batch, batch_wait_s=cfg.gen_batch_wait_ms / 1000.0,
-                       expected_rows=pool.expected_rows, max_lag=cfg.max_staleness)
+    return EngineFront(slots, batching=front_batching(cfg, slots), max_batch_rows=cfg.max_generate_batch,
+                       batch_wait_s=cfg.gen_batch_wait_ms / 1000.0, expected_rows=pool.expected_rows,
+                       max_lag=cfg.max_staleness)
 
 
 # ---------------------------------------------------------------------------------------------- pools
 
 
-def build_rollout_pool(cfg: LLMPolicyConfig, tokenizer: Any, sampling: Any) -> RolloutPool:
+def rollout_settings(cfg: LLMPolicyConfig, env: Any, sampling: Any) -> RolloutSettings:
+    """The rollout workers' settings (local and Ray backends): the env spec, and the sampling with the env's
+    answer grammar (`--action-format json`: `rollout.answer_structure` of the main process's `env`, the same
+    schema every worker's env checks answers against)."""
     from dataclasses import replace
 
-    settings = RolloutSettings(
-        env=env_spec(cfg), sampling=replace(sampling, n=1), env_mode=cfg.env_workers,
-        step_timeout_s=cfg.env_step_timeout_s, episode_timeout_s=cfg.env_episode_timeout_s or None,
-        engine_timeout_s=cfg.rollout_timeout_s,
-    )
-    return RolloutPool(settings, make_prompt_fn(tokenizer, cfg.history_turns), num_workers=cfg.rollout_workers,
-                       max_queued=cfg.rollout_workers * 2, group_size=cfg.samples_per_prompt)
+    from thinkcraft.train.llm_policy.rollout import answer_structure
+
+    return RolloutSettings(
+        env=env_spec(cfg), sampling=replace(sampling, n=1, structured=answer_structure(env, sampling)),
+        env_mode=cfg.env_workers, step_timeout_s=cfg.env_step_timeout_s,
+        episode_timeout_s=cfg.env_episode_timeout_s or None, engine_timeout_s=cfg.rollout_timeout_s)
+
+
+def build_rollout_pool(cfg: LLMPolicyConfig, tokenizer: Any, env: Any, sampling: Any) -> RolloutPool:
+    settings = rollout_settings(cfg, env, sampling)
+    return RolloutPool(settings, make_prompt_fn(tokenizer, cfg.history_turns, settings.sampling),
+                       num_workers=cfg.rollout_workers, max_queued=cfg.rollout_workers * 2,
+                       group_size=cfg.samples_per_prompt)
 
 
 def build_reward_pool(cfg: LLMPolicyConfig, judge: Any, task: Any, lock: Any) -> RewardPool | None:

@@ -42,7 +42,7 @@ from thinkcraft.utils.errors import ConfigError, UserError, check
 
 ASYNC_ONLY = ("max_staleness", "rollout_workers", "env_workers", "env_step_timeout_s", "env_episode_timeout_s",
               "max_group_attempts", "dynamic_sampling", "weight_sync", "rollout_devices", "rollout_servers",
-              "gen_batch_wait_ms", "judge_batch_groups", "rollout_timeout_s")
+              "gen_batch_wait_ms", "gen_batching", "judge_batch_groups", "rollout_timeout_s")
 
 QUEUE_POLICY = {
     "admission": "AReaL: (max_staleness + version + 1) * batch > accepted + running",
@@ -59,8 +59,9 @@ def check_async_config(cfg: Any) -> None:
             if getattr(cfg, name) != defaults[name]:
                 raise ConfigError(name, "applies to the asynchronous loop only: add --mode async")
         return
-    check(cfg.action_format == "free", "action_format",
-          "json answers (constrained decoding) run in the synchronous loop only for now: drop --mode async")
+    check(cfg.action_format == "free" or not cfg.rollout_servers, "action_format",
+          "json answers need engines that constrain decoding (in-process hf engines, or Ray engine actors): "
+          "drop --rollout-servers")
     check(cfg.max_staleness >= 0, "max_staleness", "must be >= 0 (0 = the synchronous schedule)")
     check(cfg.rollout_workers >= 1, "rollout_workers", "must be >= 1")
     check(cfg.env_step_timeout_s > 0, "env_step_timeout_s", "must be > 0")

@@ -70,7 +70,7 @@ class AsyncRun:
         else:
             self.slots = build_slots(cfg, p.learner, p.tokenizer, p.engine, self.model_lock, self.run_dir, model_dir,
                                      version)
-            self.rollout = build_rollout_pool(cfg, p.tokenizer, p.sampling)
+            self.rollout = build_rollout_pool(cfg, p.tokenizer, p.env, p.sampling)
         self.front = build_front(cfg, self.slots, self.rollout)
         self.rollout.attach(self.front)
         self._closers.append(self.stop_pools)
@@ -143,6 +143,7 @@ class AsyncRun:
         import numpy as np
 
         from thinkcraft.train.llm_policy.loop import _step_metrics
+        from thinkcraft.train.llm_policy.rollout import rollout_metrics
 
         now = self._snapshot()
         prev, self._prev = self._prev, now
@@ -151,7 +152,7 @@ class AsyncRun:
         timer.add("generate", sum(now["engine"].busy_s) - sum(prev["engine"].busy_s))
         timer.add("train", res.train_s)
         rec = _step_metrics(self.cfg, self.policy.env, res.trajectories, dt, timer)
-        rec.update({"policy_version": res.version, **res.stats, **timer.metrics()})
+        rec.update({"policy_version": res.version, **res.stats, **timer.metrics(), **rollout_metrics(res.trajectories)})
         stale = np.asarray(res.staleness)
         rec["staleness/mean"], rec["staleness/max"] = float(stale.mean()), int(stale.max())
         for k in range(self.cfg.max_staleness + 1):

@@ -203,9 +203,14 @@ class LLMPolicyConfig(RunOptions):
     (/collective_rpc reload_weights; LoRA: /v1/load_lora_adapter). With none of rollout_devices: HTTP only."""
     rollout_timeout_s: float = 600.0
     """Async: a generate call with no answer after this fails its group (HTTP engines: the request timeout)."""
+    gen_batching: Literal["auto", "continuous", "whole"] = "auto"
+    """Async: how the engines serve the workers' turns. continuous: each turn joins the running decode batch at
+    once and comes back as soon as it ends, a group's episodes keep their KV between turns, weights are taken
+    between decode steps; whole: one generate call over the turns waiting (the synchronous loop's batches at
+    max_staleness 0); auto: continuous where every engine can (in-process hf engines), else whole."""
     gen_batch_wait_ms: float = 20.0
-    """Async: longest a waiting generate request is held for a fuller batch while other episodes are still in
-    their env step (a straggler never holds the engine)."""
+    """Async, whole-call batching: longest a waiting generate request is held for a fuller batch while other
+    episodes are still in their env step (a straggler never holds the engine)."""
     judge_batch_groups: int = 64
     """Async: groups graded together in one judge call."""
 

@@ -102,10 +102,10 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from thinkcraft.pools import EngineSlot, RewardPool, RolloutSettings
+    from thinkcraft.pools import EngineSlot, RewardPool
     from thinkcraft.pools import ray_backend as RB
     from thinkcraft.pools import ray_weights as RW
-    from thinkcraft.train.llm_policy.async_build import env_spec, make_prompt_fn
+    from thinkcraft.train.llm_policy.async_build import make_prompt_fn, rollout_settings
     from thinkcraft.train.llm_policy.loop import _seed_everything
     from thinkcraft.train.llm_policy.model import make_engine
 
@@ -154,12 +154,9 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
                                 max_groups=cfg.judge_batch_groups)
         out.closers.append(lambda: out.reward.stop(drain=False, timeout_s=5.0))
     # rollout workers: the episode loop in the driver's worker threads, each env in its actor
-    settings = RolloutSettings(
-        env=env_spec(cfg), sampling=replace(p.sampling, n=1),
-        step_timeout_s=cfg.env_step_timeout_s, episode_timeout_s=cfg.env_episode_timeout_s or None,
-        engine_timeout_s=cfg.rollout_timeout_s)
+    settings = replace(rollout_settings(cfg, p.env, p.sampling), env_mode="thread")  # the env lives in its actor
     out.rollout = RB.RayRolloutPool(
-        settings, make_prompt_fn(p.tokenizer, cfg.history_turns), num_workers=cfg.rollout_workers,
+        settings, make_prompt_fn(p.tokenizer, cfg.history_turns, settings.sampling), num_workers=cfg.rollout_workers,
         max_queued=cfg.rollout_workers * 2, group_size=cfg.samples_per_prompt, engines=engines,
         start_timeout_s=cfg.ray_start_timeout_s,
         env_actor=lambda w: actor(RB._EnvActor, f"env{w}", layout.env_bundle(w), layout.env_cpus, 0,

@@ -185,6 +185,21 @@ class ChatPrompts:
         self._obs: list[str | None] = [None] * n
         self.specials = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids}
         self.lock = lock if lock is not None else contextlib.nullcontext()
+        self._prefix: np.ndarray | None = None
+
+    @property
+    def prefix(self) -> np.ndarray:
+        """The token ids of the rendered system prompt: the prefix every episode's prompts share."""
+        if self._prefix is None:
+            with self.lock:
+                ids = _encode_texts(self.tok, [_render(self.tok, self.system, False)])[0] if self.system else []
+            self._prefix = np.asarray(ids, dtype=np.int64)
+        return self._prefix
+
+    def prefix_len(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of prompt `ids` are the shared prefix (0 when it does not start with it)."""
+        p = len(self.prefix)
+        return p if 0 < p < len(ids) and np.array_equal(np.asarray(ids[:p]), self.prefix) else 0
 
     def next(self, idx: Sequence[int], obs: Sequence[str], comps: Sequence[Any]) -> list[list[int]]:
         """The next prompts' ids of episodes `idx`, given their new observations and their last completions
@@ -242,9 +257,7 @@ class _Continuous:
         self.rid = next(_ROLLOUT_IDS)
         self.prompts = ChatPrompts(tokenizer, env.system_prompt, len(episodes), history_turns, sampling=sampling)
         self.chats = self.prompts.chats
-        system = self.prompts.system
-        self.prefix = np.asarray(_encode_texts(tokenizer, [_render(tokenizer, system, False)])[0] if system else [],
-                                 dtype=np.int64)
+        self.prefix = self.prompts.prefix
         self.in_flight: set[int] = set()
         self.pending: list[Any] = []
         """Turns back from the engine whose env step has not happened yet."""
@@ -305,10 +318,7 @@ class _Continuous:
         from thinkcraft.llm.protocol import GenerationRequest
 
         for i, ids in zip(idx, self.prompts.next(idx, [self.obs[i] for i in idx], comps)):
-            prompt = np.asarray(ids, dtype=np.int64)
-            p = len(self.prefix)
-            shared = p if 0 < p < len(prompt) and np.array_equal(prompt[:p], self.prefix) else 0
-            self.engine.submit(GenerationRequest(ids, self.sampling, prefix_len=shared, tag=i,
+            self.engine.submit(GenerationRequest(ids, self.sampling, prefix_len=self.prompts.prefix_len(ids), tag=i,
                                                  episode=(self.rid, i) if self.append_only else None))
             self.in_flight.add(i)
 
