@@ -472,3 +472,30 @@ def test_a_slow_env_keeps_the_engine_busy_given_enough_workers():
     many = _idle_share_with_slow_env(12, max_batch_rows=8)
     assert one > 0.5  # one worker: the engine waits for the env two thirds of the time
     assert many < 0.2, many
+
+
+def test_fair_lock_serves_a_waiter_between_two_steps_of_a_tight_loop():
+    """The continuous slot thread takes the engine lock for every decode step; a learner asking for it (shared
+    parameters) gets it after at most the step in progress and the next one, in ask order."""
+    from thinkcraft.pools import FairLock
+
+    lock, steps, got_at = FairLock(), [0], []
+    stop = threading.Event()
+
+    def stepping():
+        while not stop.is_set():
+            with lock:
+                steps[0] += 1
+                time.sleep(0.002)
+
+    t = threading.Thread(target=stepping, daemon=True)
+    t.start()
+    time.sleep(0.05)
+    for _ in range(5):
+        before = steps[0]
+        with lock:
+            got_at.append(steps[0] - before)
+        time.sleep(0.01)
+    stop.set()
+    t.join(5)
+    assert max(got_at) <= 2, got_at

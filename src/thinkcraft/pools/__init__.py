@@ -17,7 +17,7 @@ from thinkcraft.pools.buffer import ReadyBuffer, group_has_signal
 from thinkcraft.pools.contract import (
     Failure, GroupRequest, GroupResult, Pool, PoolHealth, PoolStopped, Trajectory, TurnRecord, split_results, traj_id,
 )
-from thinkcraft.pools.engine import EngineFault, EngineFront, EngineSlot, EngineStats
+from thinkcraft.pools.engine import EngineFault, EngineFront, EngineSlot, EngineStats, FairLock
 from thinkcraft.pools.envproc import EnvFault, EnvSpec, LatencyEnv, ProcessEnv, ThreadEnv, make_env_handle
 from thinkcraft.pools.local import LocalPool, WorkerContext, WorkFailed
 from thinkcraft.pools.reward import RewardPool
@@ -28,7 +28,7 @@ from thinkcraft.pools.weights import (
 )
 
 __all__ = [
-    "CopyWeights", "EngineFault", "EngineFront", "EngineSlot", "EngineStats", "EnvFault", "EnvSpec", "Failure",
+    "CopyWeights", "EngineFault", "EngineFront", "EngineSlot", "EngineStats", "EnvFault", "EnvSpec", "FairLock", "Failure",
     "GroupRequest", "GroupResult", "HTTPWeights", "LatencyEnv", "LocalPool", "Pool", "PoolHealth", "PoolStopped",
     "ProcessEnv", "ReadyBuffer", "RewardPool", "RolloutPool", "RolloutSettings", "SharedWeights", "StalenessState",
     "ThreadEnv", "Trajectory", "TurnRecord", "WeightSync", "WeightUpdate", "WorkFailed", "WorkerContext",

@@ -68,6 +68,38 @@ class _Request:
             self.done.set()
 
 
+class FairLock:
+    """A lock granted in the order it was asked for (a ticket lock). A continuous-batching slot thread takes
+    its engine's lock for every decode step, in a tight loop; a plain lock promises a waiter nothing (the
+    thread that just released it may take it again first), so a learner sharing the engine's parameters could
+    wait for many steps. Not reentrant."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._next = 0
+        self._serving = 0
+
+    def acquire(self) -> bool:
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            while self._serving != ticket:
+                self._cv.wait()
+        return True
+
+    def release(self) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
 @dataclass
 class EngineSlot:
     """One engine and how its weights follow the learner's."""
@@ -80,7 +112,7 @@ class EngineSlot:
     """The device it generates on ("cuda:1"); None for a remote (HTTP) engine."""
     gen_context: Callable[[], Any] | None = None
     """Context entered around each generate call (e.g. bf16 autocast)."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: Any = field(default_factory=FairLock)
     """Held during each generate call; a learner that shares this engine's parameters holds it while it
     changes them (time-slicing one device)."""
     busy_s: float = 0.0

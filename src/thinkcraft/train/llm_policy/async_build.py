@@ -95,7 +95,7 @@ def _devices(cfg: LLMPolicyConfig, learner_device: Any) -> list[str]:
     return [device_name(_device(d.strip())) for d in cfg.rollout_devices.split(",") if d.strip()]
 
 
-def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engine: Any, model_lock: threading.Lock,
+def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engine: Any, model_lock: Any,
                 run_dir: Path, model_dir: str | None, version: int) -> list[EngineSlot]:
     """One EngineSlot per rollout engine (see the module docstring for the placement). `own_engine` is the
     engine over the learner's parameters (built before the learner, as the sync loop does)."""
@@ -203,7 +203,7 @@ class TrainWorker:
     published to the engines."""
 
     def __init__(self, cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, front: EngineFront,
-                 slots: list[EngineSlot], model_lock: threading.Lock, version: int, carry: Any) -> None:
+                 slots: list[EngineSlot], model_lock: Any, version: int, carry: Any) -> None:
         self.cfg, self.learner, self.tokenizer, self.front, self.slots = cfg, learner, tokenizer, front, slots
         self.model_lock = model_lock
         self.version = version

@@ -10,11 +10,10 @@ checkpoint on resume, like metrics.jsonl and the store), and `weights/` for HTTP
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
-from thinkcraft.pools import Failure, SharedWeights
+from thinkcraft.pools import FairLock, Failure, SharedWeights
 from thinkcraft.train.llm_policy.async_build import (
     TrainResult, TrainWorker, build_front, build_reward_pool, build_rollout_pool, build_slots, device_name,
     weight_update,
@@ -58,7 +57,7 @@ class AsyncRun:
         if cfg.algo == "apo" and carry.v_star is None:  # before the pools: it samples with the engine alone
             carry = carry._replace(v_star=apo_offline(cfg, p, session.timer))
         # 3. engines (shared / copies / HTTP) behind one front; rollout, reward and training pools
-        self.model_lock = threading.Lock()
+        self.model_lock = FairLock()  # the learner is served between two decode steps, never starved
         model_dir = None if cfg.model_spec.scheme == "random" else str(resolve_model_path(cfg.model))
         self.ray = None
         if cfg.pool_backend == "ray":  # engines, envs and judge as Ray actors (train/llm_policy/ray_build.py)
