@@ -129,3 +129,30 @@ def test_http_engines_declare_what_their_servers_promise() -> None:
     oa = _check_promises(make_engine("openai+http://127.0.0.1:1/v1", model="m"))
     assert sg.hidden_states and sg.token_ids_in and sg.token_ids_out and not sg.tokenizer and sg.device is None
     assert not oa.hidden_states and oa.token_ids_in and not oa.token_ids_out and not oa.device_tensors
+
+
+@pytest.mark.parametrize("api", ["StructuredOutputsParams", "GuidedDecodingParams", None])
+def test_vllm_structured_outputs_map_to_its_own_params(api):
+    """The in-process vLLM engine hands a JSON-schema constraint to vLLM's own structured outputs (the field of
+    the installed version), refuses "constrained" log-probs (vLLM reports the model's), and never drops it."""
+    import types
+
+    from thinkcraft.llm.constrained import StructuredOutput
+    from thinkcraft.llm.protocol import EngineCapabilityError, SamplingParams
+    from thinkcraft.llm.vllm_engine import structured_kwargs
+
+    mod = types.SimpleNamespace()
+    if api is not None:
+        setattr(mod, api, lambda **kw: (api, kw["json"]))
+    vllm = types.SimpleNamespace(sampling_params=mod, __version__="test")
+    schema = StructuredOutput.from_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert structured_kwargs(vllm, SamplingParams()) == {}
+    if api is None:
+        with pytest.raises(EngineCapabilityError, match="no structured outputs"):
+            structured_kwargs(vllm, SamplingParams(structured=schema))
+        return
+    field = "structured_outputs" if api == "StructuredOutputsParams" else "guided_decoding"
+    assert structured_kwargs(vllm, SamplingParams(structured=schema)) == {field: (api, schema.json_schema)}
+    constrained = StructuredOutput(schema.json_schema, logprobs="constrained")
+    with pytest.raises(EngineCapabilityError, match="constrained"):
+        structured_kwargs(vllm, SamplingParams(structured=constrained, logprobs=True))

@@ -55,6 +55,7 @@ class VLLMEngine:
         sp = self.vllm.SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
             stop=list(sampling.stop) or None, seed=sampling.seed, logprobs=0 if sampling.logprobs else None,
+            **structured_kwargs(self.vllm, sampling),
         )
         out = []
         for r in self.llm.generate(self._prompts(batch), sp):
@@ -85,3 +86,23 @@ class VLLMEngine:
     def close(self) -> None:
         self._pooler.clear()
         self.llm = None
+
+
+def structured_kwargs(vllm: Any, sampling: SamplingParams) -> dict[str, Any]:
+    """`SamplingParams.structured` as vLLM's own structured outputs (xgrammar / guidance inside vLLM):
+    `structured_outputs=StructuredOutputsParams(json=...)` (vLLM >= 0.10.2; the only form from 0.12), else the
+    older `guided_decoding=GuidedDecodingParams(json=...)`. vLLM reports the model's log-probs, never those of
+    the constrained distribution: a request for "constrained" log-probs is refused (the hf engine has them)."""
+    st = sampling.structured
+    if st is None:
+        return {}
+    if st.logprobs == "constrained" and sampling.logprobs:
+        raise EngineCapabilityError("vLLM reports the model's log-probs, not the constrained distribution's "
+                                    "(StructuredOutput.logprobs='constrained'): use the hf engine")
+    params = getattr(vllm, "sampling_params", None)
+    if hasattr(params, "StructuredOutputsParams"):
+        return {"structured_outputs": params.StructuredOutputsParams(json=st.json_schema)}
+    if hasattr(params, "GuidedDecodingParams"):
+        return {"guided_decoding": params.GuidedDecodingParams(json=st.json_schema)}
+    raise EngineCapabilityError(f"this vLLM ({getattr(vllm, '__version__', '?')}) has no structured outputs; "
+                                "upgrade vLLM or use the hf engine")
