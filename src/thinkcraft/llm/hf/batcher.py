@@ -60,6 +60,7 @@ class Batcher(CacheMixin, IterationMixin):
                  compile_step: bool, kv_cache_gb: float | None = None) -> None:
         self.eng = eng
         self.kv_cache_gb = kv_cache_gb
+        self._free_budget: float | None = None  # the default KV budget, measured once (cache.py `_kv_budget`)
         self.max_slots, self.max_seq_len, self.evict, self.width = max_slots, max_seq_len, evict, width
         self.compile_step = compile_step
         self._cv = threading.Condition(threading.RLock())
@@ -262,6 +263,7 @@ class Batcher(CacheMixin, IterationMixin):
         """Drop the cache (and anything queued, running or unpolled): the engine is closing."""
         with self._step_lock, self._cv:
             self.kv, self._step_fn, self._prefix = None, None, None
+            self._free_budget = None  # memory given back: the next cache measures the free memory again
             self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
             self._queue.clear()
             self._done.clear()

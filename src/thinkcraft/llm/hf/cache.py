@@ -1,8 +1,14 @@
 """The batcher's KV cache: allocation and growth within the KV budget, and the forward passes over it.
 
 The cache (`slots.SlotKV`) is allocated at the first admission, sized for the queue and the caller's
-`reserve`, and grown only while nothing runs (parked episodes are carried over). The decode forward runs the
-decoder layers with the slot attention, eagerly or through torch.compile with CUDA graphs.
+`reserve` (with headroom), and grown only while nothing runs (parked episodes are carried over). The decode
+forward runs the decoder layers with the slot attention, eagerly or through torch.compile with CUDA graphs.
+
+A new cache means new shapes and buffers for the compiled step: torch.compile recompiles (the slot width is a
+graph shape, the scratch column a specialised int) and CUDA graphs are recorded again - about 100 s for the
+Qwen2.5-0.5B shape on an H100. So a cache is not rebuilt for what a rollout merely estimates a little higher
+than the last one (`_HEADROOM`), and its KV budget is measured once (`_kv_budget`), not from what a learner
+sharing the GPU holds at the time.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ _WIDTH_BUCKET = 128
 
 DEFAULT_KV_FRACTION = 0.5
 """Share of the free GPU memory the slot KV cache may take when `kv_cache_gb` is not given."""
+_HEADROOM = 0.125
+"""Extra slot columns a cache is allocated with (as the budget allows). A rollout reserves from its own first
+prompts, so the reservation varies from rollout to rollout and an exact fit is outgrown by the next one:
+Craftax, 256 envs, the Qwen2.5-0.5B BPE, steps 0-29 reserve 1,304 to 1,496 columns (step 0: 1,328, step 1:
+1,416); 1/8 over step 0's is 1,536. Not more: the "static" width reads every column at every decode step."""
+
+
+def _device_free_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device (None elsewhere: no default budget)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def _round_up(x: int, m: int) -> int:
@@ -95,14 +111,18 @@ class CacheMixin:
                 old = (kv, self.table, self._prefix)
             else:
                 self.counters["evictions"] += self.table.drop_parked()
+        kv = None  # no reference to the old buffers while the new ones are allocated (unless carried over)
         try:
             self._allocate(want_slots, want_tokens, want_prefix, dtype)
         except torch.OutOfMemoryError:
-            if old is None:
+            if old is None and (self.kv_cache_gb is not None or self._free_budget is None):
                 raise
-            # the old cache and the new one do not fit together: drop the parked episodes' KV instead
-            self.counters["evictions"] += old[1].drop_parked()
-            old = None
+            # the old cache and the new one do not fit together (drop the parked episodes' KV instead), or the
+            # memory the default budget was measured in has gone to a learner since (measure it again)
+            if old is not None:
+                self.counters["evictions"] += old[1].drop_parked()
+                old = None
+            self._free_budget = None
             self._allocate(want_slots, want_tokens, want_prefix, dtype)
         if old is not None:
             self._carry_over(*old)
@@ -141,7 +161,8 @@ class CacheMixin:
         dev = eng.device
         self.kv = None  # free the old buffers first
         wanted = slots
-        slots = self._fit_slots(slots, tokens, prefix_cap, SlotKV.bytes_per_token(eng.num_layers, hkv, head_dim, dtype))
+        slots, tokens = self._fit_slots(slots, tokens, prefix_cap,
+                                        SlotKV.bytes_per_token(eng.num_layers, hkv, head_dim, dtype))
         self._budget_limited = slots < wanted
         self.kv = SlotKV(eng.num_layers, slots, tokens, hkv, head_dim, prefix_cap, dtype, dev,
                          static_addresses=self.compile_step)
@@ -178,17 +199,32 @@ class CacheMixin:
 
         self._advance = advance
 
-    def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> int:
-        """As many of the wanted slots as the KV budget holds (`kv_cache_gb`; on CUDA by default half the free
-        memory - the cache lives as long as the engine, and a learner sharing the GPU allocates its optimizer
-        state and activations after the first rollout): fewer slots than episodes means parked episodes get
-        evicted (memory stays bounded). One sequence that alone exceeds the budget is a clear error."""
-        budget = self.kv_cache_gb * 2**30 if self.kv_cache_gb is not None else None
-        if budget is None and self.eng.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.eng.device)
-            budget = DEFAULT_KV_FRACTION * free
+    def _kv_budget(self) -> float | None:
+        """The KV budget in bytes: `kv_cache_gb`, or on CUDA half the free memory at the first allocation - the
+        cache lives as long as the engine, and a learner sharing the GPU allocates its optimizer state and
+        activations after the first rollout. Kept for later allocations: measured again then, the learner's
+        memory (and the old cache's, held by torch's allocator) would shrink the cache at every regrowth.
+        None: unbounded (CPU)."""
+        if self.kv_cache_gb is not None:
+            return self.kv_cache_gb * 2**30
+        if self._free_budget is None:
+            free = _device_free_bytes(self.eng.device)
+            self._free_budget = None if free is None else DEFAULT_KV_FRACTION * free
+        return self._free_budget
+
+    def _fit_slots(self, slots: int, tokens: int, prefix_cap: int, per_token: int) -> tuple[int, int]:
+        """(slots, columns each): as many of the wanted slots as the KV budget (`_kv_budget`) holds - fewer
+        slots than episodes means parked episodes get evicted (memory stays bounded) - with `tokens` columns
+        and up to `_HEADROOM` more where the budget holds every wanted slot with them (never fewer slots for
+        headroom; capped at `max_seq_len`). One sequence that alone exceeds the budget is a clear error."""
+        room = _round_up(int(tokens * (1 + _HEADROOM)), _ROUND_TOKENS)
+        if self.max_seq_len is not None:
+            room = min(room, _round_up(self.max_seq_len, _ROUND_TOKENS))
+        budget = self._kv_budget()
         if budget is None:
-            return slots
+            return slots, max(tokens, room)
+        most = int((budget - prefix_cap * per_token) // (slots * per_token)) - 1  # columns + scratch, every slot
+        tokens = max(tokens, min(room, most // _ROUND_TOKENS * _ROUND_TOKENS))
         per_slot = (tokens + 1) * per_token
         fit = int((budget - prefix_cap * per_token) // per_slot)
         if fit < 1:
@@ -198,7 +234,7 @@ class CacheMixin:
         if fit < slots:
             log.warning("KV cache: %d of the %d wanted slots fit in %.1f GiB (%d tokens each); parked episodes will "
                         "be evicted", fit, slots, budget / 2**30, tokens)
-        return min(slots, fit)
+        return min(slots, fit), tokens
 
     def _grow_host(self, cap: int) -> None:
         old = getattr(self, "h_tok", None)

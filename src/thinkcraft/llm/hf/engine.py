@@ -54,7 +54,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
     bucket of the longest running sequence); `compile_decode` (torch.compile of the one-token step, CUDA graphs
     on a GPU); `max_slots` (sequences decoded at once; default `max_batch_size`), `max_seq_len` (KV columns one
     sequence may use after its shared prefix; None: unbounded, a longer request is a clear error otherwise),
-    `kv_cache_gb` (the slots' memory budget; default half the free GPU memory at allocation, unbounded on
+    `kv_cache_gb` (the slots' memory budget; default half the free GPU memory at the first allocation, unbounded on
     CPU), `evict` ("oldest" / "longest": which parked episode's KV goes when a request needs its slot)."""
 
     def __init__(
