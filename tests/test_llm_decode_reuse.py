@@ -121,19 +121,10 @@ def test_the_default_kv_budget_is_measured_once(policy, monkeypatch) -> None:
     assert len(measured) == 2
 
 
-def test_compiled_decode_is_not_recompiled_after_a_learner_update(policy, monkeypatch) -> None:
-    """compile_decode (the CUDA default, forced on here): rollout -> learner update -> rollout with longer
-    prompts compiles nothing new (the decode step and its bookkeeping are dynamo frames)."""
-    import torch._dynamo
+def _graphs_after_each_rollout(monkeypatch) -> list[int]:
+    """A list that gets dynamo's count of compiled graphs after each `LP.rollout` call."""
     from torch._dynamo.utils import counters
 
-    import thinkcraft.llm.hf.cache as C
-
-    cfg, model, tok = policy
-    torch._dynamo.reset()  # a fresh count (and no recompile limit reached by other tests in this process)
-    engine = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True)
-    warned: list[str] = []
-    monkeypatch.setattr(C.log, "warning", lambda msg, *a: warned.append(msg % a))
     compiled: list[int] = []
     rollout = LP.rollout
 
@@ -143,6 +134,22 @@ def test_compiled_decode_is_not_recompiled_after_a_learner_update(policy, monkey
         return out
 
     monkeypatch.setattr(LP, "rollout", counted)
+    return compiled
+
+
+def test_compiled_decode_is_not_recompiled_after_a_learner_update(policy, monkeypatch) -> None:
+    """compile_decode (the CUDA default, forced on here): rollout -> learner update -> rollout with longer
+    prompts compiles nothing new (the decode step and its bookkeeping are dynamo frames)."""
+    import torch._dynamo
+
+    import thinkcraft.llm.hf.cache as C
+
+    cfg, model, tok = policy
+    torch._dynamo.reset()  # a fresh count (and no recompile limit reached by other tests in this process)
+    engine = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True)
+    warned: list[str] = []
+    monkeypatch.setattr(C.log, "warning", lambda msg, *a: warned.append(msg % a))
+    compiled = _graphs_after_each_rollout(monkeypatch)
     torch.manual_seed(0)
     reserved, (kv0, kv1) = _rollout_update_rollout(cfg, model, tok, engine, [[11, 12], [18, 19]])
     if warned:
@@ -158,7 +165,6 @@ def test_cuda_rollout_after_a_learner_update_records_no_new_graphs(monkeypatch) 
     """On a GPU, as `train llm-policy` runs it (bf16 base + LoRA, autocast, the compiled static step by
     default): the rollout after the first update compiles nothing new and keeps the cache."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
 
     cfg = LP.LLMPolicyConfig(model="random:tiny", finetune="lora", max_turns=3, lr=1e-2, device="cuda")
     model, tok = LP.load_policy(cfg, ["turn 0 of seed 3 more more Reply with a number."] * 20,
@@ -166,15 +172,7 @@ def test_cuda_rollout_after_a_learner_update_records_no_new_graphs(monkeypatch) 
     torch._dynamo.reset()
     engine = LP.make_engine(model, tok, cfg)
     assert engine.compile_decode and engine.kv_cache == "static"
-    compiled: list[int] = []
-    rollout = LP.rollout
-
-    def counted(*a, **k):
-        out = rollout(*a, **k)
-        compiled.append(counters["stats"]["unique_graphs"])
-        return out
-
-    monkeypatch.setattr(LP, "rollout", counted)
+    compiled = _graphs_after_each_rollout(monkeypatch)
     torch.manual_seed(0)
     reserved, (kv0, kv1) = _rollout_update_rollout(cfg, model, tok, engine, [[11, 12], [18, 19]],
                                                    torch.device("cuda"), torch.bfloat16)
