@@ -7,6 +7,8 @@ padded micro-batches, chunked vs full LM-head logits.
     python bench/learner_memory.py --shapes qwen2.5-0.5b --micro-batch-tokens 8192 16384
     python bench/learner_memory.py --shapes qwen3-4b --micro-batch-tokens 4096 8192
     python bench/learner_memory.py --shapes qwen2.5-0.5b --modes packed/chunked      # the default learner only
+    python bench/learner_memory.py --shapes qwen2.5-0.5b --modes packed/chunked --micro-batch-tokens 8192 32768 --profile 25
+                                                      # where the learner's time goes (device busy share, top ops)
     python bench/learner_memory.py --quick                                            # CPU smoke run
 
 Modes (`layout/logits`):
@@ -50,7 +52,7 @@ MODES = {  # name -> (pack, logits chunked, rows cap or None = the token budget 
     "old": (False, False, 8),
 }
 COLS = ["model_shape", "vocab_size", "mode", "micro_batch_tokens", "tokens", "micro_batches", "pad_frac", "learner_s", "learner_tokens_per_s",
-        "peak_learner_gb", "model_gb", "error"]
+        "peak_learner_gb", "model_gb", "device_busy_frac", "error"]
 MERGE_KEYS = ("bench", "model_shape", "vocab_size", "finetune", "mode", "micro_batch_tokens", "rows", "tokens", "card")
 
 
@@ -68,6 +70,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="auto")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile one update per mode: the top N ops by device time, and device_busy_frac")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shape, 4,096 ids, 16 short turns")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
@@ -120,12 +124,39 @@ def measure(a: argparse.Namespace, model: Any, rows: Any, mode: str, budget: int
         stats = learner.update(rows)  # returns after reading its statistics back: the device is done
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    prof = profile_update(a, learner, rows, f"{mode}-{budget}") if a.profile else {}
     del learner
     s = statistics.median(times)
     return {"layout": "packed" if stats["learner/packed"] == 1.0 else "padded", "logits": "chunked" if chunked else "full",
             "micro_batches": int(stats["learner/micro_batches"]), "pad_frac": round(stats["learner/pad_frac"], 3),
             "learner_s": round(s, 3), "learner_tokens_per_s": round(stats["learner/tokens"] / s, 1),
-            "peak_learner_gb": None if peak is None else round(peak, 2)}
+            "peak_learner_gb": None if peak is None else round(peak, 2), **prof}
+
+
+def profile_update(a: argparse.Namespace, learner: Any, rows: Any, tag: str) -> dict[str, Any]:
+    """One more update under torch.profiler: the top `a.profile` ops by device time (printed, and written to
+    bench/results/logs/learner_profile_<tag>.txt) and `device_busy_frac` = summed kernel time / wall time of the
+    update (near 1: compute-bound, so faster kernels or fewer FLOPs help; well below 1: the host's launches and
+    Python (PEFT wrappers, per-layer ops) leave the device idle, so larger micro-batches or CUDA graphs help)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = learner.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        learner.update(rows)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy_us = sum(getattr(e, key, 0.0) for e in events)
+    table = events.table(sort_by=key, row_limit=a.profile)
+    log = ROOT / "bench" / "results" / "logs" / f"learner_profile_{tag.replace('/', '-')}.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"wall {wall:.3f} s, summed {key} {busy_us / 1e6:.3f} s\n{table}\n")
+    print(table, flush=True)
+    return {"profile_wall_s": round(wall, 3), "device_busy_frac": round(busy_us / 1e6 / wall, 3),
+            "profile_log": str(log.relative_to(ROOT))}
 
 
 def run_shape(a: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
