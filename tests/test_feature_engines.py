@@ -177,6 +177,28 @@ def test_http_engine_learns_the_hidden_size_from_the_server(one, servers):
     assert sg2.model_info()["hidden_size"] == 64 and sg2.capabilities.num_layers is None
 
 
+def test_ppo_hidden_http_engine_sends_the_key_from_env_or_file(one, servers, tmp_path, monkeypatch, capsys):
+    """--engine-api-key-env / --engine-api-key-file reach the served engine's requests (a server that wants a
+    key answers without one 401); a source that cannot be read, or a key for an in-process engine, is a
+    one-line error before anything compiles."""
+    from thinkcraft.llm import make_engine
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig, engine_options
+
+    url = servers.app(make_app(one, "tiny", api_key="s3cret", batch_window_ms=0))
+    monkeypatch.setenv("TC_FEATURE_KEY", "s3cret")
+    (tmp_path / "key").write_text("s3cret\n")
+    for kw in (dict(engine_api_key_env="TC_FEATURE_KEY"), dict(engine_api_key_file=str(tmp_path / "key"))):
+        cfg = PPOHiddenConfig(engine=f"sglang+{url}", engine_timeout_s=30, **kw)
+        assert make_engine(cfg.engine, **engine_options(cfg)).model_info()["hidden_size"] == 64
+    with pytest.raises(Exception, match="401"):
+        make_engine(f"sglang+{url}", options=FAST).model_info()
+    base = ["train", "ppo-hidden", *TINY]
+    assert main([*base, "--engine", f"sglang+{url}", "--engine-api-key-env", "TC_UNSET_KEY"]) == 2
+    assert "--engine-api-key-env: environment variable TC_UNSET_KEY is not set" in capsys.readouterr().err
+    assert main([*base, "--engine-api-key-file", str(tmp_path / "key")]) == 2  # the default hf engine
+    assert "applies to sglang+http / openai+http engines" in capsys.readouterr().err
+
+
 def test_ppo_hidden_against_a_dead_server_says_so(capsys):
     assert main(["train", "ppo-hidden", *TINY, "--engine", "sglang+http://127.0.0.1:9", "--runs-dir", "/tmp/tc-dead"]) == 2
     err = capsys.readouterr().err

@@ -55,8 +55,8 @@ from thinkcraft.llm.serve_requests import (
 )
 from thinkcraft.llm.serve_responses import OpenAIShapes, Shaped, finish_reason, sse
 from thinkcraft.llm.serve_weights import WeightRoutes
-from thinkcraft.utils.apikey import resolve_api_key
-from thinkcraft.utils.errors import ConfigError, UserError, check
+from thinkcraft.utils.apikey import resolve_config_key
+from thinkcraft.utils.errors import UserError, check
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,7 @@ class ServeConfig:
         self.resolved_api_key()  # an unset variable or unreadable key file fails here, before the model loads
 
     def resolved_api_key(self) -> str | None:
-        try:
-            return resolve_api_key(self.api_key, self.api_key_env, self.api_key_file)
-        except UserError as e:
-            field, _, msg = str(e).partition(": ")
-            raise ConfigError(field if field.startswith("api_key") else "api_key", msg or str(e)) from None
+        return resolve_config_key(self.api_key, self.api_key_env, self.api_key_file)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.errors import ConfigError, UserError
 
 
 def resolve_api_key(key: str | None = None, env: str | None = None, file: str | os.PathLike | None = None,
@@ -38,3 +38,13 @@ def resolve_api_key(key: str | None = None, env: str | None = None, file: str | 
             raise UserError(f"{names[2]}: {path} is empty")
         return lines[0].strip()
     return None
+
+
+def resolve_config_key(key: str | None, env: str | None, file: str | os.PathLike | None,
+                       names: tuple[str, str, str] = ("api_key", "api_key_env", "api_key_file")) -> str | None:
+    """`resolve_api_key` for a command's config: a failure is a ConfigError naming the field at fault."""
+    try:
+        return resolve_api_key(key, env, file, names)
+    except UserError as e:
+        field, _, msg = str(e).partition(": ")
+        raise ConfigError(field if field in names else names[0], msg or str(e)) from None

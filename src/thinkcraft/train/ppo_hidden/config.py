@@ -43,6 +43,13 @@ class PPOHiddenConfig(PPOConfig):
     """--feature-devices: seconds one engine may take for its shard before it counts as dead (restarted)."""
     feature_retries: int = 2
     """--feature-devices: restarts + retries of a failed shard per refresh before the run stops (resumable)."""
+    engine_api_key_env: str | None = None
+    """sglang+http / openai+http engines: send the bearer token held in this environment variable (never on
+    the command line, where `ps` shows it)."""
+    engine_api_key_file: str | None = None
+    """sglang+http / openai+http engines: send the bearer token on the first line of this file."""
+    engine_timeout_s: float = 120.0
+    """sglang+http / openai+http engines: seconds per request (a refresh of many envs is several requests)."""
     engine_max_batch_tokens: int | None = None
     """Tokens per engine forward chunk (default: the engine's own)."""
     engine_quantize: Literal["none", "fp8"] = "none"
@@ -88,6 +95,7 @@ class PPOHiddenConfig(PPOConfig):
         check(self.hidden_proj_dim > 0, "hidden_proj_dim", "must be > 0")
         check(self.reset_pool_size is None or self.reset_pool_size >= 0, "reset_pool_size",
               "must be >= 0 (0 = the masked scheme)")
+        self._check_http_fields()
         if self.engine_random_weights is not None and not is_hf_spec(self.engine):
             raise ConfigError("engine_random_weights", f"applies to the in-process hf engine, not {self.engine!r}")
         check(self.overlap_env_sms >= 0, "overlap_env_sms", "must be >= 0 (0 = no SM partition)")
@@ -100,6 +108,18 @@ class PPOHiddenConfig(PPOConfig):
             self._check_feature_devices()
         check(self.coordinator_address is None, "coordinator_address",
               "multi-host runs are for train ppo; ppo-hidden splits its envs over one host's --devices")
+
+    def _check_http_fields(self) -> None:
+        """The served engines' options: not for an in-process engine; a key source that cannot be read is an
+        error now, before anything compiles."""
+        from thinkcraft.utils.apikey import resolve_config_key
+
+        check(self.engine_timeout_s > 0, "engine_timeout_s", "must be > 0")
+        given = [n for n in ("engine_api_key_env", "engine_api_key_file") if getattr(self, n)]
+        if given and is_hf_spec(self.engine):
+            raise ConfigError(given[0], f"applies to sglang+http / openai+http engines, not {self.engine!r}")
+        resolve_config_key(None, self.engine_api_key_env, self.engine_api_key_file,
+                           names=("engine_api_key", "engine_api_key_env", "engine_api_key_file"))
 
     def _check_feature_devices(self) -> None:
         import re
@@ -164,9 +184,11 @@ def is_hf_spec(spec: str) -> bool:
 
 
 def engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
-    """make_engine keyword options for an in-process hf engine (none for served engines)."""
+    """make_engine keyword options: an in-process hf engine's, or a served engine's HTTP options."""
     if not is_hf_spec(cfg.engine):
-        return {}
+        http = {"timeout_s": cfg.engine_timeout_s, "api_key_env": cfg.engine_api_key_env,
+                "api_key_file": cfg.engine_api_key_file}
+        return {k: v for k, v in http.items() if v is not None}
     opts: dict[str, Any] = {}
     if cfg.engine_device:
         opts["device"] = cfg.engine_device
