@@ -195,6 +195,9 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
     (dict(mode="async", action_format="json", max_new_tokens=64, rollout_servers="thinkcraft+http://x:1"),
      "action-format"),  # HTTP engines do not constrain decoding to the grammar
     (dict(gen_batching="whole"), "gen-batching"),  # async-only
+    (dict(mode="async", rollout_api_key_env="HOME"), "rollout-api-key-env"),  # no --rollout-servers
+    (dict(mode="async", rollout_servers="thinkcraft+http://x:1", rollout_api_key_env="TC_NO_SUCH_VAR"),
+     "rollout-api-key-env: environment variable TC_NO_SUCH_VAR"),
 ])
 def test_async_config_rejects_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):

@@ -115,8 +115,9 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
         engine = make_engine(twin, tokenizer, cfg)
         sync = CopyWeights(twin, version, on_change=engine.invalidate_prefix_cache, engine=engine)
         slots.append(EngineSlot(engine, sync, f"engine{k}-copy", dev, _autocast(dev, learner)))
+    http = HTTPOptions(timeout_s=cfg.rollout_timeout_s, api_key=cfg.rollout_api_key())
     for k, spec in enumerate(s.strip() for s in cfg.rollout_servers.split(",") if s.strip()):
-        engine, client = weights_client(spec, model_dir, lora, HTTPOptions(timeout_s=cfg.rollout_timeout_s))
+        engine, client = weights_client(spec, model_dir, lora, http)
         slots.append(EngineSlot(engine, HTTPWeights(client, run_dir / "weights", version=-1), f"http{k}", None))
     return slots
 

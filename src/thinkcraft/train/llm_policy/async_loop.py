@@ -42,7 +42,8 @@ from thinkcraft.utils.errors import ConfigError, UserError, check
 
 ASYNC_ONLY = ("max_staleness", "rollout_workers", "env_workers", "env_step_timeout_s", "env_episode_timeout_s",
               "max_group_attempts", "dynamic_sampling", "weight_sync", "rollout_devices", "rollout_servers",
-              "gen_batch_wait_ms", "gen_batching", "judge_batch_groups", "rollout_timeout_s")
+              "gen_batch_wait_ms", "gen_batching", "judge_batch_groups", "rollout_timeout_s", "rollout_api_key_env",
+              "rollout_api_key_file")
 
 QUEUE_POLICY = {
     "admission": "AReaL: (max_staleness + version + 1) * batch > accepted + running",
@@ -76,6 +77,10 @@ def check_async_config(cfg: Any) -> None:
     for d in (x.strip() for x in cfg.rollout_devices.split(",") if x.strip()):
         check(d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()), "rollout_devices",
               f"{d!r} is not a device (cpu, cuda, cuda:N)")
+    if cfg.rollout_api_key_env or cfg.rollout_api_key_file:
+        check(bool(cfg.rollout_servers.strip()), "rollout_api_key_env" if cfg.rollout_api_key_env
+              else "rollout_api_key_file", "is the key of --rollout-servers (none given)")
+        cfg.rollout_api_key()  # an unset variable or unreadable file: one line now
     for spec in (x.strip() for x in cfg.rollout_servers.split(",") if x.strip()):
         check(spec.startswith(("thinkcraft+http", "sglang+http", "vllm+http")), "rollout_servers",
               f"{spec!r}: use thinkcraft+http://host:port, sglang+http://host:port or vllm+http://host:port/v1")

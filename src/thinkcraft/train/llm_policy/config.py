@@ -201,6 +201,10 @@ class LLMPolicyConfig(RunOptions):
     """Async: HTTP engines, comma-separated, each updated through its own endpoint: thinkcraft+http://host:port
     (thinkcraft serve), sglang+http://host:port (/update_weights_from_disk), vllm+http://host:port/v1
     (/collective_rpc reload_weights; LoRA: /v1/load_lora_adapter). With none of rollout_devices: HTTP only."""
+    rollout_api_key_env: str | None = None
+    """Async, --rollout-servers: send the bearer token held in this environment variable to every server."""
+    rollout_api_key_file: str | None = None
+    """Async, --rollout-servers: send the bearer token on the first line of this file to every server."""
     rollout_timeout_s: float = 600.0
     """Async: a generate call with no answer after this fails its group (HTTP engines: the request timeout)."""
     gen_batching: Literal["auto", "continuous", "whole"] = "auto"
@@ -328,16 +332,18 @@ class LLMPolicyConfig(RunOptions):
 
     def judge_engine_options(self) -> dict[str, Any]:
         """Options for `make_engine(judge_engine, ...)`: the HTTP judge's API key, resolved from its source."""
-        from thinkcraft.utils.apikey import resolve_api_key
-        from thinkcraft.utils.errors import ConfigError, UserError
+        from thinkcraft.utils.apikey import resolve_config_key
 
-        try:
-            key = resolve_api_key(None, self.judge_api_key_env, self.judge_api_key_file,
-                                  names=("", "judge_api_key_env", "judge_api_key_file"))
-        except UserError as e:
-            field = "judge_api_key_file" if self.judge_api_key_file else "judge_api_key_env"
-            raise ConfigError(field, str(e).split(": ", 1)[-1]) from None
+        key = resolve_config_key(None, self.judge_api_key_env, self.judge_api_key_file,
+                                 names=("judge_api_key", "judge_api_key_env", "judge_api_key_file"))
         return {"api_key": key} if key else {}
+
+    def rollout_api_key(self) -> str | None:
+        """The rollout servers' API key, resolved from its source (None: no key)."""
+        from thinkcraft.utils.apikey import resolve_config_key
+
+        return resolve_config_key(None, self.rollout_api_key_env, self.rollout_api_key_file,
+                                  names=("rollout_api_key", "rollout_api_key_env", "rollout_api_key_file"))
 
     def run_label(self) -> str:
         return f"{self.env}-{self.algo}-s{self.seed}"
