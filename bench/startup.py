@@ -3,6 +3,7 @@ again in an identical second run that reads the first run's programs back.
 
     python bench/startup.py                                   # Craftax-Symbolic-v1, 1024 envs (the GPU goal)
     python bench/startup.py --env-name Craftax-Classic-Symbolic-v1 --num-envs 8 --num-steps 16   # a CPU check
+    python bench/startup.py --job ppo-hidden --num-envs 128 --num-steps 100 --skip-n 25       # ppo-hidden's kernels
 
 Each run is the real CLI in a fresh process (`python -m thinkcraft train ppo ... --no-plot`, two chunks),
 with JAX_COMPILATION_CACHE_DIR pointing at one cache directory that starts empty. Measured per run, from
@@ -42,11 +43,14 @@ PROGRAM_CACHE_LINE = re.compile(r"program cache: (hit|miss|off) \(([\w-]+)")
 
 def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: str) -> dict[str, Any]:
     """Run `train ppo` once; seconds (from the process start) to the compiled chunk and to the first update."""
-    updates_per_chunk = args.updates_per_chunk
-    total = args.num_envs * args.num_steps * updates_per_chunk * 2  # two chunks: the first one is timed
-    cmd = [sys.executable, "-m", "thinkcraft", "train", "ppo", "--env-name", args.env_name,
-           "--num-envs", str(args.num_envs), "--num-steps", str(args.num_steps),
-           "--total-timesteps", str(total), "--updates-per-chunk", str(updates_per_chunk),
+    if args.job == "ppo":
+        total = args.num_envs * args.num_steps * args.updates_per_chunk * 2  # two chunks: the first one is timed
+        job = ["ppo", "--updates-per-chunk", str(args.updates_per_chunk)]
+    else:  # two updates; the engine loads before anything compiles
+        total = args.num_envs * args.num_steps * 2
+        job = ["ppo-hidden", "--skip-n", str(args.skip_n), "--engine", args.engine]
+    cmd = [sys.executable, "-m", "thinkcraft", "train", *job, "--env-name", args.env_name,
+           "--num-envs", str(args.num_envs), "--num-steps", str(args.num_steps), "--total-timesteps", str(total),
            "--runs-dir", str(runs_dir), "--run-name", name, "--overwrite", "--no-plot", *args.extra]
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
     env.pop("THINKCRAFT_PROGRAM_CACHE_DIR", None)  # the program cache lives in the fresh cache dir too
@@ -78,7 +82,7 @@ def time_one_run(args: argparse.Namespace, cache: Path, runs_dir: Path, name: st
     total_s = time.perf_counter() - t0
     if proc.returncode != 0:
         tail = "\n".join(line for _, line in lines[-15:])
-        raise SystemExit(f"{name}: train ppo exited with {proc.returncode} after {total_s:.0f} s:\n{tail}")
+        raise SystemExit(f"{name}: train {args.job} exited with {proc.returncode} after {total_s:.0f} s:\n{tail}")
     if first_update_s is None:  # finished between two polls
         first_update_s = total_s
     compiled = [(t, float(m.group(1))) for t, line in lines if (m := COMPILED_LINE.search(line))]
@@ -108,6 +112,11 @@ def device_name() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=["ppo", "ppo-hidden"], default="ppo",
+                    help="ppo-hidden: its kernels compile at their first call (no 'compiled a chunk' line: "
+                         "compile_s is empty), the LLM engine loads first")
+    ap.add_argument("--engine", default="hf:default", help="ppo-hidden: the feature engine")
+    ap.add_argument("--skip-n", type=int, default=25, help="ppo-hidden: refresh interval (divides --num-steps)")
     ap.add_argument("--env-name", default="Craftax-Symbolic-v1")
     ap.add_argument("--num-envs", type=int, default=1024)
     ap.add_argument("--num-steps", type=int, default=64)
@@ -136,7 +145,7 @@ def main() -> None:
     card = device_name()
     command = "python bench/startup.py " + " ".join(sys.argv[1:])
     for rec in records:
-        rec.update({"card": card, "date": today(), "env_name": args.env_name, "num_envs": args.num_envs,
+        rec.update({"card": card, "date": today(), "job": args.job, "env_name": args.env_name, "num_envs": args.num_envs,
                     "program_cache_on": not args.no_program_cache,
                     "num_steps": args.num_steps, "updates_per_chunk": args.updates_per_chunk, "command": command})
     print_table(records, ["run", "card", "num_envs", "first_update_s", "compile_s", "before_compile_s",
@@ -148,7 +157,7 @@ def main() -> None:
               + (f"programs compiled again (cache misses): {misses}" if misses else "every program came from the cache")
               + f"; program cache: {records[1]['program_cache']}")
     path = write_records(args.out, records,
-                         merge_keys=("card", "env_name", "num_envs", "num_steps", "run", "program_cache_on"))
+                         merge_keys=("card", "job", "env_name", "num_envs", "num_steps", "run", "program_cache_on"))
     print(f"wrote {path}")
 
 

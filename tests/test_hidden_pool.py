@@ -228,6 +228,8 @@ def test_overlap_reset_envs_act_on_the_pool_encoded_at_the_previous_snapshot():
             state, _ = sch.before_window(state, k)
             pool, norm = jax.device_get((state.runner.rollout.env_state.pool, state.norm))
             state, traj, _, info = kernels.window(state)
+            if sch._future is not None:  # the engine is not thread-safe: the worker's call first, then ours
+                sch._future.result()
             want_h = _direct_encode(cfg, engine, pool.env_state, norm)
             windows.append((jax.device_get(traj), want_h, float(info["valid"])))
             state, _ = kernels.update(state, (traj,))  # (donates the state)
