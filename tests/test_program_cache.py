@@ -188,3 +188,33 @@ def test_train_ppo_second_run_reads_the_programs_and_trains_identically(tmp_path
     assert "program cache: hit (ppo-init" in err2 and "program cache: hit (ppo-chunk" in err2
     assert len(recs1) == 2 and recs1 == recs2 and _same(params1, params2)
     assert recs0 == recs1 and _same(params0, params1)  # the exported program is the traced one
+
+
+@pytest.mark.slow
+def test_train_ppo_hidden_second_run_reads_its_kernels_and_trains_identically(tmp_path, cache_dir, capsys):
+    """ppo-hidden's loop-called kernels (pool, refresh + window, update) are compiled through the cache at
+    their first call: a second identical run reads every one of them and trains bit for bit as the first."""
+    import torch
+    from test_feature_engines import TINY as HIDDEN_TINY
+    from test_train_ppo import _params, _same
+
+    from thinkcraft.cli import main
+    from thinkcraft.llm.testing import save_tiny, tiny_llama
+
+    torch.manual_seed(0)
+    model = save_tiny(tmp_path / "model", *tiny_llama())
+    names = ("ppo-hidden-pool", "ppo-hidden-refresh-window", "ppo-hidden-update")
+
+    def run(name):
+        assert main(["train", "ppo-hidden", *HIDDEN_TINY, "--engine", f"hf:{model}", "--run-dir",
+                     str(tmp_path / name)]) == 0
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        recs = [{k: v for k, v in json.loads(x).items()
+                 if not k.startswith(("timing", "llm/")) and k not in ("time_s", "sps")} for x in lines]
+        return recs, _params(tmp_path / name)[0], capsys.readouterr().err
+
+    recs1, params1, err1 = run("first")
+    assert all(f"program cache: miss ({n}" in err1 for n in names), err1[-3000:]
+    recs2, params2, err2 = run("second")
+    assert all(f"program cache: hit ({n}" in err2 for n in names), err2[-3000:]
+    assert len(recs1) == 2 and recs1 == recs2 and _same(params1, params2)

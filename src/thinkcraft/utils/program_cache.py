@@ -414,3 +414,26 @@ def compile_cached(jitted_fn: Callable, args: tuple, *, name: str, donate_argnum
     _log(f"miss ({name} {key[:12]}, {total_s:.1f} s = {total_s - xla_s:.1f} s trace and export + {xla_s:.1f} s XLA; "
          + ("saved)" if written else "not saved: its output structure cannot be rebuilt)"))
     return CachedProgram(compiled, in_tree, out_tree, False, key)
+
+
+class LazyCachedKernel:
+    """A jitted kernel that a loop calls (rather than compiling it ahead of time), compiled through
+    `compile_cached` at its first call with that call's arguments; a call whose argument shapes or
+    structure differ compiles (and caches) its own program, as `jax.jit` would."""
+
+    def __init__(self, jitted_fn: Callable, *, name: str, donate_argnums: Iterable[int] = (),
+                 key_extra: Any = None) -> None:
+        self.jitted_fn, self.name, self.donate_argnums = jitted_fn, name, tuple(donate_argnums)
+        self.key_extra = key_extra
+        self._programs: dict[Any, Callable] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        import jax
+
+        leaves, tree = jax.tree.flatten(args)
+        sig = (tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
+        program = self._programs.get(sig)
+        if program is None:
+            program = self._programs[sig] = compile_cached(
+                self.jitted_fn, args, name=self.name, donate_argnums=self.donate_argnums, key_extra=self.key_extra)
+        return program(*args)

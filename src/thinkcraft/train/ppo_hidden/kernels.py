@@ -186,8 +186,26 @@ def build_kernels(cfg: PPOHiddenConfig, env: Any, network: Any, shards: Any = No
     window = over_shards(_window, shards, (st,), window_out)
     window_after_refresh = over_shards(window_after_refresh, shards, (st, None), window_out)
     update = over_shards(_update, shards, (st, 0, 0), (st, None))
-    return Kernels(new_pool=jax.jit(over_seeds(new_pool, S)),
+    # the kernels that trace env steps or the PPO update come from the traced-program cache on a re-run
+    # (utils/program_cache.py: no tracing or lowering, so a resumed run starts sooner); `install` is cheap
+    cached = _program_cache(cfg)
+    return Kernels(new_pool=cached(jax.jit(over_seeds(new_pool, S)), "ppo-hidden-pool"),
                    install=jax.jit(over_seeds(install, S, in_axes=(0, 0, None, 0, 0, 0))),
-                   window=jax.jit(over_seeds(window, S)),
-                   window_after_refresh=jax.jit(over_seeds(window_after_refresh, S)),
-                   update=jax.jit(over_seeds(update, S), donate_argnums=0))
+                   window=cached(jax.jit(over_seeds(window, S)), "ppo-hidden-window"),
+                   window_after_refresh=cached(jax.jit(over_seeds(window_after_refresh, S)), "ppo-hidden-refresh-window"),
+                   update=cached(jax.jit(over_seeds(update, S), donate_argnums=0), "ppo-hidden-update", (0,)))
+
+
+def _program_cache(cfg: PPOHiddenConfig) -> Callable[..., Any]:
+    """(jitted kernel, name[, donated args]) -> the kernel compiled through the program cache at its first call,
+    keyed by every config field that can shape it (train ppo's run-only fields excluded). Every kernel takes
+    the state, so an output's TrainState takes its apply_fn and optimizer from the argument's."""
+    from thinkcraft.train.ppo import PROGRAM_KEY_EXCLUDE
+    from thinkcraft.utils.program_cache import LazyCachedKernel, program_key_config
+
+    key_extra = program_key_config(cfg, PROGRAM_KEY_EXCLUDE)
+
+    def cached(jitted: Any, name: str, donate: tuple[int, ...] = ()) -> Any:
+        return LazyCachedKernel(jitted, name=name, donate_argnums=donate, key_extra=key_extra)
+
+    return cached
