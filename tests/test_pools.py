@@ -499,3 +499,52 @@ def test_fair_lock_serves_a_waiter_between_two_steps_of_a_tight_loop():
     stop.set()
     t.join(5)
     assert max(got_at) <= 2, got_at
+
+
+def test_continuous_front_serves_each_request_as_the_engine_generates_it_alone():
+    """batching="continuous" over the hf engine: requests from several workers join one running decode batch
+    and come back with the tokens greedy decoding gives each alone, their weight versions, and the rows per
+    decode step counted; a request longer than the engine allows fails alone (its worker's group), the others
+    are served."""
+    import torch
+
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.llm.testing import tiny_llama
+
+    torch.manual_seed(0)
+    engine = HFEngine.from_model(*tiny_llama(), max_seq_len=64)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompts = [[1, 5, 9, 13], [1, 7, 7], [1, 2, 3, 4, 5, 6], [1, 40]]
+    alone = [engine.generate(Batch(items=[p]), greedy)[0].token_ids for p in prompts]
+    front = EngineFront([EngineSlot(engine, SharedWeights(2, engine))], batching="continuous")  # engine at v2
+    out: dict = {}
+
+    def ask(k):
+        try:
+            out[k] = front.run([prompts[k]], [(k, 0)], greedy, timeout_s=60, route=k, episodes=[(k, 0)])
+        except Exception as e:  # noqa: BLE001
+            out[k] = e
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    too_long = threading.Thread(target=lambda: out.setdefault("long", _call(front, [1] * 80, greedy)))
+    too_long.start()
+    for t in [*threads, too_long]:
+        t.join(60)
+    for k, p in enumerate(prompts):
+        (res,) = out[k]
+        assert res.completion.token_ids == alone[k] and res.weight_versions[0][1] == 2
+    assert isinstance(out["long"], Exception) and "max_seq_len" in str(out["long"])
+    st = front.stats()
+    assert st.batches >= 6 and st.rows / st.batches > 1  # several requests decoded together
+    front.release(0, [(0, 0)])
+    front.stop()
+
+
+def _call(front, prompt, sampling):
+    try:
+        return front.run([prompt], ["x"], sampling, timeout_s=60)
+    except Exception as e:  # noqa: BLE001
+        return e

@@ -128,7 +128,9 @@ class EngineStats:
     wall_s: float
     busy_s: tuple[float, ...]
     batches: int
+    """Generate calls (whole-call batching) or decode steps (continuous)."""
     rows: int
+    """Rows summed over those batches: rows / batches is the mean batch."""
     versions: tuple[int, ...]
     update_failures: int
     generate_failures: int
@@ -208,8 +210,10 @@ class EngineFront:
         if not req.done.wait(timeout_s):
             with self._cv:  # by identity: another request may hold equal prompts
                 self._pending = [r for r in self._pending if r is not req]
-                for q in self._queues:
-                    q[:] = [r for r in q if r is not req]
+                for k, q in enumerate(self._queues):
+                    if any(r is req for r in q):
+                        q[:] = [r for r in q if r is not req]
+                        self._load[k] -= len(req.prompts)
             req.fail(EngineFault("abandoned"))  # rows still running are dropped when they finish
             raise EngineFault(f"no completion within {timeout_s:g}s (engine busy, hung or dead)")
         if req.error is not None:
@@ -407,19 +411,22 @@ class EngineFront:
         if r.done.is_set():  # abandoned (timed out) while queued
             self._unload(k, len(r.prompts))
             return
+        submitted = 0
         try:
             for i, prompt in enumerate(r.prompts):
                 p = r.prefix_len if 0 < r.prefix_len < len(prompt) else 0
                 h = slot.engine.submit(GenerationRequest(prompt, r.sampling, prefix_len=p, tag=r.keys[i],
                                                          episode=r.episodes[i] if r.episodes else None))
                 running[h] = (r, i)
+                submitted += 1
         except Exception as e:  # noqa: BLE001 - a bad request (e.g. longer than a slot): its group fails
             log.warning("%s: a request was refused (%s: %s)", slot.name, type(e).__name__, e)
             r.fail(e)
-        slot.rows += len(r.prompts)
+            self._unload(k, len(r.prompts) - submitted)  # the rows submitted come back (and are dropped)
 
     def _step(self, k: int, running: dict[int, tuple[_Request, int]]) -> None:
         slot = self.slots[k]
+        slot.rows += len(running)  # stats: rows per decode step (the running batch), as whole calls count theirs
         try:
             with slot.lock:  # a learner sharing these parameters changes them between two steps, never during one
                 t0 = time.perf_counter()
