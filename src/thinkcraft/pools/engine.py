@@ -159,6 +159,8 @@ class EngineFront:
             plain = [s.name for s in self.slots if not supports_continuous(s.engine)]
             if plain:
                 raise ValueError(f"continuous batching needs engines that batch continuously; {plain} do not")
+            if len({id(s.engine) for s in self.slots}) < len(self.slots):  # each slot polls its engine's results
+                raise ValueError("continuous batching: two slots share one engine; give each engine one slot")
         self.batching = batching
         self.max_batch_rows = max_batch_rows
         self.batch_wait_s = batch_wait_s

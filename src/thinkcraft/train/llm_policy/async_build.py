@@ -4,8 +4,8 @@ reward pools, and the learner's worker (one TrainBatch -> one update -> WeightUp
 
 Placement: the learner on `--device`; an in-process engine per `--rollout-devices` entry: on the learner's
 own device it shares the learner's parameters (`--weight-sync shared`: generation and training take turns,
-the learner holding the engine's lock) or has a copy (`copy`: they overlap); on any other device a copy;
-plus one HTTP engine per `--rollout-servers` entry (its server loads each version from a file).
+the learner holding the engine's lock; a second entry for that device gets a copy) or has a copy (`copy`:
+they overlap); on any other device a copy; plus one HTTP engine per `--rollout-servers` entry (its server loads each version from a file).
 """
 
 from __future__ import annotations
@@ -105,8 +105,10 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
     lora = cfg.finetune == "lora"
     slots: list[EngineSlot] = []
     learner_dev = device_name(learner.device)
+    shared = False
     for k, dev in enumerate(_devices(cfg, learner.device)):
-        if dev == learner_dev and cfg.weight_sync == "shared":
+        if dev == learner_dev and cfg.weight_sync == "shared" and not shared:
+            shared = True  # one engine shares the learner's parameters; another one on this device is a copy
             # the learner's own parameters: one lock for both, so an update never overlaps a batch
             slots.append(EngineSlot(own_engine, SharedWeights(version, own_engine, learner.autocast),
                                     f"engine{k}-shared", dev, learner.autocast, lock=model_lock))
