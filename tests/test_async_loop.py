@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_llm_policy import _ParityReward
+
 from thinkcraft.envs.textenvs import ArithTask, RewardResult
 from thinkcraft.envs.textenvs import TaskEnv
 from thinkcraft.train import llm_policy as LP
@@ -23,22 +25,12 @@ def _cfg(tmp_path, **kw):
     return LP.LLMPolicyConfig(**base)
 
 
-class ParityReward:
-    """Completion length parity: a reward with variance for a random-weight model."""
-
-    def __call__(self, problems, completions):
-        return [RewardResult(reward=float(len(c) % 2), correct=bool(len(c) % 2), format_ok=True) for c in completions]
-
-    def counters(self):
-        return {}
-
-
 def patch_reward(monkeypatch):
     """The same parity reward in the sync loop's env and the async workers' (thread) envs."""
     import thinkcraft.pools.envproc as envproc
     import thinkcraft.train.llm_policy.loop as loop
 
-    env = lambda *a, **k: TaskEnv(ArithTask(1), ParityReward())  # noqa: E731 - (cfg, judge=None) / (spec)
+    env = lambda *a, **k: TaskEnv(ArithTask(1), _ParityReward())  # noqa: E731 - (cfg, judge=None) / (spec)
     monkeypatch.setattr(loop, "make_env_and_reward", env)
     monkeypatch.setattr(envproc.EnvSpec, "build", lambda self: env())
 

@@ -25,6 +25,7 @@ from thinkcraft.llm.testing import save_tiny, tiny_llama
 from thinkcraft.pools import EngineFront, EngineSlot, HTTPWeights, SharedWeights, WeightUpdate, trainable_state
 from thinkcraft.llm.weight_files import lora_meta, write_hf_weights, write_weight_file
 from thinkcraft.utils.retry import RetryPolicy
+from test_pools import generate
 
 FAST = HTTPOptions(retry=RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.1, jitter=0.0), timeout_s=30)
 
@@ -128,7 +129,7 @@ def test_weight_update_failing_half_way_keeps_the_old_version_and_retries(tiny, 
     front = EngineFront([slot], batch_wait_s=0.0, max_lag=0, update_backoff_s=0.05)
     with caplog.at_level("WARNING"):
         front.publish(WeightUpdate(1, trainable_state(learner, lora=False)))
-        comps, version = front.generate([[1, 50, 51]], [0], SamplingParams(max_new_tokens=2), timeout_s=60)
+        comps, version = generate(front, [[1, 50, 51]], [0], SamplingParams(max_new_tokens=2), timeout_s=60)
     # the torn file was refused (the server kept version 0 and its weights), logged, retried, then loaded
     assert "failed" in caplog.text and "keeps version 0" in caplog.text and "retries" in caplog.text
     assert version == 1 and front.stats().update_failures == 1
@@ -287,7 +288,7 @@ def test_engine_front_with_a_versioned_engine_ahead_does_not_count_a_failure(tin
     front = EngineFront([EngineSlot(engine, CopyWeights(twin, 4, engine=engine))], batch_wait_s=0.0, max_lag=0,
                         update_backoff_s=0.05, max_update_failures=1)
     front.publish(WeightUpdate(5, state))
-    comps, version = front.generate([[1, 50, 51]], [0], SamplingParams(max_new_tokens=2), timeout_s=60)
+    comps, version = generate(front, [[1, 50, 51]], [0], SamplingParams(max_new_tokens=2), timeout_s=60)
     assert version == 5 and len(comps) == 1 and front.stats().update_failures == 0 and front.fatal is None
     front.stop()
 

@@ -240,6 +240,12 @@ class ScriptedEngine:
 SP = SamplingParams(max_new_tokens=2)
 
 
+def generate(front, *args, **kw):
+    """(completions, the oldest weight version that made them) of `front.run(*args, **kw)`."""
+    res = front.run(*args, **kw)
+    return [r.completion for r in res], min(r.weight_versions[0][1] for r in res)
+
+
 def test_front_barrier_batches_in_key_order_and_reports_the_version():
     eng = ScriptedEngine()
     expected = {"rows": 3}
@@ -247,7 +253,7 @@ def test_front_barrier_batches_in_key_order_and_reports_the_version():
     out = {}
 
     def ask(key, prompt):
-        out[key] = front.generate([prompt], [key], SP, timeout_s=10)
+        out[key] = generate(front, [prompt], [key], SP, timeout_s=10)
 
     threads = [threading.Thread(target=ask, args=(k, [k] * (k + 1))) for k in (2, 0, 1)]
     for t in threads:
@@ -264,7 +270,7 @@ def test_front_barrier_batches_in_key_order_and_reports_the_version():
 def test_front_flushes_stragglers_after_the_wait():
     eng = ScriptedEngine()
     front = EngineFront([EngineSlot(eng, SharedWeights())], batch_wait_s=0.05, expected_rows=lambda: 10)
-    comps, v = front.generate([[1, 2]], [0], SP, timeout_s=5)
+    comps, v = generate(front, [[1, 2]], [0], SP, timeout_s=5)
     assert comps[0].text == "#### 2" and v == 0 and len(eng.batches) == 1
     st = front.stats()
     assert st.batches == 1 and st.rows == 1 and 0.0 <= st.idle_share <= 1.0
@@ -295,7 +301,7 @@ def test_failed_weight_update_keeps_old_version_and_retries(caplog):
     front = EngineFront([EngineSlot(eng, sync)], batch_wait_s=0.0, max_lag=0, update_backoff_s=0.05)
     front.publish(WeightUpdate(1))
     with caplog.at_level("WARNING"):
-        _, v = front.generate([[1]], [0], SP, timeout_s=10)
+        _, v = generate(front, [[1]], [0], SP, timeout_s=10)
     # max_lag 0: nothing was generated on version 0 after version 1 was published; it waited for the retry
     assert v == 1 and sync.calls == 3 and front.stats().update_failures == 2
     assert "keeps version 0" in caplog.text and "retries" in caplog.text
@@ -307,7 +313,7 @@ def test_weight_update_failing_for_good_is_a_clear_error_not_a_hang():
                         update_backoff_s=0.01, max_update_failures=3)
     front.publish(WeightUpdate(1))
     with pytest.raises(Exception, match="failed 3 times in a row"):
-        front.generate([[1]], [0], SP, timeout_s=10)
+        generate(front, [[1]], [0], SP, timeout_s=10)
     assert "still at version 0" in front.fatal
     front.stop()
 
@@ -317,8 +323,8 @@ def test_engine_error_fails_the_batch_and_the_next_one_works():
     eng.fail_next = 1
     front = EngineFront([EngineSlot(eng, SharedWeights())], batch_wait_s=0.0)
     with pytest.raises(Exception, match="injected engine failure"):
-        front.generate([[1]], [0], SP, timeout_s=5)
-    assert front.generate([[1]], [0], SP, timeout_s=5)[0][0].text == "#### 1"
+        generate(front, [[1]], [0], SP, timeout_s=5)
+    assert generate(front, [[1]], [0], SP, timeout_s=5)[0][0].text == "#### 1"
     assert front.stats().generate_failures == 1
     front.stop()
 

@@ -195,17 +195,23 @@ def _engine_builder(tok):
     return functools.partial(make_engine, tokenizer=tok, cfg=LLMPolicyConfig(model="random:tiny"))
 
 
+def _engine_actor(ray, model, tok, name, timeout_s, options, cuda=False):
+    """(ActorHandle, RayEngine) of an engine actor over `model` (its replacements built the same way)."""
+    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
+
+    remote = ray.remote(_EngineActor)
+    handle = ActorHandle(name, lambda n: remote.options(**options).remote(
+        model, _engine_builder(tok), lambda: None, 0, 1, cuda))
+    return handle, RayEngine(handle, timeout_s)
+
+
 def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
     import torch
 
-    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
     from thinkcraft.pools.weights import WeightUpdate
     ray = ray_cluster
     model, tok = _tiny_model()
-    remote = ray.remote(_EngineActor)
-    handle = ActorHandle("engine-w", lambda n: remote.options(num_cpus=0.5).remote(
-        model, _engine_builder(tok), lambda: None, 0, 1, False))
-    engine = RayEngine(handle, 60.0)
+    handle, engine = _engine_actor(ray, model, tok, "engine-w", 60.0, dict(num_cpus=0.5))
     sync = RW.ObjectStoreWeights(engine, RW._StoreCache(), version=0)
     handle.on_replace.append(sync.reset)
     state = {n: p.detach().clone() + torch.randn_like(p) * 0.01 for n, p in model.named_parameters()}
@@ -230,15 +236,11 @@ def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
 def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
     """The NCCL path's code (group of learner + engine actors, bf16 buckets, digests, versions, a replaced
     engine rejoining a rebuilt group) over Gloo on the CPU."""
-    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
     from thinkcraft.pools.weights import WeightUpdate
 
     ray = ray_cluster
     model, tok = _tiny_model()
-    remote = ray.remote(_EngineActor)
-    handle = ActorHandle("engine-g", lambda n: remote.options(num_cpus=0.5, max_concurrency=4).remote(
-        model, _engine_builder(tok), lambda: None, 0, 1, False))
-    engine = RayEngine(handle, 120.0)
+    handle, engine = _engine_actor(ray, model, tok, "engine-g", 120.0, dict(num_cpus=0.5, max_concurrency=4))
     bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cpu"), bucket_mb=0.01, timeout_s=120, backend="gloo")
     sync = RW.NcclWeights(0, bcast)
     handle.on_replace.append(sync.reset)
@@ -264,14 +266,10 @@ def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
 def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):
     import torch
 
-    from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
     from thinkcraft.pools.weights import WeightUpdate
     ray = ray_cluster
     model, tok = _tiny_model()
-    remote = ray.remote(_EngineActor)
-    handle = ActorHandle("engine-n", lambda n: remote.options(num_gpus=1).remote(
-        model, _engine_builder(tok), lambda: None, 0, 1, True))
-    engine = RayEngine(handle, 120.0)
+    handle, engine = _engine_actor(ray, model, tok, "engine-n", 120.0, dict(num_gpus=1), cuda=True)
     bcast = RW.NcclBroadcast(lambda: [engine], torch.device("cuda:0"), bucket_mb=0.01)
     sync = RW.NcclWeights(0, bcast)
     state = {n: p.detach().clone().cuda() + 0.5 for n, p in model.named_parameters()}

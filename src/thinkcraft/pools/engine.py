@@ -1,7 +1,6 @@
 """The engine side of the rollout pool: many rollout workers, their turns batched onto the engines.
 
-Rollout workers call `EngineFront.run(prompts, keys, sampling, ...)` (or `generate`, its completions and
-version) and block. One thread per engine ("slot") serves them in one of two ways (`batching`):
+Rollout workers call `EngineFront.run(prompts, keys, sampling, ...)` and block. One thread per engine ("slot") serves them in one of two ways (`batching`):
 
 **whole** (any engine: `generate(batch)`): the slot takes the waiting requests as one batch when
 
@@ -38,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Literal, Sequence
 
-from thinkcraft.llm.protocol import Batch, Completion, GenerationRequest, GenerationResult, SamplingParams
+from thinkcraft.llm.protocol import Batch, GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +221,6 @@ class EngineFront:
             raise EngineFault(f"{type(req.error).__name__}: {req.error}") from req.error
         assert all(r is not None for r in req.results)
         return req.results  # type: ignore[return-value]
-
-    def generate(self, prompts: list[list[int]], keys: list[Any], sampling: SamplingParams,
-                 timeout_s: float | None = None) -> tuple[list[Completion], int]:
-        """`run`'s completions and the oldest weight version that made them."""
-        res = self.run(prompts, keys, sampling, timeout_s)
-        return [r.completion for r in res], min(r.weight_versions[0][1] for r in res)
 
     def release(self, route: Hashable | None, episodes: Sequence[Hashable] = ()) -> None:
         """The group `route` ended (its engine may go to another group) and so did `episodes`: their KV is
