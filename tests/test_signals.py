@@ -98,3 +98,21 @@ def test_collect_under_sigterm_stops_after_the_call_in_flight(tmp_path, monkeypa
     report = json.loads((out / "_collect.json").read_text())
     assert report["interrupted"] and report["shards"] == 1 and report["num_steps"] == 3
     assert pq.read_table(out).column("step").to_pylist() == [0, 0, 2, 2]
+
+
+def test_the_handler_writes_its_line_without_the_rich_console(monkeypatch, capfd):
+    """The first signal's line is a plain write to fd 2: the handler can run inside rich's own print (a first
+    print imports rich's emoji table; a re-entrant import failed and the command exited 1 instead of 0)."""
+    import os
+    import signal
+
+    from thinkcraft.utils import signals
+
+    def reentered(*a, **k):
+        raise ImportError("cannot import name 'EMOJI' from partially initialized module (injected)")
+
+    monkeypatch.setattr(signals.console, "print", reentered)
+    with signals.StopRequest("stopping after the step in flight") as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.name == "SIGTERM"
+    assert "SIGTERM: stopping after the step in flight; send it again to abort now" in capfd.readouterr().err

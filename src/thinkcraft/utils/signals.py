@@ -20,6 +20,7 @@ and the previous handlers are restored on exit.
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import threading
 from typing import Any, Callable, TypeVar
@@ -61,7 +62,9 @@ class StopRequest:
             self._restore()
             raise KeyboardInterrupt
         self.signum = signum
-        console.print(f"\n[yellow]{signal_name(signum)}: {self.message}; send it again to abort now[/yellow]", soft_wrap=True)
+        # a plain write, not rich: the handler runs between two bytecodes of whatever the main thread does,
+        # possibly inside rich's own print (a first print importing its emoji table: a re-entrant import fails)
+        os.write(2, f"\n{signal_name(signum)}: {self.message}; send it again to abort now\n".encode())
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
