@@ -386,3 +386,42 @@ def test_maskless_attention_gets_the_varlen_kwargs_and_no_mask(arch: str) -> Non
     with torch.no_grad():
         want = torch.cat([dec(input_ids=a).last_hidden_state, dec(input_ids=b).last_hidden_state], 1)
     torch.testing.assert_close(h, want, atol=1e-5, rtol=1e-5, msg=lambda m: compat.broken("varlen_kwargs", m))
+
+
+def _old_get_obj(local, attr: str):
+    """torch 2.11's cudagraph_trees.get_obj (the GPU image): a thread without the state fails a bare assert."""
+    if hasattr(local, attr):
+        return getattr(local, attr)
+    assert torch._C._is_key_in_tls(attr)
+    return torch._C._get_obj_in_tls(attr)
+
+
+def test_cudagraph_thread_state_lets_a_new_thread_reach_its_tree_manager() -> None:
+    """The async pools step engines from their own threads; without the thread's state, torch 2.11's CUDA graph
+    trees fail there (a bare AssertionError) and the compiled decode step fell back to eager."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    got: dict[str, object] = {}
+
+    def plain() -> None:  # the failure the entry exists for, reproduced with the old lookup
+        try:
+            _old_get_obj(trees.local, "tree_manager_containers")
+            got["plain"] = "ok"
+        except AssertionError:
+            got["plain"] = "assert"
+
+    def ensured() -> None:
+        compat.ensure_cudagraph_thread_state()
+        compat.ensure_cudagraph_thread_state()  # idempotent
+        got["ensured"] = _old_get_obj(trees.local, "tree_manager_containers")
+        got["locks"] = _old_get_obj(trees.local, "tree_manager_locks")
+
+    for fn in (plain, ensured):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    assert got["plain"] == "assert"
+    assert isinstance(got["ensured"], dict) and got["ensured"] is not _old_get_obj(trees.local, "tree_manager_containers")
+    assert "locks" in got

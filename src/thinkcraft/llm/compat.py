@@ -258,6 +258,33 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t)
 
 
+def ensure_cudagraph_thread_state() -> None:
+    """Give the calling thread its own CUDA-graph-tree managers (`torch._inductor.cudagraph_trees`), as torch
+    2.13 does by itself. Up to torch 2.11 at least (the GPU image), the managers live in thread-local state
+    set up only on the thread that imported the module; a compiled "reduce-overhead" step called from any other
+    thread (the async pools' engine slot threads) fails with a bare AssertionError in `get_obj`, and the decode
+    step fell back to eager: 6x slower on an H100 (bench/async_llm_policy.py, 2026-11-27). A no-op where the
+    thread already has them; called before each compiled step (an attribute check)."""
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:  # a torch without inductor: nothing compiled uses CUDA graph trees
+        return
+    local = trees.local
+    if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    init = getattr(trees, "_initialize_tls", None)
+    if init is not None:
+        init(local)
+        return
+    import collections
+    import threading
+
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+
+
 def weights_version(params: Any) -> int:
     """A number that changes whenever one of `params` is modified in place (optimizer steps,
     `load_state_dict`): the sum of the private per-tensor counter `Tensor._version` (torch 1.x-2.13.0;

@@ -183,6 +183,8 @@ class CacheMixin:
         self.h_wantlp = np.zeros(slots, dtype=bool)
         self.h_think = np.zeros(slots, dtype=np.int64)
         self.h_trunc = np.zeros(slots, dtype=bool)
+        self.h_max = np.zeros(slots, dtype=np.int64)
+        self.h_tok = None  # the host token rows are per slot: a new slot count needs new ones (_grow_host)
         self.guides = SlotGuides(eng, slots, dev)
         self._grow_host(1)
         pin = dev.type == "cuda"
@@ -286,10 +288,11 @@ class CacheMixin:
             nonlocal failed
             if not failed:
                 try:
+                    compat.ensure_cudagraph_thread_state()  # the async pools step engines from their own threads
                     return self.logits.copy_(compiled(ids, pos, ctx))
                 except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
                     failed = True
-                    log.warning("compiled decode step unavailable (%s); running eager", e)
+                    log.warning("compiled decode step unavailable (%s: %s); running eager", type(e).__name__, e)
             return self._forward_last(ids, pos, ctx)
 
         return step
@@ -308,7 +311,7 @@ def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
                 return compiled(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
                 failed = True
-                log.warning("compiled %s unavailable (%s); running eager", what, e)
+                log.warning("compiled %s unavailable (%s: %s); running eager", what, type(e).__name__, e)
         return fn(*args)
 
     return call
