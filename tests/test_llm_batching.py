@@ -415,3 +415,26 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_engine_recovers(tiny,
     assert eng.pending() == 0 and eng.decode_metrics()["failed"] == 1
     got = eng.generate(Batch(items=prompts), GREEDY)  # a clean cache: the same tokens as before the fault
     assert [c.token_ids for c in got] == [c.token_ids for c in want] and eng.poll() == []
+
+
+def test_a_row_the_device_runs_past_max_new_tokens_ends_on_the_host(tiny) -> None:
+    """If the device's bookkeeping lets a row run past its max_new_tokens (seen once on an H100 with the async
+    pools: an IndexError that failed every running request), the host ends it with exactly max_new_tokens
+    tokens - the same ones - as finish "length", stops it on the device, and counts it."""
+    model, tok = tiny
+    prompt = _ids(tok, "Plain prompt without thinking")
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0, logprobs=True)
+    want = HFEngine.from_model(model, tok).generate(Batch(items=[prompt]), sp)[0]
+    if want.finish_reason != "length":
+        pytest.skip("the tiny model ends this prompt before max_new_tokens; the case needs a row that runs to it")
+    eng = HFEngine.from_model(model, tok)
+    h = eng.submit(GenerationRequest(prompt, sp))
+    eng.step()  # admitted and one token launched
+    b = eng._batcher
+    b.state.max_new[b.h_run.nonzero()[0]] = 1000  # the device would run on
+    got = _run(eng, [h])[h].completion
+    assert got.token_ids == want.token_ids and got.finish_reason == "length"
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert eng.decode_metrics()["host_length_ends"] == 1
+    h2 = eng.submit(GenerationRequest(prompt, sp))  # the slot serves the next request normally
+    assert _run(eng, [h2])[h2].completion.token_ids == want.token_ids

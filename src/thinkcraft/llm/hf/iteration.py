@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -12,6 +14,8 @@ from thinkcraft.llm.hf.rows import sample_rows
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, PrefillCtx, prefill_kernel
 from thinkcraft.llm.protocol import Completion, GenerationResult
+
+log = logging.getLogger(__name__)
 
 
 class IterationMixin:
@@ -144,6 +148,7 @@ class IterationMixin:
         self.h_temp[slots] = floats[:, 0]
         self.h_topp[slots] = floats[:, 1]
         self.h_wantlp[slots] = [sp.logprobs for sp in sps]
+        self.h_max[slots] = [sp.max_new_tokens for sp in sps]
         for (q, s, _), thinking in zip(chunk, in_think):
             q.versions = [(0, self.version)]
             self._slot_seq[s] = q
@@ -215,6 +220,12 @@ class IterationMixin:
             self.counters["decode_steps"] += 1
             rec = self._rec_host[buf].numpy()[rows]
             n = self.h_n[rows]
+            full = n >= self.h_max[rows]
+            if full.any():  # the device ran a row past its max_new_tokens: never seen on the CPU; see _desync
+                self._desync(rows[full], k)
+                rows, rec, n = rows[~full], rec[~full], n[~full]
+                if not len(rows):
+                    continue
             self.h_tok[rows, n] = rec[:, 0]
             self.h_lp[rows, n] = self._lp_host[buf].numpy()[rows]
             self.h_forced[rows, n] = rec[:, 2].astype(bool)
@@ -226,6 +237,24 @@ class IterationMixin:
             ended += [(int(s), "stop") for s in rows[rec[:, 1] == 0] if self._hit_stop(int(s))]
             if ended:
                 self._finish(ended)
+
+    def _desync(self, slots: np.ndarray, k: int) -> None:
+        """Rows whose host record is full (max_new_tokens tokens) while the device reports them still running.
+        Seen once, on an H100 with the async pools (a slot thread stepping a compiled engine that shares the
+        learner's weights, torch 2.11; 2026-11-27), as an IndexError that failed every running request. The
+        rows end here with what they have (finish_reason "length", exactly max_new_tokens tokens), the device
+        stops them, and the event is counted (`host_length_ends`) and logged with the state that explains it."""
+        st = self.state
+        idx = torch.as_tensor(slots, device=self.eng.device)
+        if not self.counters["host_length_ends"]:
+            log.warning(
+                "decode bookkeeping out of step at iteration %d (collected %d, launched %d, weight updates %d): slots "
+                "%s host tokens %s max_new %s admitted at %s; device n_gen %s max_new %s active %s", k,
+                self._collected, self._iter, int(self.counters["weight_updates"]), slots.tolist()[:8],
+                self.h_n[slots].tolist()[:8], self.h_max[slots].tolist()[:8], self.h_admit[slots].tolist()[:8],
+                st.n_gen[idx].tolist()[:8], st.max_new[idx].tolist()[:8], st.active[idx].tolist()[:8])
+        self.counters["host_length_ends"] += len(slots)
+        self._finish([(int(s), "length") for s in slots])
 
     def _hit_stop(self, s: int) -> bool:
         stop = self._slot_seq[s].req.sampling.stop
