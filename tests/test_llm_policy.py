@@ -134,6 +134,30 @@ class CountdownEnv:
         return {}
 
 
+def test_learner_refuses_parameters_off_its_device(tiny):
+    """A learner whose model was moved under it (seen once with an engine copy on a second GPU) stops at the
+    update with the tensors named, not deep inside the embedding."""
+    cfg, model, tok = tiny
+    learner = LP.Learner(cfg, model, tok, torch.device("cpu"), None)
+    rows = LP.build_rows([_turn([5, 6], [7, 8])], [1.0], [0], tok.pad_token_id, torch.device("cpu"))
+    learner.device = torch.device("cuda", 1)  # the learner's device; every parameter is elsewhere (the CPU)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"must be on cuda:1.*embed_tokens"):
+        learner.update(rows)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing trained
+
+
+def test_an_unindexed_cuda_device_is_pinned_to_the_current_gpu(monkeypatch):
+    """`--device cuda` / auto names one GPU for the whole run: the current one when the run starts (threads
+    that make another GPU current later must not move the learner's tensors)."""
+    from thinkcraft.train.llm_policy import model as M
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert M._device("auto") == torch.device("cuda", 1) and M._device("cuda") == torch.device("cuda", 1)
+    assert M._device("cuda:0") == torch.device("cuda", 0) and M._device("cpu") == torch.device("cpu")
+
+
 def test_rollout_multi_turn_keeps_engine_tokens_and_history_window(tiny):
     cfg, model, tok = tiny
     engine = LP.make_engine(model, tok, cfg)

@@ -173,6 +173,18 @@ class Learner:
     padded rows - and only its trained positions go through the LM head, in chunks (`rl.chunked_logprobs`):
     the (tokens x vocabulary) logits never exist at once (`logit_chunk_mib=0` keeps the old full logits)."""
 
+    def _check_devices(self) -> None:
+        """Every parameter on the learner's device, or a clear error naming the ones that are not. Seen once on
+        two H100s with the async pools (an engine copy on cuda:1): the first update failed inside the embedding
+        with tensors on cuda:0 and cuda:1, cause not yet found (2026-11-27); this says which tensors moved."""
+        want = self.device
+        away = [(n, str(p.device)) for n, p in self.model.named_parameters()
+                if p.device.type != want.type or (want.index is not None and p.device.index != want.index)]
+        if away:
+            raise RuntimeError(f"the learner's parameters must be on {want}, and {len(away)} are not (first: "
+                               f"{away[:4]}): something moved the learner's model (an engine copy? a device "
+                               "named without an index?)")
+
     def __init__(self, cfg: LLMPolicyConfig, model, tokenizer, device, autocast_dtype) -> None:
         import torch
 
@@ -329,6 +341,7 @@ class Learner:
         if rows.segments is None or rows.turns is None:
             raise ValueError("Learner.update takes the rows of build_rows (per-token segments and their turns)")
         cfg = self.cfg
+        self._check_devices()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         mbs = self.plan(rows)

@@ -150,11 +150,14 @@ def check_engine_for_algo(capabilities, algo: str) -> None:
 def _device(spec: str):
     import torch
 
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(spec)
+    d = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "CUDA is not available on this machine; use --device cpu or auto")
+    if d.type == "cuda" and d.index is None:
+        # "cuda" names the *calling thread's* current GPU: the pools create tensors on the learner's device from
+        # their own threads, and an engine on cuda:1 may make that GPU current in one of them; one index, fixed
+        # here (on the main thread), keeps the learner's weights and its rows on one GPU
+        d = torch.device("cuda", torch.cuda.current_device())
     return d
 
 class _AdapterOffEngine:
