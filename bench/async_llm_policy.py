@@ -5,7 +5,8 @@ share, reward against trained samples (one PNG), with and without a slow env.
     .venv/bin/python bench/async_llm_policy.py --quick
     # one GPU: sync vs async (η = 1) on arith and a GSM8K-layout task; then the 200 ms env with N workers
     .venv/bin/python bench/async_llm_policy.py --gpus 1      # (or in parts: --tasks arith --cases base, ...)
-    # two GPUs: async with an engine on each GPU (the learner time-sliced with the engine on cuda:0)
+    # two GPUs: async with an engine on each GPU (the learner time-sliced with the engine on cuda:0);
+    # `--gpus 1 2` measures both placements beside one sync reference
     CUDA_VISIBLE_DEVICES=0,1 .venv/bin/python bench/async_llm_policy.py --gpus 2
     # the CPU learning check of issue 20: the bundled model on arith, async η = 1, 30 steps (about an hour here)
     .venv/bin/python bench/async_llm_policy.py --learning-check
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import statistics
 import sys
@@ -57,7 +59,8 @@ from common import card, print_table, today, write_records  # noqa: E402
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
+    p.add_argument("--gpus", type=int, nargs="+", choices=[1, 2], default=[1],
+                   help="async placements to measure beside the one sync reference: 1, 2 or both (`--gpus 1 2`)")
     p.add_argument("--model", default="random:qwen2.5-0.5b")
     p.add_argument("--tasks", default="arith,gsm8k", help="comma-separated: arith, gsm8k (a GSM8K-layout file)")
     p.add_argument("--gsm8k-path", default=None, help="a GSM8K-layout JSONL (default: one written from arith problems)")
@@ -123,7 +126,7 @@ def gsm8k_layout_file(path: Path, n: int = 512) -> Path:
     return path
 
 
-def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_path: str | None):
+def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path, gsm8k_path: str | None):
     from thinkcraft.train.llm_policy import LLMPolicyConfig
 
     kw: dict = {}
@@ -131,7 +134,7 @@ def _config(a, task: str, mode: str, latency_ms: float, run_dir: Path, gsm8k_pat
         workers = a.slow_env_workers if latency_ms else a.rollout_workers
         kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy,
                   gen_batching=a.gen_batching)
-        if a.gpus == 2:
+        if gpus == 2:
             kw["rollout_devices"] = "cuda:0,cuda:1"
     return LLMPolicyConfig(
         env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
@@ -220,18 +223,37 @@ def _sync_reference(a) -> list[dict]:
              "curve": [(batch * r["step"], r["reward_mean"]) for r in d["steps"]]}]
 
 
-def _plan(a) -> list[tuple[str, str, float]]:
-    """(task, mode, env latency) runs: sync and async per task; the slow env on the first task."""
+class _EagerFallbacks(logging.Handler):
+    """Counts the engine's "compiled ... unavailable; running eager" warnings (one per failed compile)."""
+
+    count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "unavailable" in record.getMessage():
+            self.count += 1
+
+    @classmethod
+    def install(cls) -> "_EagerFallbacks":
+        h = cls(logging.WARNING)
+        logging.getLogger("thinkcraft.llm.hf").addHandler(h)
+        return h
+
+
+def _plan(a) -> list[tuple[str, str, float, int]]:
+    """(task, mode, env latency, gpus) runs: sync (one GPU) and async on each of --gpus per task; the slow env
+    on the first task (async on the fewest GPUs: the idle-share goal is about workers, not placement)."""
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if a.learning_check:
-        return [("arith", "async", 0.0)]
+        return [("arith", "async", 0.0, 1)]
     cases = {c.strip() for c in a.cases.split(",")}
     plan = []  # the sync reference (one GPU) runs in the same command as the async rows it is compared with
-    if "base" in cases:
-        for t in tasks:
-            plan += [(t, "sync", 0.0), (t, "async", 0.0)]
-    if "slow" in cases and a.slow_env_ms:
-        plan += [(tasks[0], "sync", a.slow_env_ms), (tasks[0], "async", a.slow_env_ms)]
+    base = [[(t, "sync", 0.0, 1)] + [(t, "async", 0.0, g) for g in sorted(set(a.gpus))] for t in tasks]
+    slow = [(tasks[0], "sync", a.slow_env_ms, 1), (tasks[0], "async", a.slow_env_ms, min(a.gpus))]
+    for i, t in enumerate(tasks):  # the first task's cases first (each row is written as soon as it is measured)
+        if "base" in cases:
+            plan += base[i]
+        if i == 0 and "slow" in cases and a.slow_env_ms:
+            plan += slow
     return plan
 
 
@@ -245,18 +267,24 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
+    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching")
+    name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
+    fallbacks = _EagerFallbacks.install()
     rows = []
-    for task, mode, latency in _plan(a):
-        cfg = _config(a, task, mode, latency, tmp / f"{task}-{mode}-{latency:g}", gsm)
+    for task, mode, latency, gpus in _plan(a):
+        fallbacks.count = 0
+        cfg = _config(a, task, mode, latency, gpus, tmp / f"{task}-{mode}-{latency:g}-{gpus}", gsm)
         try:
             m = _measure(a, cfg, mode)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others' rows
-            print(f"{task} {mode} env={latency:g}ms FAILED: {type(e).__name__}: {e}", flush=True)
-            rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
+            print(f"{task} {mode} gpus={gpus} env={latency:g}ms FAILED: {type(e).__name__}: {e}", flush=True)
+            rows.append({"task": task, "mode": mode, "gpus": gpus, "env_latency_ms": latency,
                          "max_staleness": a.max_staleness if mode == "async" else 0, "error": f"{type(e).__name__}: {e}",
                          "card": card(), "date": today()})
+            write_records(out, rows[-1:], merge_keys=keys)
             continue
-        rows.append({"task": task, "mode": mode, "gpus": a.gpus if mode == "async" else 1, "env_latency_ms": latency,
+        rows.append({"task": task, "mode": mode, "gpus": gpus, "env_latency_ms": latency,
                      "max_staleness": a.max_staleness if mode == "async" else 0,
                      "offpolicy": a.offpolicy if mode == "async" else "none",
                      # auto resolves to continuous: the bench's engines are in-process hf engines
@@ -264,13 +292,12 @@ def main(argv=None) -> int:
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
-                     **m, "card": card(), "date": today()})
-        print(f"{task} {mode} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
+                     # a compiled decode step that fell back to eager makes a row slow for the wrong reason
+                     "eager_fallbacks": fallbacks.count, **m, "card": card(), "date": today()})
+        print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",
               flush=True)
-    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching")
-    name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
+        write_records(out, rows[-1:], merge_keys=keys)  # each row as soon as it is measured (a cut run keeps it)
     if a.learning_check:  # every async run of the file so far (e.g. each correction) beside the sync reference
         rows_plot = _merged_rows(out, rows, keys) + _sync_reference(a)
         _plot(rows_plot, out.with_suffix(".png"), f"GRPO on arith, bundled model: async η={a.max_staleness} vs sync "
@@ -285,7 +312,7 @@ def main(argv=None) -> int:
         ref = next((s for s in ok if s["mode"] == "sync" and s["task"] == r["task"]
                     and s["env_latency_ms"] == r["env_latency_ms"]), None)
         if r["mode"] == "async" and ref:
-            print(f"{r['task']} env={r['env_latency_ms']:g}ms: async/sync samples/s = "
+            print(f"{r['task']} env={r['env_latency_ms']:g}ms: async ({r['gpus']} GPU) / sync (1 GPU) samples/s = "
                   f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -3,20 +3,60 @@
 # slow case cannot eat the call: logs and results land in $OUT (what the device tool brings back).
 #   bash bench/gpu_batch.sh "NAME SECONDS CMD..." "NAME SECONDS CMD..." ...
 # Example: bash bench/gpu_batch.sh "startup 240 python bench/startup.py" "label 150 python bench/label.py --mode structured"
+#
+# Work longer than one call (10 minutes): start the queue detached, then collect in consecutive calls on the
+# same warm machine (a detached process runs on until the machine goes back; each collect brings back what is
+# finished so far, so nothing is lost if the lease ends early):
+#   bash bench/gpu_batch.sh start "NAME SECONDS CMD..." ...      # returns at once
+#   bash bench/gpu_batch.sh collect 560                          # waits until the queue ends or 560 s pass
+# The queue runs in a copy of the tree outside the checkout ($Q/work): each device call re-sends the working
+# tree and removes files it does not know, which once deleted a queue's logs and results mid-run.
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-LOGS=$(mktemp -d); touch "$LOGS/.start"
-source bench/gpu_env.sh
-for spec in "$@"; do
-  read -r name limit cmd <<<"$spec"
-  echo "=== $name (limit ${limit}s): $cmd"
-  t0=$(date +%s)
-  timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$LOGS/$name.log" 2>&1
-  rc=$?
-  echo "    rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$LOGS/$name.log"
-done
-# one archive back (the tool returns at most 8 files): the logs and every result file this call wrote
-find bench/results -newer "$LOGS/.start" -type f > "$LOGS/new.txt"
-tar czf "$OUT/batch.tgz" -C "$LOGS" . -C "$PWD" $(cat "$LOGS/new.txt")
-echo "results written: $(tr '\n' ' ' < "$LOGS/new.txt")"
+Q=${GPU_QUEUE_DIR:-/tmp/tc-devq}
+
+pack() {  # the logs and every result file written since the queue started, in one archive ($OUT takes 8 files)
+  local logs=$1
+  find bench/results -newer "$logs/.start" -type f > "$logs/new.txt"
+  mkdir -p "$OUT"
+  tar czf "$OUT/batch.tgz" -C "$logs" . -C "$PWD" -T "$logs/new.txt"
+  echo "results written: $(tr '\n' ' ' < "$logs/new.txt")"
+}
+
+run_queue() {
+  local logs=$1; shift
+  source bench/gpu_env.sh
+  for spec in "$@"; do
+    read -r name limit cmd <<<"$spec"
+    echo "=== $name (limit ${limit}s): $cmd"
+    t0=$(date +%s)
+    timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$logs/$name.log" 2>&1
+    rc=$?
+    echo "    rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$logs/$name.log"
+  done
+}
+
+case "${1:-}" in
+  start)
+    shift
+    rm -rf "$Q"; mkdir -p "$Q/logs" "$Q/work"; touch "$Q/logs/.start"
+    tar cf - --exclude=./.git --exclude=./.venv --exclude=./.cache . | tar xf - -C "$Q/work"
+    (cd "$Q/work" && setsid nohup bash -c 'bash bench/gpu_batch.sh __queue "$@" > "$0/logs/queue.log" 2>&1; touch "$0/done"' \
+      "$Q" "$@" </dev/null >/dev/null 2>&1 &)
+    echo "queue started in $Q/work: $# jobs; collect with: bash bench/gpu_batch.sh collect SECONDS"
+    ;;
+  __queue)
+    shift; run_queue "$Q/logs" "$@"
+    ;;
+  collect)
+    limit=${2:-560}; t0=$(date +%s)
+    while [ ! -e "$Q/done" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    [ -e "$Q/done" ] && echo "queue finished" || echo "queue still running after ${limit}s"
+    cat "$Q/logs/queue.log"; (cd "$Q/work" && pack "$Q/logs")
+    ;;
+  *)
+    LOGS=$(mktemp -d); touch "$LOGS/.start"
+    run_queue "$LOGS" "$@"
+    pack "$LOGS"
+    ;;
+esac
