@@ -169,6 +169,10 @@ def _measure(a, cfg, mode: str) -> dict:
         "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
         "failed": recs[-1].get("rollout/failed", 0),
+        # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
+        **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in
+           ("engine/decode_step_ms", "engine/rows_per_decode_step", "timing/generate", "timing/train")
+           if all(k in r for r in steady)},
     }
 
 

@@ -229,6 +229,8 @@ def test_continuous_front_keeps_turn_kv_and_is_on_policy_at_eta_zero(tmp_path, m
         assert m["losses/ratio"] == pytest.approx(1.0, abs=1e-4) and m["staleness/max"] == 0
         assert m["kv/turn_reuse_saved_frac"] > 0.2 and m["kv/template_fallbacks"] == 0
         assert m["episode/turns"] == 3
+        assert m["engine/decode_step_ms"] > 0 and m["engine/rows_per_decode_step"] >= 1  # the slot's engine
+        assert m["engine/host_length_ends"] == 0
     ids = [i for line in journal(cfg.run_dir) for i in line["traj_ids"]]
     assert len(ids) == len(set(ids)) == 2 * 2 * 2
 

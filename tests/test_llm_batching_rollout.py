@@ -81,6 +81,8 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk:
     assert metrics["kv/prefill_saved_frac"] > 0.5 and metrics["kv/template_fallbacks"] == 0
     assert 0 < metrics["kv/turn_reuse_saved_frac"] < metrics["kv/prefill_saved_frac"]
     assert metrics["kv/evictions"] == 0 and engine.pending() == 0
+    assert metrics["engine/decode_step_ms"] > 0 and metrics["engine/host_length_ends"] == 0
+    assert 1 <= metrics["engine/rows_per_decode_step"] <= 6  # six episodes, each row a running episode
     assert engine._batcher.table.parked((0, 0)) is None  # ended episodes released their KV
     turns = [t for e in eps for t in e.turns]  # the learner trains each episode as one row: its last turn
     rows = LP.build_rows(turns, [1.0] * len(turns), [0.0] * len(turns), tok.pad_token_id, torch.device("cpu"))

@@ -134,7 +134,18 @@ class AsyncRun:
         if self.reward is not None:
             pools["reward"] = self.reward.health()
         return {"t": time.perf_counter(), "engine": self.front.stats(), "pools": pools,
-                "learner_busy_s": self.worker.busy_s}
+                "learner_busy_s": self.worker.busy_s, "decode": self._decode_counters()}
+
+    def _decode_counters(self) -> dict[str, float]:
+        """The in-process engines' decode counters, summed (HTTP engines keep theirs on the server)."""
+        total: dict[str, float] = {}
+        for s in self.slots:
+            if not getattr(getattr(s.engine, "capabilities", None), "continuous_batching", False):
+                continue  # HTTP engines, Ray actor handles
+            got = s.engine.decode_metrics()
+            for k, v in (got.items() if isinstance(got, dict) else ()):
+                total[k] = total.get(k, 0.0) + float(v)
+        return total
 
     def _metrics(self, res: TrainResult) -> dict[str, Any]:
         """The synchronous loop's step metrics over the interval since the previous update, plus staleness,
@@ -142,7 +153,7 @@ class AsyncRun:
         import numpy as np
 
         from thinkcraft.train.llm_policy.loop import _step_metrics
-        from thinkcraft.train.llm_policy.rollout import rollout_metrics
+        from thinkcraft.train.llm_policy.rollout import decode_metrics_delta, rollout_metrics
 
         now = self._snapshot()
         prev, self._prev = self._prev, now
@@ -157,6 +168,8 @@ class AsyncRun:
         for k in range(self.cfg.max_staleness + 1):
             rec[f"staleness/hist_{k}"] = int((stale == k).sum())
         rec.update(pool_metrics(prev, now, dt, self.coord, self.slots, self.learner_device))
+        if now["decode"]:
+            rec.update(decode_metrics_delta(prev["decode"], now["decode"]))
         return rec
 
     # ---------------------------------------------------------------------------------------- stop

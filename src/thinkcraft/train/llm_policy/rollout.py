@@ -91,10 +91,21 @@ def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int,
     if metrics is not None:
         metrics.update(rollout_metrics(episodes))
         if before:
-            after = engine.decode_metrics()
-            metrics["kv/evictions"] = after["evictions"] - before["evictions"]
-            metrics["kv/invalidated"] = after["invalidated"] - before["invalidated"]
+            metrics.update(decode_metrics_delta(before, engine.decode_metrics()))
     return episodes
+
+
+def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What an in-process engine's decode loop did between two `decode_metrics()` readings (summed over
+    engines by the caller): KV evictions and invalidations, the mean wall time of one decode step (launch +
+    collect, host included: against the GPU's own step time it shows a host-bound loop, e.g. one waiting for
+    the GIL behind other threads), rows per step, and rows the host ended past max_new_tokens."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = max(d.get("decode_steps", 0.0), 1.0)
+    return {"kv/evictions": d.get("evictions", 0.0), "kv/invalidated": d.get("invalidated", 0.0),
+            "engine/decode_step_ms": 1000.0 * d.get("decode_s", 0.0) / steps,
+            "engine/rows_per_decode_step": d.get("generated_tokens", 0.0) / steps,
+            "engine/host_length_ends": d.get("host_length_ends", 0.0)}
 
 
 def answer_structure(env, sampling):
