@@ -363,6 +363,35 @@ def test_cuda_compiled_step_and_turn_reuse_agree_with_eager_in_bf16() -> None:
         assert got[1].reused_tokens > len(system) and got[0].reused_tokens == len(system)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an engine on a second GPU needs 2 CUDA GPUs")
+def test_an_engine_on_the_second_gpu_stepped_from_a_thread_on_the_first() -> None:
+    """The async pools step each engine from its own thread, whose current GPU is cuda:0: an engine on cuda:1
+    (compiled CUDA-graph step, pipelined host copies) gives the tokens it gives stepped on its own device, and
+    never runs a row past max_new_tokens (its copies' completion events are on cuda:1's stream)."""
+    model, tok = tiny_llama(thinking=True, dtype=torch.bfloat16)
+    prompts = [_ids(tok, t) for t in ("Hello there", "The quick brown fox", "a b c d e f", "one two")]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0)
+    model.cuda(1)
+    with torch.cuda.device(1):  # the reference: the same compiled path, stepped with its own GPU current
+        want = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True).generate(
+            Batch(items=prompts), sp)
+    eng = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True)
+    got: dict = {}
+
+    def work() -> None:
+        torch.cuda.set_device(0)
+        hs = [eng.submit(GenerationRequest(p, sp)) for p in prompts]
+        got.update(_run(eng, hs))
+        got["order"] = hs
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert [got[h].completion.token_ids for h in got["order"]] == [c.token_ids for c in want]
+    assert eng.decode_metrics()["host_length_ends"] == 0
+
+
 def test_structured_and_free_requests_share_the_decode_batch() -> None:
     """A JSON-schema-constrained request and free ones in the same running batch, joining at different steps:
     the constrained answer parses, the free ones are the tokens they get alone (the mask touches their rows

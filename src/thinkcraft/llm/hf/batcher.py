@@ -289,8 +289,13 @@ class Batcher(CacheMixin, IterationMixin):
         if eng.model.training:
             eng.model.eval()
             self._restore_train = True
+        # the engine's GPU made current for the step: the caller's thread may have another one current (a slot
+        # thread of the async pools, a learner on cuda:0 updating an engine on cuda:1), and what uses the
+        # current device implicitly - the host copies' completion events, CUDA graph capture - must be this one
+        on_device = torch.cuda.device(eng.device) if eng.device.type == "cuda" else contextlib.nullcontext()
         try:
-            with torch.no_grad(), eng._on_partition(), eng._autocast_embeddings(), eng._attn_impl(self._attn):
+            with on_device, torch.no_grad(), eng._on_partition(), eng._autocast_embeddings(), \
+                    eng._attn_impl(self._attn):
                 yield
         finally:
             if self._restore_train and not self.busy():

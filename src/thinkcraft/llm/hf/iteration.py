@@ -186,7 +186,7 @@ class IterationMixin:
         self._lp_host[buf].copy_(lp, non_blocking=True)
         if self.eng.device.type == "cuda":
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.eng.device))  # the engine's GPU, whatever the thread's current one
             self._events[buf] = ev
         self.state = step.state
         self.h_len[rows] += 1
