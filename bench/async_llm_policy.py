@@ -251,13 +251,11 @@ def _plan(a) -> list[tuple[str, str, float, int]]:
         return [("arith", "async", 0.0, 1)]
     cases = {c.strip() for c in a.cases.split(",")}
     plan = []  # the sync reference (one GPU) runs in the same command as the async rows it is compared with
-    base = [[(t, "sync", 0.0, 1)] + [(t, "async", 0.0, g) for g in sorted(set(a.gpus))] for t in tasks]
-    slow = [(tasks[0], "sync", a.slow_env_ms, 1), (tasks[0], "async", a.slow_env_ms, min(a.gpus))]
     for i, t in enumerate(tasks):  # the first task's cases first (each row is written as soon as it is measured)
         if "base" in cases:
-            plan += base[i]
+            plan += [(t, "sync", 0.0, 1)] + [(t, "async", 0.0, g) for g in sorted(set(a.gpus))]
         if i == 0 and "slow" in cases and a.slow_env_ms:
-            plan += slow
+            plan += [(t, "sync", a.slow_env_ms, 1), (t, "async", a.slow_env_ms, min(a.gpus))]
     return plan
 
 

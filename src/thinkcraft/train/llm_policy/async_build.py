@@ -78,21 +78,16 @@ def make_prompt_fn(tokenizer: Any, history_turns: int, sampling: Any = None) -> 
 
 
 def device_name(device: Any) -> str:
-    """"cuda" as "cuda:<current>", so that one GPU has one name."""
-    import torch
+    """"cuda" as "cuda:<current>" (model._device's resolution), so that one GPU has one name."""
+    from thinkcraft.train.llm_policy.model import _device
 
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return str(d)
+    return str(_device(str(device)))
 
 
 def _devices(cfg: LLMPolicyConfig, learner_device: Any) -> list[str]:
-    from thinkcraft.train.llm_policy.model import _device
-
     if not cfg.rollout_devices and not cfg.rollout_servers:
         return [device_name(learner_device)]
-    return [device_name(_device(d.strip())) for d in cfg.rollout_devices.split(",") if d.strip()]
+    return [device_name(d.strip()) for d in cfg.rollout_devices.split(",") if d.strip()]
 
 
 def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engine: Any, model_lock: Any,
