@@ -17,7 +17,8 @@ Q=${GPU_QUEUE_DIR:-/tmp/tc-devq}
 
 pack() {  # the logs and every result file written since the queue started, in one archive ($OUT takes 8 files)
   local logs=$1
-  find bench/results -newer "$logs/.start" -type f > "$logs/new.txt"
+  # checkpoints stay behind: a 5-seed PPO run's (env states included) is 2.2 GB, over what $OUT brings back
+  find bench/results -newer "$logs/.start" -type f -not -path '*/checkpoint*' -size -40M > "$logs/new.txt"
   mkdir -p "$OUT"
   tar czf "$OUT/batch.tgz" -C "$logs" . -C "$PWD" -T "$logs/new.txt"
   echo "results written: $(tr '\n' ' ' < "$logs/new.txt")"
