@@ -90,6 +90,9 @@ def _args(argv=None):
     p.add_argument("--quick", action="store_true", help="CPU plumbing check: tiny model, 3 steps, 50 ms env")
     p.add_argument("--learning-check", action="store_true",
                    help="the bundled model on arith, async η = 1, 30 steps (CPU): does reward rise?")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="probe: the interpreter's GIL switch interval (sys.setswitchinterval; Python's default 5 ms): "
+                        "how long a thread waiting for the GIL lets a running one go on before asking it to yield")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -171,7 +174,8 @@ def _measure(a, cfg, mode: str) -> dict:
         "failed": recs[-1].get("rollout/failed", 0),
         # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
         **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in
-           ("engine/decode_step_ms", "engine/rows_per_decode_step", "timing/generate", "timing/train")
+           ("engine/decode_step_ms", "engine/decode_wait_ms", "engine/rows_per_decode_step", "timing/generate",
+            "timing/train")
            if all(k in r for r in steady)},
     }
 
@@ -267,9 +271,11 @@ def main(argv=None) -> int:
         # one intra-op thread: on a small shared CPU, a main thread's 2-thread OpenMP regions ran ~10x slower than
         # the same work on a worker thread (spin-waits under load), which would flatter async for the wrong reason
         torch.set_num_threads(1)
+    if a.switch_interval_ms is not None:
+        sys.setswitchinterval(a.switch_interval_ms / 1000.0)
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
-    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching")
+    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -295,7 +301,8 @@ def main(argv=None) -> int:
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
-                     "eager_fallbacks": fallbacks.count, **m, "card": card(), "date": today()})
+                     "eager_fallbacks": fallbacks.count, "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)
+                     **m, "card": card(), "date": today()})
         print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",
               flush=True)

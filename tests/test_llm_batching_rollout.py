@@ -82,6 +82,7 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk:
     assert 0 < metrics["kv/turn_reuse_saved_frac"] < metrics["kv/prefill_saved_frac"]
     assert metrics["kv/evictions"] == 0 and engine.pending() == 0
     assert metrics["engine/decode_step_ms"] > 0 and metrics["engine/host_length_ends"] == 0
+    assert 0 <= metrics["engine/decode_wait_ms"] <= metrics["engine/decode_step_ms"]
     assert 1 <= metrics["engine/rows_per_decode_step"] <= 6  # six episodes, each row a running episode
     assert engine._batcher.table.parked((0, 0)) is None  # ended episodes released their KV
     turns = [t for e in eps for t in e.turns]  # the learner trains each episode as one row: its last turn

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -212,7 +213,10 @@ class IterationMixin:
             k = self._collected
             buf = k % 2
             if self._events[buf] is not None:
+                t_wait = time.perf_counter()
                 self._events[buf].synchronize()
+                # the host waiting for the device: the rest of a step's wall time is host work (or the GIL)
+                self.counters["device_wait_s"] += time.perf_counter() - t_wait
             rows = np.flatnonzero(self.h_run & (self.h_admit <= k))
             self._collected += 1
             if not len(rows):

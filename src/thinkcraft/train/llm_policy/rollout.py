@@ -99,11 +99,14 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
     """What an in-process engine's decode loop did between two `decode_metrics()` readings (summed over
     engines by the caller): KV evictions and invalidations, the mean wall time of one decode step (launch +
     collect, host included: against the GPU's own step time it shows a host-bound loop, e.g. one waiting for
-    the GIL behind other threads), rows per step, and rows the host ended past max_new_tokens."""
+    the GIL behind other threads) and the part of it the host spent waiting for the device's previous
+    iteration (`decode_wait_ms`: near the step time = device-bound, near 0 = host-bound), rows per step, and
+    rows the host ended past max_new_tokens."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = max(d.get("decode_steps", 0.0), 1.0)
     return {"kv/evictions": d.get("evictions", 0.0), "kv/invalidated": d.get("invalidated", 0.0),
             "engine/decode_step_ms": 1000.0 * d.get("decode_s", 0.0) / steps,
+            "engine/decode_wait_ms": 1000.0 * d.get("device_wait_s", 0.0) / steps,
             "engine/rows_per_decode_step": d.get("generated_tokens", 0.0) / steps,
             "engine/host_length_ends": d.get("host_length_ends", 0.0)}
 
