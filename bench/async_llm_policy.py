@@ -42,6 +42,7 @@ gpu_idle_share, reward_final, card, date} (merged by task/mode/gpus/latency/η) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -93,6 +94,9 @@ def _args(argv=None):
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="probe: the interpreter's GIL switch interval (sys.setswitchinterval; Python's default 5 ms): "
                         "how long a thread waiting for the GIL lets a running one go on before asking it to yield")
+    p.add_argument("--profile-steady", type=float, default=0.0, metavar="SECONDS",
+                   help="py-spy this process for SECONDS once each run's first update is done (bench/steady_profile.py): "
+                        "per-thread summary in <out>_profile.json")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -150,12 +154,13 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
     )
 
 
-def _measure(a, cfg, mode: str) -> dict:
+def _measure(a, cfg, mode: str, profile=None) -> dict:
     from thinkcraft.train.llm_policy import run
     from thinkcraft.utils.metrics import read_metrics
 
     t0 = time.time()
-    run(cfg)
+    with profile or contextlib.nullcontext():
+        run(cfg)
     recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     steady = recs[1:] or recs
     wall = sum(r["timing/step"] for r in steady)
@@ -284,7 +289,13 @@ def main(argv=None) -> int:
         fallbacks.count = 0
         cfg = _config(a, task, mode, latency, gpus, tmp / f"{task}-{mode}-{latency:g}-{gpus}", gsm)
         try:
-            m = _measure(a, cfg, mode)
+            prof = None
+            if a.profile_steady > 0:
+                from steady_profile import SteadyProfile, metrics_reached
+
+                prof = SteadyProfile(metrics_reached(cfg.run_dir, 1), out.with_name(out.stem + "_profile.json"),
+                                     f"{task}-{mode}-{latency:g}ms-{gpus}gpu", seconds=a.profile_steady)
+            m = _measure(a, cfg, mode, prof)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others' rows
             print(f"{task} {mode} gpus={gpus} env={latency:g}ms FAILED: {type(e).__name__}: {e}", flush=True)
             rows.append({"task": task, "mode": mode, "gpus": gpus, "env_latency_ms": latency,

@@ -35,6 +35,7 @@ parsable action: this measures speed only (every action is a no-op; episodes run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -74,6 +75,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV budget (default: half the free memory)")
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shape, Craftax-Classic, 4 envs, 2 turns")
+    p.add_argument("--profile-steady", type=float, default=0.0, metavar="SECONDS",
+                   help="py-spy this process for SECONDS from the third step on (bench/steady_profile.py): "
+                        "per-thread summary in <out>_profile.json")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
     if a.quick:
@@ -124,15 +128,25 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
 
         policy.learner.update = measured_update
         recs, carry, timer = [], Carry(), PhaseTimer()
-        for step in range(a.steps):
-            timer.reset()
-            t0 = time.perf_counter()
-            rec, carry = train_step(cfg, policy, step, carry, None, timer)
-            rec["wall_s"] = time.perf_counter() - t0
-            recs.append(rec)
-            print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
-                  f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
-                  f"train {rec.get('timing/train', 0):.2f})", flush=True)
+        prof: Any = contextlib.nullcontext()
+        if a.profile_steady > 0:  # after steps 0 (compiles) and 1 (the first after a weight update)
+            from steady_profile import SteadyProfile
+
+            out = Path(a.out)
+            prof = SteadyProfile(lambda: len(recs) >= 2, out.with_name(out.stem + "_profile.json"),
+                                 f"{shape}-{num_envs}envs-budget{budget}", seconds=a.profile_steady)
+        with prof:
+            for step in range(a.steps):
+                timer.reset()
+                t0 = time.perf_counter()
+                rec, carry = train_step(cfg, policy, step, carry, None, timer)
+                rec["wall_s"] = time.perf_counter() - t0
+                recs.append(rec)
+                print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
+                      f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
+                      f"train {rec.get('timing/train', 0):.2f}; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
+                      f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
+                      f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows)", flush=True)
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
@@ -177,6 +191,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "template_fallbacks": sum(r.get("kv/template_fallbacks", 0.0) for r in steady),
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
+        "decode_step_ms": round(med([r.get("engine/decode_step_ms", 0.0) for r in steady]), 3),
+        "decode_wait_ms": round(med([r.get("engine/decode_wait_ms", 0.0) for r in steady]), 3),
+        "rows_per_decode_step": round(med([r.get("engine/rows_per_decode_step", 0.0) for r in steady]), 1),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
     }

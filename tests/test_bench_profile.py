@@ -1,0 +1,45 @@
+"""bench/steady_profile.py: the summary of a py-spy raw file, and the steady-state trigger (without py-spy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("steady_profile", ROOT / "bench" / "steady_profile.py")
+sp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sp)
+
+
+def test_summarize_groups_threads_and_separates_compilation(tmp_path: Path) -> None:
+    raw = tmp_path / "p.raw"
+    raw.write_text(
+        "thread (0x1): engine-engine0-shared;run (engine.py:10);step (batcher.py:150);synchronize (streams.py:3) 60\n"
+        "thread (0x1): engine-engine0-shared;run (engine.py:10);step (batcher.py:150);_launch (iteration.py:9) 30\n"
+        "thread (0x1): engine-engine0-shared;run (engine.py:10);_compile (convert_frame.py:1) 10\n"
+        "thread (0x2): rollout-3;work (rollout.py:5) 4\n"
+        "thread (0x3): rollout-17;work (rollout.py:5) 6\n"
+        "not a sample line\n")
+    s = sp.summarize(raw, rate_hz=100)
+    eng = s["engine-engine0-shared"]
+    assert eng["samples"] == 100 and abs(eng["compiling_share"] - 0.1) < 1e-9 and eng["active_s"] == 1.0
+    frames = {f: share for f, _, share in eng["top_frames"]}
+    assert abs(frames["step (batcher.py)"] - 1.0) < 1e-9  # 90 of the 90 steady samples, line numbers merged
+    assert abs(frames["synchronize (streams.py)"] - 60 / 90) < 1e-3
+    assert s["rollout-N"]["samples"] == 10  # pool workers are one entry
+    assert list(s)[0] == "engine-engine0-shared"  # busiest first
+
+
+def test_metrics_reached_and_no_py_spy(tmp_path: Path, monkeypatch, capsys) -> None:
+    ready = sp.metrics_reached(tmp_path, 1)
+    assert not ready()  # no metrics.jsonl yet
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n{partial")
+    assert not ready()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 1}) + "\n")
+    assert ready()
+    monkeypatch.setattr(sp, "py_spy", lambda: None)
+    with sp.SteadyProfile(ready, tmp_path / "prof.json", "k", seconds=1):
+        pass
+    assert "py-spy not found" in capsys.readouterr().out and not (tmp_path / "prof.json").exists()
