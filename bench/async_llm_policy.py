@@ -177,12 +177,24 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
         "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
         "failed": recs[-1].get("rollout/failed", 0),
-        # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
-        **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in
-           ("engine/decode_step_ms", "engine/decode_wait_ms", "engine/rows_per_decode_step", "timing/generate",
-            "timing/train")
+        # the engines' decode loop (host included) and its batch, means over every decode step of the steady
+        # updates: a host-bound loop shows here, not in idle shares. Not medians of the per-update values: with
+        # one GPU and η = 1 the async loop alternates updates that generate two batches (~2B rows per step) with
+        # updates that only train the buffered second batch (a few rows), and a median of those says nothing.
+        **_decode_means(steady),
+        **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in ("timing/generate", "timing/train")
            if all(k in r for r in steady)},
     }
+
+
+def _decode_means(recs: list[dict]) -> dict:
+    """decode_step_ms, decode_wait_ms, rows_per_decode_step over all decode steps of `recs` (each update's
+    value weighted by its `engine/decode_steps`)."""
+    keys = ("engine/decode_step_ms", "engine/decode_wait_ms", "engine/rows_per_decode_step")
+    n = [r.get("engine/decode_steps", 0.0) for r in recs]
+    if not recs or sum(n) <= 0:
+        return {}
+    return {k.split("/")[1]: sum(r.get(k, 0.0) * w for r, w in zip(recs, n)) / sum(n) for k in keys}
 
 
 def _plot(rows: list[dict], out_png: Path, title: str) -> None:
