@@ -554,3 +554,28 @@ def _call(front, prompt, sampling):
         return front.run([prompt], ["x"], sampling, timeout_s=60)
     except Exception as e:  # noqa: BLE001
         return e
+
+
+def test_env_handles_report_the_built_envs_turns_and_the_cache_is_sized_by_them():
+    """A single-turn task's KV cache holds one turn, whatever the spec's max_turns (a cap, default 8): sized
+    for 8 turns, an arith cache read 8x the columns it needed at every static-width decode step (H100,
+    2026-11-27: async decode steps ~3x sync's)."""
+    from thinkcraft.pools.envproc import ProcessEnv, ThreadEnv
+
+    spec = EnvSpec("arith", max_turns=8)
+    for handle in (ThreadEnv(spec), ProcessEnv(spec)):
+        handle.call("reset", ([1],), 60.0)
+        assert handle.max_turns == 1 and handle.system_prompt
+        handle.close()
+    pool, front, _ = _rollout_pool(spec)
+    calls = []
+    pool.front = type("F", (), {"reserve": lambda self, rows, tokens, prefix=0: calls.append((rows, tokens, prefix))})()
+    per_turn = 10 - 2 + SP.max_new_tokens + 16
+    pool._reserve([1] * 10, 2, keep_kv=True, env_turns=1)
+    pool._reserve([1] * 10, 2, keep_kv=True, env_turns=1)  # once per pool
+    assert calls == [(pool.num_workers * 2, per_turn, 2)]
+    pool._reserved = False
+    pool._reserve([1] * 10, 2, keep_kv=True, env_turns=None)  # a handle that cannot tell: the spec's cap
+    assert calls[-1][1] == per_turn * 8
+    front.stop(timeout_s=5.0)
+    pool.stop(drain=False, timeout_s=5.0)

@@ -103,12 +103,16 @@ class ThreadEnv:
         self.spec = spec
         self._env: Any = None
         self.system_prompt = ""
+        self.max_turns: int | None = None
+        """The built env's turns per episode (1 for single-turn tasks whatever spec.max_turns); None before
+        the first call."""
         self.restarts = 0
 
     def _ensure(self) -> Any:
         if self._env is None:
             self._env = self.spec.build()
             self.system_prompt = self._env.system_prompt
+            self.max_turns = int(self._env.max_turns)
         return self._env
 
     def call(self, method: str, args: tuple, timeout_s: float | None) -> Any:
@@ -152,7 +156,7 @@ class ThreadEnv:
 def _child_main(spec: EnvSpec, conn: Any) -> None:  # pragma: no cover - runs in the child process
     try:
         env = spec.build()
-        conn.send(("ok", env.system_prompt))
+        conn.send(("ok", (env.system_prompt, int(env.max_turns))))
     except BaseException as e:  # noqa: BLE001
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -180,6 +184,7 @@ class ProcessEnv:
         self._proc: Any = None
         self._conn: Any = None
         self.system_prompt = ""
+        self.max_turns: int | None = None  # the built env's (ThreadEnv.max_turns)
         self.restarts = 0
 
     @property
@@ -197,7 +202,7 @@ class ProcessEnv:
         child.close()
         self._proc, self._conn = proc, parent
         status, payload = self._recv("start", self.start_timeout_s)
-        self.system_prompt = payload
+        self.system_prompt, self.max_turns = payload
 
     def _recv(self, method: str, timeout_s: float | None) -> tuple[str, Any]:
         try:

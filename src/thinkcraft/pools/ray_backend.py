@@ -193,6 +193,10 @@ class _EnvActor:
     def system_prompt(self) -> str:
         return self.env.system_prompt
 
+    def describe(self) -> tuple[str, int]:
+        """(system prompt, the built env's turns per episode)."""
+        return self.env.system_prompt, int(self.env.max_turns)
+
     def call(self, method: str, args: tuple) -> Any:
         return getattr(self.env, method)(*args)
 
@@ -350,9 +354,10 @@ class ActorLost(RuntimeError):
 class RayEnvHandle:
     """A rollout worker's env in an actor, with the interface of pools.envproc's ThreadEnv / ProcessEnv."""
 
-    def __init__(self, actor: ActorHandle, system_prompt: str) -> None:
+    def __init__(self, actor: ActorHandle, system_prompt: str, max_turns: int | None = None) -> None:
         self.actor = actor
         self.system_prompt = system_prompt
+        self.max_turns = max_turns
 
     @property
     def restarts(self) -> int:
@@ -414,8 +419,8 @@ class RayRolloutPool(RolloutPool):
         super().__init__(*args, **kw)
         self.engines = engines
         actors = [env_actor(w) for w in range(self.num_workers)]  # all started at once, then awaited
-        prompts = wait_ready(actors, "system_prompt", start_timeout_s)
-        self._envs = {w: RayEnvHandle(a, p) for w, (a, p) in enumerate(zip(actors, prompts))}
+        described = wait_ready(actors, "describe", start_timeout_s)
+        self._envs = {w: RayEnvHandle(a, p, t) for w, (a, (p, t)) in enumerate(zip(actors, described))}
 
     def _env_for(self, worker: int) -> Any:
         return self._envs[worker]

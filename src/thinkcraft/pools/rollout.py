@@ -122,15 +122,19 @@ class RolloutPool:
         if self.front is not None:
             self.front.notify()
 
-    def _reserve(self, first_prompt: list[int], prefix: int, keep_kv: bool) -> None:
+    def _reserve(self, first_prompt: list[int], prefix: int, keep_kv: bool, env_turns: int | None) -> None:
         """Size the engines' KV caches once, from the first prompt (as the synchronous rollout does): every
-        worker's group on one engine, each episode's whole history when its KV is kept between turns."""
+        worker's group on one engine, each episode's whole history when its KV is kept between turns - the
+        built env's turns (`env_turns`: 1 for a single-turn task), not the spec's max_turns, which is only a
+        cap: sized for 8 turns, an arith cache read 8x the columns it needed at every decode step (the static
+        width reads every column)."""
         with self._lock:  # before the first request of any worker reaches an engine
             if self._reserved:
                 return
             s = self.settings
             per_turn = len(first_prompt) - prefix + s.sampling.max_new_tokens + 16
-            tokens = per_turn * (max(int(s.env.max_turns), 1) if keep_kv else 1)
+            turns = env_turns if env_turns is not None else s.env.max_turns
+            tokens = per_turn * (max(int(turns), 1) if keep_kv else 1)
             self.front.reserve(self.num_workers * self.group_size, tokens, prefix)
             self._reserved = True
 
@@ -188,7 +192,7 @@ class RolloutPool:
                 prompts = group_prompts.next(active, [obs[i] for i in active], [last[i] for i in active])
                 prefix = group_prompts.prefix_len(prompts[0]) if hasattr(group_prompts, "prefix_len") else 0
                 if self.front.continuous:
-                    self._reserve(prompts[0], prefix, keep_kv)
+                    self._reserve(prompts[0], prefix, keep_kv, getattr(env, "max_turns", None))
                 results = self.front.run(prompts, [(req.group_id, i) for i in active], s.sampling,
                                          s.engine_timeout_s, prefix_len=prefix, route=req.group_id,
                                          episodes=[episodes[i] for i in active] if episodes else None)

@@ -82,7 +82,7 @@ class Batcher(CacheMixin, IterationMixin):
         self.counters: dict[str, float] = dict.fromkeys(
             ("prefill_tokens", "reused_tokens", "fallbacks", "evictions", "invalidated", "decode_steps",
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed",
-             "host_length_ends", "device_wait_s"), 0.0)
+             "host_length_ends", "device_wait_s", "cache_allocations"), 0.0)
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         self._restore_train = False

@@ -166,6 +166,10 @@ class CacheMixin:
         self._budget_limited = slots < wanted
         self.kv = SlotKV(eng.num_layers, slots, tokens, hkv, head_dim, prefix_cap, dtype, dev,
                          static_addresses=self.compile_step)
+        # each allocation means new shapes and buffers: with a compiled step, a recompile and new CUDA graphs
+        self.counters["cache_allocations"] += 1
+        log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d)", slots, tokens,
+                 prefix_cap, self.kv.nbytes / 2**30, int(self.counters["cache_allocations"]))
         self.table = SlotTable(slots, self.evict)  # type: ignore[arg-type]
         self.state = RowState.empty(slots, dev)
         self.prefix_mask = torch.zeros((slots, max(prefix_cap, 1)), dtype=torch.bool, device=dev)
