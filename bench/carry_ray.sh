@@ -17,6 +17,7 @@
 DIR=.ray-whl
 PART_MB=${PART_MB:-56}
 PY=${PY:-/work/main/.venv/bin/python}
+source "$(dirname "${BASH_SOURCE[0]}")/carry_lib.sh"
 DEPS="click jsonschema jsonschema-specifications referencing rpds-py attrs msgpack protobuf pyyaml filelock packaging
 requests urllib3 idna charset-normalizer certifi"
 
@@ -39,19 +40,10 @@ prepare() {
         || "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
             -d "$DIR/deps" "$d"
     done
-    local whl; whl=$(ls "$DIR"/full/ray-*.whl)
-    basename "$whl" > "$DIR/NAME"
-    (cd "$DIR/full" && sha256sum "$(basename "$whl")") > "$DIR/SHA256"
-    split -b "${PART_MB}M" -d -a 2 "$whl" "$DIR/full/ray.whl.part-"
-    local k=0
-    for p in "$DIR"/full/ray.whl.part-*; do
-        mkdir -p "$DIR/part-$(printf %02d $k)"
-        mv "$p" "$DIR/part-$(printf %02d $k)/"
-        cp "$DIR/NAME" "$DIR/SHA256" "$DIR/part-$(printf %02d $k)/"
-        k=$((k + 1))
-    done
+    split_parts "$DIR" "$(ls "$DIR"/full/ray-*.whl)" ray.whl "$PART_MB"
     rm -rf "$DIR/full"
-    du -sh "$DIR"/part-* "$DIR/deps"
+    local k; k=$(ls -d "$DIR"/part-* | wc -l)
+    du -sh "$DIR/deps"
     echo "device calls, in order, on one warm machine (command: true):"
     local last=$((k - 1))
     for i in $(seq 0 $last); do
@@ -65,11 +57,9 @@ prepare() {
 }
 
 install() {
-    local name; name=$(cat "$DIR"/part-00/NAME)
-    cat "$DIR"/part-*/ray.whl.part-* > "/tmp/$name"
-    (cd /tmp && sha256sum -c "$OLDPWD/$DIR/part-00/SHA256") || { echo "ray wheel: parts missing or corrupt"; return 1; }
+    local whl; whl=$(join_parts "$DIR" ray.whl) || return 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "/tmp/$name" "$DIR"/deps/*.whl
+        "$whl" "$DIR"/deps/*.whl
     export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
     export PATH=/tmp/site/bin:$PATH
     python3 -c "import ray; print('ray', ray.__version__, 'from', ray.__file__)"
