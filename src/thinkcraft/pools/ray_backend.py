@@ -190,9 +190,6 @@ class _EnvActor:
     def __init__(self, spec: EnvSpec) -> None:
         self.env = spec.build()
 
-    def system_prompt(self) -> str:
-        return self.env.system_prompt
-
     def describe(self) -> tuple[str, int]:
         """(system prompt, the built env's turns per episode)."""
         return self.env.system_prompt, int(self.env.max_turns)

@@ -82,7 +82,8 @@ class Batcher(CacheMixin, IterationMixin):
         self.counters: dict[str, float] = dict.fromkeys(
             ("prefill_tokens", "reused_tokens", "fallbacks", "evictions", "invalidated", "decode_steps",
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed",
-             "host_length_ends", "device_wait_s", "cache_allocations"), 0.0)
+             "host_length_ends", "decode_wait_s", "cache_allocations"), 0.0)
+        self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         self._restore_train = False
@@ -155,8 +156,10 @@ class Batcher(CacheMixin, IterationMixin):
                 t0 = self._clock()
                 self._admit()
                 t1 = self._clock()
+                w1 = self._device_wait_s
                 launched = self._launch()
                 self._collect(drain=not launched)
+                self.counters["decode_wait_s"] += self._device_wait_s - w1
             except BaseException as e:
                 self._fail_all(e)
                 raise

@@ -216,7 +216,7 @@ class IterationMixin:
                 t_wait = time.perf_counter()
                 self._events[buf].synchronize()
                 # the host waiting for the device: the rest of a step's wall time is host work (or the GIL)
-                self.counters["device_wait_s"] += time.perf_counter() - t_wait
+                self._device_wait_s += time.perf_counter() - t_wait
             rows = np.flatnonzero(self.h_run & (self.h_admit <= k))
             self._collected += 1
             if not len(rows):

@@ -107,7 +107,7 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
     return {"kv/evictions": d.get("evictions", 0.0), "kv/invalidated": d.get("invalidated", 0.0),
             "engine/decode_steps": d.get("decode_steps", 0.0),  # the weight of the means below across updates
             "engine/decode_step_ms": 1000.0 * d.get("decode_s", 0.0) / steps,
-            "engine/decode_wait_ms": 1000.0 * d.get("device_wait_s", 0.0) / steps,
+            "engine/decode_wait_ms": 1000.0 * d.get("decode_wait_s", 0.0) / steps,
             "engine/rows_per_decode_step": d.get("generated_tokens", 0.0) / steps,
             "engine/host_length_ends": d.get("host_length_ends", 0.0)}
 
