@@ -187,6 +187,14 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
     }
 
 
+def _graphs_mode() -> str | None:
+    """THINKCRAFT_DECODE_GRAPHS=manual (the hand-captured decode graph, llm/hf/cache.py) or None (the default,
+    torch.compile's graph trees): a row column, so the two are never merged."""
+    from thinkcraft.llm.hf.cache import decode_graphs
+
+    return "manual" if decode_graphs() == "manual" else None
+
+
 def _decode_means(recs: list[dict]) -> dict:
     """decode_step_ms, decode_wait_ms, rows_per_decode_step over all decode steps of `recs` (each update's
     value weighted by its `engine/decode_steps`)."""
@@ -292,7 +300,8 @@ def main(argv=None) -> int:
         sys.setswitchinterval(a.switch_interval_ms / 1000.0)
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
-    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms")
+    keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms",
+            "decode_graphs")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -325,6 +334,7 @@ def main(argv=None) -> int:
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
                      "eager_fallbacks": fallbacks.count, "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)
+                     "decode_graphs": _graphs_mode(),
                      **m, "card": card(), "date": today()})
         print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",

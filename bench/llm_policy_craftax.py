@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -194,6 +195,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "decode_step_ms": round(med([r.get("engine/decode_step_ms", 0.0) for r in steady]), 3),
         "decode_wait_ms": round(med([r.get("engine/decode_wait_ms", 0.0) for r in steady]), 3),
         "rows_per_decode_step": round(med([r.get("engine/rows_per_decode_step", 0.0) for r in steady]), 1),
+        "decode_graphs": os.environ.get("THINKCRAFT_DECODE_GRAPHS") or None,  # manual: llm/hf/cache.py's hand capture
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
     }
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "thinking_budget": budget, "pack_episodes": a.pack_episodes == "on", "error": f"{type(e).__name__}: {e}"[:400], "card": card(),
                                  "date": today()})
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
-                                                       "pack_episodes", "card"))
+                                                       "pack_episodes", "card", "decode_graphs"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -660,3 +660,81 @@ def test_pooled_read_runs_the_read_layers_mlp_on_the_pooled_tokens_only(arch: st
     for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "post_feedforward_layernorm"):
         extra.add_module(name, torch.nn.Identity())
     assert not splits_at_mlp(extra)  # e.g. Gemma's extra norms: the full layer runs
+
+
+def test_decode_graphs_setting(monkeypatch) -> None:
+    from thinkcraft.llm.hf.cache import decode_graphs
+
+    monkeypatch.delenv("THINKCRAFT_DECODE_GRAPHS", raising=False)
+    assert decode_graphs() == "trees"
+    monkeypatch.setenv("THINKCRAFT_DECODE_GRAPHS", " Manual ")
+    assert decode_graphs() == "manual"
+    monkeypatch.setenv("THINKCRAFT_DECODE_GRAPHS", "fast")
+    with pytest.raises(UserError, match="trees.*manual"):
+        decode_graphs()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a hand-captured CUDA graph needs a GPU (none here)")
+def test_manual_decode_graph_equals_eager_and_recaptures_when_weights_move(monkeypatch) -> None:
+    """THINKCRAFT_DECODE_GRAPHS=manual: greedy tokens and log-probs equal the eager step's, with and without the
+    shared prefix; a parameter whose storage moved (a learner that reassigns it) is seen: the graph is captured
+    again rather than replayed over the old address."""
+    from thinkcraft.llm import compat
+
+    model, tok = tiny_llama()
+    model = model.to("cuda")
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
+    eager = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=False)
+    monkeypatch.setenv("THINKCRAFT_DECODE_GRAPHS", "manual")
+    graphed = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True)
+    for batch in (Batch(items=ITEMS, prefix=PREFIX), Batch(items=[PREFIX + it for it in ITEMS])):
+        want, got = eager.generate(batch, sp), graphed.generate(batch, sp)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=2e-3)
+    lm_head = compat.lm_head(model)
+    with torch.no_grad():  # a new tensor at another address, scaled: the tokens change if it is read
+        lm_head.weight = torch.nn.Parameter(lm_head.weight.detach() * 3.0)
+    batch = Batch(items=ITEMS, prefix=PREFIX)
+    want, got = eager.generate(batch, sp), graphed.generate(batch, sp)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+def test_manual_decode_graph_logic_on_cpu(monkeypatch) -> None:
+    """The hand-captured step's bookkeeping without a GPU: a stand-in "graph" whose replay re-runs the
+    captured call on the captured buffers. Tokens equal the eager step's (so the per-step inputs reach the
+    buffers the graph reads), one capture per (prefix, width, autocast) key, and a new capture when a parameter
+    moves to another address."""
+    import thinkcraft.llm.hf.cache as C
+    from thinkcraft.llm import compat
+
+    captures = []
+
+    def fake_capture(run, device):
+        out = run()
+        captures.append(device)
+        return (lambda: out.copy_(run())), out
+
+    monkeypatch.setattr(C, "_graph_capture", fake_capture)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(C.CacheMixin, "_compiled_step", C.CacheMixin._manual_graph_step)
+    model, tok = tiny_llama()
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, n=2)
+    eager = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=False)
+    graphed = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True)
+    batch = Batch(items=ITEMS, prefix=PREFIX)
+    want, got = eager.generate(batch, sp), graphed.generate(batch, sp)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+    n = len(captures)
+    assert n >= 1
+    graphed.generate(batch, sp)  # same cache, same addresses: replayed, not captured again
+    assert len(captures) == n
+    lm_head = compat.lm_head(model)
+    with torch.no_grad():
+        lm_head.weight = torch.nn.Parameter(lm_head.weight.detach() * 3.0)
+    want, got = eager.generate(batch, sp), graphed.generate(batch, sp)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert len(captures) > n  # the moved parameter was seen

@@ -197,7 +197,12 @@ class CacheMixin:
         self._events: list[Any] = [None, None]
         self._iter = self._collected = 0
         self._think_key: Any = None
-        self._step_fn = self._compiled_step() if self.compile_step else self._forward_last
+        if not self.compile_step:
+            self._step_fn = self._forward_last
+        elif decode_graphs() == "manual" and dev.type == "cuda":
+            self._step_fn = self._manual_graph_step()
+        else:
+            self._step_fn = self._compiled_step()
         flat = _compiled(advance_and_place_flat, "decode bookkeeping") if self.compile_step else advance_and_place_flat
 
         def advance(st: RowState, tok: torch.Tensor, think: ThinkTokens, scratch_col: int) -> Step:
@@ -300,6 +305,87 @@ class CacheMixin:
             return self._forward_last(ids, pos, ctx)
 
         return step
+
+
+    def _manual_graph_step(self) -> Callable[..., torch.Tensor]:
+        """Experimental (`THINKCRAFT_DECODE_GRAPHS=manual`, CUDA): the decode forward through torch.compile
+        (inductor kernels, no CUDA graph trees) captured by hand in one `torch.cuda.CUDAGraph` per (shared
+        prefix or not, width, autocast dtype) and replayed with `graph.replay()` - what vLLM and SGLang do.
+        Why: the synchronous decode loop is host-bound (H100, 2026-11-27: 3.22 ms per step, 0.75 ms of it
+        waiting for the device), and a graph-tree call checks its ~500 inputs (parameters, 4 x layers KV
+        tensors) on every step; a replay checks nothing. So this step checks what the graph read by address:
+        the step's four per-step inputs are copied into the graph's own buffers, and a graph is captured again
+        when a parameter's or the cache's storage moved (a learner that reassigns tensors; a new cache gets a
+        new step function anyway). Any failure: one warning, then eager."""
+        compiled = torch.compile(self._forward_last, dynamic=False)
+        # where each parameter lives (module, name), read again at every step: a learner that assigns a new
+        # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
+        owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]
+        graphs: dict[Any, Any] = {}
+        failed = False
+
+        def addresses(ctx: Any) -> tuple[int, ...]:
+            fixed = [ctx.keys[0], ctx.values[-1], ctx.rows, ctx.cols, ctx.prefix_mask]
+            if ctx.prefix_keys is not None:
+                fixed.append(ctx.prefix_keys[0])
+            return tuple(t.data_ptr() for t in fixed) + tuple(m._parameters[n].data_ptr() for m, n in owners)
+
+        def capture(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> Any:
+            ids_s, pos_s = ids.clone(), pos.clone()
+            ctx_s = ctx._replace(write_col=ctx.write_col.clone(), key_len=ctx.key_len.clone())
+            replay, out = _graph_capture(lambda: compiled(ids_s, pos_s, ctx_s), ids.device)
+            return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
+
+        def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
+            nonlocal failed
+            if not failed:
+                try:
+                    key = (ctx.prefix_keys is not None, ctx.cols.shape[0], torch.is_autocast_enabled("cuda")
+                           and torch.get_autocast_dtype("cuda"))
+                    entry = graphs.get(key)
+                    if entry is None or entry[5] != addresses(ctx):
+                        entry = graphs[key] = capture(ids, pos, ctx)
+                    replay, ids_s, pos_s, ctx_s, out, _ = entry
+                    ids_s.copy_(ids)
+                    pos_s.copy_(pos)
+                    ctx_s.write_col.copy_(ctx.write_col)
+                    ctx_s.key_len.copy_(ctx.key_len)
+                    replay()
+                    return self.logits.copy_(out)
+                except Exception as e:  # noqa: BLE001 - any capture failure: eager is always correct
+                    failed = True
+                    graphs.clear()
+                    log.warning("manually captured decode step unavailable (%s: %s); running eager", type(e).__name__, e)
+            return self._forward_last(ids, pos, ctx)
+
+        return step
+
+
+def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], Any], torch.Tensor]:
+    """(replay, out): `run` warmed up on a side stream (it compiles there; a decode step's KV writes are the
+    step's own, written again by the replay), then captured in one CUDA graph whose replay refreshes `out`."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA calls (a learner on another GPU) must not break the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = run()
+    return graph.replay, out
+
+
+def decode_graphs() -> str:
+    """How a compiled decode step is graphed on CUDA: "trees" (torch.compile's "reduce-overhead", the
+    default) or "manual" (`CacheMixin._manual_graph_step`, experimental), from THINKCRAFT_DECODE_GRAPHS."""
+    import os
+
+    mode = os.environ.get("THINKCRAFT_DECODE_GRAPHS", "trees").strip().lower() or "trees"
+    if mode not in ("trees", "manual"):
+        raise UserError(f"THINKCRAFT_DECODE_GRAPHS must be 'trees' or 'manual', got {mode!r}")
+    return mode
 
 
 def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
