@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import card, print_table, today, write_records  # noqa: E402
+from common import card, decode_graphs_column, decode_means, print_table, today, write_records  # noqa: E402
 
 
 def _args(argv=None):
@@ -177,32 +177,11 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
         "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
         "failed": recs[-1].get("rollout/failed", 0),
-        # the engines' decode loop (host included) and its batch, means over every decode step of the steady
-        # updates: a host-bound loop shows here, not in idle shares. Not medians of the per-update values: with
-        # one GPU and η = 1 the async loop alternates updates that generate two batches (~2B rows per step) with
-        # updates that only train the buffered second batch (a few rows), and a median of those says nothing.
-        **_decode_means(steady),
+        # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
+        **decode_means(steady),
         **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in ("timing/generate", "timing/train")
            if all(k in r for r in steady)},
     }
-
-
-def _graphs_mode() -> str | None:
-    """THINKCRAFT_DECODE_GRAPHS=manual (the hand-captured decode graph, llm/hf/cache.py) or None (the default,
-    torch.compile's graph trees): a row column, so the two are never merged."""
-    from thinkcraft.llm.hf.cache import decode_graphs
-
-    return "manual" if decode_graphs() == "manual" else None
-
-
-def _decode_means(recs: list[dict]) -> dict:
-    """decode_step_ms, decode_wait_ms, rows_per_decode_step over all decode steps of `recs` (each update's
-    value weighted by its `engine/decode_steps`)."""
-    keys = ("engine/decode_step_ms", "engine/decode_wait_ms", "engine/rows_per_decode_step")
-    n = [r.get("engine/decode_steps", 0.0) for r in recs]
-    if not recs or sum(n) <= 0:
-        return {}
-    return {k.split("/")[1]: sum(r.get(k, 0.0) * w for r, w in zip(recs, n)) / sum(n) for k in keys}
 
 
 def _plot(rows: list[dict], out_png: Path, title: str) -> None:
@@ -334,7 +313,7 @@ def main(argv=None) -> int:
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
                      "eager_fallbacks": fallbacks.count, "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)
-                     "decode_graphs": _graphs_mode(),
+                     "decode_graphs": decode_graphs_column(),
                      **m, "card": card(), "date": today()})
         print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",

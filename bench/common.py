@@ -106,3 +106,24 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
     return "" if v is None else str(v)
+
+
+def decode_means(recs: list[dict[str, Any]]) -> dict[str, float]:
+    """decode_step_ms, decode_wait_ms, rows_per_decode_step over every decode step of the updates `recs`
+    (metrics.jsonl records; each update's value weighted by its `engine/decode_steps`). Not medians of the
+    per-update values: with one GPU and η = 1 the async loop alternates updates that generate two batches with
+    updates that only train the buffered one, and a median of those says nothing."""
+    keys = ("engine/decode_step_ms", "engine/decode_wait_ms", "engine/rows_per_decode_step")
+    n = [r.get("engine/decode_steps", 0.0) for r in recs]
+    if not recs or sum(n) <= 0:
+        return {}
+    return {k.split("/")[1]: sum(r.get(k, 0.0) * w for r, w in zip(recs, n)) / sum(n) for k in keys}
+
+
+def decode_graphs_column() -> str | None:
+    """A row's `decode_graphs`: "manual" under THINKCRAFT_DECODE_GRAPHS=manual (the hand-captured decode
+    graph, llm/hf/cache.py), None for the default (torch.compile's graph trees), so the two never merge."""
+    from thinkcraft.llm.hf.cache import decode_graphs
+
+    return "manual" if decode_graphs() == "manual" else None
+

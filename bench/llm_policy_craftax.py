@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
 import statistics
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import card, print_table, today, write_records  # noqa: E402
+from common import card, decode_graphs_column, decode_means, print_table, today, write_records  # noqa: E402
 
 COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
         "decisions_per_s_last", "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
@@ -192,10 +191,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "template_fallbacks": sum(r.get("kv/template_fallbacks", 0.0) for r in steady),
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
-        "decode_step_ms": round(med([r.get("engine/decode_step_ms", 0.0) for r in steady]), 3),
-        "decode_wait_ms": round(med([r.get("engine/decode_wait_ms", 0.0) for r in steady]), 3),
-        "rows_per_decode_step": round(med([r.get("engine/rows_per_decode_step", 0.0) for r in steady]), 1),
-        "decode_graphs": os.environ.get("THINKCRAFT_DECODE_GRAPHS") or None,  # manual: llm/hf/cache.py's hand capture
+        **{k: round(v, 3) for k, v in decode_means(steady).items()},
+        "decode_graphs": decode_graphs_column(),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
     }

@@ -291,21 +291,12 @@ class CacheMixin:
         if compiling fails. Its output is copied into the batcher's own logits buffer (graph outputs are
         overwritten by the next replay)."""
         compiled = torch.compile(self._forward_last, mode="reduce-overhead", fullgraph=False)
-        failed = False
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
-            nonlocal failed
-            if not failed:
-                try:
-                    compat.ensure_cudagraph_thread_state()  # the async pools step engines from their own threads
-                    return self.logits.copy_(compiled(ids, pos, ctx))
-                except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
-                    failed = True
-                    log.warning("compiled decode step unavailable (%s: %s); running eager", type(e).__name__, e)
-            return self._forward_last(ids, pos, ctx)
+            compat.ensure_cudagraph_thread_state()  # the async pools step engines from their own threads
+            return self.logits.copy_(compiled(ids, pos, ctx))
 
-        return step
-
+        return _or_eager(step, self._forward_last, "compiled decode step")
 
     def _manual_graph_step(self) -> Callable[..., torch.Tensor]:
         """Experimental (`THINKCRAFT_DECODE_GRAPHS=manual`, CUDA): the decode forward through torch.compile
@@ -322,7 +313,6 @@ class CacheMixin:
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
         owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]
         graphs: dict[Any, Any] = {}
-        failed = False
 
         def addresses(ctx: Any) -> tuple[int, ...]:
             fixed = [ctx.keys[0], ctx.values[-1], ctx.rows, ctx.cols, ctx.prefix_mask]
@@ -337,28 +327,20 @@ class CacheMixin:
             return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
-            nonlocal failed
-            if not failed:
-                try:
-                    key = (ctx.prefix_keys is not None, ctx.cols.shape[0], torch.is_autocast_enabled("cuda")
-                           and torch.get_autocast_dtype("cuda"))
-                    entry = graphs.get(key)
-                    if entry is None or entry[5] != addresses(ctx):
-                        entry = graphs[key] = capture(ids, pos, ctx)
-                    replay, ids_s, pos_s, ctx_s, out, _ = entry
-                    ids_s.copy_(ids)
-                    pos_s.copy_(pos)
-                    ctx_s.write_col.copy_(ctx.write_col)
-                    ctx_s.key_len.copy_(ctx.key_len)
-                    replay()
-                    return self.logits.copy_(out)
-                except Exception as e:  # noqa: BLE001 - any capture failure: eager is always correct
-                    failed = True
-                    graphs.clear()
-                    log.warning("manually captured decode step unavailable (%s: %s); running eager", type(e).__name__, e)
-            return self._forward_last(ids, pos, ctx)
+            key = (ctx.prefix_keys is not None, ctx.cols.shape[0], torch.is_autocast_enabled("cuda")
+                   and torch.get_autocast_dtype("cuda"))
+            entry = graphs.get(key)
+            if entry is None or entry[5] != addresses(ctx):
+                entry = graphs[key] = capture(ids, pos, ctx)
+            replay, ids_s, pos_s, ctx_s, out, _ = entry
+            ids_s.copy_(ids)
+            pos_s.copy_(pos)
+            ctx_s.write_col.copy_(ctx.write_col)
+            ctx_s.key_len.copy_(ctx.key_len)
+            replay()
+            return self.logits.copy_(out)
 
-        return step
+        return _or_eager(step, self._forward_last, "manually captured decode step", on_failure=graphs.clear)
 
 
 def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], Any], torch.Tensor]:
@@ -388,20 +370,28 @@ def decode_graphs() -> str:
     return mode
 
 
-def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """`fn` through torch.compile (fused kernels, no CUDA graphs: its inputs change every step); eager, with
-    one warning, if compiling fails."""
-    compiled = torch.compile(fn, dynamic=False)
+def _or_eager(fast: Callable[..., Any], eager: Callable[..., Any], what: str,
+              on_failure: Callable[[], Any] | None = None) -> Callable[..., Any]:
+    """`fast` (a compiled or graphed call) until it first raises, then `eager` for good, with one warning
+    ("<what> unavailable (...); running eager"): a compiler or capture failure never stops generation."""
     failed = False
 
     def call(*args: Any) -> Any:
         nonlocal failed
         if not failed:
             try:
-                return compiled(*args)
+                return fast(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
                 failed = True
-                log.warning("compiled %s unavailable (%s: %s); running eager", what, type(e).__name__, e)
-        return fn(*args)
+                if on_failure is not None:
+                    on_failure()
+                log.warning("%s unavailable (%s: %s); running eager", what, type(e).__name__, e)
+        return eager(*args)
 
     return call
+
+
+def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """`fn` through torch.compile (fused kernels, no CUDA graphs: its inputs change every step); eager, with
+    one warning, if compiling fails."""
+    return _or_eager(torch.compile(fn, dynamic=False), fn, f"compiled {what}")
