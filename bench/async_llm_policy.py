@@ -154,6 +154,22 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
     )
 
 
+def _steady(recs: list[dict], max_staleness: int) -> list[dict]:
+    """The steady steps: all but the first (it compiles), cut from the front to a multiple of η + 1 steps.
+    Why: on one GPU the async loop runs in cycles of η + 1 updates - one that generates the next batches
+    while the learner waits for the engine it shares, then updates that only train what is buffered - so a
+    window of a partial cycle over-weights one kind (2026-11-27, gsm8k, 4 steps: a 3-step window with two
+    train-only steps read 1.93x sync; the balanced arith windows read 1.36x)."""
+    steady = recs[1:] or recs
+    cycle = max_staleness + 1
+    if cycle > 1 and len(steady) >= cycle:
+        steady = steady[len(steady) % cycle:]
+    elif cycle > 1:
+        print(f"warning: {len(steady)} steady step(s) is less than one async cycle (η + 1 = {cycle}): "
+              "the samples/s of this row is not a steady rate; run more --steps", file=sys.stderr, flush=True)
+    return steady
+
+
 def _measure(a, cfg, mode: str, profile=None) -> dict:
     from thinkcraft.train.llm_policy import run
     from thinkcraft.utils.metrics import read_metrics
@@ -162,7 +178,7 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
     with profile or contextlib.nullcontext():
         run(cfg)
     recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
-    steady = recs[1:] or recs
+    steady = _steady(recs, cfg.max_staleness if mode == "async" else 0)
     wall = sum(r["timing/step"] for r in steady)
     batch = a.prompts * a.samples
     if mode == "sync":
@@ -176,6 +192,7 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
         "reward_first": statistics.mean(r["reward/mean"] for r in recs[:k]), "wall_s": time.time() - t0,
         "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
+        "steady_steps": [int(r["step"]) for r in steady],
         "failed": recs[-1].get("rollout/failed", 0),
         # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
         **decode_means(steady),
@@ -236,13 +253,21 @@ def _sync_reference(a) -> list[dict]:
 
 
 class _EagerFallbacks(logging.Handler):
-    """Counts the engine's "compiled ... unavailable; running eager" warnings (one per failed compile)."""
+    """Counts the engine's "compiled ... unavailable; running eager" warnings (one per failed compile) and
+    keeps their texts: the row says why (the two-GPU run of 2026-11-27 had 2 and nothing said which)."""
 
     count = 0
+    reasons: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "unavailable" in record.getMessage():
+        msg = record.getMessage()
+        if "unavailable" in msg:
             self.count += 1
+            self.reasons.append(f"[{record.threadName}] {msg[:400]}")
+            print(f"eager fallback: {self.reasons[-1]}", file=sys.stderr, flush=True)
+
+    def reset(self) -> None:
+        self.count, self.reasons = 0, []
 
     @classmethod
     def install(cls) -> "_EagerFallbacks":
@@ -286,7 +311,7 @@ def main(argv=None) -> int:
     fallbacks = _EagerFallbacks.install()
     rows = []
     for task, mode, latency, gpus in _plan(a):
-        fallbacks.count = 0
+        fallbacks.reset()
         cfg = _config(a, task, mode, latency, gpus, tmp / f"{task}-{mode}-{latency:g}-{gpus}", gsm)
         try:
             prof = None
@@ -312,7 +337,8 @@ def main(argv=None) -> int:
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
-                     "eager_fallbacks": fallbacks.count, "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)
+                     "eager_fallbacks": fallbacks.count, "eager_fallback_reasons": fallbacks.reasons,
+                     "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)
                      "decode_graphs": decode_graphs_column(),
                      **m, "card": card(), "date": today()})
         print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "

@@ -121,8 +121,9 @@ def decode_means(recs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def decode_graphs_column() -> str | None:
-    """A row's `decode_graphs`: "manual" under THINKCRAFT_DECODE_GRAPHS=manual (the hand-captured decode
-    graph, llm/hf/cache.py), None for the default (torch.compile's graph trees), so the two never merge."""
+    """A row's `decode_graphs`: "manual" for the hand-captured decode graph (llm/hf/cache.py; the default since
+    2026-11-27), None for torch.compile's graph trees (THINKCRAFT_DECODE_GRAPHS=trees; rows written before the
+    column existed ran them), so the two never merge."""
     from thinkcraft.llm.hf.cache import decode_graphs
 
     return "manual" if decode_graphs() == "manual" else None

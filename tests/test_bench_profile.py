@@ -43,3 +43,18 @@ def test_metrics_reached_and_no_py_spy(tmp_path: Path, monkeypatch, capsys) -> N
     with sp.SteadyProfile(ready, tmp_path / "prof.json", "k", seconds=1):
         pass
     assert "py-spy not found" in capsys.readouterr().out and not (tmp_path / "prof.json").exists()
+
+
+def test_async_bench_steady_window_is_whole_cycles(capsys) -> None:
+    """bench/async_llm_policy.py: the steady window drops the compiling step, then whole η + 1 cycles from the
+    end (a partial cycle over-weighted train-only updates: gsm8k, 4 steps, read 1.93x sync on 2026-11-27)."""
+    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    recs = [{"step": i} for i in range(1, 6)]
+    assert [r["step"] for r in bench._steady(recs, 0)] == [2, 3, 4, 5]  # sync: every step after the first
+    assert [r["step"] for r in bench._steady(recs, 1)] == [2, 3, 4, 5]  # two whole cycles
+    assert [r["step"] for r in bench._steady(recs[:4], 1)] == [3, 4]  # 3 steady steps: the front one dropped
+    assert [r["step"] for r in bench._steady(recs, 2)] == [3, 4, 5]
+    assert [r["step"] for r in bench._steady(recs[:2], 1)] == [2]  # less than a cycle: kept, with a warning
+    assert "less than one async cycle" in capsys.readouterr().err

@@ -14,6 +14,7 @@ sharing the GPU holds at the time.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -299,7 +300,7 @@ class CacheMixin:
         return _or_eager(step, self._forward_last, "compiled decode step")
 
     def _manual_graph_step(self) -> Callable[..., torch.Tensor]:
-        """Experimental (`THINKCRAFT_DECODE_GRAPHS=manual`, CUDA): the decode forward through torch.compile
+        """The default on CUDA (`THINKCRAFT_DECODE_GRAPHS=manual`): the decode forward through torch.compile
         (inductor kernels, no CUDA graph trees) captured by hand in one `torch.cuda.CUDAGraph` per (shared
         prefix or not, width, autocast dtype) and replayed with `graph.replay()` - what vLLM and SGLang do.
         Why: the synchronous decode loop is host-bound (H100, 2026-11-27: 3.22 ms per step, 0.75 ms of it
@@ -307,7 +308,11 @@ class CacheMixin:
         tensors) on every step; a replay checks nothing. So this step checks what the graph read by address:
         the step's four per-step inputs are copied into the graph's own buffers, and a graph is captured again
         when a parameter's or the cache's storage moved (a learner that reassigns tensors; a new cache gets a
-        new step function anyway). Any failure: one warning, then eager."""
+        new step function anyway). Any failure: one warning, then eager. Measured against the graph trees on an
+        H100 (2026-11-27, bench/results/logs/s28_h100_*): Craftax llm-policy at 256 envs 8.1 vs 10.4 ms per
+        decode step (214 rows), the async arith loop 3.64 vs 3.92 ms, the sync arith loop 3.06 vs 3.11 ms.
+        Captures are serialised process-wide (`_CAPTURE_LOCK`): torch.compile's first call runs inside them,
+        and two engines' slot threads (one engine per GPU) must not compile at once."""
         compiled = torch.compile(self._forward_last, dynamic=False)
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
@@ -323,7 +328,8 @@ class CacheMixin:
         def capture(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> Any:
             ids_s, pos_s = ids.clone(), pos.clone()
             ctx_s = ctx._replace(write_col=ctx.write_col.clone(), key_len=ctx.key_len.clone())
-            replay, out = _graph_capture(lambda: compiled(ids_s, pos_s, ctx_s), ids.device)
+            with _CAPTURE_LOCK:
+                replay, out = _graph_capture(lambda: compiled(ids_s, pos_s, ctx_s), ids.device)
             return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -359,12 +365,17 @@ def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tup
     return graph.replay, out
 
 
+_CAPTURE_LOCK = threading.Lock()
+"""Held while a decode graph is captured (`_manual_graph_step`): one capture (and compile) at a time."""
+
+
 def decode_graphs() -> str:
-    """How a compiled decode step is graphed on CUDA: "trees" (torch.compile's "reduce-overhead", the
-    default) or "manual" (`CacheMixin._manual_graph_step`, experimental), from THINKCRAFT_DECODE_GRAPHS."""
+    """How a compiled decode step is graphed on CUDA, from THINKCRAFT_DECODE_GRAPHS: "manual" (the default:
+    `CacheMixin._manual_graph_step`, one hand-captured CUDA graph per shape, replayed without checking its
+    inputs) or "trees" (torch.compile's "reduce-overhead" CUDA graph trees, the default until 2026-11-27)."""
     import os
 
-    mode = os.environ.get("THINKCRAFT_DECODE_GRAPHS", "trees").strip().lower() or "trees"
+    mode = os.environ.get("THINKCRAFT_DECODE_GRAPHS", "manual").strip().lower() or "manual"
     if mode not in ("trees", "manual"):
         raise UserError(f"THINKCRAFT_DECODE_GRAPHS must be 'trees' or 'manual', got {mode!r}")
     return mode
