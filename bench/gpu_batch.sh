@@ -11,6 +11,11 @@
 #   bash bench/gpu_batch.sh collect 560                          # waits until the queue ends or 560 s pass
 # The queue runs in a copy of the tree outside the checkout ($Q/work): each device call re-sends the working
 # tree and removes files it does not know, which once deleted a queue's logs and results mid-run.
+#
+# Several GPUs: a job spec that starts with "@K " runs in lane K with CUDA_VISIBLE_DEVICES=K; each lane runs its
+# jobs in order, the lanes (and the jobs without a lane, all GPUs visible) run at the same time. On a machine of
+# 4 GPUs this is four times the GPU-minutes of the same device time:
+#   bash bench/gpu_batch.sh start "@0 ours 900 python bench/ppo_parity.py ..." "@1 theirs 900 python ..." ...
 set -u
 OUT=${OUT:-/tmp/out}
 Q=${GPU_QUEUE_DIR:-/tmp/tc-devq}
@@ -24,17 +29,40 @@ pack() {  # the logs and every result file written since the queue started, in o
   echo "results written: $(tr '\n' ' ' < "$logs/new.txt")"
 }
 
-run_queue() {
+run_jobs() {  # one lane's jobs, in order
   local logs=$1; shift
-  source bench/gpu_env.sh
   for spec in "$@"; do
     read -r name limit cmd <<<"$spec"
-    echo "=== $name (limit ${limit}s): $cmd"
+    echo "=== $name (limit ${limit}s${CUDA_VISIBLE_DEVICES:+, GPU $CUDA_VISIBLE_DEVICES}): $cmd"
     t0=$(date +%s)
     timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$logs/$name.log" 2>&1
     rc=$?
     echo "    rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$logs/$name.log"
   done
+}
+
+run_queue() {
+  local logs=$1; shift
+  source bench/gpu_env.sh
+  local -A lanes=()
+  local plain=() spec lane
+  for spec in "$@"; do
+    if [[ $spec =~ ^@([0-9]+)[[:space:]]+(.*)$ ]]; then
+      lane=${BASH_REMATCH[1]}; lanes[$lane]+="${BASH_REMATCH[2]}"$'\x1f'
+    else
+      plain+=("$spec")
+    fi
+  done
+  if [ ${#lanes[@]} -eq 0 ]; then run_jobs "$logs" "${plain[@]}"; return; fi
+  local pids=()
+  for lane in "${!lanes[@]}"; do
+    IFS=$'\x1f' read -r -a specs <<<"${lanes[$lane]}"
+    (export CUDA_VISIBLE_DEVICES=$lane; run_jobs "$logs" "${specs[@]}" > "$logs/lane-$lane.txt" 2>&1) &
+    pids+=($!)
+  done
+  [ ${#plain[@]} -gt 0 ] && { run_jobs "$logs" "${plain[@]}" > "$logs/lane-all.txt" 2>&1 & pids+=($!); }
+  wait "${pids[@]}"
+  for f in "$logs"/lane-*.txt; do echo "--- ${f##*/}"; cat "$f"; done
 }
 
 case "${1:-}" in
@@ -53,7 +81,9 @@ case "${1:-}" in
     limit=${2:-560}; t0=$(date +%s)
     while [ ! -e "$Q/done" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
     [ -e "$Q/done" ] && echo "queue finished" || echo "queue still running after ${limit}s"
-    cat "$Q/logs/queue.log"; (cd "$Q/work" && pack "$Q/logs")
+    cat "$Q/logs/queue.log"
+    [ -e "$Q/done" ] || for f in "$Q"/logs/lane-*.txt; do [ -e "$f" ] && { echo "--- ${f##*/} (so far)"; cat "$f"; }; done
+    (cd "$Q/work" && pack "$Q/logs")
     ;;
   *)
     LOGS=$(mktemp -d); touch "$LOGS/.start"

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import statistics
 import sys
 import tempfile
@@ -78,6 +79,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steady", type=float, default=0.0, metavar="SECONDS",
                    help="py-spy this process for SECONDS from the third step on (bench/steady_profile.py): "
                         "per-thread summary in <out>_profile.json")
+    p.add_argument("--profile-update", type=int, default=None, metavar="STEP",
+                   help="torch.profiler over the learner update of step STEP (-1: the last): the top operators by "
+                        "device and host time and the kernel count in <out>_learner_profile-<case>.{txt,json}")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
     if a.quick:
@@ -103,6 +107,44 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         plot=False, seed=0)
 
 
+def profile_update(fn: Any, cuda: bool, out: Path, label: str) -> Any:
+    """fn() (one learner update) under torch.profiler: writes <out>_learner_profile-<label>.txt (top operators by
+    self device time and by host time) and .json (wall, device busy time, host time in operators, kernel
+    launches): whether the learner is bound by the device, by the host, or by a few slow kernels (issue 19:
+    ~36k learner tokens/s for the 0.5B shape on an H100, several times under its matmul rate)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    dev_key = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    summary = {"label": label, "wall_s": round(wall, 3),
+               "device_busy_s": round(sum(getattr(e, dev_key, 0.0) for e in ev) / 1e6, 3),
+               "device_kernels": len(kernels),
+               "top_device_ops": [(e.key, round(getattr(e, dev_key, 0.0) / 1e3, 2), e.count) for e in
+                                  sorted(ev, key=lambda e: -getattr(e, dev_key, 0.0))[:25]],
+               "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 2), e.count) for e in
+                                sorted(ev, key=lambda e: -e.self_cpu_time_total)[:25]]}
+    base = out.with_name(f"{out.stem}_learner_profile-{label}")  # labels hold dots (qwen2.5): no with_suffix
+    base.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    sort = dev_key if cuda else "self_cpu_time_total"
+    Path(f"{base}.txt").write_text(f"{label}: wall {wall:.3f} s\n"
+                                        + ev.table(sort_by=sort, row_limit=40) + "\n"
+                                        + ev.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+    print(f"  learner profile ({label}): wall {wall:.2f} s, device busy {summary['device_busy_s']:.2f} s, "
+          f"{len(kernels)} kernels -> {base}.{{txt,json}}", flush=True)
+    return result
+
+
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
     import torch
 
@@ -116,11 +158,17 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         peaks: list[float] = []
         update = policy.learner.update
 
+        profile_at = None if a.profile_update is None else a.profile_update % a.steps
+
         def measured_update(*args: Any, **kw: Any) -> Any:  # the peak of the learner phase alone
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            out = update(*args, **kw)
+            if len(recs) == profile_at:
+                out = profile_update(lambda: update(*args, **kw), cuda, Path(a.out),
+                                     f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}")
+            else:
+                out = update(*args, **kw)
             if cuda:
                 torch.cuda.synchronize()
                 peaks.append(torch.cuda.max_memory_allocated() / 2**30)
