@@ -6,10 +6,16 @@ import pytest
 pytestmark = pytest.mark.slow  # compiles a Craftax-Classic reset/step (~1 min on a 2-core CPU)
 
 
-def test_craftax_classic_text_env_reset_step_truncate():
-    from thinkcraft.envs.textenvs import CraftaxTextConfig, CraftaxTextEnv, TextEnv
+@pytest.fixture(scope="module")
+def env():
+    from thinkcraft.envs.textenvs import CraftaxTextConfig, CraftaxTextEnv
 
-    env = CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", max_steps=3, format_penalty=0.5))
+    return CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", max_steps=3, format_penalty=0.5))
+
+
+def test_craftax_classic_text_env_reset_step_truncate(env):
+    from thinkcraft.envs.textenvs import TextEnv
+
     assert isinstance(env, TextEnv)
     assert "Action:" in env.system_prompt and "Observation format" in env.system_prompt
     obs = env.reset([1, 1, 2])
@@ -29,3 +35,20 @@ def test_craftax_classic_text_env_reset_step_truncate():
     # a new reset starts fresh episodes
     assert len(env.reset([3, 4])) == 2 and env.active_indices() == [0, 1]
     assert np.isfinite(res.rewards).all()
+
+
+def test_stepping_a_subset_equals_stepping_all(env):
+    """The continuous rollout steps the episodes whose turn came back (`indices`): each episode's next state,
+    reward and text equal those of one call stepping every episode (its randomness is its own key's), the
+    others keep theirs, and only the stepped episodes' texts are rendered."""
+    actions = ["Action: do", "Action: move_left", "Action: noop"]
+    env.reset([5, 6, 7])
+    full = env.step(actions)
+    env.reset([5, 6, 7])
+    first = env.step([actions[0], actions[2]], indices=[0, 2])
+    assert len(first.observations) == 2
+    second = env.step([actions[1]], indices=[1])
+    assert first.observations == [full.observations[0], full.observations[2]]
+    assert second.observations == [full.observations[1]]
+    np.testing.assert_allclose([*first.rewards, *second.rewards], full.rewards[[0, 2, 1]])
+    assert env.active_indices() == [0, 1, 2]
