@@ -72,7 +72,9 @@ class CraftaxTextEnv:
             + self._text.action_prompt(config.env_kind, answer)
         )
         env, params = self._env, self._params
-        self._reset = jax.jit(jax.vmap(lambda k: env.reset(k, params)))
+        # strong types: reset leaves 24 leaves weakly typed (Python scalars) and the stepped state has them
+        # strong, so the second step call compiled the step again (a Craftax-Symbolic step: tens of seconds)
+        self._reset = jax.jit(jax.vmap(lambda k: _strong(env.reset(k, params))))
         self._advance = jax.jit(_masked_step(env, params))
         self._jax = jax
         self._state = None
@@ -175,3 +177,11 @@ def _masked_step(env, params):
         return jnp.where(keep[:, None], keys, split[:, 0]), merged, reward, done
 
     return advance
+
+
+def _strong(tree):
+    """`tree` with every leaf of its own dtype, strongly typed (`weak_type` off): the compiled step's inputs
+    then have one signature, whether the state comes from a reset or a step."""
+    import jax
+
+    return jax.tree_util.tree_map(lambda x: jax.lax.convert_element_type(x, x.dtype), tree)
