@@ -5,6 +5,7 @@ error; weight updates at step boundaries (recorded switch, stale and failed upda
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
@@ -390,6 +391,42 @@ def test_an_engine_on_the_second_gpu_stepped_from_a_thread_on_the_first() -> Non
     t.join()
     assert [got[h].completion.token_ids for h in got["order"]] == [c.token_ids for c in want]
     assert eng.decode_metrics()["host_length_ends"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two engines on two GPUs need 2 CUDA GPUs")
+def test_two_engines_on_two_gpus_stepped_at_once_stay_compiled(caplog) -> None:
+    """The async pools with two GPUs: an engine per GPU, each stepped from its own thread at the same time,
+    both capturing their compiled decode steps at once. Tokens equal the eager step's on each, and neither
+    falls back to eager (the 2-GPU async bench of 2026-11-27 had two such fallbacks; torch allows one graph
+    capture at a time per process and its default capture stream is bound to the first capture's device)."""
+    import logging
+
+    model, tok = tiny_llama(thinking=True)  # fp32: compiled and eager pick the same greedy tokens
+    prompts = [_ids(tok, t) for t in ("Hello there", "The quick brown fox", "a b c d e f", "one two")]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0)
+    models = {d: copy.deepcopy(model).to(f"cuda:{d}") for d in (0, 1)}
+    want = {d: HFEngine.from_model(models[d], tok, kv_cache="static", compile_decode=False).generate(
+        Batch(items=prompts), sp) for d in (0, 1)}
+    engines = {d: HFEngine.from_model(models[d], tok, kv_cache="static", compile_decode=True) for d in (0, 1)}
+    got: dict = {}
+    start = threading.Barrier(2)
+
+    def work(d: int) -> None:
+        start.wait()
+        hs = [engines[d].submit(GenerationRequest(p, sp)) for p in prompts]
+        res = _run(engines[d], hs)
+        got[d] = [res[h].completion.token_ids for h in hs]
+
+    with caplog.at_level(logging.WARNING, logger="thinkcraft.llm.hf"):
+        threads = [threading.Thread(target=work, args=(d,)) for d in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
+    for d in (0, 1):
+        assert got[d] == [c.token_ids for c in want[d]], d
 
 
 def test_structured_and_free_requests_share_the_decode_batch() -> None:

@@ -311,8 +311,9 @@ class CacheMixin:
         new step function anyway). Any failure: one warning, then eager. Measured against the graph trees on an
         H100 (2026-11-27, bench/results/logs/s28_h100_*): Craftax llm-policy at 256 envs 8.1 vs 10.4 ms per
         decode step (214 rows), the async arith loop 3.64 vs 3.92 ms, the sync arith loop 3.06 vs 3.11 ms.
-        Captures are serialised process-wide (`_CAPTURE_LOCK`): torch.compile's first call runs inside them,
-        and two engines' slot threads (one engine per GPU) must not compile at once."""
+        Captures are serialised process-wide (`_CAPTURE_LOCK`: one capture at a time, as torch requires; two
+        engines' slot threads, one engine per GPU, would otherwise capture at once), each on a stream of its
+        engine's device."""
         compiled = torch.compile(self._forward_last, dynamic=False)
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
@@ -359,14 +360,19 @@ def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tup
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: another thread's CUDA calls (a learner on another GPU) must not break the capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    # thread_local: another thread's CUDA calls (a learner on another GPU) must not break the capture.
+    # stream=side, on the engine's device: torch.cuda.graph's default capture stream is one per process,
+    # created on whichever device was current at the first capture - an engine on cuda:1 would capture on a
+    # cuda:0 stream after an engine on cuda:0 captured first
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
         out = run()
     return graph.replay, out
 
 
 _CAPTURE_LOCK = threading.Lock()
-"""Held while a decode graph is captured (`_manual_graph_step`): one capture (and compile) at a time."""
+"""Held while a decode graph is captured (`_manual_graph_step`): one capture (and compile) at a time in the
+process - torch documents that only one CUDA graph capture may be underway at a time, and two engines on two
+GPUs step from two threads (the async pools' slots)."""
 
 
 def decode_graphs() -> str:
