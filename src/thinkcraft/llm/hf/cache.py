@@ -378,7 +378,9 @@ GPUs step from two threads (the async pools' slots)."""
 def decode_graphs() -> str:
     """How a compiled decode step is graphed on CUDA, from THINKCRAFT_DECODE_GRAPHS: "manual" (the default:
     `CacheMixin._manual_graph_step`, one hand-captured CUDA graph per shape, replayed without checking its
-    inputs) or "trees" (torch.compile's "reduce-overhead" CUDA graph trees, the default until 2026-11-27)."""
+    inputs) or "trees" (torch.compile's "reduce-overhead" CUDA graph trees, the default until 2026-11-27; their
+    captures take no process-wide lock, so engines on several GPUs stepped from several threads may capture at
+    once, which torch does not allow - the suspected cause of the 2-GPU async run's eager fallbacks)."""
     import os
 
     mode = os.environ.get("THINKCRAFT_DECODE_GRAPHS", "manual").strip().lower() or "manual"
