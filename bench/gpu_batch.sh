@@ -12,7 +12,7 @@
 # The queue runs in a copy of the tree outside the checkout ($Q/work): each device call re-sends the working
 # tree and removes files it does not know, which once deleted a queue's logs and results mid-run.
 #
-# Several GPUs: a job spec that starts with "@K " runs in lane K with CUDA_VISIBLE_DEVICES=K; each lane runs its
+# Several GPUs: a job spec that starts with "@K " (or "@K,L") runs in that lane with CUDA_VISIBLE_DEVICES=K (K,L); each lane runs its
 # jobs in order, the lanes (and the jobs without a lane, all GPUs visible) run at the same time. On a machine of
 # 4 GPUs this is four times the GPU-minutes of the same device time:
 #   bash bench/gpu_batch.sh start "@0 ours 900 python bench/ppo_parity.py ..." "@1 theirs 900 python ..." ...
@@ -47,7 +47,7 @@ run_queue() {
   local -A lanes=()
   local plain=() spec lane
   for spec in "$@"; do
-    if [[ $spec =~ ^@([0-9]+)[[:space:]]+(.*)$ ]]; then
+    if [[ $spec =~ ^@([0-9,]+)[[:space:]]+(.*)$ ]]; then
       lane=${BASH_REMATCH[1]}; lanes[$lane]+="${BASH_REMATCH[2]}"$'\x1f'
     else
       plain+=("$spec")
