@@ -53,7 +53,8 @@ MODES = {  # name -> (pack, logits chunked, rows cap or None = the token budget 
 }
 COLS = ["model_shape", "vocab_size", "mode", "micro_batch_tokens", "tokens", "micro_batches", "pad_frac", "learner_s", "learner_tokens_per_s",
         "peak_learner_gb", "model_gb", "device_busy_frac", "error"]
-MERGE_KEYS = ("bench", "model_shape", "vocab_size", "finetune", "mode", "micro_batch_tokens", "rows", "tokens", "card")
+MERGE_KEYS = ("bench", "model_shape", "vocab_size", "finetune", "mode", "micro_batch_tokens", "rows", "tokens", "card",
+              "learner_compile")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +70,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logit-chunk-mib", type=float, default=256.0)
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--learner-compile", action="store_true",
+                   help="torch.compile the packed decoder forward (LLMPolicyConfig.learner_compile; the warm-up "
+                        "update compiles)")
     p.add_argument("--device", default="auto")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one update per mode: the top N ops by device time, and device_busy_frac")
@@ -111,7 +115,8 @@ def measure(a: argparse.Namespace, model: Any, rows: Any, mode: str, budget: int
     pack, chunked, max_rows = MODES[mode]
     cfg = LLMPolicyConfig(model="random:tiny", finetune=a.finetune, micro_batch_tokens=budget if max_rows is None
                           else 1 << 40, micro_batch_size=max_rows or 0, pack=pack,
-                          logit_chunk_mib=a.logit_chunk_mib if chunked else 0.0, max_grad_norm=1.0)
+                          logit_chunk_mib=a.logit_chunk_mib if chunked else 0.0, max_grad_norm=1.0,
+                          learner_compile=a.learner_compile and pack)
     learner = Learner(cfg, model, None, device, autocast)
     cuda = device.type == "cuda"
     stats = learner.update(rows)  # warm-up: allocator, cuBLAS handles, the optimizer's state
@@ -185,7 +190,8 @@ def run_shape(a: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
     runs = [(m, b) for b in a.micro_batch_tokens for m in a.modes if m != "old"]
     runs += [("old", None)] if "old" in a.modes else []
     for mode, budget in runs:
-        head = {**base, "mode": mode, "micro_batch_tokens": budget, "micro_batch_rows": MODES[mode][2]}
+        head = {**base, "mode": mode, "micro_batch_tokens": budget, "micro_batch_rows": MODES[mode][2],
+                "learner_compile": bool(a.learner_compile and MODES[mode][0]) or None}
         try:
             r = {**head, **measure(a, model, rows, mode, budget or 0, device, autocast)}
         except Exception as e:  # noqa: BLE001 - one mode running out of memory must not lose the others

@@ -68,6 +68,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--env", default="craftax", choices=["craftax", "craftax-classic"])
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
     p.add_argument("--micro-batch-tokens", type=int, default=8192, help="learner tokens per forward/backward")
+    p.add_argument("--learner-compile", action="store_true", help="torch.compile the learner's packed forward")
     p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
     p.add_argument("--pack-episodes", default="on", choices=["on", "off"],
                    help="train an episode whose turns extend each other as one row (off: one row per turn)")
@@ -101,6 +102,7 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         group_size=a.group_size, max_new_tokens=a.max_new_tokens + (budget + close if budget else 0),
         thinking_budget=budget or None, max_turns=a.max_turns, history_turns=-1, finetune=a.finetune,
         micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
+        learner_compile=a.learner_compile,
         pack_episodes=a.pack_episodes == "on",
         compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
         device=a.device, store=False,
@@ -243,6 +245,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "decode_graphs": decode_graphs_column(),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
+        "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
     }
 
 
@@ -260,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "thinking_budget": budget, "pack_episodes": a.pack_episodes == "on", "error": f"{type(e).__name__}: {e}"[:400], "card": card(),
                                  "date": today()})
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
-                                                       "pack_episodes", "card", "decode_graphs"))
+                                                       "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
+                                                       "learner_compile"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

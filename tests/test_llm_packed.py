@@ -240,6 +240,29 @@ def test_packed_update_equals_the_padded_computation(finetune, agg, kl):
     _assert_same(_grads(model), want)
 
 
+@pytest.mark.slow  # compiles the tiny decoder's forward and backward (~1 min on a 2-core CPU)
+def test_compiled_learner_forward_equals_the_padded_computation(caplog):
+    """--learner-compile: the packed update through torch.compile (several micro-batches of different lengths:
+    one dynamic graph) gives the padded whole-batch loss and gradients, without falling back to eager."""
+    import logging
+
+    model = _model("qwen2")
+    cfg = _cfg(learner_compile=True, micro_batch_tokens=12, kl_coef=0.1)
+    rows = _rows(model)
+    want_loss, want = _reference(cfg, model, rows)
+    learner = _learner(cfg, model)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with caplog.at_level(logging.WARNING):
+        stats = learner.update(rows)
+    assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert counters["stats"]["unique_graphs"] >= 1  # compiled, not silently eager
+    assert stats["learner/micro_batches"] >= 3 and learner._packed_forward
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    _assert_same(_grads(model), want)
+
+
 def test_apo_update_equals_the_padded_computation():
     model = _model("llama")
     cfg = _cfg(algo="apo", env="arith", micro_batch_tokens=15)

@@ -108,6 +108,11 @@ class LLMPolicyConfig(RunOptions):
     micro_batch_size: int = 0
     """At most this many rows (a turn, or an episode's turns: --pack-episodes) per micro-batch as well; 0 = the
     token budget alone decides."""
+    learner_compile: bool = False
+    """torch.compile the learner's packed decoder forward (and so its backward): fewer, fused kernels and less
+    Python per micro-batch, for a learner bound by its host (a LoRA model of 24 layers launches ~25k operators
+    per micro-batch). Experimental: the first update pays the compile; a compile failure falls back to eager
+    once, with a warning. Packed micro-batches only."""
     pack: bool = True
     """Pack a micro-batch's turns into one dense sequence (varlen attention kept within each turn) instead of
     padding them to the longest; where no varlen kernel with a backward runs, the learner pads (and warns)."""

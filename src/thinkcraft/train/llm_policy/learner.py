@@ -214,6 +214,7 @@ class Learner:
         self.rows_per_chunk = chunk_rows(vocab, cfg.logit_chunk_mib) if cfg.logit_chunk_mib > 0 else 0
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
+        self._packed_forward: dict[int, Any] = {}
 
     def autocast(self):
         """bf16 autocast on GPU (also around generation: full fine-tuning keeps fp32 master weights)."""
@@ -233,6 +234,27 @@ class Learner:
             dec = compat.decoder_of(model)
             self._parts[id(model)] = (dec, compat.attention_configs(dec), *compat.plain_lm_head(model))
         return self._parts[id(model)]
+
+    def _packed(self, dec):
+        """dec's forward over one packed (1, T) row -> its last hidden states: eager, or through torch.compile
+        (`learner_compile`; dynamic shapes, one graph for every micro-batch length, eager for good after a
+        failure)."""
+        from thinkcraft.llm import compat
+
+        def forward(ids, positions, cu_seqlens, max_len):  # noqa: ANN001, ANN202
+            return dec(input_ids=ids, position_ids=positions, use_cache=False,
+                       **compat.varlen_kwargs(cu_seqlens, max_len)).last_hidden_state
+
+        if not self.cfg.learner_compile:
+            return forward
+        if id(dec) not in self._packed_forward:
+            import torch
+
+            from thinkcraft.llm.hf.cache import _or_eager  # the engine's compiled-or-eager wrapper, shared
+
+            self._packed_forward[id(dec)] = _or_eager(torch.compile(forward, dynamic=True), forward,
+                                                      "compiled learner forward")
+        return self._packed_forward[id(dec)]
 
     def plan(self, rows: TrainRows, all_positions: bool = False) -> list:
         """The micro-batches of `rows` (`packing.plan`); `all_positions`: every position with a next token is
@@ -291,8 +313,7 @@ class Learner:
             if mb.packed:
                 ids = rows.input_ids.reshape(-1)[mb.gather][None]
                 with compat.attention_implementation(attn, PACKED_ATTN):
-                    h = dec(input_ids=ids, position_ids=mb.positions, use_cache=False,
-                            **compat.varlen_kwargs(mb.cu_seqlens, w)).last_hidden_state
+                    h = self._packed(dec)(ids, mb.positions, mb.cu_seqlens, w)
             else:
                 ids = rows.input_ids[s:e, :w]
                 h = dec(input_ids=ids, attention_mask=rows.attention_mask[s:e, :w], use_cache=False).last_hidden_state
