@@ -8,6 +8,8 @@ share, reward against trained samples (one PNG), with and without a slow env.
     # two GPUs: async with an engine on each GPU (the learner time-sliced with the engine on cuda:0);
     # `--gpus 1 2` measures both placements beside one sync reference
     CUDA_VISIBLE_DEVICES=0,1 .venv/bin/python bench/async_llm_policy.py --gpus 2
+    # 1, 2, 3 rollout GPUs + 1 learner GPU (issue 21: samples/s per added rollout GPU), on a 4-GPU machine
+    .venv/bin/python bench/async_llm_policy.py --tasks arith --cases base --gpus 2 3 4 --placement dedicated
     # the CPU learning check of issue 20: the bundled model on arith, async η = 1, 30 steps (about an hour here)
     .venv/bin/python bench/async_llm_policy.py --learning-check
 
@@ -16,7 +18,8 @@ reference, measured in the same command as the async rows). Its slow env sleeps 
 episodes' envs step together: the case most favourable to sync); async envs sleep per group step. Async on one GPU: one engine sharing the learner's weights on cuda:0 (generation and training
 take turns; env steps, rewards and the next batch's prompts overlap them). Async on two GPUs: engines on
 cuda:0 (shared with the learner, time-sliced) and cuda:1 (a copy, updated after every step), so generation
-uses both GPUs while the learner trains on cuda:0.
+uses both GPUs while the learner trains on cuda:0. `--placement dedicated`: the learner alone on cuda:0 and
+G - 1 engine copies on cuda:1..G-1, each updated after every step (the rollout-scaling layout of issue 21).
 
 Model (GPU): the Qwen2.5-0.5B body with random weights and a 2,048-token BPE (the TRL comparison shape of
 bench/grpo_arith.py), LoRA. Rewards of a random model are ~0, so reward curves say little there; the speed
@@ -60,8 +63,11 @@ from common import card, decode_graphs_column, decode_means, print_table, today,
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, nargs="+", choices=[1, 2], default=[1],
-                   help="async placements to measure beside the one sync reference: 1, 2 or both (`--gpus 1 2`)")
+    p.add_argument("--gpus", type=int, nargs="+", choices=range(1, 9), default=[1], metavar="G",
+                   help="async placements to measure beside the one sync reference (`--gpus 1 2`)")
+    p.add_argument("--placement", choices=["shared", "dedicated"], default="shared",
+                   help="async on G GPUs: shared = engines on cuda:0..G-1, the one on cuda:0 sharing the learner's "
+                        "weights; dedicated = the learner alone on cuda:0, engine copies on cuda:1..G-1 (G >= 2)")
     p.add_argument("--model", default="random:qwen2.5-0.5b")
     p.add_argument("--tasks", default="arith,gsm8k", help="comma-separated: arith, gsm8k (a GSM8K-layout file)")
     p.add_argument("--gsm8k-path", default=None, help="a GSM8K-layout JSONL (default: one written from arith problems)")
@@ -141,8 +147,9 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
         workers = a.slow_env_workers if latency_ms else a.rollout_workers
         kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy,
                   gen_batching=a.gen_batching)
-        if gpus == 2:
-            kw["rollout_devices"] = "cuda:0,cuda:1"
+        first = 1 if a.placement == "dedicated" else 0
+        if gpus > 1:
+            kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
     return LLMPolicyConfig(
         env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
         group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune=a.finetune, format_weight=0.1,
@@ -294,6 +301,8 @@ def _plan(a) -> list[tuple[str, str, float, int]]:
 
 def main(argv=None) -> int:
     a = _args(argv)
+    if a.placement == "dedicated" and min(a.gpus) < 2:
+        raise SystemExit("--placement dedicated needs --gpus of 2 or more (the learner has cuda:0 to itself)")
     import torch
 
     if not torch.cuda.is_available():
@@ -305,7 +314,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
     keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms",
-            "decode_graphs")
+            "decode_graphs", "placement")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -333,6 +342,7 @@ def main(argv=None) -> int:
                      "offpolicy": a.offpolicy if mode == "async" else "none",
                      # auto resolves to continuous: the bench's engines are in-process hf engines
                      "gen_batching": cfg.gen_batching.replace("auto", "continuous") if mode == "async" else None,
+                     "placement": a.placement if mode == "async" else None,
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
