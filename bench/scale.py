@@ -13,8 +13,8 @@ Rows (`bench/results/scale.json`, merged by (job, gpus, skip_n) so that runs of 
   engine), --overlap. g = 1: env and LLM on GPU 0 (the LLM on a green context of all but 16 SMs); g > 1: the
   env on GPU 0 and g - 1 feature engines on cuda:1..g-1 (llm/sharded.py, what `--feature-devices` builds;
   the engines are built once and passed in). Goal: >= 30,000 SPS at skip 25 on 4 GPUs, >= 10,000 at skip 5.
-* `llm-policy`: needs the Ray backend of the pools (issue 21 item 3); without `thinkcraft.pools` the rows say
-  so instead of a number.
+* `llm-policy`: measured by `bench/async_llm_policy.py --placement dedicated --gpus 2 3 4` (1-3 rollout GPUs
+  + 1 learner GPU, rows in async_llm_policy.json); the rows here point there.
 
 Columns: {job, gpus, skip_n, sps (or samples_per_s), one_gpu_reference, speedup, goal, card, date, ...}.
 `--quick` writes bench/results/scale_quick.json (CPU numbers are plumbing checks, not results).
@@ -125,7 +125,8 @@ def llm_policy_rows(gpus: list[int]) -> list[dict[str, Any]]:
         return [{"job": "llm-policy", "gpus": g, "skip_n": None, "samples_per_s": None,
                  "note": "needs the Ray backend of the pools (issue 21 item 3) and ray installed"} for g in gpus]
     return [{"job": "llm-policy", "gpus": g, "skip_n": None, "samples_per_s": None,
-             "note": "the Ray backend is present: its rows belong to its own bench (not measured here)"} for g in gpus]
+             "note": "measured by bench/async_llm_policy.py --placement dedicated --gpus 2 3 4 (rows there)"}
+            for g in gpus]
 
 
 def with_references(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
