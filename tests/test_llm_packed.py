@@ -294,6 +294,46 @@ def test_layout_budget_and_chunking_do_not_change_the_gradient(kw):
     _assert_same(_grads(model), want)
 
 
+def test_out_of_memory_halves_the_budget_and_redoes_the_update(monkeypatch, caplog):
+    """A micro-batch over the device's memory: the update's gradients are computed again from zero with half the
+    token budget (kept for the rest of the run, counted, warned) and equal the padded computation; when even
+    one-row micro-batches do not fit, a clear error instead of a CUDA traceback."""
+    import logging
+
+    from thinkcraft.utils.errors import UserError
+
+    model = _model("qwen2")
+    cfg = _cfg(micro_batch_tokens=40)
+    rows = _rows(model)
+    want_loss, want = _reference(cfg, model, rows)
+    learner = _learner(cfg, model)
+    real = learner._accumulate
+    seen = []
+
+    def small_device(rows_, mbs, v_star):  # "memory" for 20 tokens per micro-batch
+        seen.append(max(m.tokens for m in mbs))
+        if seen[-1] > 20:
+            _ = real(rows_, mbs[:1], v_star)  # some gradients accumulated before the failure: must be dropped
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(rows_, mbs, v_star)
+
+    monkeypatch.setattr(learner, "_accumulate", small_device)
+    with caplog.at_level(logging.WARNING):
+        stats = learner.update(rows)
+    assert learner.micro_batch_tokens == 20 and stats["learner/micro_batch_tokens"] == 20.0
+    assert stats["learner/oom_retries"] == 1.0 and seen[-1] <= 20
+    assert any("out of device memory" in r.getMessage() for r in caplog.records)
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    _assert_same(_grads(model), want)
+
+    def no_memory(rows_, mbs, v_star):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(learner, "_accumulate", no_memory)
+    with pytest.raises(UserError, match="one row"):
+        learner.update(rows)
+
+
 def test_token_logprobs_reads_every_position():
     model = _model("qwen2")
     rows = _rows(model)

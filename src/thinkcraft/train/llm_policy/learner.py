@@ -215,6 +215,9 @@ class Learner:
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
         self._packed_forward: dict[int, Any] = {}
+        self.micro_batch_tokens = cfg.micro_batch_tokens
+        """The token budget in use: `micro_batch_tokens`, halved after a micro-batch ran out of device memory."""
+        self.oom_retries = 0
 
     def autocast(self):
         """bf16 autocast on GPU (also around generation: full fine-tuning keeps fp32 master weights)."""
@@ -265,7 +268,7 @@ class Learner:
         if all_positions:
             mask = (np.arange(mask.shape[1])[None] < (lengths[:, None] - 1)).astype(np.float32)
             return packing.plan(lengths, mask, 1 << 62, 0, False, self.device)
-        return packing.plan(lengths, mask, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
+        return packing.plan(lengths, mask, self.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
                             self.device, rows.turns.seqs_per_row() if rows.turns is not None else None)
 
     def allowed_tokens(self, turns: Sequence[TurnRecord]):
@@ -354,7 +357,11 @@ class Learner:
         is weighted by its share of the batch (tokens or sequences, as the aggregation counts them), so
         accumulation equals the full-batch loss. The loop reads nothing back from the device: the
         statistics are summed there and read once at the end. `rows` come from `build_rows`; `v_star` (A*-PO)
-        is per turn, as `rows.rewards`."""
+        is per turn, as `rows.rewards`.
+
+        A micro-batch that runs out of device memory: the gradients so far are dropped, the token budget halved
+        (for the rest of the run, with a warning; `learner/oom_retries` counts) and the update done again -
+        nothing stepped twice, nothing lost. Once a micro-batch of one row does not fit: a clear error."""
         import torch
 
         from thinkcraft.train.llm_policy.packing import layout_summary
@@ -364,9 +371,7 @@ class Learner:
         cfg = self.cfg
         self._check_devices()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        mbs = self.plan(rows)
-        stats = self._accumulate(rows, mbs, v_star)
+        mbs, stats = self._accumulate_fitting(rows, v_star)
         if cfg.max_grad_norm > 0:
             stats["losses/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.optimizer.step()
@@ -375,7 +380,36 @@ class Learner:
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=self.device).reshape(())
                               for k in names]).tolist()
         layout = layout_summary(mbs)
-        return {**dict(zip(names, values)), **layout, **rows.turns.metrics(layout["learner/tokens"])}
+        return {**dict(zip(names, values)), **layout, **rows.turns.metrics(layout["learner/tokens"]),
+                "learner/oom_retries": float(self.oom_retries),
+                "learner/micro_batch_tokens": float(self.micro_batch_tokens)}
+
+    def _accumulate_fitting(self, rows: TrainRows, v_star) -> tuple[list, dict[str, Any]]:
+        """(micro-batches, statistics) of the batch's gradients, accumulated from zero; on running out of device
+        memory, again from zero with half the token budget (see `update`)."""
+        import torch
+
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            mbs = self.plan(rows)
+            try:
+                return mbs, self._accumulate(rows, mbs, v_star)
+            except torch.OutOfMemoryError as e:
+                if all(m.end - m.start == 1 for m in mbs):  # halving cannot split a row
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise UserError(
+                        f"the learner ran out of device memory with micro-batches of one row (the longest "
+                        f"{max(m.tokens for m in mbs)} tokens; budget {self.micro_batch_tokens}): shorten episodes "
+                        "(--max-turns, --max-new-tokens), train LoRA instead of every weight, or leave the learner "
+                        "more device memory (--kv-cache-gb)") from e
+            # out of the except block: the failed micro-batch's tensors (held by the traceback) are gone
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.micro_batch_tokens = max(self.micro_batch_tokens // 2, 1)
+            self.oom_retries += 1
+            log.warning("learner: out of device memory; micro-batch budget halved to %d tokens for the rest of the "
+                        "run (--micro-batch-tokens), the update's gradients computed again", self.micro_batch_tokens)
 
     def _accumulate(self, rows: TrainRows, mbs: list, v_star) -> dict[str, Any]:
         """Forward and backward of every micro-batch, each loss weighted by its share of the batch; returns the
