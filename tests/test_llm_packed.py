@@ -348,7 +348,8 @@ def test_token_logprobs_reads_every_position():
 
 def test_config_rejects_bad_learner_budgets():
     for kw, field in ((dict(micro_batch_tokens=0), "micro-batch-tokens"), (dict(micro_batch_size=-1), "micro-batch-size"),
-                      (dict(logit_chunk_mib=-1.0), "logit-chunk-mib")):
+                      (dict(logit_chunk_mib=-1.0), "logit-chunk-mib"),
+                      (dict(learner_compile=True, pack=False), "learner-compile")):
         with pytest.raises(ConfigError, match=field):
             _cfg(**kw)
 

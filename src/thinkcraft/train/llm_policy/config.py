@@ -265,6 +265,8 @@ class LLMPolicyConfig(RunOptions):
         check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        check(self.pack or not self.learner_compile, "learner_compile",
+              "compiles the packed forward: it needs --pack (drop --no-pack or --learner-compile)")
         if self.algo in ("grpo", "rloo"):
             check(self.group_size >= 2, "group_size", f"{self.algo} compares samples of one prompt: use >= 2")
         if self.algo == "apo":
