@@ -263,18 +263,15 @@ class _EagerFallbacks(logging.Handler):
     """Counts the engine's "compiled ... unavailable; running eager" warnings (one per failed compile) and
     keeps their texts: the row says why (the two-GPU run of 2026-11-27 had 2 and nothing said which)."""
 
-    count = 0
-    reasons: list[str] = []
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.reasons: list[str] = []  # of the configuration being measured (`reasons.clear()` between them)
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
         if "unavailable" in msg:
-            self.count += 1
             self.reasons.append(f"[{record.threadName}] {msg[:400]}")
             print(f"eager fallback: {self.reasons[-1]}", file=sys.stderr, flush=True)
-
-    def reset(self) -> None:
-        self.count, self.reasons = 0, []
 
     @classmethod
     def install(cls) -> "_EagerFallbacks":
@@ -320,7 +317,7 @@ def main(argv=None) -> int:
     fallbacks = _EagerFallbacks.install()
     rows = []
     for task, mode, latency, gpus in _plan(a):
-        fallbacks.reset()
+        fallbacks.reasons.clear()
         cfg = _config(a, task, mode, latency, gpus, tmp / f"{task}-{mode}-{latency:g}-{gpus}", gsm)
         try:
             prof = None
@@ -347,7 +344,7 @@ def main(argv=None) -> int:
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
-                     "eager_fallbacks": fallbacks.count, "eager_fallback_reasons": fallbacks.reasons,
+                     "eager_fallbacks": len(fallbacks.reasons), "eager_fallback_reasons": list(fallbacks.reasons),
                      "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)
                      "decode_graphs": decode_graphs_column(),
                      **m, "card": card(), "date": today()})

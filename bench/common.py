@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -128,3 +129,43 @@ def decode_graphs_column() -> str | None:
 
     return "manual" if decode_graphs() == "manual" else None
 
+
+
+def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, show_table: bool = False
+                  ) -> tuple[Any, dict[str, Any]]:
+    """(fn(), summary): fn run once under torch.profiler, wall-timed inside the profiler (its start and stop
+    left out; the device synchronised). Writes `<base>.txt` (the top operators by the device's self time -
+    CUDA's, or the CPU's on a CPU - then by host time) and `<base>.json` (the summary: wall_s, device_busy_s =
+    summed self time of the device, device_busy_frac, device_kernels, top_device_ops, top_host_ops as
+    (operator, ms, calls)). Near-1 busy fraction: compute-bound; well below: the host's launches and Python leave
+    the device idle."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    key = ("self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total") \
+        if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key, 0.0) for e in ev) / 1e6
+    kernels = sum(1 for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    ranked = lambda k: [(e.key, round(getattr(e, k, 0.0) / 1e3, 2), e.count)  # noqa: E731
+                        for e in sorted(ev, key=lambda e: -getattr(e, k, 0.0))[:top]]
+    summary = {"label": label, "wall_s": round(wall, 3), "device_busy_s": round(busy, 3),
+               "device_busy_frac": round(busy / wall, 3) if wall > 0 else None, "device_kernels": kernels,
+               "top_device_ops": ranked(key), "top_host_ops": ranked("self_cpu_time_total")}
+    base.parent.mkdir(parents=True, exist_ok=True)
+    table = ev.table(sort_by=key, row_limit=top)
+    Path(f"{base}.txt").write_text(f"{label}: wall {wall:.3f} s, summed {key} {busy:.3f} s\n{table}\n"
+                                   + ev.table(sort_by="self_cpu_time_total", row_limit=top) + "\n")
+    Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")  # labels hold dots: no with_suffix
+    if show_table:
+        print(table, flush=True)
+    print(f"  profile ({label}): wall {wall:.2f} s, device busy {busy:.2f} s, {kernels} kernels -> {base}.{{txt,json}}",
+          flush=True)
+    return result, summary

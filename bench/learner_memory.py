@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import card, print_table, today, write_records  # noqa: E402
+from common import card, print_table, today, torch_profile, write_records  # noqa: E402
 
 MODES = {  # name -> (pack, logits chunked, rows cap or None = the token budget alone)
     "packed/chunked": (True, True, None),
@@ -139,29 +139,17 @@ def measure(a: argparse.Namespace, model: Any, rows: Any, mode: str, budget: int
 
 
 def profile_update(a: argparse.Namespace, learner: Any, rows: Any, tag: str) -> dict[str, Any]:
-    """One more update under torch.profiler: the top `a.profile` ops by device time (printed, and written to
-    bench/results/logs/learner_profile_<tag>.txt) and `device_busy_frac` = summed kernel time / wall time of the
-    update (near 1: compute-bound, so faster kernels or fewer FLOPs help; well below 1: the host's launches and
-    Python (PEFT wrappers, per-layer ops) leave the device idle, so larger micro-batches or CUDA graphs help)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = learner.device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        learner.update(rows)
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy_us = sum(getattr(e, key, 0.0) for e in events)
-    table = events.table(sort_by=key, row_limit=a.profile)
-    log = ROOT / "bench" / "results" / "logs" / f"learner_profile_{tag.replace('/', '-')}.txt"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"wall {wall:.3f} s, summed {key} {busy_us / 1e6:.3f} s\n{table}\n")
-    print(table, flush=True)
-    return {"profile_wall_s": round(wall, 3), "device_busy_frac": round(busy_us / 1e6 / wall, 3),
-            "profile_log": str(log.relative_to(ROOT))}
+    """One more update under torch.profiler (`common.torch_profile`): the top `a.profile` ops by device time
+    (printed, and written to <out's folder>/logs/learner_profile_<tag>.{txt,json}) and `device_busy_frac` =
+    summed kernel time / wall time of the update (near 1: compute-bound, so faster kernels or fewer FLOPs help;
+    well below 1: the host's launches and Python (PEFT wrappers, per-layer ops) leave the device idle, so larger
+    micro-batches or CUDA graphs help)."""
+    tag = tag.replace("/", "-")
+    log = Path(a.out).resolve().parent / "logs" / f"learner_profile_{tag}"
+    _, s = torch_profile(lambda: learner.update(rows), learner.device.type == "cuda", log, tag, top=a.profile,
+                         show_table=True)
+    shown = log.relative_to(ROOT) if log.is_relative_to(ROOT) else log
+    return {"profile_wall_s": s["wall_s"], "device_busy_frac": s["device_busy_frac"], "profile_log": f"{shown}.txt"}
 
 
 def run_shape(a: argparse.Namespace, shape: str) -> list[dict[str, Any]]:

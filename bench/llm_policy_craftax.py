@@ -49,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import card, decode_graphs_column, decode_means, print_table, today, write_records  # noqa: E402
+from common import card, decode_graphs_column, decode_means, print_table, today, torch_profile, write_records  # noqa: E402
 
 COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
         "decisions_per_s_last", "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
@@ -109,44 +109,6 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         plot=False, seed=0)
 
 
-def profile_update(fn: Any, cuda: bool, out: Path, label: str) -> Any:
-    """fn() (one learner update) under torch.profiler: writes <out>_learner_profile-<label>.txt (top operators by
-    self device time and by host time) and .json (wall, device busy time, host time in operators, kernel
-    launches): whether the learner is bound by the device, by the host, or by a few slow kernels (issue 19:
-    ~36k learner tokens/s for the 0.5B shape on an H100, several times under its matmul rate)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        result = fn()
-        if cuda:
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    ev = prof.key_averages()
-    dev_key = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
-               and str(e.device_type).endswith("CUDA")]
-    summary = {"label": label, "wall_s": round(wall, 3),
-               "device_busy_s": round(sum(getattr(e, dev_key, 0.0) for e in ev) / 1e6, 3),
-               "device_kernels": len(kernels),
-               "top_device_ops": [(e.key, round(getattr(e, dev_key, 0.0) / 1e3, 2), e.count) for e in
-                                  sorted(ev, key=lambda e: -getattr(e, dev_key, 0.0))[:25]],
-               "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 2), e.count) for e in
-                                sorted(ev, key=lambda e: -e.self_cpu_time_total)[:25]]}
-    base = out.with_name(f"{out.stem}_learner_profile-{label}")  # labels hold dots (qwen2.5): no with_suffix
-    base.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    sort = dev_key if cuda else "self_cpu_time_total"
-    Path(f"{base}.txt").write_text(f"{label}: wall {wall:.3f} s\n"
-                                        + ev.table(sort_by=sort, row_limit=40) + "\n"
-                                        + ev.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
-    print(f"  learner profile ({label}): wall {wall:.2f} s, device busy {summary['device_busy_s']:.2f} s, "
-          f"{len(kernels)} kernels -> {base}.{{txt,json}}", flush=True)
-    return result
-
-
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
     import torch
 
@@ -167,8 +129,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             if len(recs) == profile_at:
-                out = profile_update(lambda: update(*args, **kw), cuda, Path(a.out),
-                                     f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}")
+                label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
+                out, _ = torch_profile(lambda: update(*args, **kw), cuda,
+                                       Path(a.out).with_name(f"{Path(a.out).stem}_learner_profile-{label}"), label)
             else:
                 out = update(*args, **kw)
             if cuda:

@@ -28,6 +28,7 @@ from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import SlotKV
 from thinkcraft.llm.protocol import GenerationRequest
 from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.fallback import compiled_or_eager, or_eager
 
 log = logging.getLogger(__name__)
 _ROUND_TOKENS = 64
@@ -204,7 +205,7 @@ class CacheMixin:
             self._step_fn = self._manual_graph_step()
         else:
             self._step_fn = self._compiled_step()
-        flat = _compiled(advance_and_place_flat, "decode bookkeeping") if self.compile_step else advance_and_place_flat
+        flat = compiled_or_eager(advance_and_place_flat, "decode bookkeeping", log) if self.compile_step else advance_and_place_flat
 
         def advance(st: RowState, tok: torch.Tensor, think: ThinkTokens, scratch_col: int) -> Step:
             return unflatten_step(flat(tuple(st), tok, tuple(think), scratch_col))
@@ -297,7 +298,7 @@ class CacheMixin:
             compat.ensure_cudagraph_thread_state()  # the async pools step engines from their own threads
             return self.logits.copy_(compiled(ids, pos, ctx))
 
-        return _or_eager(step, self._forward_last, "compiled decode step")
+        return or_eager(step, self._forward_last, "compiled decode step", log)
 
     def _manual_graph_step(self) -> Callable[..., torch.Tensor]:
         """The default on CUDA (`THINKCRAFT_DECODE_GRAPHS=manual`): the decode forward through torch.compile
@@ -347,7 +348,7 @@ class CacheMixin:
             replay()
             return self.logits.copy_(out)
 
-        return _or_eager(step, self._forward_last, "manually captured decode step", on_failure=graphs.clear)
+        return or_eager(step, self._forward_last, "manually captured decode step", log, on_failure=graphs.clear)
 
 
 def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], Any], torch.Tensor]:
@@ -387,30 +388,3 @@ def decode_graphs() -> str:
     if mode not in ("trees", "manual"):
         raise UserError(f"THINKCRAFT_DECODE_GRAPHS must be 'trees' or 'manual', got {mode!r}")
     return mode
-
-
-def _or_eager(fast: Callable[..., Any], eager: Callable[..., Any], what: str,
-              on_failure: Callable[[], Any] | None = None) -> Callable[..., Any]:
-    """`fast` (a compiled or graphed call) until it first raises, then `eager` for good, with one warning
-    ("<what> unavailable (...); running eager"): a compiler or capture failure never stops generation."""
-    failed = False
-
-    def call(*args: Any) -> Any:
-        nonlocal failed
-        if not failed:
-            try:
-                return fast(*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
-                failed = True
-                if on_failure is not None:
-                    on_failure()
-                log.warning("%s unavailable (%s: %s); running eager", what, type(e).__name__, e)
-        return eager(*args)
-
-    return call
-
-
-def _compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """`fn` through torch.compile (fused kernels, no CUDA graphs: its inputs change every step); eager, with
-    one warning, if compiling fails."""
-    return _or_eager(torch.compile(fn, dynamic=False), fn, f"compiled {what}")

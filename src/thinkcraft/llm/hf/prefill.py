@@ -25,29 +25,11 @@ from thinkcraft.llm.batching import plan_chunks, take_rows
 from thinkcraft.llm.protocol import Batch
 from thinkcraft.llm.quant import check_fp8_device, quantize_fp8_
 from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.fallback import compiled_or_eager
 
 log = logging.getLogger(__name__)
 
 Pooling = Literal["last", "mean"]
-
-
-class _CompiledLayer:
-    """`compat.call_layer` through torch.compile (dynamic shapes; the layer's weights are graph inputs, so
-    one compiled graph serves every layer). Falls back to eager, once and with a warning, if compiling
-    fails (no Triton / no C++ compiler)."""
-
-    def __init__(self) -> None:
-        self._fn: Any = torch.compile(compat.call_layer, dynamic=True)
-        self._failed = False
-
-    def __call__(self, *args: Any) -> torch.Tensor:
-        if not self._failed:
-            try:
-                return self._fn(*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
-                self._failed = True
-                log.warning("compiled prefill unavailable (%s); running eager", e)
-        return compat.call_layer(*args)
 
 
 def pool(h: torch.Tensor, start: torch.Tensor, end: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -87,7 +69,10 @@ class PrefillMixin:
             # decoder linears only (embeddings and the LM head stay): the prefill's matmuls on FP8 cores
             check_fp8_device(self.device)
             quantize_fp8_(self._dec.layers)
-        self._layer_fn: Any = _CompiledLayer() if compile_prefill else compat.call_layer
+        # one compiled graph serves every layer (dynamic shapes; the layer's weights are graph inputs); eager, once
+        # and with a warning, if compiling fails (no Triton / no C++ compiler)
+        self._layer_fn: Any = (compiled_or_eager(compat.call_layer, "prefill", log, dynamic=True) if compile_prefill
+                               else compat.call_layer)
         self._cascade_name = register_cascade_attention()
         # kernel choices decided here, eagerly: the compiled layers then only read the answers
         probe_gqa_native(self.device)

@@ -251,12 +251,9 @@ class Learner:
         if not self.cfg.learner_compile:
             return forward
         if id(dec) not in self._packed_forward:
-            import torch
+            from thinkcraft.utils.fallback import compiled_or_eager
 
-            from thinkcraft.llm.hf.cache import _or_eager  # the engine's compiled-or-eager wrapper, shared
-
-            self._packed_forward[id(dec)] = _or_eager(torch.compile(forward, dynamic=True), forward,
-                                                      "compiled learner forward")
+            self._packed_forward[id(dec)] = compiled_or_eager(forward, "learner forward", log, dynamic=True)
         return self._packed_forward[id(dec)]
 
     def plan(self, rows: TrainRows, all_positions: bool = False) -> list:
