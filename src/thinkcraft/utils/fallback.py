@@ -8,30 +8,32 @@ import logging
 from typing import Any, Callable
 
 
-def or_eager(fast: Callable[..., Any], eager: Callable[..., Any], what: str, logger: logging.Logger,
-             on_failure: Callable[[], Any] | None = None) -> Callable[..., Any]:
+class OrEager:
     """`fast` until it first raises, then `eager` for good, with one warning on `logger` ("<what> unavailable
-    (<error type>: <error>); running eager" - the benches count these); `on_failure` runs once then."""
-    failed = False
+    (<error type>: <error>); running eager" - the benches count these); `on_failure` runs once then.
+    `failed` says which one runs."""
 
-    def call(*args: Any) -> Any:
-        nonlocal failed
-        if not failed:
+    def __init__(self, fast: Callable[..., Any], eager: Callable[..., Any], what: str, logger: logging.Logger,
+                 on_failure: Callable[[], Any] | None = None) -> None:
+        self.fast, self.eager, self.what, self.logger, self.on_failure = fast, eager, what, logger, on_failure
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.failed:
             try:
-                return fast(*args)
+                return self.fast(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
-                failed = True
-                if on_failure is not None:
-                    on_failure()
-                logger.warning("%s unavailable (%s: %s); running eager", what, type(e).__name__, e)
-        return eager(*args)
+                self.failed = True
+                if self.on_failure is not None:
+                    self.on_failure()
+                self.logger.warning("%s unavailable (%s: %s); running eager", self.what, type(e).__name__, e)
+        return self.eager(*args)
 
-    return call
 
 
 def compiled_or_eager(fn: Callable[..., Any], what: str, logger: logging.Logger, dynamic: bool = False
                       ) -> Callable[..., Any]:
-    """`fn` through torch.compile (no CUDA graphs), eager after a failure (`or_eager`: "compiled <what>")."""
+    """`fn` through torch.compile (no CUDA graphs), eager after a failure (`OrEager`: "compiled <what>")."""
     import torch
 
-    return or_eager(torch.compile(fn, dynamic=dynamic), fn, f"compiled {what}", logger)
+    return OrEager(torch.compile(fn, dynamic=dynamic), fn, f"compiled {what}", logger)

@@ -28,7 +28,7 @@ from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import SlotKV
 from thinkcraft.llm.protocol import GenerationRequest
 from thinkcraft.utils.errors import UserError
-from thinkcraft.utils.fallback import compiled_or_eager, or_eager
+from thinkcraft.utils.fallback import OrEager, compiled_or_eager
 
 log = logging.getLogger(__name__)
 _ROUND_TOKENS = 64
@@ -298,7 +298,7 @@ class CacheMixin:
             compat.ensure_cudagraph_thread_state()  # the async pools step engines from their own threads
             return self.logits.copy_(compiled(ids, pos, ctx))
 
-        return or_eager(step, self._forward_last, "compiled decode step", log)
+        return OrEager(step, self._forward_last, "compiled decode step", log)
 
     def _manual_graph_step(self) -> Callable[..., torch.Tensor]:
         """The default on CUDA (`THINKCRAFT_DECODE_GRAPHS=manual`): the decode forward through torch.compile
@@ -348,7 +348,7 @@ class CacheMixin:
             replay()
             return self.logits.copy_(out)
 
-        return or_eager(step, self._forward_last, "manually captured decode step", log, on_failure=graphs.clear)
+        return OrEager(step, self._forward_last, "manually captured decode step", log, on_failure=graphs.clear)
 
 
 def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], Any], torch.Tensor]:
