@@ -16,16 +16,23 @@
 # jobs in order, the lanes (and the jobs without a lane, all GPUs visible) run at the same time. On a machine of
 # 4 GPUs this is four times the GPU-minutes of the same device time:
 #   bash bench/gpu_batch.sh start "@0 ours 900 python bench/ppo_parity.py ..." "@1 theirs 900 python ..." ...
+# A second queue beside a running one (say, lanes that wait for a file carried by a later call): give each a
+# name, GPU_QUEUE_NAME=b bash bench/gpu_batch.sh start ...; collect names it the same way and brings back
+# $OUT/batch-b.tgz (the unnamed queue: $OUT/batch.tgz).
 set -u
 OUT=${OUT:-/tmp/out}
-Q=${GPU_QUEUE_DIR:-/tmp/tc-devq}
+Q=${GPU_QUEUE_DIR:-/tmp/tc-devq${GPU_QUEUE_NAME:+-$GPU_QUEUE_NAME}}
+ARCHIVE=batch${GPU_QUEUE_NAME:+-$GPU_QUEUE_NAME}.tgz
 
 pack() {  # the logs and every result file written since the queue started, in one archive ($OUT takes 8 files)
   local logs=$1
-  # checkpoints stay behind: a 5-seed PPO run's (env states included) is 2.2 GB, over what $OUT brings back
-  find bench/results -newer "$logs/.start" -type f -not -path '*/checkpoint*' -size -40M > "$logs/new.txt"
+  # checkpoints stay behind: a 5-seed PPO run's (env states included) is 2.2 GB, over what $OUT brings back;
+  # their commit record (checkpoint/latest.json: update, env steps, checksums) comes back, so that the run's
+  # progress can be read here (bench/llm_features.py status / collect)
+  find bench/results -newer "$logs/.start" -type f \( -not -path '*/checkpoint/*' -o -path '*/checkpoint/latest.json' \) \
+    -size -40M > "$logs/new.txt"
   mkdir -p "$OUT"
-  tar czf "$OUT/batch.tgz" -C "$logs" . -C "$PWD" -T "$logs/new.txt"
+  tar czf "$OUT/$ARCHIVE" -C "$logs" . -C "$PWD" -T "$logs/new.txt"
   echo "results written: $(tr '\n' ' ' < "$logs/new.txt")"
 }
 
