@@ -58,6 +58,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import card  # noqa: E402
 
 CPU_VMAP_DEADLOCK_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 """jaxlib 0.10's CPU runtime can deadlock a vmapped init: each batched QR of an orthogonal initialiser
@@ -247,7 +249,8 @@ def run_baselines(baselines_dir: str | Path, script: str, out: str | Path, their
     c = recorder.config
     cfg = run_config(c, script, baselines_dir, argv[1:])
     total = int(c["NUM_UPDATES"]) * int(c["NUM_ENVS"]) * int(c["NUM_STEPS"]) * int(c["NUM_REPEATS"])
-    cfg["_derived"] = {"num_updates": int(c["NUM_UPDATES"]), "wall_s": wall_s, "sps_all_seeds_incl_compile": total / wall_s}
+    cfg["_derived"] = {"num_updates": int(c["NUM_UPDATES"]), "wall_s": wall_s, "sps_all_seeds_incl_compile": total / wall_s,
+                       "hardware": [card()]}  # as `thinkcraft train` records it (bench/common.run_card)
     atomic_write_json(run_dir / "config.json", cfg)
     print(f"wrote {run_dir} ({int(c['NUM_REPEATS'])} seeds x {int(c['NUM_UPDATES'])} updates, {wall_s:.0f} s)")
     return run_dir

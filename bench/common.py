@@ -32,6 +32,26 @@ def card() -> str:
     return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
 
 
+
+def run_card(run_dir: str | Path) -> str:
+    """The card a run computed on, from its config.json (`_derived.hardware`, written by `thinkcraft train`
+    and bench/baselines_adapter.py; "A+B" for a run resumed on another card), else this machine's: results
+    collected here from runs made on a GPU machine keep the GPU's name."""
+    try:
+        hw = json.loads((Path(run_dir) / "config.json").read_text()).get("_derived", {}).get("hardware")
+    except (OSError, ValueError):
+        hw = None
+    return "+".join(hw) if hw else card()
+
+
+def run_date(run_dir: str | Path) -> str:
+    """The UTC date a run last wrote its metrics (the file's mtime, which tar keeps), else today."""
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return today()
+    return _dt.datetime.fromtimestamp(p.stat().st_mtime, _dt.timezone.utc).strftime("%Y-%m-%d")
+
+
 def today() -> str:
     return _dt.date.today().isoformat()
 

@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import card, print_table, today, write_records  # noqa: E402
+from common import card, print_table, run_card, run_date, write_records  # noqa: E402
 
 ENVS = {"classic": "Craftax-Classic-Symbolic-v1", "craftax": "Craftax-Symbolic-v1"}
 ARMS = ("ppo", "llm", "random-llm")
@@ -268,7 +268,8 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
                              "total_steps": total,
                              "env_name": ENVS[env], "num_envs": a.num_envs, "num_steps": a.num_steps,
                              "skip_n": None if g["label"] == "ppo" else a.skip_n, "run": f["run"],
-                             "mode": "quick" if a.quick else "full", "card": card(), "date": today(),
+                             "mode": "quick" if a.quick else "full", "card": run_card(f["run"].split("[")[0]),
+                             "date": run_date(f["run"].split("[")[0]),
                              "compare_dir": str(out)})
     return rows
 

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines_adapter import with_cpu_deadlock_flag  # noqa: E402
-from common import card, print_table, today, write_records  # noqa: E402
+from common import print_table, run_card, run_date, write_records  # noqa: E402
 
 from thinkcraft.analysis.stats import Interval  # noqa: E402
 
@@ -208,7 +208,8 @@ def summarise(a: argparse.Namespace, run_dirs: list[Path], out: Path) -> list[di
             rows.append({"system": system, "policy": a.policy, "seed": f["seed"], "steps": int(f["steps"]),
                          "final_return": f["final"], "final_achievement_mean_rate": rates.get(f["run"]),
                          "env": a.env, "num_envs": a.num_envs, "run": f["run"],
-                         "mode": "dry" if a.dry else "quick" if a.quick else "full", "card": card(), "date": today(),
+                         "mode": "dry" if a.dry else "quick" if a.quick else "full",
+                         "card": run_card(f["run"].split("[")[0]), "date": run_date(f["run"].split("[")[0]),
                          "compare_dir": str(out)})
     return rows
 

@@ -195,3 +195,30 @@ def test_nothing_in_the_run_dir_is_rewritten_before_the_checkpoint_verifies(tmp_
     assert [json.loads(x)["step"] for x in (d / "metrics.jsonl").read_text().splitlines()] == [128]
     assert latest_meta(d)["checkpoint"] == "00000001"
     assert any(p.name.startswith("corrupt-00000002") for p in (d / "checkpoint").iterdir())
+
+
+def test_the_run_records_its_card_and_a_resume_elsewhere_adds_one(tmp_path, monkeypatch):
+    """config.json's `_derived.hardware`: results collected on another machine (bench/ppo_parity.py,
+    bench/llm_features.py) name the card the run computed on, not the collecting machine's."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import thinkcraft.train.session as session_mod
+    from thinkcraft.train.ppo import PPOConfig
+
+    d = tmp_path / "run"
+    s = _ppo_session(_ppo_cfg(run_dir=str(d)))
+    s.save_config()
+    assert json.loads((d / "config.json").read_text())["_derived"]["hardware"] == [session_mod.hardware_name()]
+    _commit(d, 2)
+    here = session_mod.hardware_name()
+    monkeypatch.setattr(session_mod, "hardware_name", lambda: "Elsewhere GPU")
+    r = _ppo_session(PPOConfig(run_dir=str(d), resume=True))
+    r.save_config()
+    hw = json.loads((d / "config.json").read_text())["_derived"]["hardware"]
+    assert hw == [here, "Elsewhere GPU"]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    common = importlib.import_module("common")
+    assert common.run_card(d) == f"{here}+Elsewhere GPU"
+    assert common.run_card(tmp_path / "no-such-run") == common.card()

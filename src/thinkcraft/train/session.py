@@ -23,6 +23,7 @@ then decodes it and truncates the metrics to the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,23 @@ from thinkcraft.utils.plot import plot_curves
 from thinkcraft.utils.progress import RunProgress, console
 from thinkcraft.utils.signals import StopRequest
 from thinkcraft.utils.timing import PhaseTimer
+
+
+def hardware_name() -> str:
+    """The accelerator this process computes on: the first GPU's name (JAX's when JAX is loaded, else
+    torch's), else "cpu"."""
+    if "jax" in sys.modules:
+        import jax
+
+        d = jax.devices()[0]
+        if d.platform == "gpu":
+            return d.device_kind
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    return "cpu"
 
 
 @dataclass
@@ -159,7 +177,12 @@ class TrainSession:
         self.x_label = x_label
         self.update_word = update_word
         self.resume_command = resume_command(command, run_dir)
-        self.derived: dict[str, Any] = {"command": command}
+        # where the run computed, every card of a run resumed elsewhere, in order: results collected later on
+        # another machine (bench/ppo_parity.py, bench/llm_features.py) read the card from here
+        hardware = list(self.saved_derived.get("hardware", []))
+        if hardware_name() not in hardware:
+            hardware.append(hardware_name())
+        self.derived: dict[str, Any] = {"command": command, "hardware": hardware}
         self.timer = PhaseTimer()
         self.summary: dict[str, Any] = {"run_dir": str(run_dir)}
         self._stop = StopRequest("stopping after the chunk in flight and saving a checkpoint "
