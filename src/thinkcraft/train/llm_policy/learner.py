@@ -166,6 +166,20 @@ def _continues(flat: np.ndarray, off: np.ndarray, plen: np.ndarray, tlen: np.nda
 
 # =========================================================================================== learner
 
+AUTO_FIRST_TOKENS = 8192
+"""`micro_batch_tokens` 0: the first update's budget, and the one off CUDA."""
+
+
+def auto_micro_batch_tokens(bytes_per_token: float, spare_bytes: float, headroom: float = 0.85,
+                            cap: int = 65536, multiple: int = 1024) -> int:
+    """The token budget that fills `headroom` of `spare_bytes` at `bytes_per_token` (a micro-batch's peak over
+    what was allocated before it), rounded down to `multiple`, within [AUTO_FIRST_TOKENS, cap]: never below
+    the size just measured to fit (a smaller one would only add micro-batches; running out of memory later
+    halves it, `Learner.update`)."""
+    fit = int(headroom * spare_bytes / max(bytes_per_token, 1.0)) // multiple * multiple
+    return max(AUTO_FIRST_TOKENS, min(cap, fit))
+
+
 class Learner:
     """Owns the policy model and the optimizer; one `update` per step with gradient accumulation.
 
@@ -215,8 +229,11 @@ class Learner:
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
         self._packed_forward: dict[int, Any] = {}
-        self.micro_batch_tokens = cfg.micro_batch_tokens
-        """The token budget in use: `micro_batch_tokens`, halved after a micro-batch ran out of device memory."""
+        self.micro_batch_tokens = cfg.micro_batch_tokens or AUTO_FIRST_TOKENS
+        """The token budget in use: `micro_batch_tokens` (or, at 0, the first update's 8,192 and then the measured
+        size: `_size_to_device`), halved after a micro-batch ran out of device memory."""
+        self._auto_pending = cfg.micro_batch_tokens == 0 and device.type == "cuda"
+        """Sizing still to do: the next update's first micro-batch measures its memory per token."""
         self.oom_retries = 0
 
     def autocast(self):
@@ -403,6 +420,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            self._auto_pending = False  # a measured size that did not fit is never grown again
             self.micro_batch_tokens = max(self.micro_batch_tokens // 2, 1)
             self.oom_retries += 1
             log.warning("learner: out of device memory; micro-batch budget halved to %d tokens for the rest of the "
@@ -421,11 +439,37 @@ class Learner:
             if mb.trained_tokens == 0:
                 continue
             weight = mb.trained_tokens / total_tokens if by_tokens else mb.trained_seqs / total_seqs
+            probe = self._memory_probe_start() if self._auto_pending else None
             loss, parts = self._micro_loss(rows, mb, v_star)
             (loss * weight).backward()
+            if probe is not None:
+                self._size_to_device(probe, mb.tokens)
             for k, v in parts.items():
                 stats[k] = stats.get(k, 0.0) + v.detach() * weight
         return stats
+
+    def _memory_probe_start(self) -> int:
+        """Device memory allocated before a micro-batch, its peak counter reset (`_size_to_device` reads it)."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _size_to_device(self, base_bytes: int, tokens: int) -> None:
+        """`micro_batch_tokens` 0: the budget of the updates to come, from this micro-batch's peak memory over
+        `base_bytes` per token and the memory the device has left (free, plus what torch's allocator holds
+        unused). This update keeps the plan it started with."""
+        import torch
+
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        spare = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        per_token = max(peak - base_bytes, 1) / max(tokens, 1)
+        self.micro_batch_tokens = auto_micro_batch_tokens(per_token, spare)
+        self._auto_pending = False
+        log.info("learner: micro-batches of %d tokens from now on (%.2f MiB of device memory per token measured "
+                 "on %d tokens, %.1f GiB left)", self.micro_batch_tokens, per_token / 2**20, tokens, spare / 2**30)
 
     def _micro_loss(self, rows: TrainRows, mb, v_star):
         """(loss, {metric: value}) of one micro-batch, on the (rows, width - 1) layout of `build_rows`. Its
