@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The open issues' GPU runs as named sets of bench/gpu_batch.sh lanes (one GPU each, in parallel: device time
+# counts wall time, so a machine of N GPUs gives N times the GPU-minutes). Each set is its own queue
+# (GPU_QUEUE_NAME = the set), so a set that needs the bundled model can start in a later call than one that
+# does not. `DRY=1 bash bench/queues.sh SET` prints the lanes instead of starting them.
+#
+#   parity    issue 18 (done 2026-11-27, H200, BENCHMARKS §1/§1b): PPO-RNN parity, ours on GPU 0 then the
+#             llm-features experiment's Craftax plain-PPO arm; Baselines' ppo_rnn.py on GPU 1 then the RNN SPS
+#   features  issue 18: the llm-features experiment (bench/llm_features.py), every arm of both envs not done
+#             yet; one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
+#             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
+#   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test, the async bench
+#             on two GPUs (async there vs sync on one), the Craftax llm-policy bench with the device-sized learner
+#             (and --learner-compile), the async bench on the GSM8K layout. Needs .ref/tc-cache (the tokenizer).
+#
+# Calls on one warm machine (the bundled model goes in parts, bench/carry_model.sh; carried files stay):
+#   1. carry [".whl", ".ref/tc-cache", ".ref/Craftax_Baselines", ".model-whl/part-00"]
+#      x4 machine: source bench/gpu_env.sh && LLM_GPUS=2,3 bash bench/queues.sh llm
+#      x2 machine: `true` (features takes both GPUs; llm in a session of its own: LLM_GPUS=0,1)
+#   2. carry [".ref/tc-cache", ".model-whl/part-01", ".model-whl/part-02"]
+#      source bench/gpu_env.sh && source bench/carry_model.sh install && bash bench/queues.sh features
+#   3. back to back until done (each call brings back batch-<set>.tgz of every set):
+#      bash bench/queues.sh collect 540
+# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+SETS="parity features llm"
+PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
+FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
+set_jobs() {  # the job specs of set $1, in the array `jobs`
+  case "$1" in
+    parity) jobs=(
+      "@0 parity_rnn_ours 1500 $PARITY --systems thinkcraft --results bench/results/parity_rnn_ours.json"
+      "@0 features_craftax_ppo 900 $FEAT --env craftax --arm ppo --time-limit-min 14"
+      "@1 parity_rnn_theirs 1500 $PARITY --systems baselines --baselines-dir .ref/Craftax_Baselines --results bench/results/parity_rnn_theirs.json"
+      "@1 sps_rnn 600 python bench/ppo_sps.py --num-envs 1024 --policy rnn --baselines-dir .ref/Craftax_Baselines") ;;
+    features) jobs=()
+      for g in ${FEATURE_GPUS:-0 1}; do  # Craftax first: its LLM arms are the longest
+        jobs+=("@$g features_gpu$g 1500 $FEAT --env craftax classic --arm llm random-llm ppo --time-limit-min 23")
+      done ;;
+    llm) # one lane of two GPUs, in order; the one-GPU jobs see the first of them only
+      local g=${LLM_GPUS:-0,1}; local one="CUDA_VISIBLE_DEVICES=${g%%,*}"; jobs=(
+      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider"
+      "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu.json"
+      "@$g craftax_auto 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1"
+      "@$g craftax_compiled 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
+      "@$g async_gsm8k 560 $one python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
+    *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS}  (see the header)"; exit 2 ;;
+  esac
+}
+if [ "${1:-}" = collect ]; then  # wait (up to $2 s in all) for the started sets, then bring each one's archive back
+  t_end=$(( $(date +%s) + ${2:-540} ))
+  for s in $SETS; do
+    [ -d "/tmp/tc-devq-$s" ] || continue
+    left=$(( t_end - $(date +%s) )); (( left < 1 )) && left=1
+    GPU_QUEUE_NAME=$s bash bench/gpu_batch.sh collect "$left"
+  done
+  exit 0
+fi
+set_jobs "${1:-}"
+if [ "${DRY:-0}" = 1 ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
+export PYTHONUNBUFFERED=1 GPU_QUEUE_NAME=$1
+bash bench/gpu_batch.sh start "${jobs[@]}"
