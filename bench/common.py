@@ -11,6 +11,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+if os.environ.get("THINKCRAFT_STACK_DUMP_S"):
+    # bench/gpu_batch.sh sets it a little under a job's time limit: a job still running then (hung, or just slow)
+    # leaves every thread's Python stack in its log before it is stopped - where it hung, not only that it did
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["THINKCRAFT_STACK_DUMP_S"]), repeat=False)
+
 
 def card() -> str:
     """GPU name if one is visible (JAX or torch), else 'cpu (<n> cores)'."""

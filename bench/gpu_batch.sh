@@ -42,7 +42,9 @@ run_jobs() {  # one lane's jobs, in order
     read -r name limit cmd <<<"$spec"
     echo "=== $name (limit ${limit}s${CUDA_VISIBLE_DEVICES:+, GPU $CUDA_VISIBLE_DEVICES}): $cmd"
     t0=$(date +%s)
-    timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$logs/$name.log" 2>&1
+    # a Python bench still running 20 s before the limit prints every thread's stack into its log (bench/common.py)
+    THINKCRAFT_STACK_DUMP_S=$(( limit > 60 ? limit - 20 : limit )) \
+      timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$logs/$name.log" 2>&1
     rc=$?
     echo "    rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$logs/$name.log"
   done
