@@ -42,7 +42,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local g=${LLM_GPUS:-0,1}; local one="CUDA_VISIBLE_DEVICES=${g%%,*}"; jobs=(
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider"
       "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu.json"
-      "@$g craftax_auto 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1"
+      "@$g craftax_auto 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
       "@$g craftax_compiled 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
       "@$g async_gsm8k 560 $one python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS}  (see the header)"; exit 2 ;;
