@@ -197,6 +197,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                                       / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),
         "learner_packed": bool(steady[-1].get("learner/packed", 0.0)),
         "learner_tokens": round(med([r.get("learner/tokens", 0.0) for r in steady])),
+        # tokens through the model: the system prompt shared by a micro-batch's rows computed once
+        "learner_tokens_computed": round(med([r.get("learner/tokens_computed", r.get("learner/tokens", 0.0))
+                                              for r in steady])),
         "learner_tokens_saved_frac": round(med([r.get("learner/tokens_saved_frac", 0.0) for r in steady]), 3),
         "learner_episode_rows": round(med([r.get("learner/episode_rows", 0.0) for r in steady])),
         "learner_turn_rows": round(med([r.get("learner/turn_rows", 0.0) for r in steady])),

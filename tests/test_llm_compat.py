@@ -365,7 +365,7 @@ def test_maskless_attention_gets_the_varlen_kwargs_and_no_mask(arch: str) -> Non
     seen: list = []
 
     def fn(module, query, key, value, attention_mask, scaling=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        cu, max_len = compat.varlen_from_kwargs(kwargs)
+        cu, _, max_len, _ = compat.varlen_from_kwargs(kwargs)
         seen.append((attention_mask, cu.tolist(), max_len))
         outs = [torch.nn.functional.scaled_dot_product_attention(
             query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=True)

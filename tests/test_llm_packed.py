@@ -5,6 +5,8 @@ and the LM-head chunking."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -165,7 +167,7 @@ def test_packed_logprobs_equal_each_row_alone(arch):
     model = _model(arch)
     rows = _rows(model)
     learner = _learner(_cfg(), model)
-    lengths, _ = packing.host_rows(rows.attention_mask, rows.loss_mask)
+    lengths, _, _ = packing.host_rows(rows.attention_mask, rows.loss_mask)
     everything = (np.arange(rows.loss_mask.shape[1])[None] < lengths[:, None] - 1).astype(np.float32)
     got = {}
     with torch.no_grad():
@@ -187,7 +189,7 @@ def test_packed_attention_under_autocast_with_fp32_weights(monkeypatch):
     model = _model("qwen2", "full")
     rows = _rows(model)
     learner = _learner(_cfg(finetune="full"), model)
-    lengths, mask = packing.host_rows(rows.attention_mask, rows.loss_mask)
+    lengths, mask, _ = packing.host_rows(rows.attention_mask, rows.loss_mask)
     seen = []
 
     def recording(q, k, v, *a):  # noqa: ANN001, ANN002, ANN202
@@ -356,23 +358,26 @@ def test_config_rejects_bad_learner_budgets():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels with a backward need CUDA (none here)")
-@pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_cuda_packed_update_matches_padded_in_bf16(finetune):
-    """On CUDA a varlen kernel is chosen (forward and backward probed against sdpa), and a bf16-autocast packed
-    update with chunked log-probs agrees with the padded one with full logits (bf16 tolerance, per parameter)."""
+@pytest.mark.parametrize("finetune,prefixed", [("lora", False), ("full", False), ("lora", True)])
+def test_cuda_packed_update_matches_padded_in_bf16(finetune, prefixed):
+    """On CUDA a varlen kernel is chosen (forward and backward probed against sdpa, a shared prefix's layout
+    included), and a bf16-autocast packed update with chunked log-probs agrees with the padded one with full
+    logits (bf16 tolerance, per parameter); `prefixed`: rows with a common 40-token prefix, computed once."""
     dev = torch.device("cuda")
     assert packing.packed_kernel(dev) in packing.CUDA_CANDIDATES
     grads = {}
     for pack in (True, False):
         model = _model("qwen3", finetune)
-        rows = _rows(model, seed=1)
+        rows = _prefixed_rows(model, seed=1) if prefixed else _rows(model, seed=1)
         model.to(dev)
         rows = rows.to(dev)
-        cfg = _cfg(finetune=finetune, pack=pack, micro_batch_tokens=16, logit_chunk_mib=0.001 if pack else 0)
+        cfg = _cfg(finetune=finetune, pack=pack, micro_batch_tokens=64 if prefixed else 16,
+                   logit_chunk_mib=0.001 if pack else 0)
         learner = LP.Learner(cfg, model, None, dev, torch.bfloat16)
         learner.optimizer.step = lambda: None
         assert learner.packed == pack
-        learner.update(rows)
+        stats = learner.update(rows)
+        assert (stats["learner/prefix_shared_tokens"] > 0) == (prefixed and pack)
         grads[pack] = _grads(model)
     assert set(grads[True]) == set(grads[False])
     for n, want in grads[False].items():
@@ -513,3 +518,88 @@ def test_micro_batch_tokens_0_measures_once_then_keeps_the_size(monkeypatch, cap
     monkeypatch.setattr(learner, "_accumulate", oom_once)
     learner.update(rows)
     assert learner.micro_batch_tokens == 17408 and not learner._auto_pending and len(probes) == 1
+
+
+# ------------------------------------------------------------------------------------------ a shared prefix
+
+
+def test_plan_computes_a_shared_prefix_once():
+    """Rows of 5, 7, 6 tokens that start with the same 3: the layout is [prefix | row 0's 2 | row 1's 4 | row
+    2's 3]; each row's keys are the prefix's then its own (kv_index, cu_k), positions continue after the
+    prefix; a trained position inside the prefix reads the shared hidden state, its target the row's own."""
+    lengths = np.array([5, 7, 6])
+    mask = np.zeros((3, 7), np.float32)
+    mask[0, [2, 3]] = 1  # position 2 (the prefix's last) predicts row 0's first own token
+    mask[1, 5] = 1
+    mask[2, 1] = 1  # inside the prefix
+    (mb,) = packing.plan(lengths, mask, 100, 0, True, torch.device("cpu"), prefix=3)
+    assert (mb.tokens, mb.shared, mb.trained_tokens, mb.max_len, mb.max_k) == (12, 6, 4, 4, 7)
+    assert mb.gather.tolist() == [0, 1, 2, 3, 4, 11, 12, 13, 14, 19, 20, 21]
+    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 6, 3, 4, 5]]
+    assert mb.kv_index.tolist() == [0, 1, 2] + [0, 1, 2, 3, 4] + [0, 1, 2, 5, 6, 7, 8] + [0, 1, 2, 9, 10, 11]
+    assert mb.cu_seqlens.tolist() == [0, 3, 5, 9, 12] and mb.cu_k.tolist() == [0, 3, 8, 15, 21]
+    assert mb.pred.tolist() == [2, 3, 7, 1] and mb.target.tolist() == [3, 4, 8 + 6, 16 + 2]
+    assert mb.scatter.tolist() == [2, 3, 6 + 5, 12 + 1]
+    summary = packing.layout_summary([mb])
+    assert summary["learner/tokens"] == 18 and summary["learner/tokens_computed"] == 12
+    assert summary["learner/prefix_shared_tokens"] == 6
+    # the budget counts computed tokens: 3 + 2 + 4 = 9 fit 9, row 2 starts a micro-batch of its own
+    assert [(m.start, m.end, m.tokens) for m in packing.plan(lengths, mask, 9, 0, True, torch.device("cpu"),
+                                                              prefix=3)] == [(0, 2, 9), (2, 3, 6)]
+    with pytest.raises(ValueError, match="every row longer"):
+        packing.plan(lengths, mask, 100, 0, True, torch.device("cpu"), prefix=5)
+
+
+PREFIX = 40  # over packing.MIN_SHARED_PREFIX
+
+
+def _prefixed_rows(model, seed=0):
+    """`_rows` whose every prompt starts with the same PREFIX tokens (a system prompt)."""
+    common = np.random.default_rng(99).integers(3, VOCAB, PREFIX).tolist()
+    turns = _turns(LENGTHS, seed)
+    turns = [dataclasses.replace(t, prompt_ids=common + t.prompt_ids) for t in turns]
+    rows = LP.build_rows(turns, [1.0, -2.0, 0.5, 1.5, -0.7], [1.0, 0.0, 0.5, 1.0, 0.0], 0, torch.device("cpu"))
+    with torch.no_grad():
+        cur = L.token_logprobs(model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits,
+                               rows.input_ids)
+    noise = torch.randn(cur.shape, generator=torch.Generator().manual_seed(seed)) * 0.3
+    rows.old_logp.copy_((cur + noise) * rows.loss_mask)
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_shared_prefix_logprobs_equal_each_row_alone(arch):
+    """Every next-token log-prob of a micro-batch that computes the common prefix once - positions inside the
+    prefix too - equals the row's own forward through the causal LM."""
+    model = _model(arch)
+    rows = _prefixed_rows(model)
+    learner = _learner(_cfg(), model)
+    lengths, _, common = packing.host_rows(rows.attention_mask, rows.loss_mask, rows.input_ids)
+    assert common >= PREFIX
+    everything = (np.arange(rows.loss_mask.shape[1])[None] < lengths[:, None] - 1).astype(np.float32)
+    with torch.no_grad():
+        (mb,) = packing.plan(lengths, everything, 1 << 20, 0, True, torch.device("cpu"), prefix=PREFIX)
+        assert mb.shared == (len(lengths) - 1) * PREFIX
+        got = learner.logprobs(rows, mb)
+        for i, n in enumerate(lengths.tolist()):
+            ids = rows.input_ids[i: i + 1, :n]
+            want = L.token_logprobs(model(input_ids=ids).logits, ids)[0]
+            torch.testing.assert_close(got[i, : n - 1], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 80])
+def test_shared_prefix_update_equals_the_padded_computation(budget):
+    """The learner finds the rows' common prefix itself (`learner_share_prefix`, the default) and its loss and
+    gradients equal the padded whole-batch computation - in one micro-batch and in several."""
+    model = _model("qwen2")
+    cfg = _cfg(micro_batch_tokens=budget)
+    rows = _prefixed_rows(model)
+    want_loss, want = _reference(cfg, model, rows)
+    stats = _learner(cfg, model).update(rows)
+    assert stats["learner/prefix_shared_tokens"] > 0
+    assert stats["learner/tokens"] == stats["learner/tokens_computed"] + stats["learner/prefix_shared_tokens"]
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    _assert_same(_grads(model), want)
+    model.zero_grad(set_to_none=True)
+    off = _learner(_cfg(micro_batch_tokens=budget, learner_share_prefix=False), model).update(rows)
+    assert off["learner/prefix_shared_tokens"] == 0 and off["learner/tokens"] == stats["learner/tokens"]

@@ -222,16 +222,21 @@ VARLEN_KWARG_NAMES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_len
 `self_attn(**kwargs)`, to the attention function."""
 
 
-def varlen_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
+def varlen_kwargs(cu_seqlens: torch.Tensor, max_len: int, cu_k: torch.Tensor | None = None,
+                  max_k: int | None = None) -> dict[str, Any]:
     """Forward kwargs carrying a packed batch's boundaries (one (1, T) row holding sequences
-    cu_seqlens[i]:cu_seqlens[i+1], int32) to the attention function registered by `register_maskless_attention`."""
-    return dict(zip(VARLEN_KWARG_NAMES, (cu_seqlens, cu_seqlens, max_len, max_len)))
+    cu_seqlens[i]:cu_seqlens[i+1], int32) to the attention function registered by `register_maskless_attention`;
+    `cu_k`/`max_k` when the keys are laid out otherwise (a shared prefix copied per sequence)."""
+    return dict(zip(VARLEN_KWARG_NAMES, (cu_seqlens, cu_seqlens if cu_k is None else cu_k, max_len,
+                                         max_len if max_k is None else max_k)))
 
 
-def varlen_from_kwargs(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
-    """(cu_seqlens, max_len) that `varlen_kwargs` put in an attention function's kwargs, or None."""
-    cu, max_len = kwargs.get(VARLEN_KWARG_NAMES[0]), kwargs.get(VARLEN_KWARG_NAMES[2])
-    return None if cu is None or max_len is None else (cu, int(max_len))
+def varlen_from_kwargs(kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """(cu_q, cu_k, max_q, max_k) that `varlen_kwargs` put in an attention function's kwargs, or None."""
+    cu, cu_k, max_q, max_k = (kwargs.get(n) for n in VARLEN_KWARG_NAMES)
+    if cu is None or max_q is None:
+        return None
+    return cu, (cu if cu_k is None else cu_k), int(max_q), int(max_q if max_k is None else max_k)
 
 
 def register_maskless_attention(name: str, fn: Any) -> str:

@@ -112,6 +112,11 @@ class LLMPolicyConfig(RunOptions):
     micro_batch_size: int = 0
     """At most this many rows (a turn, or an episode's turns: --pack-episodes) per micro-batch as well; 0 = the
     token budget alone decides."""
+    learner_share_prefix: bool = True
+    """Packed micro-batches compute the tokens every row of the batch starts with (the system prompt, >= 32
+    tokens) once, their keys and values copied in front of each row's own (varlen attention, keys and queries
+    laid out apart): the same loss and gradients, fewer tokens through the model (Craftax: the 595-token system
+    prompt of ~1,566-token episode rows). Off: every row computes its whole sequence."""
     learner_compile: bool = False
     """torch.compile the learner's packed decoder forward (and so its backward): fewer, fused kernels and less
     Python per micro-batch, for a learner bound by its host (a LoRA model of 24 layers launches ~25k operators

@@ -261,9 +261,8 @@ class Learner:
         failure)."""
         from thinkcraft.llm import compat
 
-        def forward(ids, positions, cu_seqlens, max_len):  # noqa: ANN001, ANN202
-            return dec(input_ids=ids, position_ids=positions, use_cache=False,
-                       **compat.varlen_kwargs(cu_seqlens, max_len)).last_hidden_state
+        def forward(ids, positions, varlen):  # noqa: ANN001, ANN202
+            return dec(input_ids=ids, position_ids=positions, use_cache=False, **varlen).last_hidden_state
 
         if not self.cfg.learner_compile:
             return forward
@@ -278,12 +277,18 @@ class Learner:
         read (not only the trained ones), in one padded micro-batch."""
         from thinkcraft.train.llm_policy import packing
 
-        lengths, mask = packing.host_rows(rows.attention_mask, rows.loss_mask)
+        share = self.packed and self.cfg.learner_share_prefix and not all_positions
+        lengths, mask, common = packing.host_rows(rows.attention_mask, rows.loss_mask,
+                                                  rows.input_ids if share else None)
         if all_positions:
             mask = (np.arange(mask.shape[1])[None] < (lengths[:, None] - 1)).astype(np.float32)
             return packing.plan(lengths, mask, 1 << 62, 0, False, self.device)
+        # the tokens every row starts with (the system prompt), computed once per micro-batch; every row keeps
+        # at least one token of its own
+        prefix = min(common, int(lengths.min()) - 1) if len(lengths) else 0
         return packing.plan(lengths, mask, self.micro_batch_tokens, self.cfg.micro_batch_size, self.packed,
-                            self.device, rows.turns.seqs_per_row() if rows.turns is not None else None)
+                            self.device, rows.turns.seqs_per_row() if rows.turns is not None else None,
+                            prefix=prefix if prefix >= packing.MIN_SHARED_PREFIX else 0)
 
     def allowed_tokens(self, turns: Sequence[TurnRecord]):
         """For turns decoded under a grammar with "constrained" log-probs (json answers): each token's allowed
@@ -330,7 +335,7 @@ class Learner:
             if mb.packed:
                 ids = rows.input_ids.reshape(-1)[mb.gather][None]
                 with compat.attention_implementation(attn, PACKED_ATTN):
-                    h = self._packed(dec)(ids, mb.positions, mb.cu_seqlens, w)
+                    h = self._packed(dec)(ids, mb.positions, mb.varlen())
             else:
                 ids = rows.input_ids[s:e, :w]
                 h = dec(input_ids=ids, attention_mask=rows.attention_mask[s:e, :w], use_cache=False).last_hidden_state
@@ -338,9 +343,14 @@ class Learner:
         allowed = None
         if rows.allowed is not None:  # json answers: a softmax over the grammar's allowed tokens (constrained.py)
             allowed = rows.allowed._replace(index=rows.allowed.index[s:e, : w - 1].reshape(-1)[mb.scatter])
+        # each trained position's next token: packed, from the batch's own rows (after a shared prefix the next
+        # token in the layout is another row's)
+        nxt = rows.input_ids.reshape(-1)[mb.target] if mb.packed else ids[mb.pred + 1]
         if self.rows_per_chunk:
-            lp = linear_token_logprobs(h[mb.pred], weight, ids[mb.pred + 1], bias, 1.0, self.rows_per_chunk,
+            lp = linear_token_logprobs(h[mb.pred], weight, nxt, bias, 1.0, self.rows_per_chunk,
                                        self.compute_dtype, allowed)
+        elif mb.kv_index is not None:  # full logits, of the trained positions (the layout's next tokens are not theirs)
+            lp = full_linear_token_logprobs(h[mb.pred], weight, nxt, bias, 1.0, self.compute_dtype, allowed)
         else:  # the full (tokens x vocabulary) logits of every position, as the causal LM's forward builds them
             if allowed is not None:
                 allowed = allowed._replace(index=allowed.index.new_full((h.shape[0],), -1).index_copy_(
