@@ -365,6 +365,7 @@ def test_cuda_packed_update_matches_padded_in_bf16(finetune, prefixed):
     logits (bf16 tolerance, per parameter); `prefixed`: rows with a common 40-token prefix, computed once."""
     dev = torch.device("cuda")
     assert packing.packed_kernel(dev) in packing.CUDA_CANDIDATES
+    assert packing.shares_prefix(dev)  # the kernel also computes the shared-prefix layout right
     grads = {}
     for pack in (True, False):
         model = _model("qwen3", finetune)
@@ -603,3 +604,15 @@ def test_shared_prefix_update_equals_the_padded_computation(budget):
     model.zero_grad(set_to_none=True)
     off = _learner(_cfg(micro_batch_tokens=budget, learner_share_prefix=False), model).update(rows)
     assert off["learner/prefix_shared_tokens"] == 0 and off["learner/tokens"] == stats["learner/tokens"]
+
+
+def test_a_kernel_that_fails_the_prefix_probe_packs_without_sharing(monkeypatch):
+    """A device whose varlen kernel fails the shared-prefix probe still packs, every row whole (not padded)."""
+    model = _model("qwen2")
+    rows = _prefixed_rows(model)
+    want_loss, want = _reference(_cfg(), model, rows)
+    monkeypatch.setattr(packing, "shares_prefix", lambda device: False)
+    stats = _learner(_cfg(), model).update(rows)
+    assert stats["learner/packed"] == 1.0 and stats["learner/prefix_shared_tokens"] == 0
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    _assert_same(_grads(model), want)

@@ -277,7 +277,8 @@ class Learner:
         read (not only the trained ones), in one padded micro-batch."""
         from thinkcraft.train.llm_policy import packing
 
-        share = self.packed and self.cfg.learner_share_prefix and not all_positions
+        share = (self.packed and self.cfg.learner_share_prefix and not all_positions
+                 and packing.shares_prefix(self.device))
         lengths, mask, common = packing.host_rows(rows.attention_mask, rows.loss_mask,
                                                   rows.input_ids if share else None)
         if all_positions:

@@ -94,11 +94,28 @@ def packed_kernel(device: torch.device | str) -> str | None:
     return _CHOSEN[kind]
 
 
-def _agrees(kernel: str, device: torch.device) -> bool:
+def shares_prefix(device: torch.device | str) -> bool:
+    """Whether this device's training kernel (`packed_kernel`) also computes a shared prefix's layout right -
+    queries [prefix | row | row ...], each row's keys [prefix | own] with bottom-right causality - forward and
+    backward against "sdpa" (probed once; the learner then computes its rows' common prefix once per
+    micro-batch, `plan(prefix=)`)."""
+    kind = torch.device(device).type
+    kernel = packed_kernel(device)
+    if kernel is None:
+        return False
+    if kind not in _SHARES:
+        _SHARES[kind] = kernel == "sdpa" or _agrees(kernel, torch.device(device), prefixed=True)
+    return _SHARES[kind]
+
+
+_SHARES: dict[str, bool] = {}
+
+
+def _agrees(kernel: str, device: torch.device, prefixed: bool = False) -> bool:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(7, h, 64, device=device, generator=g) for h in (4, 2, 2))
     cu = torch.tensor([0, 3, 7], device=device, dtype=torch.int32)
-    # and a shared prefix's layout: queries [prefix 2 | 2 | 3], keys [prefix | prefix + 2 | prefix + 3]
+    # prefixed: a shared prefix's layout, queries [prefix 2 | 2 | 3], keys [prefix | prefix + 2 | prefix + 3]
     kv = torch.tensor([0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 6], device=device)
     cu_q, cu_k = (torch.tensor(c, device=device, dtype=torch.int32) for c in ([0, 2, 4, 7], [0, 2, 6, 11]))
     try:
@@ -106,7 +123,8 @@ def _agrees(kernel: str, device: torch.device) -> bool:
         for name, dtype in ((kernel, torch.bfloat16), ("sdpa", torch.float32)):
             x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
             fn = TRAIN_KERNELS[name]
-            out = torch.cat([fn(*x, cu, cu, 4, 4, 0.125), fn(x[0], x[1][kv], x[2][kv], cu_q, cu_k, 3, 5, 0.125)])
+            out = (fn(x[0], x[1][kv], x[2][kv], cu_q, cu_k, 3, 5, 0.125) if prefixed
+                   else fn(*x, cu, cu, 4, 4, 0.125))
             out.float().square().sum().backward()
             grads.append([out.float()] + [t.grad.float() for t in x])
         return all(torch.allclose(a, b, atol=5e-2, rtol=5e-2) for a, b in zip(*grads))
