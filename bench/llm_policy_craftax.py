@@ -162,7 +162,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                       f"train {rec.get('timing/train', 0):.2f} in micro-batches of {rec.get('learner/micro_batch_tokens', 0):.0f} "
                       f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
                       f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
-                      f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows)", flush=True)
+                      f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows; prefill {rec.get('engine/prefill_s', 0):.2f} s in "
+                      f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens)",
+                      flush=True)
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
@@ -196,6 +198,13 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)
                                       / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),
         "learner_packed": bool(steady[-1].get("learner/packed", 0.0)),
+        # the generate phase split (engine counters; one engine): prefill forwards, decode loop, the rest idle
+        "prefill_s": round(med([r.get("engine/prefill_s", 0.0) for r in steady]), 3),
+        "prefill_calls": round(med([r.get("engine/prefill_calls", 0.0) for r in steady])),
+        "prefill_tokens": round(med([r.get("engine/prefill_tokens", 0.0) for r in steady])),
+        "decode_s": round(med([r.get("engine/decode_s", 0.0) for r in steady]), 3),
+        "engine_idle_s": round(med([r.get("timing/generate", 0.0) - r.get("engine/prefill_s", 0.0)
+                                    - r.get("engine/decode_s", 0.0) for r in steady]), 3),
         "learner_tokens": round(med([r.get("learner/tokens", 0.0) for r in steady])),
         # tokens through the model: the system prompt shared by a micro-batch's rows computed once
         "learner_tokens_computed": round(med([r.get("learner/tokens_computed", r.get("learner/tokens", 0.0))

@@ -114,6 +114,7 @@ class IterationMixin:
         self.logits[idx] = logits
         self._start_rows(chunk, slots, total, offs)
         self.counters["prefill_tokens"] += float(n_new.sum())
+        self.counters["prefill_calls"] += 1.0
         self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
         self.counters["fallbacks"] += float(sum(q.fallback for q, _, _ in chunk))
 

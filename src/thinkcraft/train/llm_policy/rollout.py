@@ -109,7 +109,12 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             "engine/decode_step_ms": 1000.0 * d.get("decode_s", 0.0) / steps,
             "engine/decode_wait_ms": 1000.0 * d.get("decode_wait_s", 0.0) / steps,
             "engine/rows_per_decode_step": d.get("generated_tokens", 0.0) / steps,
-            "engine/host_length_ends": d.get("host_length_ends", 0.0)}
+            "engine/host_length_ends": d.get("host_length_ends", 0.0),
+            # where an update's generation time went: admissions (prefill forwards of the new turns' tokens, in
+            # `prefill_calls` packed calls) and the decode loop; the rest of `timing/generate` the engine waited
+            # for work (env steps, prompts)
+            "engine/prefill_s": d.get("prefill_s", 0.0), "engine/prefill_calls": d.get("prefill_calls", 0.0),
+            "engine/prefill_tokens": d.get("prefill_tokens", 0.0), "engine/decode_s": d.get("decode_s", 0.0)}
 
 
 def answer_structure(env, sampling):
