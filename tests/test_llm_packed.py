@@ -61,9 +61,11 @@ def _turns(lengths, seed=0):
 LENGTHS = [(5, 4), (3, 6), (9, 2), (2, 1), (7, 5)]
 
 
-def _rows(model, lengths=LENGTHS, seed=0):
-    """Rows with off-policy old log-probs (current ones + noise: ratios away from 1, some clipped)."""
-    rows = LP.build_rows(_turns(lengths, seed), [1.0, -2.0, 0.5, 1.5, -0.7][: len(lengths)],
+def _rows(model, lengths=LENGTHS, seed=0, common=()):
+    """Rows with off-policy old log-probs (current ones + noise: ratios away from 1, some clipped); every
+    prompt starts with the token ids `common` (a system prompt), if any."""
+    turns = [dataclasses.replace(t, prompt_ids=list(common) + t.prompt_ids) for t in _turns(lengths, seed)]
+    rows = LP.build_rows(turns, [1.0, -2.0, 0.5, 1.5, -0.7][: len(lengths)],
                          [1.0, 0.0, 0.5, 1.0, 0.0][: len(lengths)], 0, torch.device("cpu"))
     with torch.no_grad():
         cur = L.token_logprobs(model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits,
@@ -556,16 +558,7 @@ PREFIX = 40  # over packing.MIN_SHARED_PREFIX
 
 def _prefixed_rows(model, seed=0):
     """`_rows` whose every prompt starts with the same PREFIX tokens (a system prompt)."""
-    common = np.random.default_rng(99).integers(3, VOCAB, PREFIX).tolist()
-    turns = _turns(LENGTHS, seed)
-    turns = [dataclasses.replace(t, prompt_ids=common + t.prompt_ids) for t in turns]
-    rows = LP.build_rows(turns, [1.0, -2.0, 0.5, 1.5, -0.7], [1.0, 0.0, 0.5, 1.0, 0.0], 0, torch.device("cpu"))
-    with torch.no_grad():
-        cur = L.token_logprobs(model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits,
-                               rows.input_ids)
-    noise = torch.randn(cur.shape, generator=torch.Generator().manual_seed(seed)) * 0.3
-    rows.old_logp.copy_((cur + noise) * rows.loss_mask)
-    return rows
+    return _rows(model, seed=seed, common=np.random.default_rng(99).integers(3, VOCAB, PREFIX).tolist())
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
