@@ -13,6 +13,9 @@
 #             on two GPUs (async there vs sync on one); then, one GPU each, the Craftax llm-policy bench with the
 #             device-sized learner (then with --learner-compile) and the async bench on the GSM8K layout. Needs
 #             .ref/tc-cache (the tokenizer).
+#   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it): PPO on 1, 2, 4
+#             GPUs; ppo-hidden (env on GPU 0, feature engines on the others) at skip 25 and 5; llm-policy with 1,
+#             2, 3 rollout GPUs + 1 learner GPU; the two-engine GPU test. Needs .ref/tc-cache.
 #
 # Calls on one warm machine (the bundled model goes in parts, bench/carry_model.sh; carried files stay):
 #   1. carry [".whl", ".ref/tc-cache", ".ref/Craftax_Baselines", ".model-whl/part-00"]
@@ -25,7 +28,7 @@
 # Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm"
+SETS="parity features llm scale"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -50,6 +53,11 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
       "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
       "@$g1 async_gsm8k 1400 $wait python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
+    scale) jobs=(
+      "@0,1,2,3 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2 4"
+      "@0,1,2,3 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 4 --skip-n 25 5"
+      "@0,1,2,3 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --out bench/results/logs/async_dedicated.json"
+      "@0,1,2,3 gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS}  (see the header)"; exit 2 ;;
   esac
 }
