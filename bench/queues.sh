@@ -39,8 +39,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@1 parity_rnn_theirs 1500 $PARITY --systems baselines --baselines-dir .ref/Craftax_Baselines --results bench/results/parity_rnn_theirs.json"
       "@1 sps_rnn 600 python bench/ppo_sps.py --num-envs 1024 --policy rnn --baselines-dir .ref/Craftax_Baselines") ;;
     features) jobs=()
-      for g in ${FEATURE_GPUS:-0 1}; do  # Craftax first: its LLM arms are the longest
-        jobs+=("@$g features_gpu$g 1500 $FEAT --env craftax classic --arm llm random-llm ppo --time-limit-min 23")
+      for g in ${FEATURE_GPUS:-0 1}; do  # Classic first: its arms are the shorter, a whole env more likely done
+        jobs+=("@$g features_gpu$g 1500 $FEAT --env classic craftax --arm llm random-llm ppo --time-limit-min 23")
       done ;;
     llm) # two GPUs G0,G1: the two-GPU jobs first (one lane of both), then a lane per GPU, each waiting for them
       local g=${LLM_GPUS:-0,1}; local g0=${g%%,*} g1=${g##*,}
