@@ -115,9 +115,13 @@ def job_state(run_dir: Path) -> tuple[str, int, int | None]:
 
 
 def command_for(job: Job, a: argparse.Namespace, runs: Path) -> list[str] | None:
-    state, _, _ = job_state(runs / job.name)
+    state, _, total = job_state(runs / job.name)
     base = [sys.executable, "-m", "thinkcraft"]
     run_dir = ["--run-dir", str(runs / job.name)]
+    if state in ("done", "partial") and total is not None and total != a.total_timesteps:
+        # every arm must train the same steps: a run made for another total is started again
+        print(f"{job.name}: its run was made for {total:,} steps per seed, not {a.total_timesteps:,}: started again")
+        return base + [*job.argv(a), *run_dir, "--overwrite", *a.session_flags]
     if state == "done":
         return None
     if state == "partial":  # the saved config holds every shape field; these only change the checkpoint cadence
@@ -232,6 +236,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         state, steps, total = job_state(runs / job.name)
         lock = runs / f"{job.name}.lock"
         running = lock.exists() and _alive(int(lock.read_text() or 0))
+        if not running and total is not None and total != a.total_timesteps and state in ("done", "partial"):
+            state = f"{state}, for {total:,} steps: to run again"
         rows.append({"run": job.name, "state": "running" if running else state, "steps": steps, "total": total})
     print_table(rows, ["run", "state", "steps", "total"])
     return 0
@@ -318,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--seed-mode", choices=["auto", "separate", "vmapped"], default="auto")
-    ap.add_argument("--total-timesteps", type=int, default=20_000_000, help="env steps per seed (every arm)")
+    ap.add_argument("--total-timesteps", type=int, default=20_000_000,
+                    help="env steps per seed (every arm), rounded up to a whole number of updates")
     ap.add_argument("--num-envs", type=int, default=1024)
     ap.add_argument("--num-steps", type=int, default=50, help="rollout length of every arm (skip_n must divide it)")
     ap.add_argument("--skip-n", type=int, default=25)
@@ -337,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         for k, v in QUICK.items():
             setattr(a, k, v)
+    # env steps per seed: a whole number of updates, at least the total asked for (the ">= 20M"; `train`
+    # itself floors: 20M at 1024 x 50 would be 390 updates, 19,968,000 steps)
+    batch = a.num_envs * a.num_steps
+    if a.total_timesteps % batch:
+        a.total_timesteps = -(-a.total_timesteps // batch) * batch
+        print(f"env steps per seed rounded up to whole updates: {a.total_timesteps:,} "
+              f"({a.total_timesteps // batch} x {batch:,})")
     a.runs_dir = a.runs_dir or ("runs/llm_features-quick" if a.quick else "runs/llm_features")
     a.session_flags = ["--checkpoint-every-minutes", str(a.checkpoint_every_minutes)]
     if a.stop_after_updates:

@@ -368,6 +368,9 @@ def test_llm_features_jobs_resume_and_stop_by_the_run_dirs(tmp_path):
     (run / "checkpoint" / "00000002").mkdir(parents=True)
     (run / "checkpoint" / "latest.json").write_text(json.dumps({"env_steps": 200, "update": 2, "checkpoint": "00000002"}))
     assert lf.job_state(run) == ("partial", 200, 400)
+    restart = lf.command_for(job, a, tmp_path)  # made for 400 steps a seed, 20M asked: started again
+    assert "--overwrite" in restart and "--resume" not in restart
+    a = argparse.Namespace(**{**vars(a), "total_timesteps": 400})
     cmd = lf.command_for(job, a, tmp_path)
     assert cmd[cmd.index("thinkcraft") + 1:] == ["train", "ppo", "--resume", "--run-dir", str(run), "--resume-fallback",
                                                  "--checkpoint-every-minutes", "3"]
