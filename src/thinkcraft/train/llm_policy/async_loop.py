@@ -39,11 +39,12 @@ from thinkcraft.pools import staleness as S
 from thinkcraft.pools.buffer import ReadyBuffer, group_has_signal
 from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult
 from thinkcraft.utils.errors import ConfigError, UserError, check
+from thinkcraft.utils.watchdog import StallWatchdog
 
 ASYNC_ONLY = ("max_staleness", "rollout_workers", "env_workers", "env_step_timeout_s", "env_episode_timeout_s",
               "max_group_attempts", "dynamic_sampling", "weight_sync", "rollout_devices", "rollout_servers",
               "gen_batch_wait_ms", "gen_batching", "judge_batch_groups", "rollout_timeout_s", "rollout_api_key_env",
-              "rollout_api_key_file")
+              "rollout_api_key_file", "stall_dump_s")
 
 QUEUE_POLICY = {
     "admission": "AReaL: (max_staleness + version + 1) * batch > accepted + running",
@@ -251,7 +252,8 @@ def run_async(cfg: Any) -> dict[str, Any]:
         try:
             run.build()
             session.start(run.coord.version)
-            _loop(run, session)
+            with StallWatchdog(cfg.stall_dump_s, session.run_dir / "stalls.txt", "learner step") as watchdog:
+                _loop(run, session, watchdog)
         finally:
             run.close()
         s, c = session.summary, run.coord
@@ -264,7 +266,7 @@ def run_async(cfg: Any) -> dict[str, Any]:
     return session.summary
 
 
-def _loop(run: Any, session: Any) -> None:
+def _loop(run: Any, session: Any, watchdog: Any = None) -> None:
     cfg, coord = run.cfg, run.coord
     while session.running(coord.version, cfg.steps):
         if run.front.fatal:
@@ -274,6 +276,8 @@ def _loop(run: Any, session: Any) -> None:
         coord.maybe_train()
         for res in run.train_pool.poll(4, 0.0):
             run.on_trained(res)
+            if watchdog is not None:
+                watchdog.beat()
     while coord.training is not None:  # a stop: the update in flight finishes first (its groups are consumed)
         for res in run.train_pool.poll(4, 1.0):
             run.on_trained(res)

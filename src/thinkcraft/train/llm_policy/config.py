@@ -221,6 +221,9 @@ class LLMPolicyConfig(RunOptions):
     """Async, --rollout-servers: send the bearer token on the first line of this file to every server."""
     rollout_timeout_s: float = 600.0
     """Async: a generate call with no answer after this fails its group (HTTP engines: the request timeout)."""
+    stall_dump_s: float = 900.0
+    """Async: with no learner step for this many seconds, every thread's Python stack is written to
+    <run dir>/stalls.txt (and a warning says so): where a run that seems to hang waits. 0 = off."""
     gen_batching: Literal["auto", "continuous", "whole"] = "auto"
     """Async: how the engines serve the workers' turns. continuous: each turn joins the running decode batch at
     once and comes back as soon as it ends, a group's episodes keep their KV between turns, weights are taken
@@ -266,6 +269,7 @@ class LLMPolicyConfig(RunOptions):
         check(self.history_turns >= -1, "history_turns", "must be >= 0 (a window of past turns) or -1 (all of them)")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
+        check(self.stall_dump_s >= 0, "stall_dump_s", "must be >= 0 (0 = off)")
         check(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 1 (or 0: sized to the device)")
         check(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0 = no row limit)")
         check(self.logit_chunk_mib >= 0, "logit_chunk_mib", "must be >= 0 (0 = full logits)")
