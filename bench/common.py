@@ -20,24 +20,10 @@ if os.environ.get("THINKCRAFT_STACK_DUMP_S"):
 
 
 def card() -> str:
-    """GPU name if one is visible (JAX or torch), else 'cpu (<n> cores)'."""
-    try:
-        import jax
+    """GPU name if one is visible (JAX or torch: `thinkcraft.utils.hardware.gpu_name`), else 'cpu (<n> cores)'."""
+    from thinkcraft.utils.hardware import gpu_name
 
-        d = jax.devices()[0]
-        if d.platform == "gpu":
-            return d.device_kind
-    except Exception:
-        pass
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:
-        pass
-    return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
-
+    return gpu_name(load=True) or f"cpu ({os.cpu_count()} cores, {platform.machine()})"
 
 
 def run_card(run_dir: str | Path) -> str:

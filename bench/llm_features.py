@@ -266,7 +266,8 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
         res = json.loads((out / "compare.json").read_text())
         for g in res["groups"]:
             for f in g["metrics"]["episode/return"]["finals"]:
-                state, steps, total = job_state(Path(f["run"].split("[")[0]))
+                run_dir = Path(f["run"].split("[")[0])
+                state, steps, total = job_state(run_dir)
                 # steps: env steps the seed trained (checkpointed); final_return: compare's final, the mean of
                 # the episode returns logged over the last 10% of its steps (the last one at final_step)
                 rows.append({"env": env, "arm": g["label"], "seed": f["seed"], "steps": steps,
@@ -274,8 +275,8 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
                              "total_steps": total,
                              "env_name": ENVS[env], "num_envs": a.num_envs, "num_steps": a.num_steps,
                              "skip_n": None if g["label"] == "ppo" else a.skip_n, "run": f["run"],
-                             "mode": "quick" if a.quick else "full", "card": run_card(f["run"].split("[")[0]),
-                             "date": run_date(f["run"].split("[")[0]),
+                             "mode": "quick" if a.quick else "full", "card": run_card(run_dir),
+                             "date": run_date(run_dir),
                              "compare_dir": str(out)})
     return rows
 

@@ -205,11 +205,12 @@ def summarise(a: argparse.Namespace, run_dirs: list[Path], out: Path) -> list[di
         m = g["metrics"]["episode/return"]
         rates = {f["run"]: f["final"] for f in g["metrics"].get("achievements/mean_rate", {}).get("finals", [])}
         for f in m["finals"]:
+            run_dir = f["run"].split("[")[0]
             rows.append({"system": system, "policy": a.policy, "seed": f["seed"], "steps": int(f["steps"]),
                          "final_return": f["final"], "final_achievement_mean_rate": rates.get(f["run"]),
                          "env": a.env, "num_envs": a.num_envs, "run": f["run"],
                          "mode": "dry" if a.dry else "quick" if a.quick else "full",
-                         "card": run_card(f["run"].split("[")[0]), "date": run_date(f["run"].split("[")[0]),
+                         "card": run_card(run_dir), "date": run_date(run_dir),
                          "compare_dir": str(out)})
     return rows
 

@@ -30,3 +30,17 @@ def test_off_at_zero(tmp_path):
     with StallWatchdog(0, tmp_path / "s.txt", "x") as wd:
         time.sleep(0.05)
     assert wd.stalls == 0 and not (tmp_path / "s.txt").exists() and wd._thread is None
+
+
+def test_llm_policy_stall_dump_is_validated_and_async_only():
+    import pytest
+
+    from thinkcraft.train.llm_policy import LLMPolicyConfig
+    from thinkcraft.train.llm_policy.async_loop import check_async_config
+    from thinkcraft.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stall-dump-s.*must be >= 0"):
+        LLMPolicyConfig(model="random:tiny", mode="async", stall_dump_s=-1).validate()
+    assert check_async_config(LLMPolicyConfig(model="random:tiny", mode="async", stall_dump_s=60)) is None
+    with pytest.raises(ConfigError, match="stall-dump-s.*asynchronous loop only"):
+        LLMPolicyConfig(model="random:tiny", stall_dump_s=60)  # sync mode

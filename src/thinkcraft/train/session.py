@@ -23,7 +23,6 @@ then decodes it and truncates the metrics to the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from thinkcraft.train.checkpoint import (
     has_checkpoint, load_config_dict, prepare_run_dir, read_checkpoint, save_config,
 )
 from thinkcraft.utils.errors import UserError, check
+from thinkcraft.utils.hardware import gpu_name
 from thinkcraft.utils.metrics import MetricsWriter, truncate_metrics
 from thinkcraft.utils.plot import plot_curves
 from thinkcraft.utils.progress import RunProgress, console
@@ -42,20 +42,8 @@ from thinkcraft.utils.timing import PhaseTimer
 
 
 def hardware_name() -> str:
-    """The accelerator this process computes on: the first GPU's name (JAX's when JAX is loaded, else
-    torch's), else "cpu"."""
-    if "jax" in sys.modules:
-        import jax
-
-        d = jax.devices()[0]
-        if d.platform == "gpu":
-            return d.device_kind
-    if "torch" in sys.modules:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    return "cpu"
+    """The accelerator this process computes on (`utils.hardware.gpu_name`), else "cpu"."""
+    return gpu_name() or "cpu"
 
 
 @dataclass

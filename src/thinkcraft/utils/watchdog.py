@@ -44,14 +44,16 @@ class StallWatchdog:
             self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        dumped_at = None  # the beat time of the stall already dumped: one dump per after_s of it
+        dumped_at = None  # when the stall under way was last dumped: one dump per after_s of it
         while not self._stop.wait(min(self.after_s / 4, 5.0)):
-            idle = time.monotonic() - self._last
-            if idle < self.after_s or (dumped_at is not None and time.monotonic() - dumped_at < self.after_s):
-                if idle < self.after_s:
-                    dumped_at = None
+            now = time.monotonic()
+            idle = now - self._last
+            if idle < self.after_s:
+                dumped_at = None
                 continue
-            dumped_at = time.monotonic()
+            if dumped_at is not None and now - dumped_at < self.after_s:
+                continue
+            dumped_at = now
             self.stalls += 1
             with open(self.path, "a") as f:
                 f.write(f"\n=== no {self.what} for {idle:.1f} s ({time.strftime('%Y-%m-%d %H:%M:%S')}): "

@@ -18,6 +18,7 @@ import numpy as np
 from thinkcraft.utils.errors import UserError
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.pools.contract import Trajectory, TurnRecord
+from thinkcraft.train.llm_policy import packing
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,11 @@ def build_rows(turns: Sequence[TurnRecord], row_adv: Sequence[float], row_reward
     B, L = len(lens), int(lens.max())
     valid = np.arange(L)[None] < lens[:, None]
     ids = np.full((B, L), pad_id, dtype=np.int64)
-    ids[valid] = flat[np.repeat(off[last], lens) + _ragged_arange(lens)]
+    ids[valid] = flat[np.repeat(off[last], lens) + packing.ragged_arange(lens)]
     # predicted position q predicts token q+1: a turn's completion tokens p..p+c-1 are predicted at p-1..p+c-2,
     # in its own row and in the row of a later turn that extends it alike
     r = np.repeat(np.repeat(np.arange(B), np.diff(starts)), clen)
-    q = np.repeat(plen - 1, clen) + _ragged_arange(clen)
+    q = np.repeat(plen - 1, clen) + packing.ragged_arange(clen)
     seg = np.repeat(np.arange(T), clen)
     train = np.fromiter(chain.from_iterable(t.train_mask or [1] * len(t.completion_ids) for t in turns),
                         np.float32, len(seg))
@@ -146,18 +147,13 @@ def _allowed(masks: Any, r: np.ndarray, q: np.ndarray, shape: tuple[int, int], d
     return AllowedTokens(masks.bitmask.to(device), torch.from_numpy(at).to(device))
 
 
-def _ragged_arange(n: np.ndarray) -> np.ndarray:
-    """0..n[0]-1, 0..n[1]-1, ... concatenated."""
-    return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-
-
 def _continues(flat: np.ndarray, off: np.ndarray, plen: np.ndarray, tlen: np.ndarray) -> np.ndarray:
     """(T-1,) bool: turn k+1's prompt starts with turn k's prompt + completion, compared token for token in one
     vectorised pass (the turns' tokens back to back in `flat`, turn k at off[k]:off[k]+tlen[k])."""
     out = np.zeros(max(len(tlen) - 1, 0), dtype=bool)
     cand = np.flatnonzero(plen[1:] >= tlen[:-1])
     n = tlen[cand]
-    within = _ragged_arange(n)
+    within = packing.ragged_arange(n)
     differ = flat[np.repeat(off[cand], n) + within] != flat[np.repeat(off[cand + 1], n) + within]
     bad = np.bincount(np.repeat(np.arange(len(cand)), n), weights=differ, minlength=len(cand))
     out[cand[bad == 0]] = True
@@ -204,7 +200,6 @@ class Learner:
 
         from thinkcraft.llm import compat
         from thinkcraft.rl.chunked_logprobs import chunk_rows
-        from thinkcraft.train.llm_policy import packing
 
         self.cfg = cfg
         self.model = model
@@ -275,8 +270,6 @@ class Learner:
     def plan(self, rows: TrainRows, all_positions: bool = False) -> list:
         """The micro-batches of `rows` (`packing.plan`); `all_positions`: every position with a next token is
         read (not only the trained ones), in one padded micro-batch."""
-        from thinkcraft.train.llm_policy import packing
-
         share = (self.packed and self.cfg.learner_share_prefix and not all_positions
                  and packing.shares_prefix(self.device))
         lengths, mask, common = packing.host_rows(rows.attention_mask, rows.loss_mask,
@@ -328,14 +321,13 @@ class Learner:
         Temperature 1: engines report log π at temperature 1 (protocol), so ratios compare like with like."""
         from thinkcraft.llm import compat
         from thinkcraft.rl.chunked_logprobs import full_linear_token_logprobs, linear_token_logprobs
-        from thinkcraft.train.llm_policy.packing import PACKED_ATTN
 
         dec, attn, weight, bias = self._model_parts(model or self.model)
         s, e, w = mb.start, mb.end, mb.width
         with self.autocast():
             if mb.packed:
                 ids = rows.input_ids.reshape(-1)[mb.gather][None]
-                with compat.attention_implementation(attn, PACKED_ATTN):
+                with compat.attention_implementation(attn, packing.PACKED_ATTN):
                     h = self._packed(dec)(ids, mb.positions, mb.varlen())
             else:
                 ids = rows.input_ids[s:e, :w]
@@ -389,8 +381,6 @@ class Learner:
         nothing stepped twice, nothing lost. Once a micro-batch of one row does not fit: a clear error."""
         import torch
 
-        from thinkcraft.train.llm_policy.packing import layout_summary
-
         if rows.segments is None or rows.turns is None:
             raise ValueError("Learner.update takes the rows of build_rows (per-token segments and their turns)")
         cfg = self.cfg
@@ -404,7 +394,7 @@ class Learner:
         names = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=self.device).reshape(())
                               for k in names]).tolist()
-        layout = layout_summary(mbs)
+        layout = packing.layout_summary(mbs)
         return {**dict(zip(names, values)), **layout, **rows.turns.metrics(layout["learner/tokens"]),
                 "learner/oom_retries": float(self.oom_retries),
                 "learner/micro_batch_tokens": float(self.micro_batch_tokens)}

@@ -81,6 +81,8 @@ CUDA_CANDIDATES = ("aten", "public")
 public `varlen_attn` fails the engine's probe on the GPU image, bench/HISTORY.md)."""
 _CHOSEN: dict[str, str | None] = {}
 """Per device type: the kernel `packed_attention_forward` uses (filled by `packed_kernel`)."""
+_SHARES: dict[str, bool] = {}
+"""Per device type: does that kernel also compute a shared prefix's layout right (filled by `shares_prefix`)."""
 
 
 def packed_kernel(device: torch.device | str) -> str | None:
@@ -106,9 +108,6 @@ def shares_prefix(device: torch.device | str) -> bool:
     if kind not in _SHARES:
         _SHARES[kind] = kernel == "sdpa" or _agrees(kernel, torch.device(device), prefixed=True)
     return _SHARES[kind]
-
-
-_SHARES: dict[str, bool] = {}
 
 
 def _agrees(kernel: str, device: torch.device, prefixed: bool = False) -> bool:
@@ -212,8 +211,8 @@ def boundaries(lengths: np.ndarray, token_budget: int, max_rows: int, packed: bo
     return out
 
 
-def _ragged_arange(n: np.ndarray) -> np.ndarray:
-    """concat(arange(k) for k in n)."""
+def ragged_arange(n: np.ndarray) -> np.ndarray:
+    """0..n[0]-1, 0..n[1]-1, ... concatenated."""
     return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
 
 
@@ -231,12 +230,9 @@ def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows
     values: the tokens before it are the same). The token budget counts computed tokens."""
     L = loss_mask.shape[1] + 1
     P = int(prefix) if packed else 0
-    if P:
-        if not (lengths > P).all():
-            raise ValueError(f"a shared prefix of {P} tokens needs every row longer (shortest {int(lengths.min())})")
-        spans = boundaries(lengths - P, max(token_budget - P, 1), max_rows, True)
-    else:
-        spans = boundaries(lengths, token_budget, max_rows, packed)
+    if P and not (lengths > P).all():
+        raise ValueError(f"a shared prefix of {P} tokens needs every row longer (shortest {int(lengths.min())})")
+    spans = boundaries(lengths - P, max(token_budget - P, 1), max_rows, packed)  # the budget counts computed tokens
     trained = loss_mask > 0
     longs: list[np.ndarray] = []  # pred, scatter[, gather, positions, target[, kv_index]] of every micro-batch
     cus: list[np.ndarray] = []  # cu_q[, cu_k]
@@ -250,26 +246,21 @@ def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows
         shared, maxes, cu_parts = 0, (0, 0), []
         if not packed:
             parts = [ri * w + q, scatter]
-        elif not P:
-            off = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            t = int(lens.sum())
-            parts = [off[ri] + q, scatter, np.arange(t) + np.repeat(np.arange(s, e) * L - off, lens),
-                     np.arange(t) - np.repeat(off, lens), target]
-            cu_parts = [np.concatenate([[0], np.cumsum(lens)])]
-            maxes = (w, 0)
-        else:
+        else:  # [prefix (P tokens, P may be 0) | row s after it | row s+1 after it | ...]
             ls = lens - P  # each row after the prefix
             soff = P + np.concatenate([[0], np.cumsum(ls)[:-1]])  # where each row's own tokens start
             t = P + int(ls.sum())
             gather = np.concatenate([s * L + np.arange(P), np.arange(P, t) + np.repeat(np.arange(s, e) * L + P - soff, ls)])
             positions = np.concatenate([np.arange(P), np.arange(P, t) - np.repeat(soff - P, ls)])
-            blk = P + ls  # each row's keys: the prefix's, then its own
-            within = _ragged_arange(blk)
-            kv = np.concatenate([np.arange(P), np.where(within < P, within, within + np.repeat(soff - P, blk))])
-            parts = [np.where(q < P, q, soff[ri] + q - P), scatter, gather, positions, target, kv]
-            cu_parts = [np.concatenate([[0, P], P + np.cumsum(ls)]), np.concatenate([[0, P], P + np.cumsum(blk)])]
-            maxes = (max(P, int(ls.max())), w)
-            shared = (e - s - 1) * P
+            parts = [np.where(q < P, q, soff[ri] + q - P), scatter, gather, positions, target]
+            cu_parts = [np.concatenate([[0, P] if P else [0], P + np.cumsum(ls)])]
+            maxes = (max(P, int(ls.max())), 0)
+            if P:  # each row's keys: the prefix's, then its own
+                blk = P + ls
+                within = ragged_arange(blk)
+                parts.append(np.concatenate([np.arange(P), np.where(within < P, within, within + np.repeat(soff - P, blk))]))
+                cu_parts.append(np.concatenate([[0, P], P + np.cumsum(blk)]))
+                maxes, shared = (maxes[0], w), (e - s - 1) * P
         longs += parts
         cus += cu_parts
         n_seqs = int(seqs[s:e].sum()) if seqs is not None else int(trained[s:e].any(1).sum())
