@@ -25,6 +25,8 @@
 #      source bench/gpu_env.sh && source bench/carry_model.sh install && bash bench/queues.sh features
 #   3. back to back until done (each call brings back batch-<set>.tgz of every set):
 #      bash bench/queues.sh collect 540
+# ONLY="job ..." starts just those jobs of a set (e.g. ONLY="gputest async_2gpu" of llm); FEATURE_MIN (default
+# 23) is the features lanes' time limit in minutes.
 # Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -40,7 +42,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@1 sps_rnn 600 python bench/ppo_sps.py --num-envs 1024 --policy rnn --baselines-dir .ref/Craftax_Baselines") ;;
     features) jobs=()
       for g in ${FEATURE_GPUS:-0 1}; do  # Classic first: its arms are the shorter, a whole env more likely done
-        jobs+=("@$g features_gpu$g 1500 $FEAT --env classic craftax --arm llm random-llm ppo --time-limit-min 23")
+        jobs+=("@$g features_gpu$g 1500 $FEAT --env classic craftax --arm llm random-llm ppo --time-limit-min ${FEATURE_MIN:-23}")
       done ;;
     llm) # two GPUs G0,G1: the two-GPU jobs first (one lane of both), then a lane per GPU, each waiting for them
       local g=${LLM_GPUS:-0,1}; local g0=${g%%,*} g1=${g##*,}
@@ -71,6 +73,11 @@ if [ "${1:-}" = collect ]; then  # wait (up to $2 s in all) for the started sets
   exit 0
 fi
 set_jobs "${1:-}"
+if [ -n "${ONLY:-}" ]; then  # ONLY="name ...": just those jobs of the set (e.g. the two-GPU part of llm)
+  kept=(); for j in "${jobs[@]}"; do read -r _ name _ <<<"$j"; [[ " $ONLY " == *" $name "* ]] && kept+=("$j"); done
+  (( ${#kept[@]} )) || { echo "ONLY=$ONLY matches no job of set $1 (DRY=1 lists them)"; exit 2; }
+  jobs=("${kept[@]}")
+fi
 if [ "${DRY:-0}" = 1 ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
 export PYTHONUNBUFFERED=1 GPU_QUEUE_NAME=$1
 bash bench/gpu_batch.sh start "${jobs[@]}"
