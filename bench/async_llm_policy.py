@@ -201,6 +201,9 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
         "steady_steps": [int(r["step"]) for r in steady],
         "failed": recs[-1].get("rollout/failed", 0),
+        # decode graphs compiled + captured over the whole run (first steps included) and their seconds
+        "graph_captures": sum(r.get("engine/graph_captures", 0.0) for r in recs),
+        "graph_capture_s": round(sum(r.get("engine/graph_capture_s", 0.0) for r in recs), 1),
         # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
         **decode_means(steady),
         **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in ("timing/generate", "timing/train")
@@ -277,6 +280,13 @@ class _EagerFallbacks(logging.Handler):
     def install(cls) -> "_EagerFallbacks":
         h = cls(logging.WARNING)
         logging.getLogger("thinkcraft.llm.hf").addHandler(h)
+        # each decode-graph capture as it happens (device, width, seconds): a first step that takes minutes
+        # shows whether compiles are the time, even when the job is cut before any row
+        info = logging.StreamHandler(sys.stderr)
+        info.setFormatter(logging.Formatter("%(asctime)s [%(threadName)s] %(message)s"))
+        cache_log = logging.getLogger("thinkcraft.llm.hf.cache")
+        cache_log.addHandler(info)
+        cache_log.setLevel(logging.INFO)
         return h
 
 
@@ -349,7 +359,8 @@ def main(argv=None) -> int:
                      "decode_graphs": decode_graphs_column(),
                      **m, "card": card(), "date": today()})
         print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
-              f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}",
+              f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}, "
+              f"decode graphs captured {m['graph_captures']:.0f} ({m['graph_capture_s']:.0f} s)",
               flush=True)
         write_records(out, rows[-1:], merge_keys=keys)  # each row as soon as it is measured (a cut run keeps it)
     if a.learning_check:  # every async run of the file so far (e.g. each correction) beside the sync reference

@@ -14,9 +14,10 @@ from typing import Any, Iterable
 if os.environ.get("THINKCRAFT_STACK_DUMP_S"):
     # bench/gpu_batch.sh sets it a little under a job's time limit: a job still running then (hung, or just slow)
     # leaves every thread's Python stack in its log before it is stopped - where it hung, not only that it did
-    import faulthandler
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from thinkcraft.utils.watchdog import dump_stacks_later
 
-    faulthandler.dump_traceback_later(float(os.environ["THINKCRAFT_STACK_DUMP_S"]), repeat=False)
+    dump_stacks_later(float(os.environ["THINKCRAFT_STACK_DUMP_S"]))
 
 
 def card() -> str:

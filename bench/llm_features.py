@@ -6,6 +6,10 @@ Craftax-Symbolic, the same env steps, envs, rollout length and seeds:
     random-llm  ppo-hidden with the same model re-initialised by its own initialiser (`--engine-random-weights
                 SEED`, the run's seed): same architecture, tokenizer and input width, no pretrained knowledge -
                 the control that separates "an LLM's knowledge" from "more inputs"
+    blank       (not run by default: `--arm blank`) ppo-hidden with zeros in place of the hidden states
+                (`--hidden-input zeros`): the same network, reset pool and schedule with no text features - it
+                splits what ppo and random-llm differ by into "an encoding of the text" and ppo-hidden's other
+                differences (the projection layer, resets drawn from a pool of fresh worlds)
 
 Every (env, arm) is an independent, resumable process (`thinkcraft train ... --resume --run-dir`), so runs cut
 by a time limit continue where their last checkpoint left them. Subcommands:
@@ -46,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, run_card, run_date, write_records  # noqa: E402
 
 ENVS = {"classic": "Craftax-Classic-Symbolic-v1", "craftax": "Craftax-Symbolic-v1"}
-ARMS = ("ppo", "llm", "random-llm")
+ARMS = ("ppo", "llm", "random-llm", "blank")
+DEFAULT_ARMS = ARMS[:3]  # the three; blank is the follow-up ablation
 CURVE_METRICS = ["episode/return", "achievements/mean_rate", "episode/length"]
 # --quick: tiny Classic on the CPU (skip_n must divide num_steps; chunks of 2 so that a run can stop at 2)
 QUICK = dict(envs=["classic"], seeds=2, num_envs=8, num_steps=16, skip_n=8, total_timesteps=8 * 16 * 8,
@@ -78,6 +83,8 @@ class Job:
             cmd += ["--skip-n", str(a.skip_n), "--engine", a.engine, *a.hidden_extra]
         if self.arm == "random-llm":
             cmd += ["--engine-random-weights", str(self.seeds[0])]
+        if self.arm == "blank":
+            cmd += ["--hidden-input", "zeros"]
         return cmd
 
 
@@ -321,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", nargs="?", choices=["run", "status", "collect", "estimate"], default=None)
     ap.add_argument("--quick", action="store_true", help="CPU: run (in two passes: stop, then resume) and collect, tiny Classic")
     ap.add_argument("--env", dest="envs", nargs="+", choices=sorted(ENVS), default=list(ENVS))
-    ap.add_argument("--arm", dest="arms", nargs="+", choices=ARMS, default=list(ARMS))
+    ap.add_argument("--arm", dest="arms", nargs="+", choices=ARMS, default=list(DEFAULT_ARMS))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--seed-mode", choices=["auto", "separate", "vmapped"], default="auto")

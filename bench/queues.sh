@@ -7,7 +7,7 @@
 #   parity    issue 18 (done 2026-11-27, H200, BENCHMARKS §1/§1b): PPO-RNN parity, ours on GPU 0 then the
 #             llm-features experiment's Craftax plain-PPO arm; Baselines' ppo_rnn.py on GPU 1 then the RNN SPS
 #   features  issue 18: the llm-features experiment (bench/llm_features.py), every arm of both envs not done
-#             yet; one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
+#             yet (the issue's three, then the blank ablation); one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
 #   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
 #             on two GPUs (async there vs sync on one); then, one GPU each, the Craftax llm-policy bench with the
@@ -27,7 +27,7 @@
 #      bash bench/queues.sh collect 540
 # ONLY="job ..." starts just those jobs of a set (e.g. ONLY="gputest async_2gpu" of llm); FEATURE_MIN (default
 # 23) is the features lanes' time limit in minutes.
-# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
+# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs [--arm ppo llm random-llm blank]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SETS="parity features llm scale"
@@ -41,8 +41,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@1 parity_rnn_theirs 1500 $PARITY --systems baselines --baselines-dir .ref/Craftax_Baselines --results bench/results/parity_rnn_theirs.json"
       "@1 sps_rnn 600 python bench/ppo_sps.py --num-envs 1024 --policy rnn --baselines-dir .ref/Craftax_Baselines") ;;
     features) jobs=()
-      for g in ${FEATURE_GPUS:-0 1}; do  # Classic first: its arms are the shorter, a whole env more likely done
-        jobs+=("@$g features_gpu$g 1500 $FEAT --env classic craftax --arm llm random-llm ppo --time-limit-min ${FEATURE_MIN:-23}")
+      for g in ${FEATURE_GPUS:-0 1}; do  # Craftax first: Classic's three arms are done (2026-11-27); its LLM arms are the longest
+        jobs+=("@$g features_gpu$g 1500 $FEAT --env craftax classic --arm llm random-llm ppo blank --time-limit-min ${FEATURE_MIN:-23}")
       done ;;
     llm) # two GPUs G0,G1: the two-GPU jobs first (one lane of both), then a lane per GPU, each waiting for them
       local g=${LLM_GPUS:-0,1}; local g0=${g%%,*} g1=${g##*,}

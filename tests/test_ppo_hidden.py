@@ -81,6 +81,8 @@ def test_bad_ppo_hidden_config_fails_before_compiling(capsys):
     assert "applies to the in-process hf engine" in capsys.readouterr().err
     assert main(["train", "ppo-hidden", "--engine", "sglang+http://127.0.0.1:9", "--engine-random-weights", "1"]) == 2
     assert "--engine-random-weights: applies to the in-process hf engine" in capsys.readouterr().err
+    assert main(["train", "ppo-hidden", "--hidden-input", "zeros", "--engine-random-weights", "1"]) == 2
+    assert "--hidden-input: zeros replaces the LLM's hidden states" in capsys.readouterr().err
 
 
 def test_overlap_partitions_only_an_llm_that_shares_the_policy_gpu():
@@ -290,6 +292,31 @@ def test_refresh_token_path_equals_tokenizing_the_rendered_text():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_zeros_hidden_input_feeds_zeros_of_the_llms_width_without_calling_it():
+    """--hidden-input zeros (the llm-features experiment's blank arm): the same rows and width as the LLM's
+    hidden states, all zeros, and the engine never asked for hidden states."""
+    from thinkcraft.envs.craftax import make_env
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.testing import tiny_llama
+    from thinkcraft.train.ppo_hidden.config import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden.source import HiddenStateSource
+    from thinkcraft.utils.timing import PhaseTimer
+
+    env = make_env("Craftax-Classic-Symbolic-v1", 4, 1)
+    _, state = jax.jit(env.reset)(jax.random.PRNGKey(3))
+    engine = HFEngine.from_model(*tiny_llama())
+
+    def never(*a, **k):
+        raise AssertionError("the blank arm called the LLM")
+
+    engine.hidden_states = engine.hidden_states_torch = never
+    timer = PhaseTimer()
+    src = HiddenStateSource(engine, PPOHiddenConfig(num_envs=4, hidden_input="zeros"), "craftax-classic", timer)
+    fresh = src.hidden(src.texts(state.env_state))
+    h = np.asarray(fresh.hidden)
+    assert h.shape == (4, engine.hidden_size) and not h.any() and np.isnan(fresh.suffix_tokens)
+
+
 @pytest.mark.gpu
 def test_llm_on_a_second_gpu_hands_hidden_states_to_the_policy_gpu():
     """--engine-device cuda:1: the LLM's output lands on JAX's first device (torch peer copy + DLPack)."""
@@ -348,12 +375,16 @@ def test_llm_features_jobs_resume_and_stop_by_the_run_dirs(tmp_path):
         num_envs=1024, num_steps=50, total_timesteps=20_000_000, skip_n=25, engine="hf:default", extra=[],
         hidden_extra=[], session_flags=["--checkpoint-every-minutes", "3"])
     jobs = lf.make_jobs(a)
-    assert len(jobs) == 2 * 3 * 3 and len({j.name for j in jobs}) == len(jobs)
+    assert len(jobs) == 2 * len(lf.ARMS) * 3 and len({j.name for j in jobs}) == len(jobs)
     by = {j.name: j.argv(a) for j in jobs}
     assert by["classic-ppo-s1"][:2] == ["train", "ppo"] and "--engine" not in by["classic-ppo-s1"]
     assert by["craftax-llm-s2"][:2] == ["train", "ppo-hidden"] and "--engine-random-weights" not in by["craftax-llm-s2"]
     rnd = by["craftax-random-llm-s2"]
     assert rnd[rnd.index("--engine-random-weights") + 1] == "2" and rnd[rnd.index("--seed") + 1] == "2"
+    blank = by["classic-blank-s0"]  # the ablation: ppo-hidden, zeros for the hidden states, no random weights
+    assert blank[:2] == ["train", "ppo-hidden"] and blank[blank.index("--hidden-input") + 1] == "zeros"
+    assert "--engine-random-weights" not in blank and "--hidden-input" not in by["classic-llm-s0"]
+    assert lf.DEFAULT_ARMS == ("ppo", "llm", "random-llm")  # the issue's three unless --arm says otherwise
     for argv in by.values():  # every arm: the same env steps, envs and rollout length
         assert [argv[argv.index(f) + 1] for f in ("--num-envs", "--num-steps", "--total-timesteps")] == ["1024", "50", "20000000"]
     if not lf.supports_num_seeds():

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from thinkcraft.utils.watchdog import StallWatchdog
+from thinkcraft.utils.watchdog import StallWatchdog, dump_stacks_later, thread_stacks
 
 
 def test_a_stall_dumps_every_threads_stack_once_and_a_beat_rearms(tmp_path, caplog):
@@ -16,8 +16,9 @@ def test_a_stall_dumps_every_threads_stack_once_and_a_beat_rearms(tmp_path, capl
         assert wd.stalls >= 1 and path.exists()
         text = path.read_text()
         assert "no learner step for" in text
-        # every thread: this one, the watchdog's and the stuck worker, waiting in threading's wait
-        assert text.count("hread 0x") >= 3 and "in wait" in text
+        # every thread by name: this one, the watchdog's and the stuck worker, waiting in threading's wait
+        assert "Thread stuck-worker (daemon)" in text and "Thread stall-watchdog" in text
+        assert "Thread MainThread" in text and "in wait" in text
         wd.beat()
         n = wd.stalls
         time.sleep(0.3)
@@ -44,3 +45,34 @@ def test_llm_policy_stall_dump_is_validated_and_async_only():
     assert check_async_config(LLMPolicyConfig(model="random:tiny", mode="async", stall_dump_s=60)) is None
     with pytest.raises(ConfigError, match="stall-dump-s.*asynchronous loop only"):
         LLMPolicyConfig(model="random:tiny", stall_dump_s=60)  # sync mode
+
+
+def test_deep_stacks_keep_both_ends_and_the_timer_dump_names_threads(tmp_path):
+    """A compile runs hundreds of frames deep: the dump keeps the outermost frames (which of our threads, from
+    where) as well as the innermost (what it does), which faulthandler's innermost-100 did not."""
+    release = threading.Event()
+
+    def deeper(n):  # two functions in turn: traceback folds identical repeated frames, not alternating ones
+        return outermost_marker(n - 1) if n > 0 else release.wait()
+
+    def outermost_marker(n):
+        return deeper(n - 1)
+
+    t = threading.Thread(target=outermost_marker, args=(200,), name="deep-worker", daemon=True)
+    t.start()
+    time.sleep(0.1)
+    text = thread_stacks(ends=10)
+    block = text.split("Thread deep-worker")[1].split("\nThread ")[0]
+    assert "frames ..." in block and "in outermost_marker" in block and "in wait" in block
+    assert block.count("\n  File ") <= 21  # 10 + 10 frames + the elision line
+    out = tmp_path / "dump.txt"
+    with open(out, "w") as f:
+        timer = dump_stacks_later(0.2, file=f)
+        time.sleep(0.5)
+    release.set()
+    timer.cancel()
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    dumped = out.read_text()
+    assert "every thread's stack at 0 s" in dumped and "Thread deep-worker" in dumped

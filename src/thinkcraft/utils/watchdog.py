@@ -6,12 +6,44 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def thread_stacks(ends: int = 15) -> str:
+    """Every thread's name and Python stack, outermost call first. A deep stack (a torch.compile trace runs
+    hundreds of frames deep) keeps its `ends` outermost and innermost frames: faulthandler's dump keeps only the
+    innermost 100, which hid which of our threads was compiling (2026-11-27)."""
+    names = {t.ident: f"{t.name}{' (daemon)' if t.daemon else ''}" for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        frames = traceback.format_stack(frame)
+        if len(frames) > 2 * ends:
+            frames = frames[:ends] + [f"  ... {len(frames) - 2 * ends} frames ...\n"] + frames[-ends:]
+        out.append(f"Thread {names.get(ident, '?')} ({ident}), most recent call last:\n{''.join(frames)}")
+    return "\n".join(out)
+
+
+def dump_stacks_later(after_s: float, file: Any = None) -> threading.Timer:
+    """`thread_stacks()` into `file` (stderr) after `after_s` seconds, once (a daemon timer); faulthandler's dump
+    5 s later as the backstop for a process whose GIL is held by native code (the timer thread cannot run then)."""
+    def dump() -> None:
+        f = file or sys.stderr
+        f.write(f"\n=== every thread's stack at {after_s:.0f} s ({time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        f.write(thread_stacks())
+        f.flush()
+
+    timer = threading.Timer(after_s, dump)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(after_s + 5.0, repeat=False, file=file or sys.stderr)
+    return timer
 
 
 class StallWatchdog:
@@ -58,7 +90,6 @@ class StallWatchdog:
             with open(self.path, "a") as f:
                 f.write(f"\n=== no {self.what} for {idle:.1f} s ({time.strftime('%Y-%m-%d %H:%M:%S')}): "
                         "every thread's stack\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.write(thread_stacks())
             log.warning("no %s for %.1f s: every thread's stack written to %s (a slow start - compiles - can do "
                         "this; a hang shows where it waits)", self.what, idle, self.path)

@@ -82,7 +82,8 @@ class Batcher(CacheMixin, IterationMixin):
         self.counters: dict[str, float] = dict.fromkeys(
             ("prefill_tokens", "reused_tokens", "fallbacks", "evictions", "invalidated", "decode_steps",
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed",
-             "host_length_ends", "decode_wait_s", "cache_allocations", "prefill_calls"), 0.0)
+             "host_length_ends", "decode_wait_s", "cache_allocations", "prefill_calls", "graph_captures",
+             "graph_capture_s"), 0.0)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         self._thread: threading.Thread | None = None
         self._stop_thread = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -330,8 +331,18 @@ class CacheMixin:
         def capture(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> Any:
             ids_s, pos_s = ids.clone(), pos.clone()
             ctx_s = ctx._replace(write_col=ctx.write_col.clone(), key_len=ctx.key_len.clone())
+            t_wait = time.perf_counter()
             with _CAPTURE_LOCK:
+                t0 = time.perf_counter()
                 replay, out = _graph_capture(lambda: compiled(ids_s, pos_s, ctx_s), ids.device)
+            t1 = time.perf_counter()
+            # a new width (or prefix / dtype) compiles and captures again: counted and timed, so that a slow first
+            # step says whether compiles were the time (the 2-GPU async runs' first steps, 2026-11-27)
+            self.counters["graph_captures"] += 1
+            self.counters["graph_capture_s"] += t1 - t_wait
+            log.info("decode graph %d captured on %s (width %d, prefix %s): %.1f s, %.1f s of it waiting for another "
+                     "capture", int(self.counters["graph_captures"]), ids.device, ctx.cols.shape[0],
+                     ctx.prefix_keys is not None, t1 - t_wait, t0 - t_wait)
             return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -114,7 +114,11 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # `prefill_calls` packed calls) and the decode loop; the rest of `timing/generate` the engine waited
             # for work (env steps, prompts)
             "engine/prefill_s": d.get("prefill_s", 0.0), "engine/prefill_calls": d.get("prefill_calls", 0.0),
-            "engine/prefill_tokens": d.get("prefill_tokens", 0.0), "engine/decode_s": d.get("decode_s", 0.0)}
+            "engine/prefill_tokens": d.get("prefill_tokens", 0.0), "engine/decode_s": d.get("decode_s", 0.0),
+            # decode graphs compiled and captured (a new width, prefix or dtype) and the seconds they took,
+            # waits for another engine's capture included: a first step's compile time, seen
+            "engine/graph_captures": d.get("graph_captures", 0.0),
+            "engine/graph_capture_s": d.get("graph_capture_s", 0.0)}
 
 
 def answer_structure(env, sampling):

@@ -11,7 +11,7 @@ from thinkcraft.train.ppo import PPOConfig
 from thinkcraft.utils.errors import ConfigError, check
 
 SHAPE_FIELDS = PPO_SHAPE_FIELDS + ("skip_n", "hidden_proj_dim", "layer", "pooling", "text_format", "overlap",
-                                   "engine_quantize", "reset_pool_size", "engine_random_weights")
+                                   "engine_quantize", "reset_pool_size", "engine_random_weights", "hidden_input")
 
 DEFAULT_INSTRUCTIONS = (
     "You are an expert player of Craftax, a 2D open-world survival game. Below is the current game state. "
@@ -77,6 +77,11 @@ class PPOHiddenConfig(PPOConfig):
     """hf engine: replace the model's weights by a random initialisation (the model's own initialiser,
     this seed): same architecture and tokenizer, no knowledge - the control for "more inputs" vs "an
     LLM's knowledge"."""
+    hidden_input: Literal["llm", "zeros"] = "llm"
+    """What the policy's hidden-state input receives: the LLM's hidden states, or zeros in their place (an
+    ablation: the same network, reset pool and refresh schedule with no text features; the engine is loaded for
+    its hidden size but never called) - it separates "the observation's text, encoded" from ppo-hidden's other
+    differences to plain PPO (bench/llm_features.py's `blank` arm)."""
     overlap_env_sms: int = 16
     """With --overlap and an in-process LLM on the policy's GPU: SMs kept free of LLM work for the env steps
     (the LLM runs on a CUDA green context of the others). 0 = no partition (the two then nearly serialise)."""
@@ -98,6 +103,9 @@ class PPOHiddenConfig(PPOConfig):
         self._check_http_fields()
         if self.engine_random_weights is not None and not is_hf_spec(self.engine):
             raise ConfigError("engine_random_weights", f"applies to the in-process hf engine, not {self.engine!r}")
+        if self.hidden_input == "zeros" and self.engine_random_weights is not None:
+            raise ConfigError("hidden_input", "zeros replaces the LLM's hidden states: --engine-random-weights would "
+                              "change nothing the policy sees; give one of the two")
         check(self.overlap_env_sms >= 0, "overlap_env_sms", "must be >= 0 (0 = no SM partition)")
         if self.engine_quantize != "none" and not is_hf_spec(self.engine):
             raise ConfigError("engine_quantize", f"applies to the in-process hf engine, not {self.engine!r} "

@@ -117,7 +117,10 @@ class HiddenStateSource:
         """One engine call on all the texts; (N, H) hidden states, (K, N, H) with K seeds."""
         with self.timer.phase("llm"):
             try:
-                fresh = self._hidden_tokens(texts) if self.token_path else self._hidden_texts(texts)
+                if self.cfg.hidden_input == "zeros":  # the ablation: no text features, everything else the same
+                    fresh = self._zeros(len(texts))
+                else:
+                    fresh = self._hidden_tokens(texts) if self.token_path else self._hidden_texts(texts)
             except UserError:
                 raise
             except Exception as e:  # engine failures after the engine's own retries
@@ -126,6 +129,11 @@ class HiddenStateSource:
         if K > 1:
             fresh = fresh._replace(hidden=fresh.hidden.reshape((K, -1) + fresh.hidden.shape[1:]))
         return fresh if self.shards is None else fresh._replace(hidden=self.shards.replicate(fresh.hidden))
+
+    def _zeros(self, n: int) -> FreshHidden:
+        import jax.numpy as jnp
+
+        return FreshHidden(jnp.zeros((n, self.engine.hidden_size), jnp.float32), float("nan"))
 
     def _hidden_tokens(self, texts: list[str] | list[list[int]]) -> FreshHidden:
         eng, Batch = self.engine, self._Batch
