@@ -138,10 +138,13 @@ def decode_means(recs: list[dict[str, Any]]) -> dict[str, float]:
 def decode_graphs_column() -> str | None:
     """A row's `decode_graphs`: "manual" for the hand-captured decode graph (llm/hf/cache.py; the default since
     2026-11-27), None for torch.compile's graph trees (THINKCRAFT_DECODE_GRAPHS=trees; rows written before the
-    column existed ran them), so the two never merge."""
-    from thinkcraft.llm.hf.cache import decode_graphs
+    column existed ran them), so the two never merge; "manual-dynamic" for the manual graph over one compile with
+    a symbolic width (THINKCRAFT_DECODE_DYNAMIC=1)."""
+    from thinkcraft.llm.hf.cache import decode_dynamic, decode_graphs
 
-    return "manual" if decode_graphs() == "manual" else None
+    if decode_graphs() != "manual":
+        return None
+    return "manual-dynamic" if decode_dynamic() is None else "manual"
 
 
 

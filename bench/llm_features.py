@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", nargs="?", choices=["run", "status", "collect", "estimate"], default=None)
     ap.add_argument("--quick", action="store_true", help="CPU: run (in two passes: stop, then resume) and collect, tiny Classic")
     ap.add_argument("--env", dest="envs", nargs="+", choices=sorted(ENVS), default=list(ENVS))
-    ap.add_argument("--arm", dest="arms", nargs="+", choices=ARMS, default=list(DEFAULT_ARMS))
+    ap.add_argument("--arm", dest="arms", nargs="+", choices=ARMS, default=None,
+                    help="run: default the issue's three (ppo llm random-llm); status / collect: every arm with a run")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--seed-mode", choices=["auto", "separate", "vmapped"], default="auto")
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap-samples", type=int, default=2000)
     ap.add_argument("--estimate-num-envs", type=int, nargs="+", default=[128, 1024])
     a = ap.parse_args(argv)
+    if a.arms is None:
+        a.arms = list(ARMS if a.command in ("status", "collect") else DEFAULT_ARMS)
     a.extra, a.hidden_extra = [], ["--layer", str(a.layer)]
     if a.quick:
         for k, v in QUICK.items():

@@ -10,7 +10,8 @@
 #             yet (the issue's three, then the blank ablation); one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
 #   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
-#             on two GPUs (async there vs sync on one); then, one GPU each, the Craftax llm-policy bench with the
+#             on two GPUs (async there vs sync on one), again with one width-generic decode compile per engine
+#             (THINKCRAFT_DECODE_DYNAMIC=1: do the captures' compiles make its first step take minutes?); then, one GPU each, the Craftax llm-policy bench with the
 #             device-sized learner (then with --learner-compile) and the async bench on the GSM8K layout. Needs
 #             .ref/tc-cache (the tokenizer).
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it): PPO on 1, 2, 4
@@ -27,7 +28,7 @@
 #      bash bench/queues.sh collect 540
 # ONLY="job ..." starts just those jobs of a set (e.g. ONLY="gputest async_2gpu" of llm); FEATURE_MIN (default
 # 23) is the features lanes' time limit in minutes.
-# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs [--arm ppo llm random-llm blank]
+# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SETS="parity features llm scale"
@@ -51,6 +52,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider"
       "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu.json"
+      "@$g async_2gpu_dynamic 560 THINKCRAFT_DECODE_DYNAMIC=1 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu_dynamic.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
       "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
       "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"

@@ -674,6 +674,27 @@ def test_decode_graphs_setting(monkeypatch) -> None:
         decode_graphs()
 
 
+def test_decode_dynamic_setting_and_the_bench_column(monkeypatch) -> None:
+    """THINKCRAFT_DECODE_DYNAMIC: the manual step's compile is width-specialised unless 1 (automatic dynamic);
+    the benches' `decode_graphs` column tells the two apart, so their rows never merge."""
+    import sys
+    from pathlib import Path
+
+    from thinkcraft.llm.hf.cache import decode_dynamic
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from common import decode_graphs_column
+
+    monkeypatch.delenv("THINKCRAFT_DECODE_GRAPHS", raising=False)
+    monkeypatch.delenv("THINKCRAFT_DECODE_DYNAMIC", raising=False)
+    assert decode_dynamic() is False and decode_graphs_column() == "manual"
+    monkeypatch.setenv("THINKCRAFT_DECODE_DYNAMIC", "1")
+    assert decode_dynamic() is None and decode_graphs_column() == "manual-dynamic"
+    monkeypatch.setenv("THINKCRAFT_DECODE_DYNAMIC", "yes")
+    with pytest.raises(UserError, match="0 or 1"):
+        decode_dynamic()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a hand-captured CUDA graph needs a GPU (none here)")
 def test_manual_decode_graph_equals_eager_and_recaptures_when_weights_move(monkeypatch) -> None:

@@ -316,7 +316,7 @@ class CacheMixin:
         Captures are serialised process-wide (`_CAPTURE_LOCK`: one capture at a time, as torch requires; two
         engines' slot threads, one engine per GPU, would otherwise capture at once), each on a stream of its
         engine's device."""
-        compiled = torch.compile(self._forward_last, dynamic=False)
+        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic())
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
         owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]
@@ -399,3 +399,19 @@ def decode_graphs() -> str:
     if mode not in ("trees", "manual"):
         raise UserError(f"THINKCRAFT_DECODE_GRAPHS must be 'trees' or 'manual', got {mode!r}")
     return mode
+
+
+def decode_dynamic() -> bool | None:
+    """The manually captured step's torch.compile `dynamic`, from THINKCRAFT_DECODE_DYNAMIC: unset or "0" = False
+    (the default: every decode width - a multiple of 128 columns - compiles its own specialised graph); "1" = None
+    (torch's automatic dynamic: the second width compiles one graph with a symbolic width that every later width
+    reuses; the CUDA graphs are still captured per width). Why it exists: two engines (one per GPU) each compile
+    every width they meet, one at a time under `_CAPTURE_LOCK`, from threads that share the GIL with the rollout
+    workers - the suspected cause of the 2-GPU async runs' first steps of many minutes (2026-11-27). Opt-in until
+    a GPU run compares the two (`engine/graph_captures`, `engine/graph_capture_s`, the decode step's ms)."""
+    import os
+
+    v = os.environ.get("THINKCRAFT_DECODE_DYNAMIC", "0").strip()
+    if v not in ("0", "1"):
+        raise UserError(f"THINKCRAFT_DECODE_DYNAMIC must be 0 or 1, got {v!r}")
+    return None if v == "1" else False
