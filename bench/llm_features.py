@@ -285,7 +285,34 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
                              "mode": "quick" if a.quick else "full", "card": run_card(run_dir),
                              "date": run_date(run_dir),
                              "compare_dir": str(out)})
+        achievement_table(env, [str(runs / j.name) for j in jobs], labels, out, a)
     return rows
+
+
+def achievement_table(env: str, run_dirs: list[str], labels: list[str], out: Path, a: argparse.Namespace) -> None:
+    """Each achievement's final rate per arm (mean over seeds, 95% bootstrap CI): knowledge, if any, should show
+    in the rarer, deeper achievements before the mean. `<out>/achievements.json` (compare's JSON) and a table."""
+    from thinkcraft.analysis.compare import CompareConfig, compare_groups, load_groups
+    from thinkcraft.analysis.report import write_comparison_json
+
+    cfg = CompareConfig(run_dirs, metric=["achievements/*"], label=labels, out=str(out),
+                        bootstrap_samples=a.bootstrap_samples, seed=0, plot=False)
+    groups, fields_, _ = load_groups(cfg)
+    comparison = compare_groups(groups, fields_, cfg)
+    path = write_comparison_json(out / "achievements.json", comparison, cfg)
+    res = json.loads(Path(path).read_text())
+    arms = [g["label"] for g in res["groups"]]
+    names = sorted({m for g in res["groups"] for m in g["metrics"]} - {"achievements/mean_rate"})
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {"achievement": name.split("/", 1)[1]}
+        for g in res["groups"]:
+            m = g["metrics"].get(name)
+            row[g["label"]] = "" if m is None else (f"{m['mean']['point']:.3f} [{m['mean']['low']:.3f}, "
+                                                     f"{m['mean']['high']:.3f}]")
+        rows.append(row)
+    print(f"{env}: achievements, final rate per arm (mean [95% CI] over seeds); {path}")
+    print_table(rows, ["achievement", *arms])
 
 
 def cmd_collect(a: argparse.Namespace) -> int:
