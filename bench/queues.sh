@@ -25,7 +25,9 @@
 #   2. carry [".ref/tc-cache", ".model-whl/part-01", ".model-whl/part-02"]
 #      source bench/gpu_env.sh && source bench/carry_model.sh install && bash bench/queues.sh features
 #   3. back to back until done (each call brings back batch-<set>.tgz of every set):
-#      bash bench/queues.sh collect 540
+#      bash bench/queues.sh collect 540        (or `sleep 120; bash bench/queues.sh peek` for a look)
+# Every call must follow the previous one at once: a warm machine goes back after 30 s without a call, its
+# queues with it (2026-11-27: one machine and ~4 device minutes lost to a pause between two calls).
 # ONLY="job ..." starts just those jobs of a set (e.g. ONLY="gputest async_2gpu" of llm); FEATURE_MIN (default
 # 23) is the features lanes' time limit in minutes.
 # Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
@@ -62,9 +64,19 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 4 --skip-n 25 5"
       "@0,1,2,3 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --out bench/results/logs/async_dedicated.json"
       "@0,1,2,3 gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider") ;;
-    *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS}  (see the header)"; exit 2 ;;
+    *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }
+if [ "${1:-}" = peek ]; then  # where every started set is, at once: each job's and each training run's last lines
+  for s in $SETS; do
+    q=/tmp/tc-devq-$s; [ -d "$q" ] || continue
+    echo "=== $s ($([ -e "$q/done" ] && echo finished || echo running))"
+    for f in "$q"/logs/*.log "$q"/work/bench/results/llm_features_runs/*.log; do
+      [ -e "$f" ] && [ "${f##*/}" != queue.log ] && { echo "--- ${f##*/}"; tail -n "${2:-3}" "$f" | cut -c1-300; }
+    done
+  done
+  exit 0
+fi
 if [ "${1:-}" = collect ]; then  # wait (up to $2 s in all) for the started sets, then bring each one's archive back
   t_end=$(( $(date +%s) + ${2:-540} ))
   for s in $SETS; do
