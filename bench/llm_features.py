@@ -259,10 +259,12 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
         from thinkcraft.analysis.compare import run as compare_run
     except ImportError:
         raise SystemExit("collect needs `thinkcraft compare` (src/thinkcraft/analysis), not in this checkout yet") from None
+    from thinkcraft.utils.metrics import run_metrics_path
+
     runs = Path(a.runs_dir)
     rows: list[dict[str, Any]] = []
     for env in a.envs:
-        jobs = [j for j in make_jobs(a) if j.env == env and (runs / j.name / "metrics.jsonl").exists()]
+        jobs = [j for j in make_jobs(a) if j.env == env and run_metrics_path(runs / j.name) is not None]
         if not jobs:
             print(f"{env}: no runs with metrics yet")
             continue

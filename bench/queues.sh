@@ -30,7 +30,9 @@
 # queues with it (2026-11-27: one machine and ~4 device minutes lost to a pause between two calls).
 # ONLY="job ..." starts just those jobs of a set (e.g. ONLY="gputest async_2gpu" of llm); FEATURE_MIN (default
 # 23) is the features lanes' time limit in minutes.
-# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs
+# Afterwards, here: python bench/llm_features.py collect --runs-dir bench/results/llm_features_runs, then
+# gzip -9n bench/results/llm_features_runs/*/metrics.jsonl before committing (run dirs keep metrics.jsonl.gz,
+# read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SETS="parity features llm scale"

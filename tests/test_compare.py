@@ -76,6 +76,33 @@ def test_compare_is_deterministic(runs: Path, tmp_path: Path, capsys):
     assert (tmp_path / "x" / "compare.json").read_text() == (tmp_path / "y" / "compare.json").read_text()
 
 
+def test_archived_runs_with_gzipped_metrics_compare_the_same(runs: Path, tmp_path: Path, capsys):
+    """Runs kept in the repository store metrics.jsonl.gz (utils.metrics.run_metrics_path): compare gives the
+    same JSON, and a resume gets one plain metrics.jsonl back (unpack_metrics) before it appends."""
+    import gzip
+    import shutil
+
+    from thinkcraft.utils.metrics import read_metrics, run_metrics_path, unpack_metrics
+
+    assert _compare([str(runs / "ppo-*"), "--out", str(tmp_path / "plain"), "--bootstrap-samples", "200"], capsys)[0] == 0
+    packed = tmp_path / "packed"
+    shutil.copytree(runs, packed)
+    for d in packed.iterdir():
+        m = d / "metrics.jsonl"
+        (d / "metrics.jsonl.gz").write_bytes(gzip.compress(m.read_bytes()))
+        m.unlink()
+    assert _compare([str(packed / "ppo-*"), "--out", str(tmp_path / "gz"), "--bootstrap-samples", "200"], capsys)[0] == 0
+    a = json.loads((tmp_path / "plain" / "compare.json").read_text())
+    b = json.loads((tmp_path / "gz" / "compare.json").read_text().replace(str(packed), str(runs)))
+    assert a["groups"] == b["groups"]
+    d = packed / "ppo-b"
+    want = read_metrics(d / "metrics.jsonl.gz")
+    assert run_metrics_path(d) == d / "metrics.jsonl.gz"
+    unpack_metrics(d)
+    assert run_metrics_path(d) == d / "metrics.jsonl" and not (d / "metrics.jsonl.gz").exists()
+    assert read_metrics(d / "metrics.jsonl") == want
+
+
 def test_group_by_and_labels(runs: Path, tmp_path: Path, capsys):
     dirs = [str(runs / f"ppo-a-s{s}") for s in range(3)] + [str(runs / "ppo-b")]
     rc, _, err = _compare([*dirs, "--group-by", "env_name", "--out", str(tmp_path / "g")], capsys)

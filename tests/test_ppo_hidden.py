@@ -432,7 +432,7 @@ def test_llm_features_collect_reproduces_the_published_classic_rows(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     src = root / "bench" / "results" / "llm_features_runs"
-    if not (src / "classic-llm" / "metrics.jsonl").exists():
+    if not (src / "classic-llm" / "metrics.jsonl.gz").exists():  # archived compressed (utils.metrics)
         pytest.skip("no committed Classic runs in this checkout")
     runs = tmp_path / "runs"
     for arm in ("ppo", "llm", "random-llm"):

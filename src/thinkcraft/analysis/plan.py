@@ -256,7 +256,7 @@ class PlanConfig:
 
 
 def run(cfg: PlanConfig) -> dict[str, Any]:
-    from thinkcraft.utils.metrics import read_metrics
+    from thinkcraft.utils.metrics import read_metrics, run_metrics_path
 
     d = Path(cfg.run_dir)
     if not (d / "config.json").is_file():
@@ -265,9 +265,10 @@ def run(cfg: PlanConfig) -> dict[str, Any]:
         config = json.loads((d / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{d / 'config.json'} is not valid JSON ({e})") from None
-    if not (d / "metrics.jsonl").exists():
+    metrics = run_metrics_path(d)
+    if metrics is None:
         raise UserError(f"{d} has no metrics.jsonl: run a short measured run first (a few logged updates)")
-    m = measure(config, read_metrics(d / "metrics.jsonl"))
+    m = measure(config, read_metrics(metrics))
     p = plan(m, cfg.target_samples_per_s, cfg.nodes, cfg.gpus_per_node, cfg.utilization)
     print(format_plan(p))
     return plan_dict(p)

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from thinkcraft.utils.errors import UserError
-from thinkcraft.utils.metrics import read_metrics
+from thinkcraft.utils.metrics import read_metrics, run_metrics_path
 
 IGNORED_FIELDS = frozenset({
     "_derived", "run_name", "run_dir", "runs_dir", "seed", "num_seeds", "resume", "overwrite",
@@ -98,7 +98,7 @@ def expand_run_dirs(patterns: Sequence[str]) -> tuple[list[Path], list[str]]:
             path = Path(m)
             if not path.is_dir() or path in out:
                 continue
-            if (path / "metrics.jsonl").exists():
+            if run_metrics_path(path) is not None:
                 out.append(path)
             else:
                 skipped.append(m)
@@ -111,8 +111,8 @@ def expand_run_dirs(patterns: Sequence[str]) -> tuple[list[Path], list[str]]:
 
 def load_seed_runs(run_dir: Path) -> tuple[list[SeedRun], list[str]]:
     """The seeds of one run directory (split by `seed_index`), and warnings."""
-    metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.exists():
+    metrics_path = run_metrics_path(run_dir)
+    if metrics_path is None:
         raise UserError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
     warnings = []
     cfg_path = run_dir / "config.json"
@@ -123,7 +123,7 @@ def load_seed_runs(run_dir: Path) -> tuple[list[SeedRun], list[str]]:
         warnings.append(f"{run_dir} has no config.json: it forms a group only by --label or its name")
     records = read_metrics(metrics_path)
     if not records:
-        raise UserError(f"{run_dir}/metrics.jsonl holds no records yet")
+        raise UserError(f"{metrics_path} holds no records yet")
     base_seed = config.get("seed")
     by_index: dict[int | None, list[dict[str, Any]]] = defaultdict(list)
     for r in records:

@@ -34,7 +34,7 @@ from thinkcraft.train.checkpoint import (
 )
 from thinkcraft.utils.errors import UserError, check
 from thinkcraft.utils.hardware import gpu_name
-from thinkcraft.utils.metrics import MetricsWriter, truncate_metrics
+from thinkcraft.utils.metrics import MetricsWriter, truncate_metrics, unpack_metrics
 from thinkcraft.utils.plot import plot_curves
 from thinkcraft.utils.progress import RunProgress, console
 from thinkcraft.utils.signals import StopRequest
@@ -208,6 +208,7 @@ class TrainSession:
         if self._fallback_problems:
             for moved in adopt(self.run_dir, cp):
                 console.print(f"[yellow]set aside {moved}[/yellow]", soft_wrap=True)
+        unpack_metrics(self.run_dir)
         truncate_metrics(self.run_dir / "metrics.jsonl", cp.env_steps)
         return state
 

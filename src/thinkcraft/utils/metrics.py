@@ -96,13 +96,41 @@ class MetricsWriter:
         self.close()
 
 
+def run_metrics_path(run_dir: str | os.PathLike) -> Path | None:
+    """A run directory's metrics file: `metrics.jsonl`, or `metrics.jsonl.gz` where a finished run was archived
+    compressed (the benchmark runs kept in the repository: ~5x smaller), else None."""
+    for name in ("metrics.jsonl", "metrics.jsonl.gz"):
+        if (Path(run_dir) / name).exists():
+            return Path(run_dir) / name
+    return None
+
+
+def unpack_metrics(run_dir: str | os.PathLike) -> None:
+    """A resumed run whose metrics were archived compressed (`metrics.jsonl.gz` alone) gets its `metrics.jsonl`
+    back before it appends to it: one file, never a compressed head and a plain tail."""
+    gz, plain = Path(run_dir) / "metrics.jsonl.gz", Path(run_dir) / "metrics.jsonl"
+    if gz.exists() and not plain.exists():
+        import gzip
+
+        tmp = plain.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(gzip.decompress(gz.read_bytes()))
+        os.replace(tmp, plain)
+        gz.unlink()
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a metrics.jsonl, ignoring a torn (partially written) last line."""
+    """Read a metrics.jsonl (or a gzip-compressed `.gz` one), ignoring a torn (partially written) last line."""
     out = []
     p = Path(path)
     if not p.exists():
         return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    if p.suffix == ".gz":
+        import gzip
+
+        text = gzip.decompress(p.read_bytes()).decode("utf-8")
+    else:
+        text = p.read_text(encoding="utf-8")
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
