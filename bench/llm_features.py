@@ -4,7 +4,8 @@ Craftax-Symbolic, the same env steps, envs, rollout length and seeds:
     ppo         plain PPO (`train ppo`)
     llm         ppo-hidden with the bundled SmolLM2-135M-Instruct's real weights (`--engine hf:default`)
     random-llm  ppo-hidden with the same model re-initialised by its own initialiser (`--engine-random-weights
-                SEED`, the run's seed): same architecture, tokenizer and input width, no pretrained knowledge -
+                SEED`, the run's first seed: one random model for the seeds of a vmapped run, one per seed
+                with --seed-mode separate): same architecture, tokenizer and input width, no pretrained knowledge -
                 the control that separates "an LLM's knowledge" from "more inputs"
     blank       (not run by default: `--arm blank`) ppo-hidden with zeros in place of the hidden states
                 (`--hidden-input zeros`): the same network, reset pool and schedule with no text features - it
