@@ -54,7 +54,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local wait="while [ ! -e /tmp/tc-llm-two-gpu-done ]; do sleep 3; done;"
       rm -f /tmp/tc-llm-two-gpu-done
       jobs=(
-      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider"
+      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py -k 'two_engines or manual_decode_graph_equals' -x -q -p no:cacheprovider"
       "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu.json"
       "@$g async_2gpu_dynamic 560 THINKCRAFT_DECODE_DYNAMIC=1 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu_dynamic.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"

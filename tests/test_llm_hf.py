@@ -714,12 +714,16 @@ def test_manual_decode_graph_equals_eager_and_recaptures_when_weights_move(monke
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         for g, w in zip(got, want):
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=2e-3)
+    counters = graphed._batcher.counters  # every capture counted and timed (engine/graph_captures, graph_capture_s)
+    captures = counters["graph_captures"]
+    assert captures >= 2 and counters["graph_capture_s"] > 0  # with and without the shared prefix
     lm_head = compat.lm_head(model)
     with torch.no_grad():  # a new tensor at another address, scaled: the tokens change if it is read
         lm_head.weight = torch.nn.Parameter(lm_head.weight.detach() * 3.0)
     batch = Batch(items=ITEMS, prefix=PREFIX)
     want, got = eager.generate(batch, sp), graphed.generate(batch, sp)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert graphed._batcher.counters["graph_captures"] > captures  # the moved weight: captured again
 
 
 def test_manual_decode_graph_logic_on_cpu(monkeypatch) -> None:
