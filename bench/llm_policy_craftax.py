@@ -163,7 +163,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                       f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
                       f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
                       f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows; prefill {rec.get('engine/prefill_s', 0):.2f} s in "
-                      f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens)",
+                      f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens; "
+                      f"decode graphs captured {rec.get('engine/graph_captures', 0):.0f} in "
+                      f"{rec.get('engine/graph_capture_s', 0):.1f} s)",
                       flush=True)
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
@@ -203,6 +205,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "prefill_calls": round(med([r.get("engine/prefill_calls", 0.0) for r in steady])),
         "prefill_tokens": round(med([r.get("engine/prefill_tokens", 0.0) for r in steady])),
         "decode_s": round(med([r.get("engine/decode_s", 0.0) for r in steady]), 3),
+        # decode graphs compiled + captured in the steady steps (a new width there costs its compile) and seconds
+        "graph_captures_steady": sum(r.get("engine/graph_captures", 0.0) for r in steady),
+        "graph_capture_s_steady": round(sum(r.get("engine/graph_capture_s", 0.0) for r in steady), 1),
         "engine_idle_s": round(med([r.get("timing/generate", 0.0) - r.get("engine/prefill_s", 0.0)
                                     - r.get("engine/decode_s", 0.0) for r in steady]), 3),
         "learner_tokens": round(med([r.get("learner/tokens", 0.0) for r in steady])),
