@@ -296,14 +296,14 @@ def achievement_table(env: str, run_dirs: list[str], labels: list[str], out: Pat
     """Each achievement's final rate per arm (mean over seeds, 95% bootstrap CI): knowledge, if any, should show
     in the rarer, deeper achievements before the mean. `<out>/achievements.json` (compare's JSON) and a table."""
     from thinkcraft.analysis.compare import CompareConfig, compare_groups, load_groups
-    from thinkcraft.analysis.report import write_comparison_json
+    from thinkcraft.analysis.report import comparison_dict
+    from thinkcraft.utils.io import atomic_write_json
 
     cfg = CompareConfig(run_dirs, metric=["achievements/*"], label=labels, out=str(out),
                         bootstrap_samples=a.bootstrap_samples, seed=0, plot=False)
-    groups, fields_, _ = load_groups(cfg)
-    comparison = compare_groups(groups, fields_, cfg)
-    path = write_comparison_json(out / "achievements.json", comparison, cfg)
-    res = json.loads(Path(path).read_text())
+    res = comparison_dict(compare_groups(*load_groups(cfg)[:2], cfg), cfg)
+    path = out / "achievements.json"
+    atomic_write_json(path, res)
     arms = [g["label"] for g in res["groups"]]
     names = sorted({m for g in res["groups"] for m in g["metrics"]} - {"achievements/mean_rate"})
     rows = []

@@ -96,24 +96,34 @@ class MetricsWriter:
         self.close()
 
 
+METRICS_FILES = ("metrics.jsonl", "metrics.jsonl.gz")
+"""A run directory's metrics: plain, or gzip-compressed where a finished run was archived (the benchmark runs kept
+in the repository: ~5x smaller)."""
+
+
 def run_metrics_path(run_dir: str | os.PathLike) -> Path | None:
-    """A run directory's metrics file: `metrics.jsonl`, or `metrics.jsonl.gz` where a finished run was archived
-    compressed (the benchmark runs kept in the repository: ~5x smaller), else None."""
-    for name in ("metrics.jsonl", "metrics.jsonl.gz"):
+    """A run directory's metrics file (`METRICS_FILES`, the plain one first), else None."""
+    for name in METRICS_FILES:
         if (Path(run_dir) / name).exists():
             return Path(run_dir) / name
     return None
 
 
+def _metrics_bytes(p: Path) -> bytes:
+    if p.suffix == ".gz":
+        import gzip
+
+        return gzip.decompress(p.read_bytes())
+    return p.read_bytes()
+
+
 def unpack_metrics(run_dir: str | os.PathLike) -> None:
     """A resumed run whose metrics were archived compressed (`metrics.jsonl.gz` alone) gets its `metrics.jsonl`
     back before it appends to it: one file, never a compressed head and a plain tail."""
-    gz, plain = Path(run_dir) / "metrics.jsonl.gz", Path(run_dir) / "metrics.jsonl"
+    plain, gz = (Path(run_dir) / name for name in METRICS_FILES)
     if gz.exists() and not plain.exists():
-        import gzip
-
         tmp = plain.with_suffix(".jsonl.tmp")
-        tmp.write_bytes(gzip.decompress(gz.read_bytes()))
+        tmp.write_bytes(_metrics_bytes(gz))
         os.replace(tmp, plain)
         gz.unlink()
 
@@ -124,13 +134,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.exists():
         return out
-    if p.suffix == ".gz":
-        import gzip
-
-        text = gzip.decompress(p.read_bytes()).decode("utf-8")
-    else:
-        text = p.read_text(encoding="utf-8")
-    for line in text.splitlines():
+    for line in _metrics_bytes(p).decode("utf-8").splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
