@@ -99,7 +99,9 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     seeds = (f" × {S} seeds" if S > 1 else "") + (f" over {D} devices" if D > 1 else "")
     console.print(f"ppo-hidden: {cfg.num_envs} envs{seeds}, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
                   f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
-                  f"{', overlap' if cfg.overlap else ''}; "
+                  + (", hidden input ZEROS (the blank ablation: the engine is not called)"
+                     if cfg.hidden_input == "zeros" else "")
+                  + f"{', overlap' if cfg.overlap else ''}; "
                   + (f"resets draw from a pool of {cfg.pool_size} worlds per refresh" if cfg.pool_size
                      else "hidden input masked after a reset until the next refresh (no reset pool)"))
 
