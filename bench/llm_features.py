@@ -294,7 +294,8 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def achievement_table(env: str, run_dirs: list[str], labels: list[str], out: Path, a: argparse.Namespace) -> None:
     """Each achievement's final rate per arm (mean over seeds, 95% bootstrap CI): knowledge, if any, should show
-    in the rarer, deeper achievements before the mean. `<out>/achievements.json` (compare's JSON) and a table."""
+    in the rarer, deeper achievements before the mean. `<out>/achievements.json` (compare's JSON without the curves:
+`thinkcraft compare RUN... --metric 'achievements/*'` draws them) and a table."""
     from thinkcraft.analysis.compare import CompareConfig, compare_groups, load_groups
     from thinkcraft.analysis.report import comparison_dict
     from thinkcraft.utils.io import atomic_write_json
@@ -302,6 +303,9 @@ def achievement_table(env: str, run_dirs: list[str], labels: list[str], out: Pat
     cfg = CompareConfig(run_dirs, metric=["achievements/*"], label=labels, out=str(out),
                         bootstrap_samples=a.bootstrap_samples, seed=0, plot=False)
     res = comparison_dict(compare_groups(*load_groups(cfg)[:2], cfg), cfg)
+    for g in res["groups"]:  # finals only: ~45 curves per arm made it 3 MB, carried by every device call
+        for m in g["metrics"].values():
+            m.pop("curve", None)
     path = out / "achievements.json"
     atomic_write_json(path, res)
     arms = [g["label"] for g in res["groups"]]
