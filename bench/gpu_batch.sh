@@ -36,16 +36,37 @@ pack() {  # the logs and every result file written since the queue started, in o
   echo "results written: $(tr '\n' ' ' < "$logs/new.txt")"
 }
 
+descendants() {  # every process under pid $1
+  local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done
+}
+
+spy_later() {  # after $2 s, py-spy's native dump of every Python process under pid $1, appended to log $3
+  sleep "$2"
+  local spy; spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null) || return 0
+  local p
+  for p in $(descendants "$1"); do
+    case "$(cat /proc/"$p"/comm 2>/dev/null)" in python*) ;; *) continue ;; esac
+    # which thread holds the GIL, and the native frames under each Python one: what faulthandler and a Python
+    # timer cannot show when native code holds the interpreter lock (the 2-GPU async stalls, 2026-11-27)
+    { echo; echo "=== py-spy dump --native of pid $p at $2 s"; "$spy" dump --native --pid "$p" 2>&1; } >> "$3"
+  done
+}
+
 run_jobs() {  # one lane's jobs, in order
   local logs=$1; shift
   for spec in "$@"; do
     read -r name limit cmd <<<"$spec"
     echo "=== $name (limit ${limit}s${CUDA_VISIBLE_DEVICES:+, GPU $CUDA_VISIBLE_DEVICES}): $cmd"
     t0=$(date +%s)
-    # a Python bench still running 20 s before the limit prints every thread's stack into its log (bench/common.py)
+    # a Python bench still running 20 s before the limit prints every thread's stack into its log (bench/common.py),
+    # and 30 s before it py-spy (carried in .whl/) dumps its native stacks and the GIL holder there too
     THINKCRAFT_STACK_DUMP_S=$(( limit > 60 ? limit - 20 : limit )) \
-      timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$logs/$name.log" 2>&1
+      timeout --signal=INT --kill-after=15 "$limit" bash -c "$cmd" >"$logs/$name.log" 2>&1 &
+    local job=$! spy=
+    if (( limit > 60 )); then spy_later "$job" $(( limit - 30 )) "$logs/$name.log" & spy=$!; fi
+    wait "$job"
     rc=$?
+    [ -n "$spy" ] && { pkill -P "$spy" 2>/dev/null; kill "$spy" 2>/dev/null; }
     echo "    rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$logs/$name.log"
   done
 }
@@ -79,8 +100,10 @@ case "${1:-}" in
     shift
     rm -rf "$Q"; mkdir -p "$Q/logs" "$Q/work"; touch "$Q/logs/.start"
     tar cf - --exclude=./.git --exclude=./.venv --exclude=./.cache . | tar xf - -C "$Q/work"
+    # the subshell's own descriptors too: it waits for setsid (which execs, not forks, outside a group leader),
+    # and a caller's pipe (`... start ... | tail`) stayed open until the queue ended (a device call hung, 2026-11-27)
     (cd "$Q/work" && setsid nohup bash -c 'bash bench/gpu_batch.sh __queue "$@" > "$0/logs/queue.log" 2>&1; touch "$0/done"' \
-      "$Q" "$@" </dev/null >/dev/null 2>&1 &)
+      "$Q" "$@" &) </dev/null >/dev/null 2>&1
     echo "queue started in $Q/work: $# jobs; collect with: bash bench/gpu_batch.sh collect SECONDS"
     ;;
   __queue)

@@ -129,9 +129,10 @@ def test_eta_one_bound_journal_metrics_and_store(tmp_path, monkeypatch):
     assert last["policy_version"] == 4 and last["staleness/max"] <= 1
     for k in ("staleness/mean", "staleness/hist_0", "staleness/hist_1", "queue/rollout_queued", "queue/buffer_groups",
               "pool/rollout_busy", "pool/train_busy", "engine/idle_share", "gpu/idle_share", "rollout/failed",
-              "offpolicy/weight_mean", "perf/samples_per_s", "timing/train"):
+              "offpolicy/weight_mean", "perf/samples_per_s", "timing/train", "perf/gil_lag_max_s"):
         assert k in last, k
     assert 0.0 <= last["engine/idle_share"] <= 1.0 and 0.0 <= last["gpu/idle_share"] <= 1.0
+    assert 0.0 <= last["perf/gil_lag_max_s"] < 30.0  # the probe ran (utils.watchdog.GilProbe)
     j = journal(cfg.run_dir)
     groups = [g for line in j for g in line["groups"]]
     assert [line["step"] for line in j] == [1, 2, 3, 4] and all(len(line["groups"]) == 2 for line in j)

@@ -76,3 +76,104 @@ def test_deep_stacks_keep_both_ends_and_the_timer_dump_names_threads(tmp_path):
     faulthandler.cancel_dump_traceback_later()
     dumped = out.read_text()
     assert "every thread's stack at 0 s" in dumped and "Thread deep-worker" in dumped
+
+
+def test_gil_probe_measures_a_native_call_that_holds_the_interpreter_lock(caplog):
+    """`sum(range(n))` runs in C without releasing the GIL: the probe's thread cannot wake meanwhile, and says
+    how long (perf/gil_lag_max_s in the async loop's metrics, a warning past warn_s)."""
+    from thinkcraft.utils.watchdog import GilProbe
+
+    probe = GilProbe(interval_s=0.005, warn_s=0.15).start()
+    try:
+        time.sleep(0.05)
+        probe.take_max()  # start from here
+        n = 2_000_000
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:  # one native call of at least ~0.3 s on this machine
+            n *= 2
+            t0 = time.perf_counter()
+            sum(range(n))
+        held = time.perf_counter() - t0
+        time.sleep(0.05)  # the probe wakes, late, and records it
+        lag = probe.take_max()
+        assert lag >= 0.5 * held, (lag, held)
+        assert probe.take_max() < lag  # take_max resets
+        assert probe.lags_over_warn >= 1
+        assert any("no Python thread could run for" in r.getMessage() for r in caplog.records)
+    finally:
+        probe.stop()
+    assert not probe._thread.is_alive()
+
+
+def test_capture_gate_waits_for_running_steps_and_holds_new_ones_back():
+    """llm/hf/cache.CaptureGate: a capture starts only when no decode step is under way, and no step starts
+    until it ends - even while steps keep arriving (writers first)."""
+    from thinkcraft.llm.hf.cache import CaptureGate
+
+    gate = CaptureGate()
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def note(x: str) -> None:
+        with lock:
+            events.append(x)
+
+    in_step, release_step = threading.Event(), threading.Event()
+
+    def long_step() -> None:
+        with gate.shared():
+            note("step0 start")
+            in_step.set()
+            release_step.wait(5)
+            note("step0 end")
+
+    def capture() -> None:
+        with gate.exclusive():
+            note("capture start")
+            time.sleep(0.2)
+            note("capture end")
+
+    def later_step() -> None:
+        with gate.shared():
+            note("step1")
+
+    s0 = threading.Thread(target=long_step)
+    s0.start()
+    assert in_step.wait(5)
+    c = threading.Thread(target=capture)
+    c.start()
+    time.sleep(0.1)
+    assert events == ["step0 start"]  # the capture waits for the running step
+    s1 = threading.Thread(target=later_step)
+    s1.start()  # arrives while the capture waits: held back (writers first)
+    time.sleep(0.1)
+    assert events == ["step0 start"]
+    release_step.set()
+    for t in (s0, c, s1):
+        t.join(5)
+    assert events == ["step0 start", "step0 end", "capture start", "capture end", "step1"]
+    assert gate.waited_s >= 0.15  # step1 waited for the capture
+
+
+def test_capture_gate_lets_steps_run_together_and_captures_one_at_a_time():
+    from thinkcraft.llm.hf.cache import CaptureGate
+
+    gate = CaptureGate()
+    with gate.shared(), gate.shared():  # two engines' steps at once (as the async pools' slot threads)
+        pass
+    inside = []
+    overlap = []
+
+    def capture(k: int) -> None:
+        with gate.exclusive():
+            inside.append(k)
+            overlap.append(len(inside))
+            time.sleep(0.05)
+            inside.remove(k)
+
+    ts = [threading.Thread(target=capture, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(5)
+    assert overlap == [1, 1, 1, 1] and gate.waited_s == 0.0

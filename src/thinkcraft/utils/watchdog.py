@@ -93,3 +93,47 @@ class StallWatchdog:
                 f.write(thread_stacks())
             log.warning("no %s for %.1f s: every thread's stack written to %s (a slow start - compiles - can do "
                         "this; a hang shows where it waits)", self.what, idle, self.path)
+
+
+class GilProbe:
+    """How long this process's Python threads could not run: a daemon thread sleeps `interval_s` in a loop and
+    measures how late it wakes. A wake later than `warn_s` means the interpreter lock was held that long by
+    native code that does not release it (or the process was not scheduled) - no Python thread, the stall
+    watchdog's included, can run meanwhile. Why: the 2-GPU async runs of 2026-11-27 made no learner step in
+    9 minutes while the stall dump's Python timer could not run in 20 s; this says so in the run's metrics and
+    log, and a lag of ~0 rules it out. `take_max()` returns the largest lag since the previous call."""
+
+    def __init__(self, interval_s: float = 0.005, warn_s: float = 1.0) -> None:
+        self.interval_s, self.warn_s = float(interval_s), float(warn_s)
+        self.lags_over_warn = 0
+        self._max = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+
+    def start(self) -> GilProbe:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+
+    def take_max(self) -> float:
+        with self._lock:
+            m, self._max = self._max, 0.0
+        return m
+
+    def _run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            if self._stop.wait(self.interval_s):
+                return
+            lag = max(0.0, time.monotonic() - t0 - self.interval_s)
+            with self._lock:
+                self._max = max(self._max, lag)
+            if lag >= self.warn_s:
+                self.lags_over_warn += 1
+                log.warning("no Python thread could run for %.1f s (the interpreter lock held by native code, or the "
+                            "process not scheduled)", lag)

@@ -13,11 +13,12 @@ sharing the GPU holds at the time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -313,9 +314,9 @@ class CacheMixin:
         new step function anyway). Any failure: one warning, then eager. Measured against the graph trees on an
         H100 (2026-11-27, bench/results/logs/s28_h100_*): Craftax llm-policy at 256 envs 8.1 vs 10.4 ms per
         decode step (214 rows), the async arith loop 3.64 vs 3.92 ms, the sync arith loop 3.06 vs 3.11 ms.
-        Captures are serialised process-wide (`_CAPTURE_LOCK`: one capture at a time, as torch requires; two
-        engines' slot threads, one engine per GPU, would otherwise capture at once), each on a stream of its
-        engine's device."""
+        A capture holds `CAPTURE_GATE` alone: one capture at a time in the process (torch allows one; two engines'
+        slot threads, one engine per GPU, would otherwise capture at once) and no other engine's decode step
+        meanwhile (see `CaptureGate`); each capture runs on a stream of its engine's device."""
         compiled = torch.compile(self._forward_last, dynamic=decode_dynamic())
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
@@ -332,7 +333,7 @@ class CacheMixin:
             ids_s, pos_s = ids.clone(), pos.clone()
             ctx_s = ctx._replace(write_col=ctx.write_col.clone(), key_len=ctx.key_len.clone())
             t_wait = time.perf_counter()
-            with _CAPTURE_LOCK:
+            with CAPTURE_GATE.exclusive():
                 t0 = time.perf_counter()
                 replay, out = _graph_capture(lambda: compiled(ids_s, pos_s, ctx_s), ids.device)
             t1 = time.perf_counter()
@@ -341,8 +342,8 @@ class CacheMixin:
             self.counters["graph_captures"] += 1
             self.counters["graph_capture_s"] += t1 - t_wait
             log.info("decode graph %d captured on %s (width %d, prefix %s): %.1f s, %.1f s of it waiting for another "
-                     "capture", int(self.counters["graph_captures"]), ids.device, ctx.cols.shape[0],
-                     ctx.prefix_keys is not None, t1 - t_wait, t0 - t_wait)
+                     "capture or other engines' steps", int(self.counters["graph_captures"]), ids.device,
+                     ctx.cols.shape[0], ctx.prefix_keys is not None, t1 - t_wait, t0 - t_wait)
             return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -352,11 +353,12 @@ class CacheMixin:
             if entry is None or entry[5] != addresses(ctx):
                 entry = graphs[key] = capture(ids, pos, ctx)
             replay, ids_s, pos_s, ctx_s, out, _ = entry
-            ids_s.copy_(ids)
-            pos_s.copy_(pos)
-            ctx_s.write_col.copy_(ctx.write_col)
-            ctx_s.key_len.copy_(ctx.key_len)
-            replay()
+            with CAPTURE_GATE.shared():  # no step of any engine while one captures (CaptureGate says why)
+                ids_s.copy_(ids)
+                pos_s.copy_(pos)
+                ctx_s.write_col.copy_(ctx.write_col)
+                ctx_s.key_len.copy_(ctx.key_len)
+                replay()
             return self.logits.copy_(out)
 
         return OrEager(step, self._forward_last, "manually captured decode step", log, on_failure=graphs.clear)
@@ -381,10 +383,59 @@ def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tup
     return graph.replay, out
 
 
-_CAPTURE_LOCK = threading.Lock()
-"""Held while a decode graph is captured (`_manual_graph_step`): one capture (and compile) at a time in the
-process - torch documents that only one CUDA graph capture may be underway at a time, and two engines on two
-GPUs step from two threads (the async pools' slots)."""
+class CaptureGate:
+    """Decode steps share the gate; a decode graph's compile and capture hold it alone (`_manual_graph_step`).
+
+    Why exclusive, and not only one capture at a time: torch allows only one CUDA graph capture underway in a
+    process, and the 2-GPU async runs of 2026-11-27 (bench/results/logs/s31_h200x4_async_2gpu_*.log) showed the
+    second engine's compile never ending (over 7 minutes, against ~45 s alone) while the first engine stepped
+    from its own thread - and no Python thread able to run for 20 s. A capture now waits for the steps under way
+    (each is a few ms) and holds new ones back until it ends: the other engines pause once per new graph shape
+    (at the start, or a new width) instead of racing it. Writers first: a capture waiting blocks new steps, so a
+    stream of steps cannot starve it. Not reentrant: a thread never captures inside its own shared hold."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._steps = 0
+        self._capturing = False
+        self.waited_s = 0.0
+        """Seconds steps spent waiting for captures (all engines): the price of the gate."""
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cv:
+            if self._capturing:
+                t0 = time.perf_counter()
+                while self._capturing:
+                    self._cv.wait()
+                self.waited_s += time.perf_counter() - t0
+            self._steps += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._steps -= 1
+                if self._steps == 0:
+                    self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cv:
+            while self._capturing:
+                self._cv.wait()
+            self._capturing = True  # from here on no new step starts
+            while self._steps:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._capturing = False
+                self._cv.notify_all()
+
+
+CAPTURE_GATE = CaptureGate()
+"""The process's one gate: every engine's manually captured decode step goes through it."""
 
 
 def decode_graphs() -> str:
@@ -406,9 +457,11 @@ def decode_dynamic() -> bool | None:
     (the default: every decode width - a multiple of 128 columns - compiles its own specialised graph); "1" = None
     (torch's automatic dynamic: the second width compiles one graph with a symbolic width that every later width
     reuses; the CUDA graphs are still captured per width). Why it exists: two engines (one per GPU) each compile
-    every width they meet, one at a time under `_CAPTURE_LOCK`, from threads that share the GIL with the rollout
-    workers - the suspected cause of the 2-GPU async runs' first steps of many minutes (2026-11-27). Opt-in until
-    a GPU run compares the two (`engine/graph_captures`, `engine/graph_capture_s`, the decode step's ms)."""
+    every width they meet, one at a time, from threads that share the GIL with the rollout workers - suspected
+    (2026-11-27) of the 2-GPU async runs' first steps of many minutes. That day's last runs (H200,
+    `bench/results/logs/s31_h200x4_async_2gpu_*.log`) met one width only and stalled alike with and without it:
+    not the cause (`CaptureGate` is the next candidate). Opt-in: `engine/graph_captures`, `engine/graph_capture_s`
+    and the decode step's ms compare the two."""
     import os
 
     v = os.environ.get("THINKCRAFT_DECODE_DYNAMIC", "0").strip()

@@ -21,6 +21,7 @@ from thinkcraft.train.llm_policy.async_build import (
 from thinkcraft.train.llm_policy.async_loop import Coordinator, ResumeState, group_seed_fn
 from thinkcraft.utils.errors import UserError
 from thinkcraft.utils.timing import PhaseTimer
+from thinkcraft.utils.watchdog import GilProbe
 
 PLOT_KEYS = ("reward/mean", "reward/correct_rate", "staleness/mean", "gpu/idle_share", "perf/samples_per_s")
 
@@ -86,6 +87,8 @@ class AsyncRun:
         self.coord = Coordinator(cfg, version, ResumeState.from_checkpoint(extra, version, cfg.prompts_per_step),
                                  group_seed_fn(cfg, carry.v_star), self.rollout, self.reward, self.train_pool)
         self.learner_device = device_name(p.learner.device)
+        self.gil = GilProbe().start()  # perf/gil_lag_max_s: a native call holding the interpreter lock shows here
+        self._closers.append(self.gil.stop)
         # gpu/idle_share is the idle share of the devices our engines and learner use: GPUs, or the CPU here
         self.idle_label = "GPU" if self.learner_device.startswith("cuda") else "CPU"
         self._prev = self._snapshot()
@@ -168,6 +171,7 @@ class AsyncRun:
         for k in range(self.cfg.max_staleness + 1):
             rec[f"staleness/hist_{k}"] = int((stale == k).sum())
         rec.update(pool_metrics(prev, now, dt, self.coord, self.slots, self.learner_device))
+        rec["perf/gil_lag_max_s"] = self.gil.take_max()  # the longest time no Python thread could run
         if now["decode"]:
             rec.update(decode_metrics_delta(prev["decode"], now["decode"]))
         return rec
