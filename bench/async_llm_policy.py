@@ -103,6 +103,9 @@ def _args(argv=None):
     p.add_argument("--profile-steady", type=float, default=0.0, metavar="SECONDS",
                    help="py-spy this process for SECONDS once each run's first update is done (bench/steady_profile.py): "
                         "per-thread summary in <out>_profile.json")
+    p.add_argument("--sync-reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the sync loop (one GPU) before the async rows of the base case; --no-sync-reference "
+                        "for a diagnosis run only (its async rows have no reference of the same run: not a result)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -302,7 +305,7 @@ def _plan(a) -> list[tuple[str, str, float, int]]:
     plan = []  # the sync reference (one GPU) runs in the same command as the async rows it is compared with
     for i, t in enumerate(tasks):  # the first task's cases first (each row is written as soon as it is measured)
         if "base" in cases:
-            plan += [(t, "sync", 0.0, 1)] + [(t, "async", 0.0, g) for g in sorted(set(a.gpus))]
+            plan += [(t, "sync", 0.0, 1)] * a.sync_reference + [(t, "async", 0.0, g) for g in sorted(set(a.gpus))]
         if i == 0 and "slow" in cases and a.slow_env_ms:
             plan += [(t, "sync", a.slow_env_ms, 1), (t, "async", a.slow_env_ms, min(a.gpus))]
     return plan
