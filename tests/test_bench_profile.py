@@ -58,3 +58,14 @@ def test_async_bench_steady_window_is_whole_cycles(capsys) -> None:
     assert [r["step"] for r in bench._steady(recs, 2)] == [3, 4, 5]
     assert [r["step"] for r in bench._steady(recs[:2], 1)] == [2]  # less than a cycle: kept, with a warning
     assert "less than one async cycle" in capsys.readouterr().err
+
+
+def test_async_bench_plan_keeps_the_sync_reference_unless_told() -> None:
+    """bench/async_llm_policy.py: every base case measures the sync loop first (its rows' reference);
+    --no-sync-reference (a diagnosis run) leaves only the async rows."""
+    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = ["--tasks", "arith", "--cases", "base", "--gpus", "2"]
+    assert bench._plan(bench._args(base)) == [("arith", "sync", 0.0, 1), ("arith", "async", 0.0, 2)]
+    assert bench._plan(bench._args(base + ["--no-sync-reference"])) == [("arith", "async", 0.0, 2)]
