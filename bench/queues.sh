@@ -6,26 +6,28 @@
 #
 #   parity    issue 18 (done 2026-11-27, H200, BENCHMARKS §1/§1b): PPO-RNN parity, ours on GPU 0 then the
 #             llm-features experiment's Craftax plain-PPO arm; Baselines' ppo_rnn.py on GPU 1 then the RNN SPS
-#   features  issue 18: the llm-features experiment (bench/llm_features.py), every arm of both envs not done
-#             yet (the issue's three, then the blank ablation); one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
+#   features  issue 18 (done 2026-11-27, H200, BENCHMARKS §4b): the llm-features experiment
+#             (bench/llm_features.py), every arm of both envs not done yet (the issue's three, then blank); one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
 #   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
-#             on two GPUs (async there vs sync on one), again with one width-generic decode compile per engine
-#             (THINKCRAFT_DECODE_DYNAMIC=1: do the captures' compiles make its first step take minutes?); then, one GPU each, the Craftax llm-policy bench with the
-#             device-sized learner (then with --learner-compile) and the async bench on the GSM8K layout. Needs
-#             .ref/tc-cache (the tokenizer).
+#             on two GPUs, 6 steps (async there vs sync on one: the 1.7x goal; it ran 3 steps once the capture gate
+#             ended its stall, 2026-11-27); then, one GPU each, the Craftax llm-policy bench with the device-sized
+#             learner (a py-spy profile; then with --learner-compile) and the async bench on the GSM8K layout.
+#             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it): PPO on 1, 2, 4
 #             GPUs; ppo-hidden (env on GPU 0, feature engines on the others) at skip 25 and 5; llm-policy with 1,
-#             2, 3 rollout GPUs + 1 learner GPU; the two-engine GPU test. Needs .ref/tc-cache.
+#             2, 3 rollout GPUs + 1 learner GPU; the two-engine GPU test. Needs the tokenizer (as llm).
 #
-# Calls on one warm machine (the bundled model goes in parts, bench/carry_model.sh; carried files stay):
-#   1. carry [".whl", ".ref/tc-cache", ".ref/Craftax_Baselines", ".model-whl/part-00"]
-#      x4 machine: source bench/gpu_env.sh && LLM_GPUS=2,3 bash bench/queues.sh llm
-#      x2 machine: `true` (features takes both GPUs; llm in a session of its own: LLM_GPUS=0,1)
-#   2. carry [".ref/tc-cache", ".model-whl/part-01", ".model-whl/part-02"]
-#      source bench/gpu_env.sh && source bench/carry_model.sh install && bash bench/queues.sh features
+# Calls on one warm machine (the bundled model goes in two parts, PART_MB=45 bash bench/carry_model.sh prepare;
+# carried files stay; as run on 2026-11-27 on 4 x H200):
+#   1. carry [".model-whl/part-00"]: `true`
+#   2. carry [".whl", ".model-whl/part-01"]:
+#      source bench/gpu_env.sh && source bench/carry_model.sh install && \
+#        FEATURE_GPUS="0 1" bash bench/queues.sh SET && LLM_GPUS=2,3 bash bench/queues.sh llm   (x4; x2: one set)
 #   3. back to back until done (each call brings back batch-<set>.tgz of every set):
 #      bash bench/queues.sh collect 540        (or `sleep 120; bash bench/queues.sh peek` for a look)
+# (.ref/tc-cache, the tests' tokenizer, is only needed where the model is not installed; .ref/Craftax_Baselines
+# only for the parity set.)
 # Every call must follow the previous one at once: a warm machine goes back after 30 s without a call, its
 # queues with it (2026-11-27: one machine and ~4 device minutes lost to a pause between two calls).
 # ONLY="job ..." starts just those jobs of a set (e.g. ONLY="gputest async_2gpu" of llm); FEATURE_MIN (default
@@ -55,8 +57,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       rm -f /tmp/tc-llm-two-gpu-done
       jobs=(
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py -k 'two_engines or manual_decode_graph_equals' -x -q -p no:cacheprovider"
-      "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu.json"
-      "@$g async_2gpu_dynamic 560 THINKCRAFT_DECODE_DYNAMIC=1 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 5 --out bench/results/logs/async_2gpu_dynamic.json"
+      "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
       "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
       "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
