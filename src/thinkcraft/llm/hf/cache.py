@@ -392,7 +392,9 @@ class CaptureGate:
     from its own thread - and no Python thread able to run for 20 s. A capture now waits for the steps under way
     (each is a few ms) and holds new ones back until it ends: the other engines pause once per new graph shape
     (at the start, or a new width) instead of racing it. Writers first: a capture waiting blocks new steps, so a
-    stream of steps cannot starve it. Not reentrant: a thread never captures inside its own shared hold."""
+    stream of steps cannot starve it. Not reentrant: a thread never captures inside its own shared hold.
+    Measured with it (2 x H200, 2026-11-27, `.../s31_h200x2_async_2gpu_gate.log`): both engines captured (59 s,
+    then 49 s after 57.5 s waiting) and the 2-GPU async run went on at 22.79 samples/s (sync: 16.85)."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition(threading.Lock())
@@ -408,7 +410,10 @@ class CaptureGate:
                 t0 = time.perf_counter()
                 while self._capturing:
                     self._cv.wait()
-                self.waited_s += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.waited_s += waited
+                if waited > 1.0:
+                    log.info("a decode step waited %.1f s for another engine's graph capture", waited)
             self._steps += 1
         try:
             yield
@@ -460,8 +465,8 @@ def decode_dynamic() -> bool | None:
     every width they meet, one at a time, from threads that share the GIL with the rollout workers - suspected
     (2026-11-27) of the 2-GPU async runs' first steps of many minutes. That day's last runs (H200,
     `bench/results/logs/s31_h200x4_async_2gpu_*.log`) met one width only and stalled alike with and without it:
-    not the cause (`CaptureGate` is the next candidate). Opt-in: `engine/graph_captures`, `engine/graph_capture_s`
-    and the decode step's ms compare the two."""
+    not the cause (`CaptureGate` ended the stall). Opt-in: `engine/graph_captures`, `engine/graph_capture_s` and
+    the decode step's ms compare the two."""
     import os
 
     v = os.environ.get("THINKCRAFT_DECODE_DYNAMIC", "0").strip()
