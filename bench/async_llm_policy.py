@@ -10,6 +10,8 @@ share, reward against trained samples (one PNG), with and without a slow env.
     CUDA_VISIBLE_DEVICES=0,1 .venv/bin/python bench/async_llm_policy.py --gpus 2
     # 1, 2, 3 rollout GPUs + 1 learner GPU (issue 21: samples/s per added rollout GPU), on a 4-GPU machine
     .venv/bin/python bench/async_llm_policy.py --tasks arith --cases base --gpus 2 3 4 --placement dedicated
+    # the same with each engine a Ray actor, its own process (no interpreter lock shared with the learner's)
+    .venv/bin/python bench/async_llm_policy.py --tasks arith --cases base --gpus 2 3 --placement dedicated --pool-backend ray
     # the CPU learning check of issue 20: the bundled model on arith, async η = 1, 30 steps (about an hour here)
     .venv/bin/python bench/async_llm_policy.py --learning-check
 
@@ -68,6 +70,9 @@ def _args(argv=None):
     p.add_argument("--placement", choices=["shared", "dedicated"], default="shared",
                    help="async on G GPUs: shared = engines on cuda:0..G-1, the one on cuda:0 sharing the learner's "
                         "weights; dedicated = the learner alone on cuda:0, engine copies on cuda:1..G-1 (G >= 2)")
+    p.add_argument("--pool-backend", choices=["local", "ray"], default="local",
+                   help="async engines as threads of this process (local) or Ray actors (ray: with --placement "
+                        "dedicated, G - 1 engine actors on GPUs 1..G-1, the learner on cuda:0; needs thinkcraft[ray])")
     p.add_argument("--model", default="random:qwen2.5-0.5b")
     p.add_argument("--tasks", default="arith,gsm8k", help="comma-separated: arith, gsm8k (a GSM8K-layout file)")
     p.add_argument("--gsm8k-path", default=None, help="a GSM8K-layout JSONL (default: one written from arith problems)")
@@ -151,7 +156,9 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
         kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy,
                   gen_batching=a.gen_batching)
         first = 1 if a.placement == "dedicated" else 0
-        if gpus > 1:
+        if a.pool_backend == "ray":  # the backend places its engines: one actor per rollout GPU
+            kw.update(pool_backend="ray", ray_engines=gpus - first)
+        elif gpus > 1:
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
     return LLMPolicyConfig(
         env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
@@ -315,6 +322,9 @@ def main(argv=None) -> int:
     a = _args(argv)
     if a.placement == "dedicated" and min(a.gpus) < 2:
         raise SystemExit("--placement dedicated needs --gpus of 2 or more (the learner has cuda:0 to itself)")
+    if a.pool_backend == "ray" and a.placement != "dedicated":
+        raise SystemExit("--pool-backend ray needs --placement dedicated (Ray places engines on GPUs of their own; "
+                         "the learner keeps cuda:0)")
     import torch
 
     if not torch.cuda.is_available():
@@ -326,7 +336,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
     keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms",
-            "decode_graphs", "placement")
+            "decode_graphs", "placement", "pool_backend")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -355,6 +365,8 @@ def main(argv=None) -> int:
                      # auto resolves to continuous: the bench's engines are in-process hf engines
                      "gen_batching": cfg.gen_batching.replace("auto", "continuous") if mode == "async" else None,
                      "placement": a.placement if mode == "async" else None,
+                     # None: threads of this process (every row before the flag), "ray": engine actors
+                     "pool_backend": "ray" if mode == "async" and a.pool_backend == "ray" else None,
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,

@@ -16,7 +16,9 @@
 #             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it): PPO on 1, 2, 4
 #             GPUs; ppo-hidden (env on GPU 0, feature engines on the others) at skip 25 and 5; llm-policy with 1,
-#             2, 3 rollout GPUs + 1 learner GPU; the two-engine GPU test. Needs the tokenizer (as llm).
+#             2, 3 rollout GPUs + 1 learner GPU; the two-engine GPU test; then the same llm-policy rows with
+#             the engines as Ray actors (their own processes: no shared interpreter lock; the sync reference is
+#             scale_llm's, same machine). Needs the tokenizer (as llm), and Ray carried (bench/carry_ray.sh).
 #
 # Calls on one warm machine (the bundled model goes in two parts, PART_MB=45 bash bench/carry_model.sh prepare;
 # carried files stay; as run on 2026-11-27 on 4 x H200):
@@ -66,7 +68,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2 4"
       "@0,1,2,3 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 4 --skip-n 25 5"
       "@0,1,2,3 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --out bench/results/logs/async_dedicated.json"
-      "@0,1,2,3 gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider") ;;
+      "@0,1,2,3 gputest 200 python -m pytest -m gpu tests/test_llm_batching.py -k two_engines -x -q -p no:cacheprovider"
+      "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 --placement dedicated --pool-backend ray --no-sync-reference --out bench/results/logs/async_dedicated_ray.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }

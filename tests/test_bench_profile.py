@@ -69,3 +69,23 @@ def test_async_bench_plan_keeps_the_sync_reference_unless_told() -> None:
     base = ["--tasks", "arith", "--cases", "base", "--gpus", "2"]
     assert bench._plan(bench._args(base)) == [("arith", "sync", 0.0, 1), ("arith", "async", 0.0, 2)]
     assert bench._plan(bench._args(base + ["--no-sync-reference"])) == [("arith", "async", 0.0, 2)]
+
+
+def test_async_bench_ray_backend_places_one_engine_actor_per_rollout_gpu(tmp_path) -> None:
+    """--pool-backend ray: G - 1 engine actors (the learner keeps cuda:0), no in-process rollout devices; only
+    with --placement dedicated."""
+    import pytest
+
+    pytest.importorskip("ray")
+    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = bench._args(["--tasks", "arith", "--cases", "base", "--gpus", "3", "--placement", "dedicated",
+                     "--pool-backend", "ray"])
+    cfg = bench._config(a, "arith", "async", 0.0, 3, tmp_path / "r", None)
+    assert cfg.pool_backend == "ray" and cfg.ray_engines == 2 and cfg.rollout_devices == ""
+    local = bench._config(bench._args(["--gpus", "3", "--placement", "dedicated"]), "arith", "async", 0.0, 3,
+                          tmp_path / "l", None)
+    assert local.pool_backend == "local" and local.rollout_devices == "cuda:1,cuda:2"
+    with pytest.raises(SystemExit, match="needs --placement dedicated"):
+        bench.main(["--gpus", "2", "--pool-backend", "ray"])
