@@ -103,7 +103,8 @@ class GilProbe:
     9 minutes while the stall dump's Python timer could not run in 20 s; this says so in the run's metrics and
     log, and a lag of ~0 rules it out. `take_max()` returns the largest lag since the previous call."""
 
-    def __init__(self, interval_s: float = 0.005, warn_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 0.02, warn_s: float = 1.0) -> None:
+        # 50 wakes a second: each one may make a busy thread hand over the lock, so not every switch interval
         self.interval_s, self.warn_s = float(interval_s), float(warn_s)
         self.lags_over_warn = 0
         self._max = 0.0
