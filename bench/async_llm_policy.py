@@ -312,7 +312,9 @@ def _plan(a) -> list[tuple[str, str, float, int]]:
     plan = []  # the sync reference (one GPU) runs in the same command as the async rows it is compared with
     for i, t in enumerate(tasks):  # the first task's cases first (each row is written as soon as it is measured)
         if "base" in cases:
-            plan += [(t, "sync", 0.0, 1)] * a.sync_reference + [(t, "async", 0.0, g) for g in sorted(set(a.gpus))]
+            if a.sync_reference:
+                plan.append((t, "sync", 0.0, 1))
+            plan += [(t, "async", 0.0, g) for g in sorted(set(a.gpus))]
         if i == 0 and "slow" in cases and a.slow_env_ms:
             plan += [(t, "sync", a.slow_env_ms, 1), (t, "async", a.slow_env_ms, min(a.gpus))]
     return plan

@@ -294,8 +294,8 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def achievement_table(env: str, run_dirs: list[str], labels: list[str], out: Path, a: argparse.Namespace) -> None:
     """Each achievement's final rate per arm (mean over seeds, 95% bootstrap CI): knowledge, if any, should show
-    in the rarer, deeper achievements before the mean. `<out>/achievements.json` (compare's JSON without the curves:
-`thinkcraft compare RUN... --metric 'achievements/*'` draws them) and a table."""
+    in the rarer, deeper achievements before the mean. `<out>/achievements.json` (compare's JSON without the
+    curves: `thinkcraft compare RUN... --metric 'achievements/*'` draws them) and a table."""
     from thinkcraft.analysis.compare import CompareConfig, compare_groups, load_groups
     from thinkcraft.analysis.report import comparison_dict
     from thinkcraft.utils.io import atomic_write_json

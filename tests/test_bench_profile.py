@@ -12,6 +12,14 @@ sp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sp)
 
 
+def _async_bench():
+    """bench/async_llm_policy.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_summarize_groups_threads_and_separates_compilation(tmp_path: Path) -> None:
     raw = tmp_path / "p.raw"
     raw.write_text(
@@ -48,9 +56,7 @@ def test_metrics_reached_and_no_py_spy(tmp_path: Path, monkeypatch, capsys) -> N
 def test_async_bench_steady_window_is_whole_cycles(capsys) -> None:
     """bench/async_llm_policy.py: the steady window drops the compiling step, then whole η + 1 cycles from the
     end (a partial cycle over-weighted train-only updates: gsm8k, 4 steps, read 1.93x sync on 2026-11-27)."""
-    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _async_bench()
     recs = [{"step": i} for i in range(1, 6)]
     assert [r["step"] for r in bench._steady(recs, 0)] == [2, 3, 4, 5]  # sync: every step after the first
     assert [r["step"] for r in bench._steady(recs, 1)] == [2, 3, 4, 5]  # two whole cycles
@@ -63,9 +69,7 @@ def test_async_bench_steady_window_is_whole_cycles(capsys) -> None:
 def test_async_bench_plan_keeps_the_sync_reference_unless_told() -> None:
     """bench/async_llm_policy.py: every base case measures the sync loop first (its rows' reference);
     --no-sync-reference (a diagnosis run) leaves only the async rows."""
-    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _async_bench()
     base = ["--tasks", "arith", "--cases", "base", "--gpus", "2"]
     assert bench._plan(bench._args(base)) == [("arith", "sync", 0.0, 1), ("arith", "async", 0.0, 2)]
     assert bench._plan(bench._args(base + ["--no-sync-reference"])) == [("arith", "async", 0.0, 2)]
@@ -77,9 +81,7 @@ def test_async_bench_ray_backend_places_one_engine_actor_per_rollout_gpu(tmp_pat
     import pytest
 
     pytest.importorskip("ray")
-    spec = importlib.util.spec_from_file_location("async_llm_policy", ROOT / "bench" / "async_llm_policy.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _async_bench()
     a = bench._args(["--tasks", "arith", "--cases", "base", "--gpus", "3", "--placement", "dedicated",
                      "--pool-backend", "ray"])
     cfg = bench._config(a, "arith", "async", 0.0, 3, tmp_path / "r", None)
