@@ -11,7 +11,9 @@
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
 #   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
 #             on two GPUs, 6 steps (async there vs sync on one: the 1.7x goal; it ran 3 steps once the capture gate
-#             ended its stall, 2026-11-27); then, one GPU each, the Craftax llm-policy bench with the device-sized
+#             ended its stall, 2026-11-27), then the same with the learner alone on the first GPU and one engine on
+#             the second (--placement dedicated), in-process and as a Ray actor (where Ray was carried,
+#             bench/carry_ray.sh: its own process, no shared interpreter lock); then, one GPU each, the Craftax llm-policy bench with the device-sized
 #             learner (a py-spy profile; then with --learner-compile) and the async bench on the GSM8K layout.
 #             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it): PPO on 1, 2, 4
@@ -60,6 +62,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py -k 'two_engines or manual_decode_graph_equals' -x -q -p no:cacheprovider"
       "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
+      "@$g async_2gpu_dedicated 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
+      "@$g async_2gpu_ray 420 python -c 'import ray' && python bench/async_llm_policy.py --gpus 2 --placement dedicated --pool-backend ray --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_ray.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
       "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
       "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
