@@ -263,6 +263,22 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t)
 
 
+def autocast(dtype: torch.dtype, device_type: str = "cuda") -> torch.autocast:
+    """`torch.autocast` without its weight-cast cache: every autocast region of ours (the learner, the engines'
+    generation) goes through here. Why: torch keeps the cache of fp32 -> bf16 casts of leaf tensors in one
+    process-wide map under one mutex (aten autocast_mode.cpp, torch 2.x-2.13.0), and the outermost autocast exit
+    of *any* thread clears it. A thread tracing with torch.compile under autocast (an engine compiling its decode
+    step over the learner's fp32 parameters, or the compiled learner) puts FakeTensor casts in that map; another
+    thread's exit then destroys them holding the mutex, and a FakeTensor's destructor needs the GIL - which the
+    tracing thread holds while it waits for the mutex at its next cast. A deadlock with no Python frame moving:
+    the 2-GPU async runs that never took a step (H200, 2026-11-27: one engine in a Dynamo trace, the other in
+    `autocast.__exit__`, `bench/results/logs/s32_h200x2_async_2gpu_hang.log`), reproduced on the CPU in
+    tests/test_autocast_deadlock.py. Without the cache nothing is put in the map (its clear takes the mutex over
+    an empty map). Cost: a weight used twice inside one region is cast twice; generation clears the cache after
+    every decode step anyway."""
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
 def ensure_cudagraph_thread_state() -> None:
     """Give the calling thread its own CUDA-graph-tree managers (`torch._inductor.cudagraph_trees`), as torch
     2.13 does by itself. Up to torch 2.11 at least (the GPU image), the managers live in thread-local state

@@ -229,7 +229,9 @@ class _EngineActor:
 
         import torch
 
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        from thinkcraft.llm import compat
+
+        ctx = compat.autocast(torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with self.lock, ctx:
             return self.engine.generate(batch, sampling)
 

@@ -121,11 +121,11 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
 
 def _autocast(device: Any, learner: Learner) -> Any:
     """bf16 autocast around a copy engine's generate on a GPU (as the learner's own `autocast`)."""
-    import torch
+    from thinkcraft.llm import compat
 
     if learner.autocast_dtype is None or not str(device).startswith("cuda"):
         return None
-    return lambda: torch.autocast("cuda", dtype=learner.autocast_dtype)
+    return lambda: compat.autocast(learner.autocast_dtype)  # no cast cache (compat.autocast says why)
 
 
 def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> WeightUpdate:

@@ -235,11 +235,11 @@ class Learner:
         """bf16 autocast on GPU (also around generation: full fine-tuning keeps fp32 master weights)."""
         import contextlib
 
-        import torch
+        from thinkcraft.llm import compat
 
         if self.autocast_dtype is None or self.device.type != "cuda":
             return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=self.autocast_dtype)
+        return compat.autocast(self.autocast_dtype)  # no cast cache: it deadlocks threads that compile
 
     def _model_parts(self, model):
         """(decoder, its attention configs, head weight, head bias) of `model`, looked up once."""
