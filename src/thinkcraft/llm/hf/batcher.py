@@ -154,9 +154,13 @@ class Batcher(CacheMixin, IterationMixin):
         with self._step_lock, self._contexts():
             try:
                 self._apply_updates()
-                t0 = self._clock()
+                # a synchronous `generate` times prefill apart from decode: the device is drained after a step
+                # that prefilled (its prefill time then holds up to one decode step's device time too), never at
+                # a plain decode step - that stopped host and device from overlapping at every step
+                calls = self.counters["prefill_calls"]
+                t0 = time.perf_counter()
                 self._admit()
-                t1 = self._clock()
+                t1 = self._clock(self.counters["prefill_calls"] != calls)
                 w1 = self._device_wait_s
                 launched = self._launch()
                 self._collect(drain=not launched)
@@ -165,7 +169,7 @@ class Batcher(CacheMixin, IterationMixin):
                 self._fail_all(e)
                 raise
             self.counters["prefill_s"] += t1 - t0
-            self.counters["decode_s"] += self._clock() - t1
+            self.counters["decode_s"] += time.perf_counter() - t1
         with self._cv:
             self._cv.notify_all()
         return self.busy()
@@ -306,8 +310,9 @@ class Batcher(CacheMixin, IterationMixin):
                 eng.model.train()
                 self._restore_train = False
 
-    def _clock(self) -> float:
-        if self.sync_timing and self.eng.device.type == "cuda":
+    def _clock(self, sync: bool) -> float:
+        """Now, after draining the device where `sync` and a synchronous `generate` times its phases."""
+        if sync and self.sync_timing and self.eng.device.type == "cuda":
             torch.cuda.synchronize(self.eng.device)
         return time.perf_counter()
     # ---------------------------------------------------------------------------------- weight versions

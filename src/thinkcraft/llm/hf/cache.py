@@ -189,6 +189,7 @@ class CacheMixin:
         self.h_temp = np.zeros(slots, dtype=np.float32)
         self.h_topp = np.ones(slots, dtype=np.float32)
         self.h_wantlp = np.zeros(slots, dtype=bool)
+        self.h_stop = np.zeros(slots, dtype=bool)  # the row has stop strings (the host checks only those)
         self.h_think = np.zeros(slots, dtype=np.int64)
         self.h_trunc = np.zeros(slots, dtype=bool)
         self.h_max = np.zeros(slots, dtype=np.int64)

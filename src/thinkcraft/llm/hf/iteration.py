@@ -15,6 +15,7 @@ from thinkcraft.llm.hf.rows import sample_rows
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, PrefillCtx, prefill_kernel
 from thinkcraft.llm.protocol import Completion, GenerationResult
+from thinkcraft.utils.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ class IterationMixin:
         total = keep + n_new
         tok_slot = np.repeat(slots, n_new)
         tok_col = np.concatenate([np.arange(k, t) for k, t in zip(keep, total)])
-        ids = torch.from_numpy(np.concatenate(news)).to(dev)[None]
-        pos = torch.from_numpy(tok_col + np.repeat(offs, n_new)).to(dev)[None]
+        # every host array goes over without a stream sync (utils/transfer.py): a blocking copy here waited for
+        # the decode step in flight
+        ids = to_device(np.concatenate(news), dev)[None]
+        pos = to_device(tok_col + np.repeat(offs, n_new), dev)[None]
         gather_col = np.concatenate([np.arange(t) for t in total])
         gather_slot = np.repeat(slots, total)
         p = kv.prefix_len if (offs > 0).any() else 0
@@ -100,12 +103,12 @@ class IterationMixin:
         k_len = total + np.where(offs > 0, p, 0)
         if p:
             starts = np.concatenate([[0], np.cumsum(total)[:-1]]) + p
-            key_index = torch.from_numpy(np.concatenate([
+            key_index = to_device(np.concatenate([
                 np.concatenate([np.arange(p) if o > 0 else np.zeros(0, np.int64), np.arange(s, s + t)])
-                for o, s, t in zip(offs, starts, total)])).to(dev)
+                for o, s, t in zip(offs, starts, total)]), dev)
         cu_q = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
-        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        t = lambda a: to_device(a, dev)  # noqa: E731
         ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
                          t(tok_slot), t(tok_col), t(gather_slot), t(gather_col), key_index, t(cu_q), t(cu_k),
                          int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype))
@@ -130,9 +133,9 @@ class IterationMixin:
                          np.zeros(len(slots)), budget, -np.ones(len(slots)), np.zeros(len(slots)), length, offs], 1)
         floats = np.array([[sp.temperature, sp.top_p] for sp in sps], dtype=np.float32)
         dev = eng.device
-        idx = torch.from_numpy(slots).to(dev)
-        iv = torch.from_numpy(ints.astype(np.int64)).to(dev)
-        fv = torch.from_numpy(floats).to(dev)
+        idx = to_device(slots, dev)
+        iv = to_device(ints.astype(np.int64), dev)
+        fv = to_device(floats, dev)
         st = self.state
         for j, name in enumerate(("active", "n_gen", "max_new", "in_think", "think_tokens", "budget", "force_pos",
                                   "truncated", "length", "offset")):
@@ -141,7 +144,7 @@ class IterationMixin:
         st.temperature[idx] = fv[:, 0]
         st.top_p[idx] = fv[:, 1]
         p = self.kv.prefix_len
-        self.prefix_mask[idx] = (self.kv.pcols[None, :] < p) & (torch.from_numpy(offs).to(dev) > 0)[:, None]
+        self.prefix_mask[idx] = (self.kv.pcols[None, :] < p) & (to_device(offs, dev) > 0)[:, None]
         self._grow_host(max(sp.max_new_tokens for sp in sps))
         self.h_run[slots] = True
         self.h_admit[slots] = self._iter
@@ -150,6 +153,7 @@ class IterationMixin:
         self.h_temp[slots] = floats[:, 0]
         self.h_topp[slots] = floats[:, 1]
         self.h_wantlp[slots] = [sp.logprobs for sp in sps]
+        self.h_stop[slots] = [bool(sp.stop) for sp in sps]
         self.h_max[slots] = [sp.max_new_tokens for sp in sps]
         for (q, s, _), thinking in zip(chunk, in_think):
             q.versions = [(0, self.version)]
@@ -178,7 +182,7 @@ class IterationMixin:
             masked = sample_from is not self.logits  # (only rows still thinking: nothing masked this step)
             if masked and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
                 lpc = torch.log_softmax(sample_from, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
-                lp = torch.where(torch.from_numpy(self.guides.constrained_lp).to(lp.device), lpc, lp)
+                lp = torch.where(to_device(self.guides.constrained_lp, lp.device), lpc, lp)
         else:
             lp = self._no_lp
         if guided:  # structured outputs: the matchers accept this step's tokens before the next mask
@@ -239,7 +243,7 @@ class IterationMixin:
             self.h_trunc[rows] = rec[:, 4].astype(bool)
             self.counters["generated_tokens"] += len(rows)
             ended = [(int(s), "device") for s in rows[rec[:, 1] == 1]]
-            ended += [(int(s), "stop") for s in rows[rec[:, 1] == 0] if self._hit_stop(int(s))]
+            ended += [(int(s), "stop") for s in rows[(rec[:, 1] == 0) & self.h_stop[rows]] if self._hit_stop(int(s))]
             if ended:
                 self._finish(ended)
 
@@ -250,7 +254,7 @@ class IterationMixin:
         rows end here with what they have (finish_reason "length", exactly max_new_tokens tokens), the device
         stops them, and the event is counted (`host_length_ends`) and logged with the state that explains it."""
         st = self.state
-        idx = torch.as_tensor(slots, device=self.eng.device)
+        idx = to_device(np.asarray(slots, dtype=np.int64), self.eng.device)
         if not self.counters["host_length_ends"]:
             log.warning(
                 "decode bookkeeping out of step at iteration %d (collected %d, launched %d, weight updates %d): slots "
@@ -287,7 +291,7 @@ class IterationMixin:
         slots = [s for s, _ in ended]
         toks = [self.h_tok[s, : self.h_n[s]].tolist() for s in slots]
         texts = [eng.tokenizer.decode(t, skip_special_tokens=True) for t in toks]
-        idx = torch.as_tensor(slots, device=eng.device)
+        idx = to_device(np.asarray(slots, dtype=np.int64), eng.device)  # no sync with the step in flight
         self.state.active[idx] = False
         results = []
         for (s, how), tokens, text in zip(ended, toks, texts):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
+from thinkcraft.utils.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +267,8 @@ def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows
         n_seqs = int(seqs[s:e].sum()) if seqs is not None else int(trained[s:e].any(1).sum())
         meta.append((s, e, w, int(lens.sum()) - shared, len(ri), n_seqs, [len(p) for p in parts],
                      [len(c) for c in cu_parts], maxes, shared))
-    flat = _to_device(np.concatenate(longs).astype(np.int64) if longs else np.zeros(0, np.int64), device)
-    cu_flat = _to_device(np.concatenate(cus).astype(np.int32), device) if cus else None
+    flat = to_device(np.concatenate(longs).astype(np.int64) if longs else np.zeros(0, np.int64), device)
+    cu_flat = to_device(np.concatenate(cus).astype(np.int32), device) if cus else None
     out, at, cu_at = [], 0, 0
     for s, e, w, tokens, n_tok, n_seqs, sizes, cu_sizes, (max_q, max_k), shared in meta:
         views = []
@@ -287,11 +288,6 @@ def plan(lengths: np.ndarray, loss_mask: np.ndarray, token_budget: int, max_rows
     return out
 
 
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def host_rows(attention_mask: torch.Tensor, loss_mask: torch.Tensor, input_ids: torch.Tensor | None = None
