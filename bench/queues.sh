@@ -10,12 +10,14 @@
 #             (bench/llm_features.py), every arm of both envs not done yet (the issue's three, then blank); one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
 #   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
-#             on two GPUs, 6 steps (async there vs sync on one: the 1.7x goal; it ran 3 steps once the capture gate
-#             ended its stall, 2026-11-27), then the same with the learner alone on the first GPU and one engine on
-#             the second (--placement dedicated), in-process and as a Ray actor (where Ray was carried,
-#             bench/carry_ray.sh: its own process, no shared interpreter lock); then, one GPU each, the Craftax llm-policy bench with the device-sized
+#             on two GPUs, 6 steps (async there vs sync on one: the 1.7x goal; it hung again on 2026-11-27 - torch's
+#             autocast cast cache, fixed since by compat.autocast), then the same with the learner alone on the
+#             first GPU and one engine on the second (--placement dedicated; 1.31x that day; as a Ray actor 0.86x,
+#             bench/results/logs/s32_*); then, one GPU each, the Craftax llm-policy bench with the device-sized
 #             learner (a py-spy profile; then with --learner-compile) and the async bench on the GSM8K layout.
 #             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
+#   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
+#             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it): PPO on 1, 2, 4
 #             GPUs; ppo-hidden (env on GPU 0, feature engines on the others) at skip 25 and 5; llm-policy with 1,
 #             2, 3 rollout GPUs + 1 learner GPU; the two-engine GPU test; then the same llm-policy rows with
@@ -41,7 +43,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm scale"
+SETS="parity features llm scale2 scale"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -60,14 +62,17 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local wait="while [ ! -e /tmp/tc-llm-two-gpu-done ]; do sleep 3; done;"
       rm -f /tmp/tc-llm-two-gpu-done
       jobs=(
-      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py -k 'two_engines or manual_decode_graph_equals' -x -q -p no:cacheprovider"
+      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait' -x -q -p no:cacheprovider"
       "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@$g async_2gpu_dedicated 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
-      "@$g async_2gpu_ray 420 python -c 'import ray' && python bench/async_llm_policy.py --gpus 2 --placement dedicated --pool-backend ray --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_ray.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
-      "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-update -1 --profile-steady 15"
+      "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-steady 15"
       "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
       "@$g1 async_gsm8k 1400 $wait python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
+    scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
+      "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
+      "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
+      "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
     scale) jobs=(
       "@0,1,2,3 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2 4"
       "@0,1,2,3 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 4 --skip-n 25 5"
