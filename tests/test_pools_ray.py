@@ -233,6 +233,29 @@ def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):
     handle.kill()
 
 
+def test_engine_actor_decode_counters_reach_the_driver_and_survive_a_replacement(ray_cluster):
+    """The async metrics' engine columns (decode step ms, rows per step) for Ray engines: the actor's counters,
+    kept monotonic across a replacement (a fresh actor counts from zero)."""
+    from thinkcraft.llm.protocol import Batch, SamplingParams
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    handle, engine = _engine_actor(ray, model, tok, "engine-m", 60.0, dict(num_cpus=0.5))
+    sampling = SamplingParams(max_new_tokens=5, temperature=0.0)
+    batch = Batch(items=[tok.encode("2 + 3 ="), tok.encode("7 + 1 =")])
+    assert engine.decode_metrics().get("decode_steps", 0.0) == 0.0
+    engine.generate(batch, sampling)
+    first = engine.decode_metrics()
+    assert first["decode_steps"] >= 4 and first["generated_tokens"] >= 8
+    _kill_and_wait_dead(ray, handle.actor)
+    assert engine.decode_metrics() == first  # a dead actor: the last reading, no error
+    assert handle.restarts == 1  # (the failed call replaced it)
+    engine.generate(batch, sampling)
+    after = engine.decode_metrics()
+    assert after["decode_steps"] >= first["decode_steps"] + 4
+    assert after["generated_tokens"] >= first["generated_tokens"] + 8
+    handle.kill()
+
+
 def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
     """The NCCL path's code (group of learner + engine actors, bf16 buckets, digests, versions, a replaced
     engine rejoining a rebuilt group) over Gloo on the CPU."""

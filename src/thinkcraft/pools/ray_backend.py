@@ -235,6 +235,11 @@ class _EngineActor:
         with self.lock, ctx:
             return self.engine.generate(batch, sampling)
 
+    def decode_metrics(self) -> dict[str, float]:
+        """The engine's cumulative decode counters (a snapshot, read beside a running generate: the actor serves
+        calls on several threads), for the driver's per-update engine metrics."""
+        return dict(self.engine.decode_metrics())
+
     def load_state(self, version: int, state: dict[str, Any], kind: str) -> tuple[int, str]:
         from thinkcraft.pools.ray_weights import state_checksum
         from thinkcraft.pools.weights import WeightUpdate
@@ -383,6 +388,9 @@ class RayEngine:
     def __init__(self, actor: ActorHandle, timeout_s: float | None) -> None:
         self.actor_handle = actor
         self.timeout_s = timeout_s
+        self._counters_before: dict[str, float] = {}  # the last summed decode counters (decode_metrics)
+        self._base: dict[str, float] = {}
+        self._restarts_seen = 0
 
     @property
     def actor(self) -> Any:
@@ -397,6 +405,23 @@ class RayEngine:
 
     def generate(self, batch: Any, sampling: Any) -> Any:
         return self.call("generate", batch, sampling, timeout_s=self.timeout_s)
+
+    def decode_metrics(self) -> dict[str, float]:
+        """The actor engine's decode counters, summed over the actors this slot has had (a replacement starts
+        from zero: the ones it replaced are kept, so the driver's deltas never go backwards); what a dead or
+        silent actor cannot tell (10 s) is left out of that update's metrics - never a stall or an error."""
+        try:
+            got = self.call("decode_metrics", timeout_s=10.0)
+        except Exception as e:  # noqa: BLE001 - a metric is not worth failing a step for
+            log.info("%s: no decode counters this update (%s)", self.actor_handle.name, type(e).__name__)
+            return dict(self._counters_before)
+        restarts = self.restarts
+        if restarts != self._restarts_seen:  # a fresh actor: its predecessor's last reading stays in the sum
+            self._base = dict(self._counters_before)
+            self._restarts_seen = restarts
+        total = {k: self._base.get(k, 0.0) + float(v) for k, v in got.items()}
+        self._counters_before = total
+        return total
 
 
 class RayJudge:

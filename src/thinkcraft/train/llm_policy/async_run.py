@@ -140,11 +140,15 @@ class AsyncRun:
                 "learner_busy_s": self.worker.busy_s, "decode": self._decode_counters()}
 
     def _decode_counters(self) -> dict[str, float]:
-        """The in-process engines' decode counters, summed (HTTP engines keep theirs on the server)."""
+        """The in-process engines' and Ray engine actors' decode counters, summed (HTTP engines keep theirs on
+        the server)."""
+        from thinkcraft.pools.ray_backend import RayEngine
+
         total: dict[str, float] = {}
         for s in self.slots:
-            if not getattr(getattr(s.engine, "capabilities", None), "continuous_batching", False):
-                continue  # HTTP engines, Ray actor handles
+            if not (isinstance(s.engine, RayEngine)
+                    or getattr(getattr(s.engine, "capabilities", None), "continuous_batching", False)):
+                continue  # HTTP engines
             got = s.engine.decode_metrics()
             for k, v in (got.items() if isinstance(got, dict) else ()):
                 total[k] = total.get(k, 0.0) + float(v)
