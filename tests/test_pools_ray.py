@@ -256,6 +256,28 @@ def test_engine_actor_decode_counters_reach_the_driver_and_survive_a_replacement
     handle.kill()
 
 
+class _Echo:
+    def echo(self, x):
+        return x
+
+
+def test_an_actor_killed_on_purpose_is_not_replaced(ray_cluster):
+    """A pool that stops kills its actors under calls still running; those calls fail, and nothing is started
+    in their place (the 2-GPU Ray run of 2026-11-27 logged 16 env actors "replaced" at its end)."""
+    from thinkcraft.pools.ray_backend import ActorHandle, ActorLost
+    ray = ray_cluster
+    made = []
+    remote = ray.remote(_Echo)
+    handle = ActorHandle("echo", lambda n: made.append(n) or remote.options(num_cpus=0.1).remote())
+    assert handle.call("echo", 3, timeout_s=60) == 3
+    dead = handle.actor
+    handle.kill()
+    _kill_and_wait_dead(ray, dead)
+    with pytest.raises(ActorLost, match="died"):
+        handle.call("echo", 4, timeout_s=30)
+    assert handle.restarts == 0 and made == [0] and handle.actor is dead
+
+
 def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
     """The NCCL path's code (group of learner + engine actors, bf16 buckets, digests, versions, a replaced
     engine rejoining a rebuilt group) over Gloo on the CPU."""

@@ -295,6 +295,8 @@ class ActorHandle:
         self._lock = threading.Lock()
         self.actor = factory(0)
         self.on_replace: list[Callable[[], None]] = []
+        self.closed = False
+        """Killed on purpose (`kill`): a call that then finds it dead is not a fault, and nothing replaces it."""
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         import ray
@@ -314,8 +316,8 @@ class ActorHandle:
         import ray
 
         with self._lock:
-            if self.actor is not dead:
-                return
+            if self.actor is not dead or self.closed:  # (a pool stopping kills its actors under running calls:
+                return  # those calls fail, and a replacement then would be an actor started at shutdown, leaked)
             ray.kill(dead, no_restart=True)
             self.restarts += 1
             log.warning("ray: %s replaced (restart %d)", self.name, self.restarts)
@@ -326,6 +328,8 @@ class ActorHandle:
     def kill(self) -> None:
         import ray
 
+        with self._lock:
+            self.closed = True
         ray.kill(self.actor, no_restart=True)
 
 
