@@ -111,6 +111,13 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         plot=False, seed=0)
 
 
+def steady_steps(recs: list[Any], profiled: int | None) -> list[Any]:
+    """The steps the rates average: after the first (it compiles), without the one whose learner update ran
+    under torch.profiler (2026-11-27, H200: 37.1 s against 10.7-11.2 s, and it was in the means) - measured
+    apart, in its own file. With no other step left, the profiled one; with one step, that step."""
+    return [r for i, r in enumerate(recs) if i >= 1 and i != profiled] or recs[1:] or recs
+
+
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
     import torch
 
@@ -174,9 +181,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    # the step whose learner update ran under torch.profiler is not a rate (2026-11-27, H200: 37.1 s against
-    # 10.7-11.2 s for the others, and it was the mean's third step): measured apart, in its own file
-    steady = [r for i, r in enumerate(recs) if i >= 1 and i != profile_at] or recs
+    steady = steady_steps(recs, profile_at)
     turns = [r["episode/turns"] * num_envs for r in steady]
     step_s = [r["timing/step"] for r in steady]
     gen_s = [r.get("timing/generate", 0.0) for r in steady]

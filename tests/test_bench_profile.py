@@ -91,3 +91,13 @@ def test_async_bench_ray_backend_places_one_engine_actor_per_rollout_gpu(tmp_pat
     assert local.pool_backend == "local" and local.rollout_devices == "cuda:1,cuda:2"
     with pytest.raises(SystemExit, match="needs --placement dedicated"):
         bench.main(["--gpus", "2", "--pool-backend", "ray"])
+
+
+def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
+    spec = importlib.util.spec_from_file_location("llm_policy_craftax", ROOT / "bench" / "llm_policy_craftax.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.steady_steps([0, 1, 2, 3], 3) == [1, 2]
+    assert bench.steady_steps([0, 1, 2, 3], None) == [1, 2, 3]
+    assert bench.steady_steps([0, 1], 1) == [1]  # nothing else after the first: the profiled step
+    assert bench.steady_steps([0], None) == [0]

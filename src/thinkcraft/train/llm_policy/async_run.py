@@ -140,15 +140,12 @@ class AsyncRun:
                 "learner_busy_s": self.worker.busy_s, "decode": self._decode_counters()}
 
     def _decode_counters(self) -> dict[str, float]:
-        """The in-process engines' and Ray engine actors' decode counters, summed (HTTP engines keep theirs on
-        the server)."""
-        from thinkcraft.pools.ray_backend import RayEngine
-
+        """The decode counters of every engine that keeps them (in-process engines, Ray engine actors), summed;
+        HTTP engines keep theirs on the server."""
         total: dict[str, float] = {}
         for s in self.slots:
-            if not (isinstance(s.engine, RayEngine)
-                    or getattr(getattr(s.engine, "capabilities", None), "continuous_batching", False)):
-                continue  # HTTP engines
+            if not callable(getattr(s.engine, "decode_metrics", None)):
+                continue
             got = s.engine.decode_metrics()
             for k, v in (got.items() if isinstance(got, dict) else ()):
                 total[k] = total.get(k, 0.0) + float(v)
