@@ -187,6 +187,11 @@ def _steady(recs: list[dict], max_staleness: int) -> list[dict]:
     return steady
 
 
+def _median_or_none(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 4) if vals else None
+
+
 def _measure(a, cfg, mode: str, profile=None) -> dict:
     from thinkcraft.train.llm_policy import run
     from thinkcraft.utils.metrics import read_metrics
@@ -216,6 +221,8 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
         "graph_capture_s": round(sum(r.get("engine/graph_capture_s", 0.0) for r in recs), 1),
         # the longest time no Python thread could run (async loop only: utils.watchdog.GilProbe)
         "gil_lag_max_s": round(max((r.get("perf/gil_lag_max_s", 0.0) for r in recs), default=0.0), 3),
+        # seconds per weight update of an engine with its own copy (copy + load; None: every engine shared)
+        "weight_update_s": _median_or_none(r.get("weights/update_s") for r in recs[1:]),
         # the engines' decode loop (host included) and its batch: a host-bound loop shows here, not in idle shares
         **decode_means(steady),
         **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in ("timing/generate", "timing/train")
@@ -380,7 +387,8 @@ def main(argv=None) -> int:
         print(f"{task} {mode} gpus={gpus} env={latency:g}ms: {m['samples_per_s']:.2f} samples/s, {m['s_per_step']:.2f} s/step, "
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}, "
               f"decode graphs captured {m['graph_captures']:.0f} ({m['graph_capture_s']:.0f} s), "
-              f"longest GIL stall {m['gil_lag_max_s']:.2f} s",
+              f"longest GIL stall {m['gil_lag_max_s']:.2f} s"
+              + (f", weight update {m['weight_update_s']:.3f} s" if m.get("weight_update_s") is not None else ""),
               flush=True)
         write_records(out, rows[-1:], merge_keys=keys)  # each row as soon as it is measured (a cut run keeps it)
     if a.learning_check:  # every async run of the file so far (e.g. each correction) beside the sync reference

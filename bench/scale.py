@@ -161,21 +161,30 @@ def main() -> None:
         gpus = [1, *gpus]  # every row's reference is measured in the same command
     skips = [4, 2] if args.quick else args.skip_n
     updates = 3 if args.quick else args.updates
+    stamp = {"card": card() + (f" x {visible}" if visible > 1 else ""), "date": today(), "quick": args.quick}
+    out = args.out or str(Path(__file__).parent / "results" / ("scale_quick.json" if args.quick else "scale.json"))
     rows: list[dict[str, Any]] = []
+
+    def add(row: dict[str, Any]) -> None:  # each row written as soon as it is measured: a cut run keeps it
+        rows.append(row)
+        print("row:", {k: row.get(k) for k in ("job", "gpus", "skip_n", "num_envs", "sps", "records")}, flush=True)
+        write_records(out, [{**r, **stamp} for r in with_references(rows)], merge_keys=("job", "gpus", "skip_n"))
+
     with tempfile.TemporaryDirectory() as runs_dir:
         if "ppo" in args.jobs:
-            rows += [ppo_row(g, args.quick, runs_dir, updates) for g in gpus]
+            for g in gpus:
+                add(ppo_row(g, args.quick, runs_dir, updates))
         if "ppo-hidden" in args.jobs:
             engines = EngineCache(args.quick)
-            rows += [ppo_hidden_row(g, s, args.quick, runs_dir, updates, engines) for s in skips for g in gpus]
+            for s in skips:
+                for g in gpus:
+                    add(ppo_hidden_row(g, s, args.quick, runs_dir, updates, engines))
     if "llm-policy" in args.jobs:
-        rows += llm_policy_rows([g for g in (2, 3, 4) if g <= max(visible, 4)])
-    stamp = {"card": card() + (f" x {visible}" if visible > 1 else ""), "date": today(), "quick": args.quick}
+        for r in llm_policy_rows([g for g in (2, 3, 4) if g <= max(visible, 4)]):
+            add(r)
     rows = [{**r, **stamp} for r in with_references(rows)]
     print_table(rows, ["job", "gpus", "skip_n", "num_envs", "sps", "one_gpu_reference", "speedup", "goal", "note"])
-    out = args.out or str(Path(__file__).parent / "results" / ("scale_quick.json" if args.quick else "scale.json"))
-    print("wrote", write_records(out, rows, merge_keys=("job", "gpus", "skip_n")))
-
+    print("wrote", out)
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ from thinkcraft.envs.textenvs import ArithTask, RewardResult
 from thinkcraft.envs.textenvs import TaskEnv
 from thinkcraft.train import llm_policy as LP
 from thinkcraft.utils.errors import ConfigError
+from thinkcraft.utils.metrics import read_metrics
 
 
 def _cfg(tmp_path, **kw):
@@ -207,6 +208,9 @@ def test_copy_engines_follow_the_learner(tmp_path, monkeypatch, kw):
     last = LP.run(cfg)
     assert last["policy_version"] == 3 and last["staleness/max"] <= 1
     assert last["engine/min_version"] >= 2 and last["weights/update_failures"] == 0
+    # the copy engine's weight-update time is a metric (the shared engine's free updates are left out)
+    recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert any(r.get("weights/update_s", 0) > 0 for r in recs)
     j = journal(cfg.run_dir)
     groups = [g for line in j for g in line["groups"]]
     assert len(groups) == len(set(groups)) == 6

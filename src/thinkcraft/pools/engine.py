@@ -120,6 +120,10 @@ class EngineSlot:
     update_failures: int = 0
     failed_in_a_row: int = 0
     retry_at: float = 0.0
+    updates: int = 0
+    """Weight updates this engine took (a shared engine's are free: nothing moves)."""
+    update_s: float = 0.0
+    """Seconds those updates took (copy + load, the slot's lock held): issue 21's weight-sync time."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,9 @@ class EngineStats:
     versions: tuple[int, ...]
     update_failures: int
     generate_failures: int
+    updates: tuple[int, ...] = ()
+    """Weight updates each engine took, and their seconds (`update_s`)."""
+    update_s: tuple[float, ...] = ()
 
     @property
     def idle_share(self) -> float:
@@ -272,7 +279,8 @@ class EngineFront:
         now = time.perf_counter()
         return EngineStats(now - self._t0, tuple(s.busy_s for s in self.slots), sum(s.batches for s in self.slots),
                            sum(s.rows for s in self.slots), tuple(s.sync.version for s in self.slots),
-                           sum(s.update_failures for s in self.slots), self.generate_failures)
+                           sum(s.update_failures for s in self.slots), self.generate_failures,
+                           tuple(s.updates for s in self.slots), tuple(s.update_s for s in self.slots))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         with self._cv:
@@ -463,7 +471,10 @@ class EngineFront:
         try:
             # in the generate calls' context (autocast): an engine recomputing KV it keeps computes it as they do
             with slot.lock, self._context(slot):
+                t0 = time.perf_counter()
                 slot.sync.apply(update)
+                slot.update_s += time.perf_counter() - t0
+            slot.updates += 1
             slot.failed_in_a_row = 0
         except Exception as e:  # noqa: BLE001 - the engine keeps its old weights; retried
             slot.update_failures += 1

@@ -214,6 +214,12 @@ def pool_metrics(prev: dict[str, Any], now: dict[str, Any], dt: float, coord: An
     out["engine/mean_batch_rows"] = (e1.rows - e0.rows) / max(e1.batches - e0.batches, 1)
     out["engine/min_version"] = min(e1.versions)
     out["weights/update_failures"] = e1.update_failures
+    # seconds per weight update an engine with its own copy took over the interval (copy + load; shared engines
+    # take theirs for free and are left out): issue 21's weight-sync time
+    own = [k for k, s in enumerate(slots) if not isinstance(s.sync, SharedWeights)]
+    n_upd = sum(e1.updates[k] - e0.updates[k] for k in own)
+    if n_upd:
+        out["weights/update_s"] = sum(e1.update_s[k] - e0.update_s[k] for k in own) / n_upd
     # per device: its engines' generate time plus the learner's update time if it lives there
     per_device: dict[str, float] = {}
     for s, b in zip(slots, busy):
