@@ -78,6 +78,10 @@ def _args(argv=None):
     p.add_argument("--gsm8k-path", default=None, help="a GSM8K-layout JSONL (default: one written from arith problems)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts-per-engine", type=int, default=None, metavar="N",
+                   help="weak scaling (issue 21's rollout-GPU rows): each row's batch is N prompts per rollout engine "
+                        "(sync: N; async: N x its engines), so every engine has the same load whatever the count; "
+                        "default: --prompts for every row (the same hyperparameters)")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--max-staleness", type=int, default=1)
@@ -123,6 +127,9 @@ def _args(argv=None):
         a.finetune = "full" if a.model.startswith("random:") and not a.quick else "lora"
     if a.lr is None:
         a.lr = 1e-6 if a.finetune == "full" else 2e-4
+    if a.prompts_per_engine is not None and a.prompts_per_engine < 1:
+        p.error("--prompts-per-engine must be >= 1")
+    a.workers_given = a.rollout_workers is not None
     if a.rollout_workers is None:
         a.rollout_workers = (a.max_staleness + 1) * a.prompts
     if a.slow_env_workers is None:
@@ -147,12 +154,43 @@ def gsm8k_layout_file(path: Path, n: int = 512) -> Path:
     return path
 
 
+def rollout_scaling(rows: list[dict]) -> list[str]:
+    """Issue 21's rollout-GPU scaling of the dedicated rows (the learner on a GPU of its own): each row's
+    samples/s against the row with the fewest rollout GPUs (the reference: 1 rollout GPU + the learner), per
+    rollout GPU added: (s_g / s_ref) / (r_g / r_ref) with r = gpus - 1 (goal >= 0.8 while generation-bound)."""
+    out = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        ded = sorted((r for r in rows if r["task"] == task and r.get("placement") == "dedicated"
+                      and r["mode"] == "async" and not r["env_latency_ms"]), key=lambda r: r["gpus"])
+        if len(ded) < 2:
+            continue
+        ref = ded[0]
+        for r in ded[1:]:
+            eff = (r["samples_per_s"] / ref["samples_per_s"]) / ((r["gpus"] - 1) / (ref["gpus"] - 1))
+            out.append(f"{task}: {r['gpus'] - 1} rollout GPUs (batch {r.get('batch')}) vs {ref['gpus'] - 1} "
+                       f"(batch {ref.get('batch')}): {r['samples_per_s']:.2f} vs {ref['samples_per_s']:.2f} "
+                       f"samples/s = {eff:.2f} of linear")
+    return out
+
+
+def _prompts(a, mode: str, gpus: int) -> int:
+    """Prompts per step of a row: --prompts, or with --prompts-per-engine N, N per rollout engine (sync: one
+    engine; async shared: one per GPU; dedicated: one per GPU but the learner's)."""
+    if a.prompts_per_engine is None:
+        return a.prompts
+    engines = 1 if mode == "sync" else gpus - (1 if a.placement == "dedicated" else 0)
+    return a.prompts_per_engine * engines
+
+
 def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path, gsm8k_path: str | None):
     from thinkcraft.train.llm_policy import LLMPolicyConfig
 
     kw: dict = {}
+    prompts = _prompts(a, mode, gpus)
     if mode == "async":
         workers = a.slow_env_workers if latency_ms else a.rollout_workers
+        if a.prompts_per_engine is not None and not a.workers_given and not latency_ms:
+            workers = (a.max_staleness + 1) * prompts  # every group the staleness bound admits runs at once
         kw = dict(mode="async", max_staleness=a.max_staleness, rollout_workers=workers, offpolicy=a.offpolicy,
                   gen_batching=a.gen_batching)
         first = 1 if a.placement == "dedicated" else 0
@@ -161,7 +199,7 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
         elif gpus > 1:
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
     return LLMPolicyConfig(
-        env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=a.prompts,
+        env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=prompts,
         group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune=a.finetune, format_weight=0.1,
         kv_cache="static" if a.compile_decode else "dynamic", compile_decode=a.compile_decode,
         max_generate_batch=a.max_generate_batch,
@@ -202,7 +240,7 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
     recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     steady = _steady(recs, cfg.max_staleness if mode == "async" else 0)
     wall = sum(r["timing/step"] for r in steady)
-    batch = a.prompts * a.samples
+    batch = cfg.prompts_per_step * cfg.group_size
     if mode == "sync":
         idle = [1.0 - (r.get("timing/generate", 0.0) + r.get("timing/train", 0.0)) / r["timing/step"] for r in steady]
     else:
@@ -345,7 +383,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
     keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms",
-            "decode_graphs", "placement", "pool_backend")
+            "decode_graphs", "placement", "pool_backend", "batch")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -365,6 +403,7 @@ def main(argv=None) -> int:
             print(f"{task} {mode} gpus={gpus} env={latency:g}ms FAILED: {type(e).__name__}: {e}", flush=True)
             rows.append({"task": task, "mode": mode, "gpus": gpus, "env_latency_ms": latency,
                          "max_staleness": a.max_staleness if mode == "async" else 0, "error": f"{type(e).__name__}: {e}",
+                         "batch": cfg.prompts_per_step * cfg.group_size,
                          "card": card(), "date": today()})
             write_records(out, rows[-1:], merge_keys=keys)
             continue
@@ -377,7 +416,7 @@ def main(argv=None) -> int:
                      # None: threads of this process (every row before the flag), "ray": engine actors
                      "pool_backend": "ray" if mode == "async" and a.pool_backend == "ray" else None,
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
-                     "steps": a.steps, "batch": a.prompts * a.samples, "max_new_tokens": a.max_new_tokens,
+                     "steps": a.steps, "batch": cfg.prompts_per_step * cfg.group_size, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
                      "eager_fallbacks": len(fallbacks.reasons), "eager_fallback_reasons": list(fallbacks.reasons),
@@ -399,7 +438,7 @@ def main(argv=None) -> int:
         _plot(rows, out.with_suffix(".png"), f"GRPO sync vs async (η={a.max_staleness}), {a.model}, {card()}")
     write_records(out, rows, merge_keys=keys)
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["task", "mode", "gpus", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",
+    print_table(ok, ["task", "mode", "gpus", "batch", "env_latency_ms", "max_staleness", "rollout_workers", "samples_per_s",
                      "s_per_step", "gpu_idle_share", "reward_final"])
     for r in ok:  # async speed-up against sync at the same task and latency
         ref = next((s for s in ok if s["mode"] == "sync" and s["task"] == r["task"]
@@ -407,6 +446,8 @@ def main(argv=None) -> int:
         if r["mode"] == "async" and ref:
             print(f"{r['task']} env={r['env_latency_ms']:g}ms: async ({r['gpus']} GPU) / sync (1 GPU) samples/s = "
                   f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x")
+    for line in rollout_scaling(ok):
+        print(line)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -39,6 +39,10 @@ GOALS = {("ppo", 2): "speedup >= 1.9", ("ppo", 4): "speedup >= 3.6",
          ("ppo-hidden", 4, 25): "sps >= 30000", ("ppo-hidden", 4, 5): "sps >= 10000"}
 
 
+RATE = {"refresh": "refreshes_per_s"}
+"""Each job's rate column (higher is better; default sps) that its one-GPU reference and speedup read."""
+
+
 def steady(run_dir: Path, key: str) -> tuple[float | None, int]:
     """Median of `key` over the logged records after the first (which compiles), and how many."""
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -110,12 +114,44 @@ def ppo_hidden_row(gpus: int, skip_n: int, quick: bool, runs_dir: str, updates: 
                           layer_width=32 if quick else 512, hidden_proj_dim=8 if quick else 64,
                           optimistic_reset_ratio=2 if quick else 16, total_timesteps=num_envs * num_steps * updates,
                           runs_dir=runs_dir, run_name=name, overwrite=True, plot=False, checkpoint_every_minutes=0.0)
+    before = (getattr(engine, "calls", 0), getattr(engine, "call_s", 0.0), list(getattr(engine, "shard_s", [])))
     run(cfg, engine=engine)
     d = Path(runs_dir) / name
     sps, n = steady(d, "sps")
-    return {"job": "ppo-hidden", "gpus": gpus, "skip_n": skip_n, "num_envs": num_envs, "sps": sps, "records": n,
-            "engine": desc, "llm_wait_share": steady(d, "llm/wait_share")[0], "t_llm_s": steady(d, "timing/llm")[0],
-            "t_env_s": steady(d, "timing/env_policy")[0]}
+    row = {"job": "ppo-hidden", "gpus": gpus, "skip_n": skip_n, "num_envs": num_envs, "sps": sps, "records": n,
+           "engine": desc, "llm_wait_share": steady(d, "llm/wait_share")[0], "t_llm_s": steady(d, "timing/llm")[0],
+           "t_env_s": steady(d, "timing/env_policy")[0]}
+    calls = getattr(engine, "calls", 0) - before[0]
+    if calls:  # the sharded refreshes of the whole run (first update included): call and per-engine ms
+        row["refresh_call_ms"] = round(1000.0 * (engine.call_s - before[1]) / calls, 2)
+        row["shard_ms"] = [round(1000.0 * (b - a) / calls, 2) for a, b in zip(before[2], engine.shard_s)]
+    return row
+
+
+def refresh_row(gpus: int, quick: bool, engines: EngineCache) -> dict[str, Any]:
+    """One ppo-hidden refresh alone (no env running beside it): the hidden states of 136 fresh Craftax-Symbolic
+    compact texts (128 envs + the reset pool's 8 worlds) after the default instructions, on g = 1: one engine
+    on cuda:0; g > 1: g - 1 engines on cuda:1.. (sharded). Says whether the feature engines scale by
+    themselves, apart from the training loop around them (2026-11-27: the loop's refresh did not)."""
+    from ppo_hidden_sps import prefill_rate
+
+    from thinkcraft.llm.protocol import Batch
+    from thinkcraft.train.ppo_hidden import PPOHiddenConfig
+    from thinkcraft.train.ppo_hidden.config import make_prompt_prefix
+
+    engine, desc = engines.feature_engine(gpus)
+    n = 4 if quick else 136
+    env_name = "craftax-classic" if quick else "Craftax-Symbolic-v1"
+    prefix, _ = engine.tokenize_batch(Batch([""], prefix=make_prompt_prefix(PPOHiddenConfig(env_name=env_name))))
+    shard_s0, calls0 = list(getattr(engine, "shard_s", [])), getattr(engine, "calls", 0)
+    tok_per_env, tok_s = prefill_rate(engine, env_name, n, prefix)
+    ms = 1000.0 * tok_per_env * n / tok_s
+    row = {"job": "refresh", "gpus": gpus, "skip_n": None, "num_envs": n, "refresh_ms": ms,
+           "refreshes_per_s": 1000.0 / ms, "suffix_tokens_per_env": tok_per_env, "engine": desc}
+    calls = getattr(engine, "calls", 0) - calls0
+    if calls:  # each engine's own seconds per call (its shard), against the call's: equal = side by side
+        row["shard_ms"] = [round(1000.0 * (b - a) / calls, 2) for a, b in zip(shard_s0, engine.shard_s)]
+    return row
 
 
 def llm_policy_rows(gpus: list[int]) -> list[dict[str, Any]]:
@@ -131,11 +167,11 @@ def llm_policy_rows(gpus: list[int]) -> list[dict[str, Any]]:
 
 def with_references(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """one_gpu_reference, speedup and goal of each row, from the g = 1 row of its job (and skip_n)."""
-    ref = {(r["job"], r["skip_n"]): r.get("sps") for r in rows if r["gpus"] == 1}
+    ref = {(r["job"], r["skip_n"]): r.get(RATE.get(r["job"], "sps")) for r in rows if r["gpus"] == 1}
     for r in rows:
-        base = ref.get((r["job"], r["skip_n"]))
+        base, rate = ref.get((r["job"], r["skip_n"])), r.get(RATE.get(r["job"], "sps"))
         r["one_gpu_reference"] = base
-        r["speedup"] = r["sps"] / base if base and r.get("sps") else None
+        r["speedup"] = rate / base if base and rate else None
         r["goal"] = GOALS.get((r["job"], r["gpus"], r["skip_n"])) or GOALS.get((r["job"], r["gpus"]))
     return rows
 
@@ -143,7 +179,8 @@ def with_references(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", nargs="+", default=["ppo", "ppo-hidden", "llm-policy"],
-                    choices=["ppo", "ppo-hidden", "llm-policy"])
+                    choices=["ppo", "ppo-hidden", "refresh", "llm-policy"],
+                    help="refresh: ppo-hidden's feature engines alone (one refresh of 136 texts, no env beside it)")
     ap.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default: 1 2 4 up to those visible)")
     ap.add_argument("--skip-n", type=int, nargs="+", default=[25, 5])
     ap.add_argument("--updates", type=int, default=6, help="logged records per row (the first, compiling, is dropped)")
@@ -174,8 +211,11 @@ def main() -> None:
         if "ppo" in args.jobs:
             for g in gpus:
                 add(ppo_row(g, args.quick, runs_dir, updates))
+        engines = EngineCache(args.quick)
+        if "refresh" in args.jobs:  # first: seconds, and it warms every engine the ppo-hidden rows use
+            for g in gpus:
+                add(refresh_row(g, args.quick, engines))
         if "ppo-hidden" in args.jobs:
-            engines = EngineCache(args.quick)
             for s in skips:
                 for g in gpus:
                     add(ppo_hidden_row(g, s, args.quick, runs_dir, updates, engines))
@@ -183,7 +223,8 @@ def main() -> None:
         for r in llm_policy_rows([g for g in (2, 3, 4) if g <= max(visible, 4)]):
             add(r)
     rows = [{**r, **stamp} for r in with_references(rows)]
-    print_table(rows, ["job", "gpus", "skip_n", "num_envs", "sps", "one_gpu_reference", "speedup", "goal", "note"])
+    print_table(rows, ["job", "gpus", "skip_n", "num_envs", "sps", "refresh_ms", "one_gpu_reference", "speedup", "goal",
+                       "note"])
     print("wrote", out)
 
 if __name__ == "__main__":

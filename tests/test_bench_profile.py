@@ -101,3 +101,26 @@ def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
     assert bench.steady_steps([0, 1, 2, 3], None) == [1, 2, 3]
     assert bench.steady_steps([0, 1], 1) == [1]  # nothing else after the first: the profiled step
     assert bench.steady_steps([0], None) == [0]
+
+
+def test_async_bench_weak_scaling_gives_each_rollout_engine_the_same_prompts(tmp_path) -> None:
+    """--prompts-per-engine N: sync N prompts, async N per rollout engine (dedicated: the learner's GPU has
+    none), its workers (η + 1) x its prompts; the rollout scaling reads each row against the fewest rollout
+    GPUs, per GPU added."""
+    bench = _async_bench()
+    a = bench._args(["--tasks", "arith", "--cases", "base", "--gpus", "2", "3", "--placement", "dedicated",
+                     "--prompts-per-engine", "8"])
+    sync = bench._config(a, "arith", "sync", 0.0, 1, tmp_path / "s", None)
+    three = bench._config(a, "arith", "async", 0.0, 3, tmp_path / "a", None)
+    assert sync.prompts_per_step == 8 and three.prompts_per_step == 16 and three.rollout_workers == 32
+    fixed = bench._config(bench._args(["--gpus", "3", "--placement", "dedicated"]), "arith", "async", 0.0, 3,
+                          tmp_path / "f", None)
+    assert fixed.prompts_per_step == 16 and fixed.rollout_workers == 32
+    rows = [{"task": "arith", "mode": "async", "placement": "dedicated", "env_latency_ms": 0.0, "gpus": g,
+             "samples_per_s": s, "batch": b} for g, s, b in [(2, 20.0, 32), (3, 36.0, 64), (4, 30.0, 96)]]
+    lines = bench.rollout_scaling(rows)
+    assert len(lines) == 2 and "0.90 of linear" in lines[0] and "0.50 of linear" in lines[1]
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench._args(["--prompts-per-engine", "0"])

@@ -136,6 +136,31 @@ def test_a_dead_engine_is_restarted_and_its_shard_retried(tiny, one, mode):
     assert built[1].closed == (mode == "raise")  # a hanging engine is abandoned, not closed under it
 
 
+class Sleepy(Faulty):
+    """An engine whose every call takes `seconds` more, waiting without the interpreter lock (as a GPU's
+    work does)."""
+
+    def __init__(self, inner: HFEngine, seconds: float) -> None:
+        super().__init__(inner, "raise", [0])
+        self.seconds = seconds
+
+    def hidden_states_torch(self, batch, layer=-1, pooling="last"):
+        time.sleep(self.seconds)
+        return self.inner.hidden_states_torch(batch, layer, pooling)
+
+
+def test_sharded_engine_runs_its_shards_side_by_side_and_times_them(tiny):
+    """K engines that each wait 0.3 s per call (a GPU's work, off the interpreter lock): a call takes about one
+    engine's time, not K; each engine's seconds and the calls' wall seconds are kept (`shard_s`, `call_s`)."""
+    k = 3
+    eng = ShardedEngine([lambda: Sleepy(fresh(tiny), 0.3) for _ in range(k)], names=["cpu"] * k)
+    for _ in range(2):
+        eng.hidden_states_torch(_batch(6))
+    assert eng.calls == 2 and all(s >= 0.6 for s in eng.shard_s)
+    assert 0.6 <= eng.call_s < 0.6 * 2, eng.call_s  # K = 3 in sequence would be 1.8 s
+    eng.close()
+
+
 def test_an_engine_that_keeps_failing_stops_the_call_in_bounded_time(tiny):
     eng = ShardedEngine([lambda: Faulty(fresh(tiny), "hang", [99]) for _ in range(2)],
                         timeout_s=0.3, retries=1, names=["cuda:1", "cuda:2"])

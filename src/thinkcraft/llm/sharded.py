@@ -11,6 +11,11 @@ own prefix KV). This is ppo-hidden's `--feature-devices` (DESIGN "Scale-out": th
 over engines on other GPUs, gathered in order); it works unchanged under `--overlap` (the schedule's worker
 thread makes the call).
 
+Timing: `shard_s[k]` is engine k's seconds inside its shard calls (its device synchronised at the end, so
+its GPU work is in it), `call_s` the calls' wall seconds, `calls` their count. A refresh that does not get
+faster with more engines shows each shard taking as long as the whole batch on one engine (host-bound
+shards take turns on the interpreter lock: their wall times all stretch alike).
+
 Faults: a shard whose engine raises, or does not answer within `timeout_s`, is given to a new engine built
 by the same factory (the old one is closed, or abandoned if it hangs: its thread is a daemon), and retried,
 at most `retries` times per call; then the call raises `EngineError` naming the device and the cause. A run
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
@@ -76,6 +82,9 @@ class ShardedEngine:
         self.retries = int(retries)
         self.restarts = 0
         """Engines replaced after a fault since the start (a metric for the caller)."""
+        self.calls, self.call_s = 0, 0.0
+        self.shard_s = [0.0] * len(factories)
+        """Seconds each engine spent in its shards (module doc, "Timing")."""
         self.engines = [f() for f in self.factories]
         caps = [e.capabilities for e in self.engines]
         if not all(c.hidden_states for c in caps):
@@ -128,6 +137,7 @@ class ShardedEngine:
                   for k, (a, b) in enumerate(shard_bounds(len(items), len(self.engines))) if b > a]
         if not shards:  # an empty batch: engine 0's own (0, H) answer
             return [self._on_device(0, fn, batch)]
+        t0 = time.perf_counter()
         calls = {k: _Call(lambda k=k, b=b: self._on_device(k, fn, b)) for k, b in shards}
         out = {}
         for k, b in shards:
@@ -144,19 +154,28 @@ class ShardedEngine:
                 attempt += 1
                 self._restart(k, cause, abandon=status == "timeout")
                 calls[k] = _Call(lambda k=k, b=b: self._on_device(k, fn, b))
+        self.calls += 1
+        self.call_s += time.perf_counter() - t0
         return [out[k] for k, _ in shards]
 
     def _on_device(self, k: int, fn: Callable[[Any, Batch], Any], batch: Batch) -> Any:
         """fn(engine k, batch) with engine k's GPU as the thread's current CUDA device (a new thread starts
-        on cuda:0; kernels that read the current device, streams among them, must see the engine's)."""
+        on cuda:0; kernels that read the current device, streams among them, must see the engine's), timed
+        into shard_s[k] with the device synchronised at the end (the gather waits for it anyway)."""
         engine = self.engines[k]
         device = engine.capabilities.device
-        if device is None or not device.startswith("cuda"):
-            return fn(engine, batch)
-        import torch
+        t0 = time.perf_counter()
+        try:
+            if device is None or not device.startswith("cuda"):
+                return fn(engine, batch)
+            import torch
 
-        with torch.cuda.device(torch.device(device)):
-            return fn(engine, batch)
+            with torch.cuda.device(torch.device(device)):
+                out = fn(engine, batch)
+                torch.cuda.current_stream().synchronize()
+                return out
+        finally:
+            self.shard_s[k] += time.perf_counter() - t0
 
     def _restart(self, k: int, cause: str, abandon: bool) -> None:
         """Engine k replaced by a fresh one from its factory (the old one closed unless it hangs)."""
