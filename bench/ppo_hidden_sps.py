@@ -52,6 +52,12 @@ def build_engine(quick: bool, device: str = "cuda", quantize: str = "none", laye
     return HFEngine.from_model(model, tok, quantize=quantize), desc
 
 
+def engine_on(device: str, quick: bool = False, quantize: str = "none"):
+    """`build_engine`'s engine alone, on `device`: what each Ray feature actor of bench/scale.py builds (a
+    module-level function: the actor imports it by name)."""
+    return build_engine(quick, device=device, quantize=quantize)[0]
+
+
 def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None = None) -> tuple[float, float]:
     """(suffix tokens per env, prefill tokens/s of the suffixes) on real compact texts of `num_envs` fresh
     envs: raw (no prefix: the rate the skip_n=1 limit is defined by), or after a shared `prefix` of token

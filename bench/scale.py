@@ -70,8 +70,10 @@ class EngineCache:
     """One feature engine per slot (a device; on the CPU, several slots share it), built once for every row
     that uses it; a ShardedEngine's restart after a fault builds a fresh one."""
 
-    def __init__(self, quick: bool) -> None:
-        self.quick, self.engines = quick, {}
+    def __init__(self, quick: bool, backend: str = "local") -> None:
+        self.quick, self.engines, self.backend = quick, {}, backend
+        self.ray_engine: tuple[int, Any] | None = None
+        """--feature-backend ray: the actors of one GPU count at a time (they hold their GPUs)."""
 
     def get(self, slot: str, device: str, fresh: bool = False) -> tuple[Any, str]:
         if fresh or slot not in self.engines:
@@ -95,11 +97,46 @@ class EngineCache:
 
         if gpus == 1:
             return self.get("cpu:0" if self.quick else "cuda:0", "cpu" if self.quick else "cuda:0")
+        if self.backend == "ray":
+            return self.ray_features(gpus - 1)
         slots = [f"cpu:{k}" if self.quick else f"cuda:{k}" for k in range(1, gpus)]
         devices = ["cpu" if self.quick else s for s in slots]
         sharded = ShardedEngine([self.factory(s, d) for s, d in zip(slots, devices)],
                                 gather_device=None if self.quick else "cuda:0", timeout_s=600, retries=1, names=slots)
         return sharded, f"{self.get(slots[0], devices[0])[1]} x {gpus - 1}"
+
+
+    def ray_features(self, k: int) -> tuple[Any, str]:
+        """k Ray feature actors (llm/ray_features.py), one GPU each, the policy's GPU hidden from them."""
+        import functools
+
+        from ppo_hidden_sps import engine_on
+
+        from thinkcraft.llm.ray_features import ray_feature_engine
+        from thinkcraft.pools.ray_backend import connect
+
+        if self.ray_engine is not None and self.ray_engine[0] != k:
+            self.ray_engine[1].close()
+            self.ray_engine = None
+        if self.ray_engine is None:
+            # the actors import bench/ppo_hidden_sps.py (their engine's builder) and thinkcraft
+            here = str(Path(__file__).resolve().parent)
+            src = str(Path(__file__).resolve().parents[1] / "src")
+            env = {"PYTHONPATH": os.pathsep.join(p for p in (src, here, os.environ.get("PYTHONPATH", "")) if p)}
+            env.update({k: os.environ[k] for k in ("THINKCRAFT_CACHE",) if k in os.environ})  # the tokenizer
+            connect("", hide_device=None if self.quick else "cuda:0", env_vars=env,
+                    **({"num_cpus": 2} if self.quick else {}))
+            eng = ray_feature_engine(functools.partial(engine_on, quick=self.quick), k,
+                                     gather_device=None if self.quick else "cuda:0", timeout_s=600, retries=1)
+            self.ray_engine = (k, eng)
+        return self.ray_engine[1], f"Ray actors x {k}"
+
+    def close(self) -> None:
+        if self.ray_engine is not None:
+            self.ray_engine[1].close()
+            import ray
+
+            ray.shutdown()
 
 
 def ppo_hidden_row(gpus: int, skip_n: int, quick: bool, runs_dir: str, updates: int, engines: EngineCache
@@ -183,6 +220,9 @@ def main() -> None:
                     help="refresh: ppo-hidden's feature engines alone (one refresh of 136 texts, no env beside it)")
     ap.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default: 1 2 4 up to those visible)")
     ap.add_argument("--skip-n", type=int, nargs="+", default=[25, 5])
+    ap.add_argument("--feature-backend", choices=["local", "ray"], default="local",
+                    help="refresh / ppo-hidden on g > 1 GPUs: in-process engines on cuda:1.. (local) or g - 1 Ray "
+                         "actors (ray: their own processes; needs Ray)")
     ap.add_argument("--updates", type=int, default=6, help="logged records per row (the first, compiling, is dropped)")
     ap.add_argument("--quick", action="store_true", help="CPU plumbing: 2 forced host devices, tiny shapes")
     ap.add_argument("--out", default=None)
@@ -205,20 +245,26 @@ def main() -> None:
     def add(row: dict[str, Any]) -> None:  # each row written as soon as it is measured: a cut run keeps it
         rows.append(row)
         print("row:", {k: row.get(k) for k in ("job", "gpus", "skip_n", "num_envs", "sps", "records")}, flush=True)
-        write_records(out, [{**r, **stamp} for r in with_references(rows)], merge_keys=("job", "gpus", "skip_n"))
+        write_records(out, [{**r, **stamp} for r in with_references(rows)],
+                      merge_keys=("job", "gpus", "skip_n", "feature_backend"))
 
     with tempfile.TemporaryDirectory() as runs_dir:
         if "ppo" in args.jobs:
             for g in gpus:
                 add(ppo_row(g, args.quick, runs_dir, updates))
-        engines = EngineCache(args.quick)
-        if "refresh" in args.jobs:  # first: seconds, and it warms every engine the ppo-hidden rows use
-            for g in gpus:
-                add(refresh_row(g, args.quick, engines))
-        if "ppo-hidden" in args.jobs:
-            for s in skips:
+        engines = EngineCache(args.quick, args.feature_backend)
+        # rows of Ray actors (g > 1) are kept apart from the in-process ones (no column: in-process)
+        tag = {"feature_backend": "ray"} if args.feature_backend == "ray" else {}
+        try:
+            if "refresh" in args.jobs:  # first: seconds, and it warms every engine the ppo-hidden rows use
                 for g in gpus:
-                    add(ppo_hidden_row(g, s, args.quick, runs_dir, updates, engines))
+                    add({**refresh_row(g, args.quick, engines), **(tag if g > 1 else {})})
+            if "ppo-hidden" in args.jobs:
+                for s in skips:
+                    for g in gpus:
+                        add({**ppo_hidden_row(g, s, args.quick, runs_dir, updates, engines), **(tag if g > 1 else {})})
+        finally:
+            engines.close()
     if "llm-policy" in args.jobs:
         for r in llm_policy_rows([g for g in (2, 3, 4) if g <= max(visible, 4)]):
             add(r)

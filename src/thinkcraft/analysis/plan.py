@@ -148,7 +148,7 @@ def _measure_llm_policy(config: dict[str, Any], recs: list[dict[str, Any]]) -> M
 def _measure_ppo_hidden(config: dict[str, Any], recs: list[dict[str, Any]]) -> Measured:
     _need(recs, PPO_HIDDEN_KEYS, "ppo-hidden")
     D = int((config.get("_derived") or {}).get("env_shards", 1))
-    K = _devices(config.get("feature_devices")) or 1
+    K = _devices(config.get("feature_devices")) or int(config.get("ray_feature_engines") or 0) or 1
 
     def per_step(f: Any, devices: int):
         return _median(recs, lambda r: f(r) * devices / (r["sps"] * r["timing/update_wall"]))

@@ -38,7 +38,7 @@ IGNORED_FIELDS = frozenset({
     "minibatch_size", "num_updates",  # derived (Baselines' make_train writes them into its config)
     # placement (README "Scale-out"): the same global batch and update on any number of devices or hosts
     "devices", "coordinator_address", "num_processes", "process_id", "feature_devices", "feature_timeout_s",
-    "feature_retries",
+    "feature_retries", "ray_feature_engines", "ray_address",
 })
 """Config fields that never define a group (they name, place, seed, log or speed up a run)."""
 

@@ -6,7 +6,8 @@ batch is padding); many chunks waste launches and small, slow matmuls. `plan_chu
 that minimise  sum over chunks of (rows x longest) + overhead_tokens  (a dynamic programme over the
 points where the length crosses a multiple of `quantum` tokens - exact with quantum 1), within the
 per-chunk limits on padded tokens and rows. `pad_rows` lays the rows out, `take_rows` reads one position
-per row back.
+per row back. `encode_text` / `tokenize_batch` turn a protocol Batch into token ids with a tokenizer (the hf
+engine's rule, shared by engines that tokenize on the caller's side: llm/ray_features.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,32 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from thinkcraft.llm.protocol import Batch
+from thinkcraft.utils.errors import UserError
+
+
+def encode_text(tokenizer, text: str, first: bool) -> list[int]:  # noqa: ANN001
+    """Token ids of `text`; the tokenizer's special tokens (BOS...) only at the very start of a sequence
+    (`first`), and not when the text already starts with BOS (a chat template wrote it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    special = first and not (bos and text.startswith(bos))
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def tokenize_batch(tokenizer, batch: Batch) -> tuple[list[int], list[list[int]]]:  # noqa: ANN001
+    """(prefix ids, item ids). Texts: prefix and items are tokenized separately and concatenated as token ids
+    (so the prefix KV is reusable); the first piece gets the tokenizer's special tokens. Token-id batches
+    pass through as ints."""
+    if len(batch) == 0:
+        return [], []
+    if batch.is_tokens:
+        prefix = [int(t) for t in batch.prefix] if batch.prefix is not None else []
+        return prefix, [[int(t) for t in it] for it in batch.items]
+    if batch.prefix is not None and not isinstance(batch.prefix, str):
+        raise UserError("a text batch needs a text prefix (got token ids)")
+    prefix = encode_text(tokenizer, batch.prefix, first=True) if batch.prefix else []
+    return prefix, [encode_text(tokenizer, t, first=not prefix) for t in batch.items]
 
 
 def plan_chunks(

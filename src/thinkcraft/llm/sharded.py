@@ -95,6 +95,8 @@ class ShardedEngine:
         self._caps = caps[0]
         self.gather_device = gather_device
         self.tokenizer = getattr(self.engines[0], "tokenizer", None) if self._caps.tokenizer else None
+        self.on_close: list[Callable[[], None]] = []
+        """Called after the engines are closed (e.g. stopping a Ray that was started for them)."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -181,9 +183,12 @@ class ShardedEngine:
         """Engine k replaced by a fresh one from its factory (the old one closed unless it hangs)."""
         log.warning("feature engine %s failed (%s): restarting it and retrying its shard", self.names[k], cause)
         old = self.engines[k]
-        if not abandon:
+        # a hung in-process engine is abandoned as it is (closing it could block on it); one that says how to
+        # be abandoned (`abandon()`: a Ray actor is killed) is told
+        stop = getattr(old, "abandon", None) if abandon else old.close
+        if stop is not None:
             try:
-                old.close()
+                stop()
             except Exception:  # noqa: BLE001 - a broken engine may fail to close; it is dropped either way
                 pass
         self.engines[k] = self.factories[k]()
@@ -192,3 +197,5 @@ class ShardedEngine:
     def close(self) -> None:
         for e in self.engines:
             e.close()
+        for f in self.on_close:
+            f()

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Literal, Sequence
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.batching import pad_rows
+from thinkcraft.llm.batching import encode_text, pad_rows, tokenize_batch
 from thinkcraft.llm.hf.decode import DecodeMixin
 from thinkcraft.llm.hf.prefill import PrefillMixin
 from thinkcraft.llm.protocol import Batch, Capabilities
@@ -194,25 +194,11 @@ class HFEngine(PrefillMixin, DecodeMixin):
     # --- tokenization -----------------------------------------------------------------------------------
 
     def _encode(self, text: str, first: bool) -> list[int]:
-        # Add BOS etc. only at the very start of a sequence, and not when a chat template already did.
-        bos = getattr(self.tokenizer, "bos_token", None)
-        special = first and not (bos and text.startswith(bos))
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        return encode_text(self.tokenizer, text, first)
 
     def tokenize_batch(self, batch: Batch) -> tuple[list[int], list[list[int]]]:
-        """(prefix ids, item ids). Texts: prefix and items are tokenized separately and concatenated as
-        token ids (so the prefix KV is reusable); the first piece gets the tokenizer's special tokens."""
-        if len(batch) == 0:
-            return [], []
-        if batch.is_tokens:
-            prefix = [int(t) for t in batch.prefix] if batch.prefix is not None else []
-            items = [[int(t) for t in it] for it in batch.items]
-        else:
-            if batch.prefix is not None and not isinstance(batch.prefix, str):
-                raise UserError("a text batch needs a text prefix (got token ids)")
-            prefix = self._encode(batch.prefix, first=True) if batch.prefix else []
-            items = [self._encode(t, first=not prefix) for t in batch.items]
-        return prefix, items
+        """(prefix ids, item ids): `batching.tokenize_batch` with this engine's tokenizer."""
+        return tokenize_batch(self.tokenizer, batch)
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False, **kwargs: Any

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from thinkcraft.train.ppo import SHAPE_FIELDS as PPO_SHAPE_FIELDS
 from thinkcraft.train.ppo import PPOConfig
-from thinkcraft.utils.errors import ConfigError, check
+from thinkcraft.utils.errors import ConfigError, UserError, check
 
 SHAPE_FIELDS = PPO_SHAPE_FIELDS + ("skip_n", "hidden_proj_dim", "layer", "pooling", "text_format", "overlap",
                                    "engine_quantize", "reset_pool_size", "engine_random_weights", "hidden_input")
@@ -39,6 +39,12 @@ class PPOHiddenConfig(PPOConfig):
     """In-process hf engines on these devices (e.g. cuda:1 cuda:2 cuda:3), one each: every refresh's texts
     are split over them in contiguous shards and gathered back in order (llm/sharded.py); a failing or
     silent engine is restarted and its shard retried. Empty = one engine (on --engine-device)."""
+    ray_feature_engines: int = 0
+    """Feature engines as Ray actors instead (one GPU each, on the GPUs a local Ray sees besides the policy's,
+    or on the cluster of --ray-address): each its own process (llm/ray_features.py); the same sharding,
+    gathering and restarts as --feature-devices. 0 = not used. Needs thinkcraft[ray]."""
+    ray_address: str = ""
+    """--ray-feature-engines: an existing Ray cluster to place them on ("" = this process's Ray, else a local one)."""
     feature_timeout_s: float = 600.0
     """--feature-devices: seconds one engine may take for its shard before it counts as dead (restarted)."""
     feature_retries: int = 2
@@ -114,6 +120,8 @@ class PPOHiddenConfig(PPOConfig):
             raise ConfigError("env_name", "ppo-hidden uses symbolic observations; pick a -Symbolic- env")
         if self.feature_devices:
             self._check_feature_devices()
+        if self.ray_feature_engines or self.ray_address:
+            self._check_ray_features()
         check(self.coordinator_address is None, "coordinator_address",
               "multi-host runs are for train ppo; ppo-hidden splits its envs over one host's --devices")
 
@@ -148,6 +156,22 @@ class PPOHiddenConfig(PPOConfig):
             n = torch.cuda.device_count()
             missing = [d for d in devs if d.startswith("cuda") and int((d.split(":") + ["0"])[1]) >= n]
             check(not missing, "feature_devices", f"{missing}: torch sees {n} CUDA device(s)")
+
+    def _check_ray_features(self) -> None:
+        check(self.ray_feature_engines >= 0, "ray_feature_engines", "must be >= 0 (0 = not used)")
+        check(self.ray_feature_engines > 0, "ray_address", "places --ray-feature-engines; give their number too")
+        if not is_hf_spec(self.engine):
+            raise ConfigError("ray_feature_engines", f"runs in-process hf engines in the actors, not {self.engine!r}")
+        check(not self.feature_devices, "ray_feature_engines", "replaces --feature-devices (give one of the two)")
+        check(self.engine_device is None, "ray_feature_engines", "places the engines itself (drop --engine-device)")
+        check(self.feature_timeout_s > 0, "feature_timeout_s", "must be > 0")
+        check(self.feature_retries >= 0, "feature_retries", "must be >= 0")
+        from thinkcraft.pools.ray_backend import require_ray
+
+        try:
+            require_ray()
+        except UserError as e:
+            raise ConfigError("ray_feature_engines", str(e).replace("--pool-backend ray", "--ray-feature-engines")) from None
 
     def check_devices(self, count: int) -> None:
         super().check_devices(count)
@@ -211,11 +235,13 @@ def engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
 
 def build_engine(cfg: PPOHiddenConfig) -> Any:
     """The run's hidden-state engine: `cfg.engine` built once, or with --feature-devices one per device
-    behind a ShardedEngine that gathers onto the policy's device (JAX's first: a GPU's torch twin, else
-    the first engine's device)."""
+    (--ray-feature-engines: one per Ray actor) behind a ShardedEngine that gathers onto the policy's device
+    (JAX's first: a GPU's torch twin, else the first engine's device)."""
+    import functools
+
     from thinkcraft.llm import make_engine
 
-    if not cfg.feature_devices:
+    if not cfg.feature_devices and not cfg.ray_feature_engines:
         return make_engine(cfg.engine, **engine_options(cfg))
     import jax
 
@@ -224,9 +250,23 @@ def build_engine(cfg: PPOHiddenConfig) -> Any:
     policy = jax.devices()[0]
     gather = f"cuda:{policy.local_hardware_id}" if policy.platform == "gpu" else None
     opts = engine_options(cfg)
+    if cfg.ray_feature_engines:
+        from thinkcraft.llm.ray_features import ray_feature_engine
+
+        return ray_feature_engine(functools.partial(feature_engine_on, cfg.engine, opts), cfg.ray_feature_engines,
+                                  gather_device=gather, timeout_s=cfg.feature_timeout_s, retries=cfg.feature_retries,
+                                  address=cfg.ray_address)
     return ShardedEngine([lambda d=d: make_engine(cfg.engine, **opts, device=d) for d in cfg.feature_devices],
                          gather_device=gather, timeout_s=cfg.feature_timeout_s, retries=cfg.feature_retries,
                          names=list(cfg.feature_devices))
+
+
+def feature_engine_on(spec: str, opts: dict[str, Any], device: str) -> Any:
+    """`make_engine(spec, **opts)` on `device`: what each Ray feature actor builds (a module-level function, so
+    that the actor process imports it rather than unpickling a closure)."""
+    from thinkcraft.llm import make_engine
+
+    return make_engine(spec, **opts, device=device)
 
 
 def make_prompt_prefix(cfg: PPOHiddenConfig) -> str:
