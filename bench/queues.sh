@@ -12,8 +12,10 @@
 #   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
 #             on two GPUs, 6 steps (async there vs sync on one: the 1.7x goal; it hung again on 2026-11-27 - torch's
 #             autocast cast cache, fixed since by compat.autocast), then the same with the learner alone on the
-#             first GPU and one engine on the second (--placement dedicated; 1.31x that day; as a Ray actor 0.86x,
-#             bench/results/logs/s32_*); then, one GPU each, the Craftax llm-policy bench with the device-sized
+#             first GPU and one engine on the second (--placement dedicated; 1.31x that day, 1.54x on 4 x H200
+#             later; as a Ray actor 0.86x, bench/results/logs/s32_*), and the same with a 0.5 ms interpreter
+#             switch interval (the learner's update took 0.97 s there against 0.59 s in the sync loop: its
+#             launches wait on the engine thread's); then, one GPU each, the Craftax llm-policy bench with the device-sized
 #             learner (a py-spy profile; then with --learner-compile) and the async bench on the GSM8K layout.
 #             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
@@ -76,6 +78,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait' -x -q -p no:cacheprovider"
       "@$g async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@$g async_2gpu_dedicated 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
+      "@$g async_2gpu_dedicated_si 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --switch-interval-ms 0.5 --out bench/results/logs/async_2gpu_dedicated_si.json"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
       "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-steady 15"
       "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"

@@ -424,6 +424,7 @@ def test_cuda_micro_batch_loop_reads_nothing_back():
     stats = learner.update(rows)
     assert stats["learner/micro_batches"] >= 3 and stats["learner/packed"] == 1.0
     assert syncs == [], syncs[:3]
+    assert learner.optimizer.defaults["fused"] is True  # on CUDA: one fused AdamW kernel per step
 
 
 def test_public_varlen_attention_takes_what_the_cuda_kernel_passes():

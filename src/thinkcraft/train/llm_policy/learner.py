@@ -207,7 +207,12 @@ class Learner:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # on CUDA the fused AdamW: one kernel per step for every parameter instead of a few per tensor group
+        # (the async loop's learner competes with the engines' decode loops for the interpreter lock at
+        # every launch: 0.97 s per update there against 0.59 s in the sync loop, 4 x H200, 2026-11-27)
+        fused = bool(self.params) and all(p.is_cuda and p.is_floating_point() for p in self.params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           **({"fused": True} if fused else {}))
         self.is_lora = cfg.finetune == "lora"
         self.ref_model = None
         needs_ref = cfg.kl_coef > 0 or cfg.algo == "apo"
