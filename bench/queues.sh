@@ -91,10 +91,12 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 scale_refresh 420 python bench/scale.py --jobs refresh --gpus 1 4"
       "@0,1,2,3 scale_refresh_ray 420 python bench/scale.py --jobs refresh --gpus 1 4 --feature-backend ray"
       "@0,1,2,3 scale_llm_weak 780 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --prompts-per-engine 16 --out bench/results/logs/async_dedicated_weak.json"
+      "@0,1,2,3 scale_llm_rows 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
       "@0,1,2,3 scale_hidden 780 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5"
       "@0,1,2,3 scale_hidden_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
-      "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json") ;;
+      "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
+      "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }

@@ -39,8 +39,10 @@ GOALS = {("ppo", 2): "speedup >= 1.9", ("ppo", 4): "speedup >= 3.6",
          ("ppo-hidden", 4, 25): "sps >= 30000", ("ppo-hidden", 4, 5): "sps >= 10000"}
 
 
-RATE = {"refresh": "refreshes_per_s"}
+RATE = {"refresh": "refreshes_per_s", "llm-policy": "samples_per_s"}
 """Each job's rate column (higher is better; default sps) that its one-GPU reference and speedup read."""
+REFERENCE_GPUS = {"llm-policy": 2}
+"""The reference row's GPU count: one GPU, except llm-policy's (one rollout GPU + the learner's)."""
 
 
 def steady(run_dir: Path, key: str) -> tuple[float | None, int]:
@@ -191,31 +193,44 @@ def refresh_row(gpus: int, quick: bool, engines: EngineCache) -> dict[str, Any]:
     return row
 
 
-def llm_policy_rows(gpus: list[int]) -> list[dict[str, Any]]:
-    import importlib.util
-
-    if importlib.util.find_spec("thinkcraft.pools") is None or importlib.util.find_spec("ray") is None:
-        return [{"job": "llm-policy", "gpus": g, "skip_n": None, "samples_per_s": None,
-                 "note": "needs the Ray backend of the pools (issue 21 item 3) and ray installed"} for g in gpus]
-    return [{"job": "llm-policy", "gpus": g, "skip_n": None, "samples_per_s": None,
-             "note": "measured by bench/async_llm_policy.py --placement dedicated --gpus 2 3 4 (rows there)"}
-            for g in gpus]
+def llm_policy_rows(path: str | None) -> list[dict[str, Any]]:
+    """llm-policy rows from an async bench file (`bench/async_llm_policy.py --placement dedicated --gpus 2 3 4`,
+    its `--out`): one row per GPU count (every GPU, the learner's included), its samples/s, the reference = the
+    row with one rollout GPU + the learner (gpus 2), and the fraction of linear scaling per rollout GPU added
+    (goal >= 0.8 while generation-bound). Without a file: no rows (the bench measures them, not this script)."""
+    if not path:
+        return []
+    recs = [r for r in json.loads(Path(path).read_text()) if r.get("mode") == "async"
+            and r.get("placement") == "dedicated" and "error" not in r and not r.get("env_latency_ms")]
+    if not any(r["gpus"] == 2 for r in recs):
+        raise SystemExit(f"{path}: no dedicated row on 2 GPUs (one rollout GPU + the learner): no reference")
+    ref = next(r for r in recs if r["gpus"] == 2)
+    rows = []
+    for r in sorted(recs, key=lambda r: r["gpus"]):
+        per_gpu = (r["samples_per_s"] / ref["samples_per_s"]) / (r["gpus"] - 1)
+        rows.append({"job": "llm-policy", "gpus": r["gpus"], "skip_n": None, "samples_per_s": r["samples_per_s"],
+                     "rollout_gpus": r["gpus"] - 1, "batch": r.get("batch"), "of_linear": per_gpu,
+                     "pool_backend": r.get("pool_backend"), "weight_update_s": r.get("weight_update_s"),
+                     "source": str(path), "card": r.get("card"), "date": r.get("date"), "quick": False,
+                     "goal": "of_linear >= 0.8" if r["gpus"] > 2 else None})
+    return rows
 
 
 def with_references(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """one_gpu_reference, speedup and goal of each row, from the g = 1 row of its job (and skip_n)."""
-    ref = {(r["job"], r["skip_n"]): r.get(RATE.get(r["job"], "sps")) for r in rows if r["gpus"] == 1}
+    ref = {(r["job"], r["skip_n"]): r.get(RATE.get(r["job"], "sps")) for r in rows
+           if r["gpus"] == REFERENCE_GPUS.get(r["job"], 1)}
     for r in rows:
         base, rate = ref.get((r["job"], r["skip_n"])), r.get(RATE.get(r["job"], "sps"))
         r["one_gpu_reference"] = base
         r["speedup"] = rate / base if base and rate else None
-        r["goal"] = GOALS.get((r["job"], r["gpus"], r["skip_n"])) or GOALS.get((r["job"], r["gpus"]))
+        r["goal"] = r.get("goal") or GOALS.get((r["job"], r["gpus"], r["skip_n"])) or GOALS.get((r["job"], r["gpus"]))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", nargs="+", default=["ppo", "ppo-hidden", "llm-policy"],
+    ap.add_argument("--jobs", nargs="+", default=["ppo", "ppo-hidden"],
                     choices=["ppo", "ppo-hidden", "refresh", "llm-policy"],
                     help="refresh: ppo-hidden's feature engines alone (one refresh of 136 texts, no env beside it)")
     ap.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default: 1 2 4 up to those visible)")
@@ -224,6 +239,9 @@ def main() -> None:
                     help="refresh / ppo-hidden on g > 1 GPUs: in-process engines on cuda:1.. (local) or g - 1 Ray "
                          "actors (ray: their own processes; needs Ray)")
     ap.add_argument("--updates", type=int, default=6, help="logged records per row (the first, compiling, is dropped)")
+    ap.add_argument("--llm-rows", default=None, metavar="FILE",
+                    help="llm-policy: the async bench's rows to read (its --out of a --placement dedicated --gpus 2 3 4 "
+                         "run); the llm-policy job measures nothing itself")
     ap.add_argument("--quick", action="store_true", help="CPU plumbing: 2 forced host devices, tiny shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -245,8 +263,9 @@ def main() -> None:
     def add(row: dict[str, Any]) -> None:  # each row written as soon as it is measured: a cut run keeps it
         rows.append(row)
         print("row:", {k: row.get(k) for k in ("job", "gpus", "skip_n", "num_envs", "sps", "records")}, flush=True)
-        write_records(out, [{**r, **stamp} for r in with_references(rows)],
-                      merge_keys=("job", "gpus", "skip_n", "feature_backend"))
+        # (rows read from another run's file keep that run's card and date)
+        write_records(out, [{**stamp, **r} for r in with_references(rows)],
+                      merge_keys=("job", "gpus", "skip_n", "feature_backend", "pool_backend", "batch"))
 
     with tempfile.TemporaryDirectory() as runs_dir:
         if "ppo" in args.jobs:
@@ -266,11 +285,11 @@ def main() -> None:
         finally:
             engines.close()
     if "llm-policy" in args.jobs:
-        for r in llm_policy_rows([g for g in (2, 3, 4) if g <= max(visible, 4)]):
+        for r in llm_policy_rows(args.llm_rows):
             add(r)
-    rows = [{**r, **stamp} for r in with_references(rows)]
-    print_table(rows, ["job", "gpus", "skip_n", "num_envs", "sps", "refresh_ms", "one_gpu_reference", "speedup", "goal",
-                       "note"])
+    rows = [{**stamp, **r} for r in with_references(rows)]
+    print_table(rows, ["job", "gpus", "skip_n", "num_envs", "sps", "refresh_ms", "samples_per_s", "one_gpu_reference",
+                       "speedup", "of_linear", "goal"])
     print("wrote", out)
 
 if __name__ == "__main__":

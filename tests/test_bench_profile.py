@@ -124,3 +124,41 @@ def test_async_bench_weak_scaling_gives_each_rollout_engine_the_same_prompts(tmp
 
     with pytest.raises(SystemExit):
         bench._args(["--prompts-per-engine", "0"])
+
+
+def _scale_bench():
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "bench" / "scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_scale_bench_rows_carry_their_reference_and_the_llm_rows_come_from_the_async_bench(tmp_path) -> None:
+    """bench/scale.py: each row's reference is its job's row on one GPU (llm-policy: one rollout GPU + the
+    learner) at the same skip_n, the rate read from the job's own column; llm-policy rows are read from an
+    async bench file (its dedicated async rows only), with their fraction of linear scaling per rollout GPU."""
+    import pytest
+
+    bench = _scale_bench()
+    rows = bench.with_references([
+        {"job": "ppo", "gpus": 1, "skip_n": None, "sps": 100.0}, {"job": "ppo", "gpus": 2, "skip_n": None, "sps": 190.0},
+        {"job": "ppo-hidden", "gpus": 1, "skip_n": 25, "sps": 10.0}, {"job": "ppo-hidden", "gpus": 4, "skip_n": 25, "sps": 30.0},
+        {"job": "refresh", "gpus": 1, "skip_n": None, "refreshes_per_s": 4.0},
+        {"job": "refresh", "gpus": 4, "skip_n": None, "refreshes_per_s": 10.0}])
+    assert [r["speedup"] for r in rows] == [1.0, 1.9, 1.0, 3.0, 1.0, 2.5]
+    assert rows[1]["goal"] == "speedup >= 1.9" and rows[3]["goal"] == "sps >= 30000"
+    src = tmp_path / "async.json"
+    src.write_text(json.dumps([
+        {"task": "arith", "mode": "sync", "gpus": 1, "samples_per_s": 16.0, "env_latency_ms": 0.0},
+        {"task": "arith", "mode": "async", "gpus": 2, "placement": "dedicated", "samples_per_s": 20.0,
+         "env_latency_ms": 0.0, "batch": 64, "card": "H", "date": "d"},
+        {"task": "arith", "mode": "async", "gpus": 3, "placement": "dedicated", "samples_per_s": 36.0,
+         "env_latency_ms": 0.0, "batch": 128, "card": "H", "date": "d"},
+        {"task": "arith", "mode": "async", "gpus": 4, "placement": "dedicated", "error": "OOM", "env_latency_ms": 0.0}]))
+    llm = bench.with_references(bench.llm_policy_rows(str(src)))
+    assert [(r["gpus"], r["samples_per_s"], r["one_gpu_reference"]) for r in llm] == [(2, 20.0, 20.0), (3, 36.0, 20.0)]
+    assert llm[1]["of_linear"] == pytest.approx(0.9) and llm[1]["goal"] == "of_linear >= 0.8" and llm[1]["card"] == "H"
+    assert bench.llm_policy_rows(None) == []
+    src.write_text(json.dumps([{"mode": "async", "gpus": 3, "placement": "dedicated", "samples_per_s": 1.0}]))
+    with pytest.raises(SystemExit, match="no reference"):
+        bench.llm_policy_rows(str(src))
