@@ -20,13 +20,14 @@
 #             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
-#   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value: one
-#             ppo-hidden refresh alone on 1 engine and on 3 (in-process, then Ray actors: 2026-11-27's loop did
-#             not get faster with 3 in-process engines - which part does not scale?); llm-policy with 1, 2, 3
-#             rollout GPUs + 1 learner GPU at 16 prompts per rollout engine (weak scaling: at a fixed 16 prompts
-#             the rows are latency-bound, 2026-11-27); PPO on 1 and 4 GPUs (2 GPUs: 1.94x that day; each GPU
-#             count compiles for 2-4 minutes); ppo-hidden at skip 25 and 5 on 1 and 4 GPUs, then skip 25 with
-#             Ray feature actors; the llm-policy rows with Ray engine actors. Needs the
+#   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
+#             30-minute session reaches about the first four): PPO on 1 and 4 GPUs (2 GPUs: 1.94x on
+#             2026-11-27; each GPU count compiles for 2-4 minutes); one ppo-hidden refresh alone on 1 engine and
+#             on 3 (in-process, then Ray actors: that day's loop did not get faster with 3 in-process engines -
+#             which part does not scale?); llm-policy with 1, 2, 3 rollout GPUs + 1 learner GPU at 16 prompts
+#             per rollout engine (weak scaling: at a fixed 16 prompts the rows are latency-bound) and its rows
+#             into scale.json; ppo-hidden at skip 25 and 5 on 1 and 4 GPUs, then skip 25 with Ray feature
+#             actors; the llm-policy rows with Ray engine actors. Needs the
 #             tokenizer (as llm), and Ray carried: calls back to back on one x4 machine: carry
 #             [".ray-whl/part-00"] `true`; then carry [".ray-whl/part-01", ".ray-whl/deps", ".whl",
 #             ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null 2>&1; source bench/carry_ray.sh install;
@@ -88,11 +89,11 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
       "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
     scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-27's x4 session left: bench/HISTORY.md §8)
+      "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
       "@0,1,2,3 scale_refresh 420 python bench/scale.py --jobs refresh --gpus 1 4"
       "@0,1,2,3 scale_refresh_ray 420 python bench/scale.py --jobs refresh --gpus 1 4 --feature-backend ray"
       "@0,1,2,3 scale_llm_weak 780 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --prompts-per-engine 16 --out bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_llm_rows 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_weak.json"
-      "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
       "@0,1,2,3 scale_hidden 780 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5"
       "@0,1,2,3 scale_hidden_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
       "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
