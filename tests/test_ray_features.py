@@ -83,10 +83,12 @@ def test_a_killed_ray_feature_actor_is_replaced_and_its_shard_retried(ray_cluste
         eng.close()
 
 
-def test_train_ppo_hidden_with_ray_feature_engines(ray_cluster, model_dir, tmp_path):
-    """The CLI, two actors and --overlap: the run trains, every refresh's hidden input is valid."""
+def test_train_ppo_hidden_with_ray_feature_engines(ray_cluster, model_dir, tmp_path, capsys):
+    """The CLI, two actors and --overlap: the run says where its features come from, trains, and every
+    refresh's hidden input is valid."""
     assert main(["train", "ppo-hidden", *TINY, "--engine", f"hf:{model_dir}", "--ray-feature-engines", "2",
                  "--overlap", "--runs-dir", str(tmp_path), "--run-name", "ray"]) == 0
+    assert "x 2 Ray actors" in capsys.readouterr().out
     recs = [json.loads(line) for line in (tmp_path / "ray/metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and recs[-1]["llm/refreshes"] == 2 and recs[-1]["hidden/valid_frac"] == 1.0
     assert np.isfinite(recs[-1]["losses/total"])

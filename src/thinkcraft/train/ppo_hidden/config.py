@@ -46,9 +46,11 @@ class PPOHiddenConfig(PPOConfig):
     ray_address: str = ""
     """--ray-feature-engines: an existing Ray cluster to place them on ("" = this process's Ray, else a local one)."""
     feature_timeout_s: float = 600.0
-    """--feature-devices: seconds one engine may take for its shard before it counts as dead (restarted)."""
+    """--feature-devices / --ray-feature-engines: seconds one engine may take for its shard before it counts as
+    dead (restarted)."""
     feature_retries: int = 2
-    """--feature-devices: restarts + retries of a failed shard per refresh before the run stops (resumable)."""
+    """--feature-devices / --ray-feature-engines: restarts + retries of a failed shard per refresh before the run
+    stops (resumable)."""
     engine_api_key_env: str | None = None
     """sglang+http / openai+http engines: send the bearer token held in this environment variable (never on
     the command line, where `ps` shows it)."""

@@ -99,6 +99,8 @@ def _setup_and_train(cfg: PPOHiddenConfig, session: Any, engine: Any) -> int:
     seeds = (f" × {S} seeds" if S > 1 else "") + (f" over {D} devices" if D > 1 else "")
     console.print(f"ppo-hidden: {cfg.num_envs} envs{seeds}, {cfg.windows_per_update} window(s) of {cfg.window_steps} "
                   f"steps per update, refresh every {cfg.skip_n} steps, engine {cfg.engine} (hidden size {H})"
+                  + (f" on {', '.join(cfg.feature_devices)}" if cfg.feature_devices else "")
+                  + (f" x {cfg.ray_feature_engines} Ray actors" if cfg.ray_feature_engines else "")
                   + (", hidden input ZEROS (the blank ablation: the engine is not called)"
                      if cfg.hidden_input == "zeros" else "")
                   + f"{', overlap' if cfg.overlap else ''}; "
