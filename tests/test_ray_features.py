@@ -88,7 +88,7 @@ def test_train_ppo_hidden_with_ray_feature_engines(ray_cluster, model_dir, tmp_p
     refresh's hidden input is valid."""
     assert main(["train", "ppo-hidden", *TINY, "--engine", f"hf:{model_dir}", "--ray-feature-engines", "2",
                  "--overlap", "--runs-dir", str(tmp_path), "--run-name", "ray"]) == 0
-    assert "x 2 Ray actors" in capsys.readouterr().out
+    assert "x 2 Ray actors" in capsys.readouterr().err  # (the console writes to stderr)
     recs = [json.loads(line) for line in (tmp_path / "ray/metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and recs[-1]["llm/refreshes"] == 2 and recs[-1]["hidden/valid_frac"] == 1.0
     assert np.isfinite(recs[-1]["losses/total"])
