@@ -109,12 +109,12 @@ class EngineCache:
 
 
     def ray_features(self, k: int) -> tuple[Any, str]:
-        """k Ray feature actors (llm/ray_features.py), one GPU each, the policy's GPU hidden from them."""
+        """k Ray feature actors (pools/ray_features.py), one GPU each, the policy's GPU hidden from them."""
         import functools
 
         from ppo_hidden_sps import engine_on
 
-        from thinkcraft.llm.ray_features import ray_feature_engine
+        from thinkcraft.pools.ray_features import ray_feature_engine
         from thinkcraft.pools.ray_backend import connect
 
         if self.ray_engine is not None and self.ray_engine[0] != k:

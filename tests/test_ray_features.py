@@ -1,4 +1,4 @@
-"""ppo-hidden's feature engines as Ray actors (llm/ray_features.py, `--ray-feature-engines`, issue 21 item 2)
+"""ppo-hidden's feature engines as Ray actors (pools/ray_features.py, `--ray-feature-engines`, issue 21 item 2)
 on a local Ray that this module starts (2 CPUs), a tiny random model saved to disk: the actors' rows equal one
 in-process engine's, in the batch's order; a killed actor is replaced and its shard retried; the CLI trains
 with them; bad combinations are one-line errors before anything compiles."""
@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 
 def _features(model_dir: Path, k: int = 2, **kw):
-    from thinkcraft.llm.ray_features import ray_feature_engine
+    from thinkcraft.pools.ray_features import ray_feature_engine
     from thinkcraft.train.ppo_hidden.config import feature_engine_on
 
     return ray_feature_engine(functools.partial(feature_engine_on, f"hf:{model_dir}", {}), k, **kw)

@@ -7,7 +7,7 @@ that minimise  sum over chunks of (rows x longest) + overhead_tokens  (a dynamic
 points where the length crosses a multiple of `quantum` tokens - exact with quantum 1), within the
 per-chunk limits on padded tokens and rows. `pad_rows` lays the rows out, `take_rows` reads one position
 per row back. `encode_text` / `tokenize_batch` turn a protocol Batch into token ids with a tokenizer (the hf
-engine's rule, shared by engines that tokenize on the caller's side: llm/ray_features.py).
+engine's rule, shared by engines that tokenize on the caller's side: pools/ray_features.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 
 Admission by the StalenessManager rule (pools.staleness): with η = 0 the synchronous loop. Every pool
 has the same four verbs (pools.contract.Pool: submit / poll / health / stop) and exchanges only picklable
-values, so a Ray backend (issue 21) implements the same contract with actors.
+values, so a Ray backend (issue 21) implements the same contract with actors (pools.ray_backend). The same Ray
+plumbing also places ppo-hidden's feature engines as actors (pools.ray_features, `--ray-feature-engines`).
 """
 
 from thinkcraft.pools.buffer import ReadyBuffer, group_has_signal

@@ -41,7 +41,7 @@ class PPOHiddenConfig(PPOConfig):
     silent engine is restarted and its shard retried. Empty = one engine (on --engine-device)."""
     ray_feature_engines: int = 0
     """Feature engines as Ray actors instead (one GPU each, on the GPUs a local Ray sees besides the policy's,
-    or on the cluster of --ray-address): each its own process (llm/ray_features.py); the same sharding,
+    or on the cluster of --ray-address): each its own process (pools/ray_features.py); the same sharding,
     gathering and restarts as --feature-devices. 0 = not used. Needs thinkcraft[ray]."""
     ray_address: str = ""
     """--ray-feature-engines: an existing Ray cluster to place them on ("" = this process's Ray, else a local one)."""
@@ -253,7 +253,7 @@ def build_engine(cfg: PPOHiddenConfig) -> Any:
     gather = f"cuda:{policy.local_hardware_id}" if policy.platform == "gpu" else None
     opts = engine_options(cfg)
     if cfg.ray_feature_engines:
-        from thinkcraft.llm.ray_features import ray_feature_engine
+        from thinkcraft.pools.ray_features import ray_feature_engine
 
         return ray_feature_engine(functools.partial(feature_engine_on, cfg.engine, opts), cfg.ray_feature_engines,
                                   gather_device=gather, timeout_s=cfg.feature_timeout_s, retries=cfg.feature_retries,
