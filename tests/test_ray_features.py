@@ -94,6 +94,13 @@ def test_train_ppo_hidden_with_ray_feature_engines(ray_cluster, model_dir, tmp_p
     assert np.isfinite(recs[-1]["losses/total"])
 
 
+def test_each_actor_gets_a_gpu_or_an_even_share_of_too_few():
+    from thinkcraft.pools.ray_features import gpus_per_actor
+
+    assert gpus_per_actor(3.0, 3) == 1.0 and gpus_per_actor(8.0, 3) == 1.0
+    assert gpus_per_actor(1.0, 2) == 0.5 and gpus_per_actor(0.0, 2) == 0.0
+
+
 def test_ray_feature_engines_config_checks(capsys, monkeypatch):
     base = ["train", "ppo-hidden", *TINY]
     assert main([*base, "--ray-feature-engines", "2", "--feature-devices", "cpu", "cpu"]) == 2

@@ -18,7 +18,8 @@ the gather device.
       shard k -> actor k ------------------->      hidden(prefix ids, item ids, layer, pooling) -> numpy
 
 A local Ray (started here when none runs and no `--ray-address` is given) does not see the policy's GPU:
-the actors get the others (`pools.ray_backend.connect`); with one GPU they share it. Faults: an actor that
+the actors get the others (`pools.ray_backend.connect`); with fewer GPUs than actors they share them
+(`gpus_per_actor`). Faults: an actor that
 raises, dies or does not answer within `feature_timeout_s` is killed and a fresh one built in its place
 (ShardedEngine's restart, at most `feature_retries` per refresh); `close()` kills the actors and stops a Ray
 started here.
@@ -121,6 +122,12 @@ class RayFeatureEngine:
     """A hung actor is killed too (nothing in this process waits on it)."""
 
 
+def gpus_per_actor(cluster_gpus: float, k: int) -> float:
+    """One GPU per actor where the cluster has k; fewer GPUs are shared evenly (an actor asking for a whole
+    GPU that is not there would wait, not fail); none: CPU actors."""
+    return 0.0 if cluster_gpus <= 0 else min(1.0, cluster_gpus / k)
+
+
 def ray_feature_engine(build: Callable[[str], Any], k: int, gather_device: Any = None, timeout_s: float = 600.0,
                        retries: int = 2, address: str = "", start_timeout_s: float = 600.0) -> Any:
     """A ShardedEngine of `k` Ray feature actors (module doc): `build(device)` makes each one's engine there.
@@ -130,7 +137,7 @@ def ray_feature_engine(build: Callable[[str], Any], k: int, gather_device: Any =
 
     ray = require_ray()
     started = connect(address, hide_device=gather_device)
-    gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    gpus = gpus_per_actor(ray.cluster_resources().get("GPU", 0.0), k)
     threads = max(1, int(ray.cluster_resources().get("CPU", 1) // max(k, 1)))
     actor_cls = ray.remote(num_gpus=gpus, num_cpus=1)(_FeatureActor)
     names = [f"ray-features-{i}" for i in range(k)]
