@@ -19,10 +19,9 @@ the gather device.
 
 A local Ray (started here when none runs and no `--ray-address` is given) does not see the policy's GPU:
 the actors get the others (`pools.ray_backend.connect`); with fewer GPUs than actors they share them
-(`gpus_per_actor`). Faults: an actor that
-raises, dies or does not answer within `feature_timeout_s` is killed and a fresh one built in its place
-(ShardedEngine's restart, at most `feature_retries` per refresh); `close()` kills the actors and stops a Ray
-started here.
+(`gpus_per_actor`). Faults: an actor that raises, dies or does not answer within `feature_timeout_s` is
+killed and a fresh one built in its place (ShardedEngine's restart, at most `feature_retries` per refresh);
+`close()` kills the actors and stops a Ray started here.
 """
 
 from __future__ import annotations
