@@ -44,15 +44,25 @@ from thinkcraft.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
-RAY_MISSING = "--pool-backend ray needs Ray, which is not installed: pip install thinkcraft[ray]"
+RAY_MISSING = "{what} needs Ray, which is not installed: pip install thinkcraft[ray]"
 
 
-def require_ray() -> Any:
+def require_ray(what: str = "--pool-backend ray") -> Any:
+    """The ray module, or a one-line UserError saying that `what` (the option asking for it) needs Ray."""
     try:
         import ray
     except ImportError:
-        raise UserError(RAY_MISSING) from None
+        raise UserError(RAY_MISSING.format(what=what)) from None
     return ray
+
+
+def actor_failure(e: BaseException) -> str:
+    """One line for an actor that failed to start: its constructor's exception is the last line of Ray's report."""
+    import ray
+
+    cause = getattr(e, "cause", None) or e
+    last = (str(cause).strip().splitlines() or [""])[-1]
+    return last if isinstance(cause, ray.exceptions.RayError) else f"{type(cause).__name__}: {last}"
 
 
 # ------------------------------------------------------------------------------------------ resources
@@ -345,11 +355,8 @@ def wait_ready(actors: list[ActorHandle], method: str, timeout_s: float) -> list
             out.append(ray.get(ref, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise UserError(f"Ray actor {a.name} did not start within {timeout_s:g}s") from None
-        except ray.exceptions.RayError as e:  # the constructor's exception is the last line of Ray's report
-            cause = getattr(e, "cause", None) or e
-            last = (str(cause).strip().splitlines() or [""])[-1]
-            detail = last if isinstance(cause, ray.exceptions.RayError) else f"{type(cause).__name__}: {last}"
-            raise UserError(f"Ray actor {a.name} failed to start: {detail}") from None
+        except ray.exceptions.RayError as e:
+            raise UserError(f"Ray actor {a.name} failed to start: {actor_failure(e)}") from None
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from thinkcraft.llm.batching import tokenize_batch
 from thinkcraft.llm.protocol import Batch, Capabilities, Completion, EngineCapabilityError, EngineError, SamplingParams
+from thinkcraft.pools.ray_backend import actor_failure
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,7 @@ class RayFeatureEngine:
             raise EngineError(f"Ray feature engine {name} did not start within {start_timeout_s:g}s (is a GPU "
                               "free for it? `ray status` lists the cluster's resources)") from None
         except ray.exceptions.RayError as e:
-            cause = getattr(e, "cause", None) or e
-            last = (str(cause).strip().splitlines() or [""])[-1]
-            raise EngineError(f"Ray feature engine {name} failed to start: {type(cause).__name__}: {last}") from None
+            raise EngineError(f"Ray feature engine {name} failed to start: {actor_failure(e)}") from None
         self.tokenizer = info["tokenizer"]
         self.remote_device = info["device"]
         self._caps = Capabilities(hidden_states=True, generate=False, logprobs=False, prefix_reuse=True,
@@ -134,7 +133,7 @@ def ray_feature_engine(build: Callable[[str], Any], k: int, gather_device: Any =
     from thinkcraft.llm.sharded import ShardedEngine
     from thinkcraft.pools.ray_backend import connect, require_ray
 
-    ray = require_ray()
+    ray = require_ray("--ray-feature-engines")
     started = connect(address, hide_device=gather_device)
     gpus = gpus_per_actor(ray.cluster_resources().get("GPU", 0.0), k)
     threads = max(1, int(ray.cluster_resources().get("CPU", 1) // max(k, 1)))

@@ -171,9 +171,9 @@ class PPOHiddenConfig(PPOConfig):
         from thinkcraft.pools.ray_backend import require_ray
 
         try:
-            require_ray()
+            require_ray("--ray-feature-engines")
         except UserError as e:
-            raise ConfigError("ray_feature_engines", str(e).replace("--pool-backend ray", "--ray-feature-engines")) from None
+            raise ConfigError("ray_feature_engines", str(e)) from None
 
     def check_devices(self, count: int) -> None:
         super().check_devices(count)
