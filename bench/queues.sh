@@ -32,6 +32,11 @@
 #             [".ray-whl/part-00"] `true`; then carry [".ray-whl/part-01", ".ray-whl/deps", ".whl",
 #             ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null 2>&1; source bench/carry_ray.sh install;
 #             bash bench/queues.sh scale > /tmp/q.log 2>&1; cat /tmp/q.log   -- then collect calls.
+#   pair      one x4 machine, two lanes at once (2026-11-28): issue 20's two 2-GPU runs that can reach 1.7x on GPUs
+#             0,1 (an engine per GPU with its sync reference, after the autocast fix; the dedicated placement with
+#             a 0.5 ms switch interval), and on GPUs 2,3 issue 21's questions at 2 GPUs: one refresh alone on an
+#             engine vs on a sharded / Ray engine of another GPU, ppo-hidden skip 25 with a Ray feature actor, and
+#             skip 5. Needs the tokenizer and Ray carried (the scale set's two calls).
 #
 # The llm and scale2 sets need no bundled model: one call, carry [".whl", ".ref/tc-cache"] (the tokenizer cache:
 #   THINKCRAFT_CACHE=.ref/tc-cache PYTHONPATH=src .venv/bin/python -c "from thinkcraft.llm.testing import
@@ -57,7 +62,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm scale2 scale"
+SETS="parity features llm scale2 scale pair"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -98,6 +103,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 scale_hidden_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
       "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json") ;;
+    pair) jobs=(  # one x4 machine, two lanes side by side: issue 20 on GPUs 0,1; issue 21's diagnosis on 2,3 (Ray carried)
+      "@0,1 async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
+      "@0,1 async_2gpu_dedicated_si 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --switch-interval-ms 0.5 --out bench/results/logs/async_2gpu_dedicated_si.json"
+      "@2,3 refresh2 300 python bench/scale.py --jobs refresh --gpus 1 2"
+      "@2,3 refresh2_ray 300 python bench/scale.py --jobs refresh --gpus 1 2 --feature-backend ray"
+      "@2,3 hidden2_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 --updates 5 --feature-backend ray"
+      "@2,3 hidden2_skip5 480 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 5 --updates 5") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }
