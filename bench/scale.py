@@ -143,6 +143,7 @@ class EngineCache:
 
 def ppo_hidden_row(gpus: int, skip_n: int, quick: bool, runs_dir: str, updates: int, engines: EngineCache
                    ) -> dict[str, Any]:
+    from thinkcraft.llm.sharded import median_call_ms
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig, run
 
     engine, desc = engines.feature_engine(gpus)
@@ -153,17 +154,16 @@ def ppo_hidden_row(gpus: int, skip_n: int, quick: bool, runs_dir: str, updates: 
                           layer_width=32 if quick else 512, hidden_proj_dim=8 if quick else 64,
                           optimistic_reset_ratio=2 if quick else 16, total_timesteps=num_envs * num_steps * updates,
                           runs_dir=runs_dir, run_name=name, overwrite=True, plot=False, checkpoint_every_minutes=0.0)
-    before = (getattr(engine, "calls", 0), getattr(engine, "call_s", 0.0), list(getattr(engine, "shard_s", [])))
+    before = getattr(engine, "calls", 0)
     run(cfg, engine=engine)
     d = Path(runs_dir) / name
     sps, n = steady(d, "sps")
     row = {"job": "ppo-hidden", "gpus": gpus, "skip_n": skip_n, "num_envs": num_envs, "sps": sps, "records": n,
            "engine": desc, "llm_wait_share": steady(d, "llm/wait_share")[0], "t_llm_s": steady(d, "timing/llm")[0],
            "t_env_s": steady(d, "timing/env_policy")[0]}
-    calls = getattr(engine, "calls", 0) - before[0]
-    if calls:  # the sharded refreshes of the whole run (first update included): call and per-engine ms
-        row["refresh_call_ms"] = round(1000.0 * (engine.call_s - before[1]) / calls, 2)
-        row["shard_ms"] = [round(1000.0 * (b - a) / calls, 2) for a, b in zip(before[2], engine.shard_s)]
+    med = median_call_ms(engine, since=before)
+    if med:  # the run's sharded refreshes, median (the first update's compiles left out): call and per-engine ms
+        row["refresh_call_ms"], row["shard_ms"] = med
     return row
 
 
@@ -175,6 +175,7 @@ def refresh_row(gpus: int, quick: bool, engines: EngineCache) -> dict[str, Any]:
     from ppo_hidden_sps import prefill_rate
 
     from thinkcraft.llm.protocol import Batch
+    from thinkcraft.llm.sharded import median_call_ms
     from thinkcraft.train.ppo_hidden import PPOHiddenConfig
     from thinkcraft.train.ppo_hidden.config import make_prompt_prefix
 
@@ -182,14 +183,14 @@ def refresh_row(gpus: int, quick: bool, engines: EngineCache) -> dict[str, Any]:
     n = 4 if quick else 136
     env_name = "craftax-classic" if quick else "Craftax-Symbolic-v1"
     prefix, _ = engine.tokenize_batch(Batch([""], prefix=make_prompt_prefix(PPOHiddenConfig(env_name=env_name))))
-    shard_s0, calls0 = list(getattr(engine, "shard_s", [])), getattr(engine, "calls", 0)
+    calls0 = getattr(engine, "calls", 0)
     tok_per_env, tok_s = prefill_rate(engine, env_name, n, prefix)
     ms = 1000.0 * tok_per_env * n / tok_s
     row = {"job": "refresh", "gpus": gpus, "skip_n": None, "num_envs": n, "refresh_ms": ms,
            "refreshes_per_s": 1000.0 / ms, "suffix_tokens_per_env": tok_per_env, "engine": desc}
-    calls = getattr(engine, "calls", 0) - calls0
-    if calls:  # each engine's own seconds per call (its shard), against the call's: equal = side by side
-        row["shard_ms"] = [round(1000.0 * (b - a) / calls, 2) for a, b in zip(shard_s0, engine.shard_s)]
+    med = median_call_ms(engine, since=calls0, skip=1)  # after prefill_rate's warm-up call (its compiles)
+    if med:  # each engine's own ms per call (its shard) against the call's: equal = side by side
+        row["refresh_call_ms"], row["shard_ms"] = med
     return row
 
 

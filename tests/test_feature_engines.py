@@ -25,7 +25,7 @@ from thinkcraft.llm.clients import HTTPOptions, SGLangEngine
 from thinkcraft.llm.hf import HFEngine
 from thinkcraft.llm.protocol import Batch, EngineError
 from thinkcraft.llm.serve import make_app
-from thinkcraft.llm.sharded import ShardedEngine, shard_bounds
+from thinkcraft.llm.sharded import ShardedEngine, median_call_ms, shard_bounds
 from thinkcraft.llm.testing import save_tiny, tiny_llama
 from thinkcraft.utils.retry import RetryPolicy
 
@@ -158,6 +158,11 @@ def test_sharded_engine_runs_its_shards_side_by_side_and_times_them(tiny):
         eng.hidden_states_torch(_batch(6))
     assert eng.calls == 2 and all(s >= 0.6 for s in eng.shard_s)
     assert 0.6 <= eng.call_s < 0.6 * 2, eng.call_s  # K = 3 in sequence would be 1.8 s
+    # the calls one by one, and their medians after the first (a warm-up's compiles left out)
+    assert len(eng.recent) == 2 and all(len(shards) == k and min(shards) >= 0.3 for _, shards in eng.recent)
+    wall_ms, shard_ms = median_call_ms(eng, since=0, skip=1)
+    assert wall_ms == round(1000.0 * eng.recent[1][0], 2) and 300 <= min(shard_ms) <= max(shard_ms) <= wall_ms
+    assert median_call_ms(eng, since=2) is None and median_call_ms(object()) is None  # no call left; no record
     eng.close()
 
 

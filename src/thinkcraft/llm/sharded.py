@@ -12,7 +12,10 @@ over engines on other GPUs, gathered in order); it works unchanged under `--over
 thread makes the call).
 
 Timing: `shard_s[k]` is engine k's seconds inside its shard calls (its device synchronised at the end, so
-its GPU work is in it), `call_s` the calls' wall seconds, `calls` their count. A refresh that does not get
+its GPU work is in it), `call_s` the calls' wall seconds, `calls` their count, and `recent` the last calls one
+by one (wall seconds, each engine's seconds): a median over them leaves out the first calls' compiles, which
+dominate a short run's totals (2026-11-28: a 5-update ppo-hidden run's mean refresh read 535 ms against a
+steady ~240 ms). A refresh that does not get
 faster with more engines shows each shard taking as long as the whole batch on one engine (host-bound
 shards take turns on the interpreter lock: their wall times all stretch alike).
 
@@ -24,6 +27,7 @@ therefore never hangs on a dead engine: the longest a call can take is (retries 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -85,6 +89,8 @@ class ShardedEngine:
         self.calls, self.call_s = 0, 0.0
         self.shard_s = [0.0] * len(factories)
         """Seconds each engine spent in its shards (module doc, "Timing")."""
+        self.recent: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque(maxlen=1024)
+        """The last calls: (wall seconds, seconds of each engine in it, 0 for an engine without a shard)."""
         self.engines = [f() for f in self.factories]
         caps = [e.capabilities for e in self.engines]
         if not all(c.hidden_states for c in caps):
@@ -140,6 +146,7 @@ class ShardedEngine:
         if not shards:  # an empty batch: engine 0's own (0, H) answer
             return [self._on_device(0, fn, batch)]
         t0 = time.perf_counter()
+        shard0 = list(self.shard_s)
         calls = {k: _Call(lambda k=k, b=b: self._on_device(k, fn, b)) for k, b in shards}
         out = {}
         for k, b in shards:
@@ -156,8 +163,10 @@ class ShardedEngine:
                 attempt += 1
                 self._restart(k, cause, abandon=status == "timeout")
                 calls[k] = _Call(lambda k=k, b=b: self._on_device(k, fn, b))
+        wall = time.perf_counter() - t0
         self.calls += 1
-        self.call_s += time.perf_counter() - t0
+        self.call_s += wall
+        self.recent.append((wall, tuple(b - a for a, b in zip(shard0, self.shard_s))))
         return [out[k] for k, _ in shards]
 
     def _on_device(self, k: int, fn: Callable[[Any, Batch], Any], batch: Batch) -> Any:
@@ -199,3 +208,18 @@ class ShardedEngine:
             e.close()
         for f in self.on_close:
             f()
+
+
+def median_call_ms(engine: Any, since: int = 0, skip: int = 0) -> tuple[float, list[float]] | None:
+    """(median wall ms, each engine's median ms) of a ShardedEngine's calls made after its `since`-th call,
+    the first `skip` of those left out (warm-ups: their compiles); None for an engine that keeps no such
+    record, or no call left to read (only the last 1,024 calls are kept)."""
+    import statistics
+
+    new = getattr(engine, "calls", 0) - since
+    recent = list(getattr(engine, "recent", ()))[-new:][skip:] if new > 0 else []
+    if not recent:
+        return None
+    per_engine = zip(*(shards for _, shards in recent))
+    return (round(1000.0 * statistics.median(w for w, _ in recent), 2),
+            [round(1000.0 * statistics.median(col), 2) for col in per_engine])
