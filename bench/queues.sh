@@ -21,17 +21,18 @@
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
-#             30-minute session reaches about the first four): PPO on 1 and 4 GPUs (2 GPUs: 1.94x on
-#             2026-11-27; each GPU count compiles for 2-4 minutes); one ppo-hidden refresh alone on 1 engine and
-#             on 3 (in-process, then Ray actors: that day's loop did not get faster with 3 in-process engines -
-#             which part does not scale?); llm-policy with 1, 2, 3 rollout GPUs + 1 learner GPU at 16 prompts
-#             per rollout engine (weak scaling: at a fixed 16 prompts the rows are latency-bound) and its rows
-#             into scale.json; ppo-hidden at skip 25 and 5 on 1 and 4 GPUs, then skip 25 with Ray feature
-#             actors; the llm-policy rows with Ray engine actors. Needs the
-#             tokenizer (as llm), and Ray carried: calls back to back on one x4 machine: carry
-#             [".ray-whl/part-00"] `true`; then carry [".ray-whl/part-01", ".ray-whl/deps", ".whl",
-#             ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null 2>&1; source bench/carry_ray.sh install;
-#             bash bench/queues.sh scale > /tmp/q.log 2>&1; cat /tmp/q.log   -- then collect calls.
+#             30-minute session reaches about the first two): ppo-hidden with three Ray feature actors (one
+#             refresh alone, then skip 25 and 5; 2026-11-28: the actors' refresh is 2.41x one engine's, three
+#             in-process engines' is not faster); PPO on 1 and 4 GPUs (2 GPUs: 1.94x on 2026-11-27; each GPU
+#             count compiles for 2-4 minutes); llm-policy with 1, 2, 3 rollout GPUs (Ray engine actors, then
+#             in-process) + 1 learner GPU at 16 prompts per rollout engine (weak scaling) and their rows into
+#             scale.json; the in-process refresh and ppo-hidden rows last. Needs the tokenizer (as llm), and Ray
+#             carried: calls back to back on one x4 machine: carry [".ray-whl/part-00"] `true`; then carry
+#             [".ray-whl/part-01", ".ray-whl/deps", ".whl", ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null
+#             2>&1; source bench/carry_ray.sh install; bash bench/queues.sh scale > /tmp/q.log 2>&1; cat
+#             /tmp/q.log   -- then collect calls. (2026-11-28: carried files did not stay on the machine from
+#             one call to the next: carry .ref/tc-cache in every call that starts jobs, and run a job by hand
+#             only from the queue's copy, cd /tmp/tc-devq-SET/work, where gpu_env.sh finds it.)
 #   pair      one x4 machine, two lanes at once (2026-11-28): issue 20's two 2-GPU runs that can reach 1.7x on GPUs
 #             0,1 (an engine per GPU with its sync reference, after the autocast fix; the dedicated placement with
 #             a 0.5 ms switch interval), and on GPUs 2,3 issue 21's questions at 2 GPUs: one refresh alone on an
@@ -93,16 +94,15 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
       "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
-    scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-27's x4 session left: bench/HISTORY.md §8)
+    scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-28's x4 session left: bench/HISTORY.md)
+      "@0,1,2,3 scale_hidden_ray 900 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5 --feature-backend ray"
       "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
-      "@0,1,2,3 scale_refresh 420 python bench/scale.py --jobs refresh --gpus 1 4"
-      "@0,1,2,3 scale_refresh_ray 420 python bench/scale.py --jobs refresh --gpus 1 4 --feature-backend ray"
+      "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
+      "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_llm_weak 780 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --prompts-per-engine 16 --out bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_llm_rows 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_weak.json"
-      "@0,1,2,3 scale_hidden 780 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5"
-      "@0,1,2,3 scale_hidden_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
-      "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
-      "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json") ;;
+      "@0,1,2,3 scale_refresh 420 python bench/scale.py --jobs refresh --gpus 1 4"
+      "@0,1,2,3 scale_hidden 780 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5") ;;
     pair) jobs=(  # one x4 machine, two lanes side by side: issue 20 on GPUs 0,1; issue 21's diagnosis on 2,3 (Ray carried)
       "@0,1 async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@0,1 async_2gpu_dedicated_si 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --switch-interval-ms 0.5 --out bench/results/logs/async_2gpu_dedicated_si.json"
