@@ -7,6 +7,8 @@
     python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --pack-episodes off
                                                         # the same, one learner row per turn (the A/B of episode rows)
     python bench/llm_policy_craftax.py --quick          # CPU smoke run (tiny shape, Craftax-Classic, 4 envs)
+    python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --prefill-compile
+                                                        # the engine's packed prefill compiled (rows: prefill_compile)
 
 Each configuration builds the policy exactly as `thinkcraft train llm-policy` does (`loop.build_policy`) and
 runs its synchronous learner steps (`loop.train_step`: rollout = generation + env, store off, train with the
@@ -38,6 +40,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -71,6 +74,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="learner tokens per forward/backward (0 = sized to the device after the first update, as "
                         "`train llm-policy`'s default)")
     p.add_argument("--learner-compile", action="store_true", help="torch.compile the learner's packed forward")
+    p.add_argument("--prefill-compile", action="store_true",
+                   help="the engine's packed prefill through torch.compile (THINKCRAFT_PREFILL_COMPILE=1)")
     p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
     p.add_argument("--pack-episodes", default="on", choices=["on", "off"],
                    help="train an episode whose turns extend each other as one row (off: one row per turn)")
@@ -236,6 +241,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at, "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
+        "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
         # the budget the steady steps ran with (0 above: measured after the first update) and out-of-memory redos
         "micro_batch_tokens_used": int(steady[-1].get("learner/micro_batch_tokens", a.micro_batch_tokens)),
         "learner_micro_batches": round(med([r.get("learner/micro_batches", 0.0) for r in steady]), 1),
@@ -245,6 +251,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
+    if a.prefill_compile:
+        os.environ["THINKCRAFT_PREFILL_COMPILE"] = "1"
     rows = []
     for shape in a.shapes:
         for n in a.num_envs:
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "date": today()})
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
-                                                       "learner_compile"))
+                                                       "learner_compile", "prefill_compile"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

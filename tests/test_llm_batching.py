@@ -334,6 +334,53 @@ def test_compiled_decode_step_equals_eager(tiny) -> None:
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
 
 
+def test_compiled_prefill_equals_eager_over_turns(tiny, monkeypatch) -> None:
+    """THINKCRAFT_PREFILL_COMPILE=1 (the packed prefill through torch.compile, dynamic shapes) gives the eager
+    tokens and logprobs: three episodes of three turns with a shared prefix (new-token and key counts differ
+    from prefill to prefill, the prefix's key index in use), and it really ran compiled (no eager fallback)."""
+    import thinkcraft.llm.hf.cache as C
+
+    model, tok = tiny
+    system = _ids(tok, "You play a game. Answer with one action.")
+    obs = _episode_prompts(tok, 3)
+
+    def play(eng: HFEngine) -> list[tuple[list[int], list[float]]]:
+        out, prompts = [], {e: system + obs[0] + _ids(tok, f" ep{e}" * (e + 1)) for e in range(3)}
+        for k in range(3):
+            hs = {e: eng.submit(GenerationRequest(p, GREEDY, prefix_len=len(system), episode=e))
+                  for e, p in prompts.items()}
+            done = _run(eng, list(hs.values()))
+            for e, h in hs.items():
+                c = done[h].completion
+                out.append((c.token_ids, c.logprobs))
+                prompts[e] = prompts[e] + c.token_ids + (obs[k + 1] if k < 2 else [])
+        return out
+
+    monkeypatch.setenv("THINKCRAFT_PREFILL_COMPILE", "0")
+    want = play(HFEngine.from_model(model, tok))
+    monkeypatch.setenv("THINKCRAFT_PREFILL_COMPILE", "1")
+    eng = HFEngine.from_model(model, tok)
+    warned: list[str] = []
+    monkeypatch.setattr(C.log, "warning", lambda msg, *a: warned.append(msg % a))
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    got = play(eng)
+    fn = eng._batcher._prefill_fn
+    if warned and fn.failed:
+        pytest.skip(f"torch.compile cannot build here: {warned[0][:200]}")
+    assert isinstance(fn, C.OrEager) and not fn.failed and eng.decode_metrics()["reused_tokens"] > 0
+    # one graph for the whole layer stack, not one per layer or per shape (2: the first turn's key count equals
+    # its token count, a specialisation the later turns' prefills leave)
+    assert counters["stats"]["unique_graphs"] - graphs0 <= 2, counters["stats"]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    monkeypatch.setenv("THINKCRAFT_PREFILL_COMPILE", "yes")
+    with pytest.raises(UserError, match="THINKCRAFT_PREFILL_COMPILE must be 0 or 1"):
+        C.prefill_compiled()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode path (varlen prefill, CUDA graphs) needs a GPU")
 def test_cuda_compiled_step_and_turn_reuse_agree_with_eager_in_bf16() -> None:

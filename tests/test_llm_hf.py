@@ -82,6 +82,23 @@ def test_varlen_layout_equals_full_attention(heads: int, kv_heads: int) -> None:
     torch.testing.assert_close(got, _full_attention(q, k, v, pk, pv), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_loop_free_varlen_equals_the_reference(heads: int, kv_heads: int) -> None:
+    """`varlen_dense` (the compiled CPU prefill's kernel: one masked attention, no loop over sequences) equals
+    the per-sequence reference on packed sequences of unequal query and key lengths (queries fewer than keys:
+    a turn's new tokens after its kept KV; one sequence of a single query)."""
+    import thinkcraft.llm.attention as A
+
+    torch.manual_seed(5)
+    q_lens, k_lens, d = [3, 1, 6, 2], [7, 4, 6, 9], 16
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), heads, d)
+    k, v = torch.randn(sum(k_lens), kv_heads, d), torch.randn(sum(k_lens), kv_heads, d)
+    args = (q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), d**-0.5)
+    torch.testing.assert_close(A.varlen_dense(*args), A.varlen_reference(*args), atol=1e-5, rtol=1e-5)
+
+
 def test_public_varlen_api_takes_what_the_candidate_passes() -> None:
     """torch's public varlen attention (the "public" candidate kernel) still has the arguments it is called with."""
     import inspect

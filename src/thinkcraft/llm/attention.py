@@ -218,6 +218,29 @@ def varlen_reference(
     return out
 
 
+def varlen_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """`varlen_reference`'s result without a Python loop over the sequences, so torch.compile traces it whole
+    (no `.item()`: the compiled prefill on the CPU): one masked attention of every packed query against every
+    packed key - same sequence, causal aligned bottom-right - at O(Tq x Tk) memory: small inputs only."""
+    qi = torch.arange(q.shape[0], device=q.device)
+    ki = torch.arange(k.shape[0], device=q.device)
+    ends_q, ends_k = cu_q[1:].long(), cu_k[1:].long()
+    sq = torch.searchsorted(ends_q, qi, right=True)  # each packed token's sequence
+    sk = torch.searchsorted(ends_k, ki, right=True)
+    # bottom-right: a query sees the keys at least as far from its sequence's end as itself
+    mask = (sq[:, None] == sk[None, :]) & ((ends_k[sk] - ki)[None, :] >= (ends_q[sq] - qi)[:, None])
+    g = q.shape[1] // k.shape[1]  # GQA: heads expanded here (sdpa's enable_gqa wants a plain bool, not a traced one)
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask[None, None],
+        scale=scale)
+    return out[0].transpose(0, 1)
+
+
 def _public_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
     scale: float,

@@ -291,6 +291,25 @@ class CacheMixin:
         h = h[:, -1] if last is None else h[0, last]
         return compat.lm_head(self.eng._lm)(dec.norm(h)).float()
 
+    def _prefill_forward(self) -> Callable[..., torch.Tensor]:
+        """The packed prefill's forward (`_forward_last` over a `PrefillCtx`): eager by default; through
+        torch.compile with dynamic shapes (no CUDA graphs: every prefill has its own token and key counts) when
+        THINKCRAFT_PREFILL_COMPILE=1 (`prefill_compiled`), eager for good after a compiler failure (one
+        warning). Why: the eager prefill is bound by the host - a py-spy of the Craftax llm-policy rollout
+        (H200, 2026-11-27, bench/results/llm_policy_craftax_profile.json) spent 33% of the rollout thread in
+        it, 24% in PEFT's LoRA `Linear.forward` alone, for ~186k new tokens of a 0.5B model per step that the
+        GPU computes in well under a second. One compiled graph per layer stack replaces ~50 Python-level
+        module calls per layer."""
+        fn = getattr(self, "_prefill_fn", None)
+        if fn is None:
+            if prefill_compiled():
+                compiled = torch.compile(self._forward_last, dynamic=True)
+                fn = OrEager(compiled, self._forward_last, "compiled prefill", log)
+            else:
+                fn = self._forward_last
+            self._prefill_fn = fn
+        return fn
+
     def _compiled_step(self) -> Callable[..., torch.Tensor]:
         """The decode forward through torch.compile (CUDA graphs: "reduce-overhead"); eager, with one warning,
         if compiling fails. Its output is copied into the batcher's own logits buffer (graph outputs are
@@ -474,3 +493,15 @@ def decode_dynamic() -> bool | None:
     if v not in ("0", "1"):
         raise UserError(f"THINKCRAFT_DECODE_DYNAMIC must be 0 or 1, got {v!r}")
     return None if v == "1" else False
+
+
+def prefill_compiled() -> bool:
+    """THINKCRAFT_PREFILL_COMPILE: "1" runs the batcher's packed prefill through torch.compile
+    (`CacheMixin._prefill_forward`), "0" or unset eagerly (the default until a GPU run shows the compiled one
+    faster: bench/llm_policy_craftax.py --prefill-compile measures both)."""
+    import os
+
+    v = os.environ.get("THINKCRAFT_PREFILL_COMPILE", "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise UserError(f"THINKCRAFT_PREFILL_COMPILE must be 0 or 1, got {v!r}")
+    return v == "1"

@@ -174,9 +174,10 @@ def register_slot_attention() -> str:
     return compat.register_attention(SLOT_ATTN, slot_attention_forward)
 
 
-def prefill_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+def prefill_kernel(device: torch.device, dtype: torch.dtype, traceable: bool = False) -> Callable[..., torch.Tensor]:
     """The packed varlen attention for the prefill: FlashAttention varlen on CUDA in half precision (where
-    `attention.probe_varlen` found it working), the exact per-row reference elsewhere."""
+    `attention.probe_varlen` found it working), the exact per-row reference elsewhere - or, for a prefill
+    that torch.compile traces (`traceable`), its loop-free masked twin (`attention.varlen_dense`)."""
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.probe_varlen(device):
         return A.VARLEN_KERNELS[A._VARLEN["cuda"]]
-    return A.varlen_reference
+    return A.varlen_dense if traceable else A.varlen_reference
