@@ -268,6 +268,23 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
     }
 
 
+def _keep_metrics(run_dir: str, out: Path) -> None:
+    """The run's per-update records (queue depths, busy and idle shares, rows per decode step, staleness) kept
+    beside the rows, gzipped, as <out stem>.metrics/<run name>.jsonl.gz: a device run's temporary run dir is
+    gone with the machine, and a row's medians do not say when the pools waited for each other (2026-11-28:
+    a 2-GPU run whose generation and updates stopped overlapping left nothing to read that from)."""
+    import gzip
+    import shutil
+
+    src = Path(run_dir) / "metrics.jsonl"
+    if not src.exists():
+        return
+    dst = out.parent / f"{out.stem}.metrics" / f"{Path(run_dir).name}.jsonl.gz"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with src.open("rb") as f, gzip.open(dst, "wb") as g:
+        shutil.copyfileobj(f, g)
+
+
 def _plot(rows: list[dict], out_png: Path, title: str) -> None:
     import matplotlib
 
@@ -430,6 +447,7 @@ def main(argv=None) -> int:
               + (f", weight update {m['weight_update_s']:.3f} s" if m.get("weight_update_s") is not None else ""),
               flush=True)
         write_records(out, rows[-1:], merge_keys=keys)  # each row as soon as it is measured (a cut run keeps it)
+        _keep_metrics(cfg.run_dir, out)
     if a.learning_check:  # every async run of the file so far (e.g. each correction) beside the sync reference
         rows_plot = _merged_rows(out, rows, keys) + _sync_reference(a)
         _plot(rows_plot, out.with_suffix(".png"), f"GRPO on arith, bundled model: async η={a.max_staleness} vs sync "

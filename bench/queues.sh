@@ -9,15 +9,15 @@
 #   features  issue 18 (done 2026-11-27, H200, BENCHMARKS §4b): the llm-features experiment
 #             (bench/llm_features.py), every arm of both envs not done yet (the issue's three, then blank); one lane per GPU of FEATURE_GPUS (default "0 1"), each taking the next run no other lane holds
 #             (a lock per run), so two or more GPUs share the list. Needs the bundled model.
-#   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the two-engine GPU test and the async bench
-#             on two GPUs, 6 steps (async there vs sync on one: the 1.7x goal; it hung again on 2026-11-27 - torch's
-#             autocast cast cache, fixed since by compat.autocast), then the same with the learner alone on the
-#             first GPU and one engine on the second (--placement dedicated; 1.31x that day, 1.54x on 4 x H200
-#             later; as a Ray actor 0.86x, bench/results/logs/s32_*), and the same with a 0.5 ms interpreter
-#             switch interval (the learner's update took 0.97 s there against 0.59 s in the sync loop: its
-#             launches wait on the engine thread's); then, one GPU each, the Craftax llm-policy bench with the device-sized
-#             learner (a py-spy profile; then with --learner-compile) and the async bench on the GSM8K layout.
-#             Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
+#   llm       issues 19/20 on GPUs LLM_GPUS (default "0,1", two GPUs): the async bench on two GPUs, 6 steps, the
+#             learner alone on the first GPU and one engine on the second (--placement dedicated: 1.54x on 4 x H200,
+#             2026-11-27) with its own sync reference, then an engine per GPU (1.32x on 4 x H100, 2026-11-28), each
+#             run's per-update records kept (bench/results/logs/<out>.metrics/: the timeline of generation and
+#             updates), then the two-engine GPU tests; and, one GPU each, the Craftax llm-policy bench with the
+#             engine's prefill compiled (--prefill-compile, a py-spy profile) beside it without (the reference),
+#             then the compiled learner + prefill, and the async bench on the GSM8K layout. The one-GPU rows run
+#             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
+#             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -77,19 +77,22 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       for g in ${FEATURE_GPUS:-0 1}; do  # Craftax first: Classic's three arms are done (2026-11-27); its LLM arms are the longest
         jobs+=("@$g features_gpu$g 1500 $FEAT --env craftax classic --arm llm random-llm ppo blank --time-limit-min ${FEATURE_MIN:-23}")
       done ;;
-    llm) # two GPUs G0,G1: the two-GPU jobs first (one lane of both), then a lane per GPU, each waiting for them
+    llm) # two GPUs G0,G1: the two-GPU jobs first (one lane of both); the one-GPU Craftax rows on CRAFTAX_GPUS (two
+         # more GPUs of an x4 machine, at once) or else on G0 and G1 after the two-GPU jobs
       local g=${LLM_GPUS:-0,1}; local g0=${g%%,*} g1=${g##*,}
       local wait="while [ ! -e /tmp/tc-llm-two-gpu-done ]; do sleep 3; done;"
+      local c=${CRAFTAX_GPUS:-}; local c0=${c%%,*} c1=${c##*,}
+      [ -n "$c" ] && wait="" || { c0=$g0; c1=$g1; }
       rm -f /tmp/tc-llm-two-gpu-done
       jobs=(
-      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait' -x -q -p no:cacheprovider"
+      "@$g async_2gpu_dedicated 600 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
       "@$g async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
-      "@$g async_2gpu_dedicated 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
-      "@$g async_2gpu_dedicated_si 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --switch-interval-ms 0.5 --out bench/results/logs/async_2gpu_dedicated_si.json"
+      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait' -x -q -p no:cacheprovider"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
-      "@$g0 craftax_auto 1400 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-steady 15"
-      "@$g0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile"
-      "@$g1 async_gsm8k 1400 $wait python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
+      "@$c0 craftax_prefill 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-steady 15 --out bench/results/logs/craftax_prefill.json"
+      "@$c1 craftax_auto 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_auto.json"
+      "@$c0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --prefill-compile --out bench/results/logs/craftax_compiled.json"
+      "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -134,6 +134,13 @@ def test_eta_one_bound_journal_metrics_and_store(tmp_path, monkeypatch):
         assert k in last, k
     assert 0.0 <= last["engine/idle_share"] <= 1.0 and 0.0 <= last["gpu/idle_share"] <= 1.0
     assert 0.0 <= last["perf/gil_lag_max_s"] < 30.0  # the probe ran (utils.watchdog.GilProbe)
+    # the updates' timeline: each began after the previous one ended, and ended after it began
+    from thinkcraft.utils.metrics import read_metrics
+
+    recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    ends = [r["timeline/end_s"] for r in recs]
+    starts = [r["timeline/train_start_s"] for r in recs]
+    assert all(0.0 <= s <= e for s, e in zip(starts, ends)) and all(s >= e - 1e-6 for s, e in zip(starts[1:], ends))
     j = journal(cfg.run_dir)
     groups = [g for line in j for g in line["groups"]]
     assert [line["step"] for line in j] == [1, 2, 3, 4] and all(len(line["groups"]) == 2 for line in j)

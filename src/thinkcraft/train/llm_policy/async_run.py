@@ -92,6 +92,7 @@ class AsyncRun:
         # gpu/idle_share is the idle share of the devices our engines and learner use: GPUs, or the CPU here
         self.idle_label = "GPU" if self.learner_device.startswith("cuda") else "CPU"
         self._prev = self._snapshot()
+        self._t0 = self._prev["t"]
         return self
 
     # ------------------------------------------------------------------------------------ per update
@@ -173,6 +174,10 @@ class AsyncRun:
             rec[f"staleness/hist_{k}"] = int((stale == k).sum())
         rec.update(pool_metrics(prev, now, dt, self.coord, self.slots, self.learner_device))
         rec["perf/gil_lag_max_s"] = self.gil.take_max()  # the longest time no Python thread could run
+        # when this update ended and began (seconds since the pools started): with the queue depths, a timeline of
+        # whether generation and updates overlapped
+        rec["timeline/end_s"] = now["t"] - self._t0
+        rec["timeline/train_start_s"] = rec["timeline/end_s"] - res.train_s
         if now["decode"]:
             rec.update(decode_metrics_delta(prev["decode"], now["decode"]))
         return rec
