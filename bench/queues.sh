@@ -21,9 +21,11 @@
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
-#             30-minute session reaches about the first two): ppo-hidden with three Ray feature actors (one
-#             refresh alone, then skip 25 and 5; 2026-11-28: the actors' refresh is 2.41x one engine's, three
-#             in-process engines' is not faster); PPO on 1 and 4 GPUs (2 GPUs: 1.94x on 2026-11-27; each GPU
+#             30-minute session reaches about the first three): the hidden-state graphs' GPU test and one
+#             refresh alone with them on one engine and three in-process ones (llm/hf/hidden_graphs.py: do three
+#             engines in one process scale once their forwards cost no host time?); ppo-hidden with three Ray
+#             feature actors (one refresh alone, then skip 25 and 5; 2026-11-28: the actors' refresh is 2.41x
+#             one engine's, three in-process engines' is not faster), then the same with graphs; PPO on 1 and 4 GPUs (2 GPUs: 1.94x on 2026-11-27; each GPU
 #             count compiles for 2-4 minutes); llm-policy with 1, 2, 3 rollout GPUs (Ray engine actors, then
 #             in-process) + 1 learner GPU at 16 prompts per rollout engine (weak scaling) and their rows into
 #             scale.json; the in-process refresh and ppo-hidden rows last. Needs the tokenizer (as llm), and Ray
@@ -87,7 +89,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@$g async_2gpu_dedicated 600 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
       "@$g async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
-      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait' -x -q -p no:cacheprovider"
+      "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait or hidden_graphs_on_gpu' -x -q -p no:cacheprovider"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
       "@$c0 craftax_prefill 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-steady 15 --out bench/results/logs/craftax_prefill.json"
       "@$c1 craftax_auto 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_auto.json"
@@ -98,7 +100,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
       "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
     scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-28's x4 session left: bench/HISTORY.md)
+      "@0,1,2,3 scale_graphtest 120 python -m pytest -m gpu tests/test_llm_hf.py -k hidden_graphs_on_gpu -x -q -p no:cacheprovider"
+      "@0,1,2,3 scale_refresh_graphs 360 python bench/scale.py --jobs refresh --gpus 1 4 --hidden-graphs"
       "@0,1,2,3 scale_hidden_ray 900 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5 --feature-backend ray"
+      "@0,1,2,3 scale_hidden_ray_graphs 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray --hidden-graphs"
       "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
       "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json"

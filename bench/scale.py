@@ -125,7 +125,8 @@ class EngineCache:
             here = str(Path(__file__).resolve().parent)
             src = str(Path(__file__).resolve().parents[1] / "src")
             env = {"PYTHONPATH": os.pathsep.join(p for p in (src, here, os.environ.get("PYTHONPATH", "")) if p)}
-            env.update({k: os.environ[k] for k in ("THINKCRAFT_CACHE",) if k in os.environ})  # the tokenizer
+            # the tokenizer, and whether the engines replay graphs
+            env.update({k: os.environ[k] for k in ("THINKCRAFT_CACHE", "THINKCRAFT_HIDDEN_GRAPHS") if k in os.environ})
             connect("", hide_device=None if self.quick else "cuda:0", env_vars=env,
                     **({"num_cpus": 2} if self.quick else {}))
             eng = ray_feature_engine(functools.partial(engine_on, quick=self.quick), k,
@@ -240,6 +241,9 @@ def main() -> None:
                     help="refresh / ppo-hidden on g > 1 GPUs: in-process engines on cuda:1.. (local) or g - 1 Ray "
                          "actors (ray: their own processes; needs Ray)")
     ap.add_argument("--updates", type=int, default=6, help="logged records per row (the first, compiling, is dropped)")
+    ap.add_argument("--hidden-graphs", action="store_true",
+                    help="refresh / ppo-hidden: the feature engines replay their forwards from CUDA graphs "
+                         "(THINKCRAFT_HIDDEN_GRAPHS=1, llm/hf/hidden_graphs.py); rows carry hidden_graphs")
     ap.add_argument("--llm-rows", default=None, metavar="FILE",
                     help="llm-policy: the async bench's rows to read (its --out of a --placement dedicated --gpus 2 3 4 "
                          "run); the llm-policy job measures nothing itself")
@@ -258,6 +262,9 @@ def main() -> None:
     skips = [4, 2] if args.quick else args.skip_n
     updates = 3 if args.quick else args.updates
     stamp = {"card": card() + (f" x {visible}" if visible > 1 else ""), "date": today(), "quick": args.quick}
+    if args.hidden_graphs:  # read by every engine this process (or its Ray actors: `ray_features`) builds
+        os.environ["THINKCRAFT_HIDDEN_GRAPHS"] = "1"
+        stamp["hidden_graphs"] = True
     out = args.out or str(Path(__file__).parent / "results" / ("scale_quick.json" if args.quick else "scale.json"))
     rows: list[dict[str, Any]] = []
 
@@ -266,7 +273,7 @@ def main() -> None:
         print("row:", {k: row.get(k) for k in ("job", "gpus", "skip_n", "num_envs", "sps", "records")}, flush=True)
         # (rows read from another run's file keep that run's card and date)
         write_records(out, [{**stamp, **r} for r in with_references(rows)],
-                      merge_keys=("job", "gpus", "skip_n", "feature_backend", "pool_backend", "batch"))
+                      merge_keys=("job", "gpus", "skip_n", "feature_backend", "pool_backend", "batch", "hidden_graphs"))
 
     with tempfile.TemporaryDirectory() as runs_dir:
         if "ppo" in args.jobs:

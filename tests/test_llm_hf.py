@@ -780,3 +780,90 @@ def test_manual_decode_graph_logic_on_cpu(monkeypatch) -> None:
     want, got = eager.generate(batch, sp), graphed.generate(batch, sp)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert len(captures) > n  # the moved parameter was seen
+
+
+class _NoGate:
+    """A `CaptureGate` stand-in for the CPU (no other engine to hold back)."""
+
+    def shared(self):  # noqa: ANN201
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    exclusive = shared
+
+
+def _replay_capture(run, device):  # noqa: ANN001, ANN202
+    """A graph capture's stand-in on the CPU: `replay()` runs the captured function again into the same output
+    tensor, reading the same input buffers - what a CUDA graph's replay does."""
+    out = run()
+    return (lambda: out.copy_(run())), out
+
+
+@pytest.mark.parametrize("layer", [-1, 1])
+def test_hidden_graph_padding_buckets_equal_the_unpadded_rows(layer: int) -> None:
+    """The graphed hidden states (hidden_graphs.py): rows padded to a multiple of 8 and tokens to a multiple of
+    32, each padded row reading one token - the first B rows of a replay are the unpadded rows' last-token
+    states (right padding is exact under causal attention). One capture per bucket, reused by every batch of
+    that bucket whatever its rows; a failing capture gives None (the caller's compiled path) for good."""
+    from thinkcraft.llm.hf.hidden_graphs import MAX_GRAPHS, HiddenGraphs
+
+    if "llama" not in _ARCH_MODELS:
+        _ARCH_MODELS["llama"] = tiny_llama(arch="llama")
+    eng = HFEngine.from_model(*_ARCH_MODELS["llama"])
+    kv = eng._prefix_kv(PREFIX)
+    idx = eng._layer_index(layer)
+    graphs = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=_replay_capture, gate=_NoGate())
+    rng = np.random.default_rng(0)
+    batches = [[list(rng.integers(5, 60, size=n)) for n in lens]
+               for lens in ([3, 9, 5], [7, 2, 8], [31, 1, 12, 6, 6, 6, 6, 6, 6], [33])]
+    with torch.no_grad():
+        for items in batches:
+            want = eng._pooled_cascade(items, len(PREFIX), kv, idx, "last")
+            got = graphs.run(items, len(PREFIX), kv, idx)
+            assert got is not None and got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # buckets (8 x 32) x2, (16 x 32), (8 x 64): the second batch replayed the first one's graph
+    assert (graphs.captures, graphs.replays, len(graphs.graphs)) == (3, 4, 3) and MAX_GRAPHS >= 3
+
+    def broken(run, device):  # noqa: ANN001, ANN202
+        raise RuntimeError("capture failed")
+
+    bad = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=broken, gate=_NoGate())
+    assert bad.run(batches[0], len(PREFIX), kv, idx) is None and bad.failed
+    assert bad.run(batches[0], len(PREFIX), kv, idx) is None  # stays off
+
+
+def test_hidden_graphs_switch_and_where_they_serve(monkeypatch) -> None:
+    """THINKCRAFT_HIDDEN_GRAPHS: 0/1 only; on the CPU (and for an engine that shares trained weights) the
+    engine keeps its compiled path whatever it says."""
+    from thinkcraft.llm.hf.hidden_graphs import hidden_graphs_on
+
+    if "llama" not in _ARCH_MODELS:
+        _ARCH_MODELS["llama"] = tiny_llama(arch="llama")
+    eng = HFEngine.from_model(*_ARCH_MODELS["llama"])
+    monkeypatch.setenv("THINKCRAFT_HIDDEN_GRAPHS", "1")
+    assert hidden_graphs_on() and eng._hidden_graphs() is None  # CPU
+    monkeypatch.setenv("THINKCRAFT_HIDDEN_GRAPHS", "on")
+    with pytest.raises(UserError, match="THINKCRAFT_HIDDEN_GRAPHS must be 0 or 1"):
+        hidden_graphs_on()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none here)")
+def test_hidden_graphs_on_gpu_equal_the_compiled_layers(monkeypatch) -> None:
+    """On CUDA, a frozen bf16 engine's hidden states replayed from graphs equal its compiled layers' (two
+    batches of one bucket: one capture, two replays)."""
+    model, tok = tiny_llama(arch="qwen3")
+    model = model.to("cuda", torch.bfloat16).eval().requires_grad_(False)
+    eng = HFEngine.from_model(model, tok)
+    eng._weight_update = False  # a frozen feature engine (ppo-hidden's)
+    items = [[int(x) for x in np.random.default_rng(k).integers(5, 60, size=n)] for k, n in enumerate([5, 17, 9])]
+    b = Batch(items=items, prefix=PREFIX)
+    monkeypatch.setenv("THINKCRAFT_HIDDEN_GRAPHS", "0")
+    want = eng.hidden_states_torch(b)
+    monkeypatch.setenv("THINKCRAFT_HIDDEN_GRAPHS", "1")
+    for _ in range(2):
+        torch.testing.assert_close(eng.hidden_states_torch(b), want, atol=2e-2, rtol=2e-2)
+    g = eng._graphs
+    assert g is not None and not g.failed and (g.captures, g.replays) == (1, 2)

@@ -22,10 +22,12 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.attention import probe_gqa_native, probe_varlen, register_cascade_attention
 from thinkcraft.llm.batching import plan_chunks, take_rows
+from thinkcraft.llm.hf.hidden_graphs import HiddenGraphs, hidden_graphs_on
 from thinkcraft.llm.protocol import Batch
 from thinkcraft.llm.quant import check_fp8_device, quantize_fp8_
 from thinkcraft.utils.errors import UserError
 from thinkcraft.utils.fallback import compiled_or_eager
+from thinkcraft.utils.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +112,16 @@ class PrefillMixin:
             out = torch.empty((len(items), self.hidden_size), dtype=torch.float32, device=self.device)
             if reuse and prefix and all(len(it) > 0 for it in items):
                 kv = self._prefix_kv(prefix)
+                graphs = self._hidden_graphs() if pooling == "last" else None
                 for rows in self._chunks([len(it) for it in items]):
-                    out[rows] = self._pooled_cascade([items[i] for i in rows], len(prefix), kv, idx, pooling)
+                    sel = [items[i] for i in rows]
+                    h = graphs.run(sel, len(prefix), kv, idx) if graphs is not None else None
+                    out[to_device(rows, self.device)] = (
+                        h if h is not None else self._pooled_cascade(sel, len(prefix), kv, idx, pooling))
             else:
                 seqs = [prefix + it for it in items]
                 for rows in self._chunks([len(s) for s in seqs]):
-                    out[rows] = self._pooled_plain(
+                    out[to_device(rows, self.device)] = self._pooled_plain(
                         [seqs[i] for i in rows], [len(items[i]) for i in rows], idx, pooling, padding_side
                     )
             if caller is not None:
@@ -129,13 +135,23 @@ class PrefillMixin:
             ids, mask = self._pad([list(token_ids)], "right")
             return self._run_decoder(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), idx)[0].float()
 
-    def _chunks(self, lengths: Sequence[int]) -> Iterator[torch.Tensor]:
-        """Row index groups of length-sorted rows, cut where the padding saved pays for another forward
-        (batching.plan_chunks), each ≤ max_batch_tokens padded tokens and ≤ max_batch_size rows."""
+    def _chunks(self, lengths: Sequence[int]) -> Iterator[np.ndarray]:
+        """Row index groups (host arrays) of length-sorted rows, cut where the padding saved pays for another
+        forward (batching.plan_chunks), each ≤ max_batch_tokens padded tokens and ≤ max_batch_size rows. (Host
+        indices: picking the rows' items with device indices read each index back, one sync per row.)"""
         order = np.argsort(np.asarray(lengths), kind="stable")
         sorted_lengths = np.asarray(lengths)[order]
         for a, b in plan_chunks(sorted_lengths, self.chunk_overhead_tokens, self.max_batch_tokens, self.max_batch_size):
-            yield torch.as_tensor(order[a:b], device=self.device)
+            yield order[a:b]
+
+    def _hidden_graphs(self) -> HiddenGraphs | None:
+        """This engine's hidden-state graphs (hidden_graphs.py) when they may serve it: THINKCRAFT_HIDDEN_GRAPHS=1,
+        a frozen engine on CUDA, no SM partition; else None (the compiled layers)."""
+        if self.device.type != "cuda" or self._weight_update or self._sm is not None or not hidden_graphs_on():
+            return None
+        if getattr(self, "_graphs", None) is None:
+            self._graphs = HiddenGraphs(self._layers_pooled, self.device, self.pad_id)
+        return self._graphs
 
     def _pooled_plain(
         self, seqs: list[list[int]], item_lens: list[int], idx: int, pooling: str, side: str
