@@ -835,8 +835,8 @@ def test_hidden_graph_padding_buckets_equal_the_unpadded_rows(layer: int) -> Non
 
 
 def test_hidden_graphs_switch_and_where_they_serve(monkeypatch) -> None:
-    """THINKCRAFT_HIDDEN_GRAPHS: 0/1 only; on the CPU (and for an engine that shares trained weights) the
-    engine keeps its compiled path whatever it says."""
+    """THINKCRAFT_HIDDEN_GRAPHS: 0/1 only; on the CPU (and for a model being trained) the engine keeps its
+    compiled path whatever it says."""
     from thinkcraft.llm.hf.hidden_graphs import hidden_graphs_on
 
     if "llama" not in _ARCH_MODELS:
@@ -856,8 +856,7 @@ def test_hidden_graphs_on_gpu_equal_the_compiled_layers(monkeypatch) -> None:
     batches of one bucket: one capture, two replays)."""
     model, tok = tiny_llama(arch="qwen3")
     model = model.to("cuda", torch.bfloat16).eval().requires_grad_(False)
-    eng = HFEngine.from_model(model, tok)
-    eng._weight_update = False  # a frozen feature engine (ppo-hidden's)
+    eng = HFEngine.from_model(model, tok)  # frozen (no parameter requires grad): a feature engine
     items = [[int(x) for x in np.random.default_rng(k).integers(5, 60, size=n)] for k, n in enumerate([5, 17, 9])]
     b = Batch(items=items, prefix=PREFIX)
     monkeypatch.setenv("THINKCRAFT_HIDDEN_GRAPHS", "0")

@@ -3,20 +3,23 @@
 Why: a hidden-state forward's host work - the compiled layers' guard checks and launches, 36 layers for the
 Qwen3-4B shape - does not shrink with its batch, while its GPU work does. One engine on 136 texts is bound by the
 GPU (~190 ms on an H100), but the same texts split over three in-process engines took *longer* (223 ms; 4 x
-H100, 2026-11-28, BENCHMARKS §8): three forwards' host work, one after another under the interpreter lock,
-outweighs a third of the GPU work each - and three Ray actors, each with its own interpreter, took 83 ms,
-bound by their host work too. A replayed graph costs almost no host time, so shards on several GPUs (threads
-or actors) can run side by side.
+H100, 2026-11-28, BENCHMARKS §8). The reading these graphs test: three forwards' host work, one after another
+under the interpreter lock, outweighs a third of the GPU work each (three Ray actors, each with its own
+interpreter, took 83 ms - more than a third of 190 ms too). A replayed graph costs almost no host time, so
+shards on several GPUs (threads or actors) could run side by side.
 
 How: the batch's rows are padded to a bucket (rows to a multiple of `ROW_BUCKET`, tokens to a multiple of
 `TOKEN_BUCKET`); padded rows read one token, and right padding is exact for every real token (causal attention
 keeps the pads after it out of view), so the first B rows of a padded replay are the unpadded rows' states. A
-graph is captured per (rows, tokens, layer, prefix) the first time the shape is met (`engine/hidden_graphs`
-counts them), on the engine's device, holding `CAPTURE_GATE` alone like the decode graphs; the prefix's KV is
-kept by the graph (its addresses are baked in). At most `MAX_GRAPHS` graphs live (least recently used dropped).
+graph is captured per (rows, tokens, layer, prefix) the first time the shape is met (counted and timed:
+`captures`, `capture_s`, `replays`; each capture logged), on the engine's device, holding `CAPTURE_GATE` alone
+like the decode graphs. The graph reads the parameters and the prefix's KV by address: it keeps the KV alive,
+weights changed in place are read as they are (a changed prefix KV is a new key: a new graph), and a model
+whose parameters are *replaced* by new tensors must not use it (feature engines are frozen). At most
+`MAX_GRAPHS` graphs live (least recently used dropped).
 
 Opt-in (THINKCRAFT_HIDDEN_GRAPHS=1, `hidden_graphs_on`) until a GPU run measures it (bench/scale.py
---hidden-graphs); only for a frozen engine on CUDA without an SM partition (a partition's stream limits the SMs
+--hidden-graphs); only for a frozen model on CUDA without an SM partition (a partition's stream limits the SMs
 a graph captured on another stream would not), pooling "last". Anything else, or a capture that fails (one
 warning), takes the compiled path as before.
 """

@@ -62,9 +62,9 @@ class PrefillMixin:
         # layer, dynamic batch/length): fuses the norms, RoPE, SiLU and the cascade merge that otherwise
         # cost as much GPU time as the matmuls. Default: on for a frozen model (no parameter requires grad)
         # on CUDA; off for a model being trained (its compiled graphs would guard on changing weights).
+        self._frozen = not any(q.requires_grad for q in self._lm.parameters())
         if compile_prefill is None:
-            frozen = not any(q.requires_grad for q in self._lm.parameters())
-            compile_prefill = self.device.type == "cuda" and frozen
+            compile_prefill = self.device.type == "cuda" and self._frozen
         self.compile_prefill = compile_prefill
         self.quantize = quantize
         if quantize == "fp8":
@@ -146,8 +146,9 @@ class PrefillMixin:
 
     def _hidden_graphs(self) -> HiddenGraphs | None:
         """This engine's hidden-state graphs (hidden_graphs.py) when they may serve it: THINKCRAFT_HIDDEN_GRAPHS=1,
-        a frozen engine on CUDA, no SM partition; else None (the compiled layers)."""
-        if self.device.type != "cuda" or self._weight_update or self._sm is not None or not hidden_graphs_on():
+        a frozen model (no parameter requires grad: a feature engine's) on CUDA, no SM partition; else None (the
+        compiled layers)."""
+        if self.device.type != "cuda" or not self._frozen or self._sm is not None or not hidden_graphs_on():
             return None
         if getattr(self, "_graphs", None) is None:
             self._graphs = HiddenGraphs(self._layers_pooled, self.device, self.pad_id)
