@@ -793,7 +793,7 @@ class _NoGate:
     exclusive = shared
 
 
-def _replay_capture(run, device):  # noqa: ANN001, ANN202
+def _replay_capture(run, device, pool=None):  # noqa: ANN001, ANN202
     """A graph capture's stand-in on the CPU: `replay()` runs the captured function again into the same output
     tensor, reading the same input buffers - what a CUDA graph's replay does."""
     out = run()
@@ -826,7 +826,7 @@ def test_hidden_graph_padding_buckets_equal_the_unpadded_rows(layer: int) -> Non
     # buckets (8 x 32) x2, (16 x 32), (8 x 64): the second batch replayed the first one's graph
     assert (graphs.captures, graphs.replays, len(graphs.graphs)) == (3, 4, 3) and MAX_GRAPHS >= 3
 
-    def broken(run, device):  # noqa: ANN001, ANN202
+    def broken(run, device, pool=None):  # noqa: ANN001, ANN202
         raise RuntimeError("capture failed")
 
     bad = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=broken, gate=_NoGate())

@@ -384,9 +384,11 @@ class CacheMixin:
         return OrEager(step, self._forward_last, "manually captured decode step", log, on_failure=graphs.clear)
 
 
-def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], Any], torch.Tensor]:
+def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device, pool: Any = None
+                   ) -> tuple[Callable[[], Any], torch.Tensor]:
     """(replay, out): `run` warmed up on a side stream (it compiles there; a decode step's KV writes are the
-    step's own, written again by the replay), then captured in one CUDA graph whose replay refreshes `out`."""
+    step's own, written again by the replay), then captured in one CUDA graph whose replay refreshes `out`.
+    `pool` (`torch.cuda.graph_pool_handle()`): a memory pool shared with other graphs never replayed at once."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -398,7 +400,7 @@ def _graph_capture(run: Callable[[], torch.Tensor], device: torch.device) -> tup
     # stream=side, on the engine's device: torch.cuda.graph's default capture stream is one per process,
     # created on whichever device was current at the first capture - an engine on cuda:1 would capture on a
     # cuda:0 stream after an engine on cuda:0 captured first
-    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
         out = run()
     return graph.replay, out
 

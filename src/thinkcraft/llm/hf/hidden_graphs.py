@@ -74,6 +74,9 @@ class HiddenGraphs:
         self.forward, self.device, self.pad_id = forward, device, pad_id
         self.capture, self.gate = capture, gate
         self.graphs: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+        # one memory pool for all of this engine's graphs (one replays at a time, its output copied at once):
+        # the largest graph's activations, not the sum of them
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures, self.capture_s, self.replays = 0, 0.0, 0
         self.failed = False
 
@@ -113,7 +116,7 @@ class HiddenGraphs:
         begin = torch.zeros(bb, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
         with self.gate.exclusive():
-            replay, out = self.capture(lambda: self.forward(ids, start, idx, kv, begin, end, "last"), dev)
+            replay, out = self.capture(lambda: self.forward(ids, start, idx, kv, begin, end, "last"), dev, self.pool)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         log.info("hidden-state graph %d captured on %s (%d rows x %d tokens, layer %d): %.1f s", self.captures, dev,
