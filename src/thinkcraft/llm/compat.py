@@ -363,3 +363,16 @@ def green_context(sm_count: int, device_index: int) -> tuple[Any, torch.cuda.Str
 
     ctx = green_contexts.GreenContext.create(num_sms=sm_count, device_id=device_index)
     return ctx, ctx.Stream()
+
+
+def no_duck_shapes() -> Any:
+    """A context in which torch.compile gives every dynamic dimension its own symbol, even dimensions equal at
+    the first trace ("duck sizing" shares one symbol between them and guards on the equality; private config,
+    torch >= 2.1: a no-op context where it is missing)."""
+    try:
+        from torch.fx.experimental import _config
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    if not hasattr(_config, "use_duck_shape"):  # pragma: no cover
+        return contextlib.nullcontext()
+    return _config.patch(use_duck_shape=False)

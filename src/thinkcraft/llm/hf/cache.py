@@ -304,7 +304,14 @@ class CacheMixin:
         if fn is None:
             if prefill_compiled():
                 compiled = torch.compile(self._forward_last, dynamic=True)
-                fn = OrEager(compiled, self._forward_last, "compiled prefill", log)
+
+                def traced(*args: Any) -> torch.Tensor:
+                    # no "duck sizing": a first turn's key count equals its token count (nothing kept yet), and
+                    # a symbol shared on that coincidence compiled the whole stack again at the second turn
+                    with compat.no_duck_shapes():
+                        return compiled(*args)
+
+                fn = OrEager(traced, self._forward_last, "compiled prefill", log)
             else:
                 fn = self._forward_last
             self._prefill_fn = fn
