@@ -290,7 +290,7 @@ class IterationMixin:
         eng = self.eng
         slots = [s for s, _ in ended]
         toks = [self.h_tok[s, : self.h_n[s]].tolist() for s in slots]
-        texts = eng.tokenizer.batch_decode(toks, skip_special_tokens=True)  # one call for the rows that ended
+        texts = [eng.tokenizer.decode(t, skip_special_tokens=True) for t in toks]
         idx = to_device(np.asarray(slots, dtype=np.int64), eng.device)  # no sync with the step in flight
         self.state.active[idx] = False
         results = []
