@@ -18,3 +18,13 @@ class ConfigError(UserError):
 def check(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(field, message)
+
+
+def env_switch(name: str) -> bool:
+    """An opt-in switch read from the environment: "1" on, "0" or unset off, anything else a clear error."""
+    import os
+
+    v = os.environ.get(name, "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise UserError(f"{name} must be 0 or 1, got {v!r}")
+    return v == "1"

@@ -29,7 +29,7 @@ from thinkcraft.llm.hf.rows import RowState, Step, ThinkTokens, advance_and_plac
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import SlotKV
 from thinkcraft.llm.protocol import GenerationRequest
-from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.errors import UserError, env_switch
 from thinkcraft.utils.fallback import OrEager, compiled_or_eager
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,10 @@ class CacheMixin:
             self._prefill_fn = fn
         return fn
 
+    def _prefill_traced(self) -> bool:
+        """Whether the packed prefill runs traced (its attention kernel must then be loop-free on the CPU)."""
+        return isinstance(self._prefill_forward(), OrEager)
+
     def _compiled_step(self) -> Callable[..., torch.Tensor]:
         """The decode forward through torch.compile (CUDA graphs: "reduce-overhead"); eager, with one warning,
         if compiling fails. Its output is copied into the batcher's own logits buffer (graph outputs are
@@ -496,21 +500,11 @@ def decode_dynamic() -> bool | None:
     `bench/results/logs/s31_h200x4_async_2gpu_*.log`) met one width only and stalled alike with and without it:
     not the cause (`CaptureGate` ended the stall). Opt-in: `engine/graph_captures`, `engine/graph_capture_s` and
     the decode step's ms compare the two."""
-    import os
-
-    v = os.environ.get("THINKCRAFT_DECODE_DYNAMIC", "0").strip()
-    if v not in ("0", "1"):
-        raise UserError(f"THINKCRAFT_DECODE_DYNAMIC must be 0 or 1, got {v!r}")
-    return None if v == "1" else False
+    return None if env_switch("THINKCRAFT_DECODE_DYNAMIC") else False
 
 
 def prefill_compiled() -> bool:
     """THINKCRAFT_PREFILL_COMPILE: "1" runs the batcher's packed prefill through torch.compile
     (`CacheMixin._prefill_forward`), "0" or unset eagerly (the default until a GPU run shows the compiled one
     faster: bench/llm_policy_craftax.py --prefill-compile measures both)."""
-    import os
-
-    v = os.environ.get("THINKCRAFT_PREFILL_COMPILE", "0").strip() or "0"
-    if v not in ("0", "1"):
-        raise UserError(f"THINKCRAFT_PREFILL_COMPILE must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_switch("THINKCRAFT_PREFILL_COMPILE")

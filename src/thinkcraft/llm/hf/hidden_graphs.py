@@ -27,7 +27,6 @@ warning), takes the compiled path as before.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -35,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +46,7 @@ MAX_GRAPHS = 16
 def hidden_graphs_on() -> bool:
     """THINKCRAFT_HIDDEN_GRAPHS: "1" replays hidden-state forwards from CUDA graphs (module doc), "0" or unset
     does not (the default until a GPU run shows it faster)."""
-    v = os.environ.get("THINKCRAFT_HIDDEN_GRAPHS", "0").strip() or "0"
-    if v not in ("0", "1"):
-        raise UserError(f"THINKCRAFT_HIDDEN_GRAPHS must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_switch("THINKCRAFT_HIDDEN_GRAPHS")
 
 
 def bucket(n: int, m: int) -> int:

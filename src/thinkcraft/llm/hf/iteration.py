@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm.constrained import prompt_in_thought
-from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up, prefill_compiled
+from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
 from thinkcraft.llm.hf.rows import sample_rows
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, PrefillCtx, prefill_kernel
@@ -111,7 +111,7 @@ class IterationMixin:
         t = lambda a: to_device(a, dev)  # noqa: E731
         ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
                          t(tok_slot), t(tok_col), t(gather_slot), t(gather_col), key_index, t(cu_q), t(cu_k),
-                         int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype, prefill_compiled()))
+                         int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype, self._prefill_traced()))
         logits = self._prefill_forward()(ids, pos, ctx, t(cu_q[1:].astype(np.int64) - 1))
         idx = t(slots)
         self.logits[idx] = logits
