@@ -21,14 +21,15 @@
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
-#             30-minute session reaches about the first three): the hidden-state graphs' GPU test and one
-#             refresh alone with them on one engine and three in-process ones (llm/hf/hidden_graphs.py: do three
-#             engines in one process scale once their forwards cost no host time?); ppo-hidden with three Ray
-#             feature actors (one refresh alone, then skip 25 and 5; 2026-11-28: the actors' refresh is 2.41x
-#             one engine's, three in-process engines' is not faster), then the same with graphs; PPO on 1 and 4 GPUs (2 GPUs: 1.94x on 2026-11-27; each GPU
-#             count compiles for 2-4 minutes); llm-policy with 1, 2, 3 rollout GPUs (Ray engine actors, then
-#             in-process) + 1 learner GPU at 16 prompts per rollout engine (weak scaling) and their rows into
-#             scale.json; the in-process refresh and ppo-hidden rows last. Needs the tokenizer (as llm), and Ray
+#             30-minute session reaches about the first three): ppo-hidden with three Ray feature actors at skip 25
+#             (one refresh alone first; 2026-11-28: the actors' refresh is 2.41x one engine's, three in-process
+#             engines' is not faster); PPO on 1 and 4 GPUs (2 GPUs: 1.94x on 2026-11-27; each GPU count compiles for
+#             2-4 minutes); the same ppo-hidden rows at skip 5 and 25 with FP8 engines (scale.py --quantize fp8, as
+#             BENCHMARKS' one-GPU rows: skip 5 needs a refresh under ~64 ms); llm-policy with 1, 2, 3 rollout GPUs
+#             (Ray engine actors) + 1 learner GPU at 16 prompts per rollout engine (weak scaling) and their rows
+#             into scale.json; the hidden-state graphs' GPU test and refresh rows (llm/hf/hidden_graphs.py: do
+#             three in-process engines scale once their forwards cost no host time?), ppo-hidden with them; the
+#             in-process llm-policy, refresh and ppo-hidden rows last. Needs the tokenizer (as llm), and Ray
 #             carried: calls back to back on one x4 machine: carry [".ray-whl/part-00"] `true`; then carry
 #             [".ray-whl/part-01", ".ray-whl/deps", ".whl", ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null
 #             2>&1; source bench/carry_ray.sh install; bash bench/queues.sh scale > /tmp/q.log 2>&1; cat
@@ -100,13 +101,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
       "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
     scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-28's x4 session left: bench/HISTORY.md)
-      "@0,1,2,3 scale_graphtest 120 python -m pytest -m gpu tests/test_llm_hf.py -k hidden_graphs_on_gpu -x -q -p no:cacheprovider"
-      "@0,1,2,3 scale_refresh_graphs 360 python bench/scale.py --jobs refresh --gpus 1 4 --hidden-graphs"
-      "@0,1,2,3 scale_hidden_ray 900 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5 --feature-backend ray"
-      "@0,1,2,3 scale_hidden_ray_graphs 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray --hidden-graphs"
+      "@0,1,2,3 scale_hidden_ray25 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
       "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
+      "@0,1,2,3 scale_hidden_fp8 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 5 25 --updates 5 --feature-backend ray --quantize fp8"
       "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json"
+      "@0,1,2,3 scale_graphtest 120 python -m pytest -m gpu tests/test_llm_hf.py -k hidden_graphs_on_gpu -x -q -p no:cacheprovider"
+      "@0,1,2,3 scale_refresh_graphs 360 python bench/scale.py --jobs refresh --gpus 1 4 --hidden-graphs"
+      "@0,1,2,3 scale_hidden_ray_graphs 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray --hidden-graphs"
       "@0,1,2,3 scale_llm_weak 780 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --prompts-per-engine 16 --out bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_llm_rows 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_refresh 420 python bench/scale.py --jobs refresh --gpus 1 4"

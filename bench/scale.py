@@ -72,8 +72,8 @@ class EngineCache:
     """One feature engine per slot (a device; on the CPU, several slots share it), built once for every row
     that uses it; a ShardedEngine's restart after a fault builds a fresh one."""
 
-    def __init__(self, quick: bool, backend: str = "local") -> None:
-        self.quick, self.engines, self.backend = quick, {}, backend
+    def __init__(self, quick: bool, backend: str = "local", quantize: str = "none") -> None:
+        self.quick, self.engines, self.backend, self.quantize = quick, {}, backend, quantize
         self.ray_engine: tuple[int, Any] | None = None
         """--feature-backend ray: the actors of one GPU count at a time (they hold their GPUs)."""
 
@@ -81,7 +81,7 @@ class EngineCache:
         if fresh or slot not in self.engines:
             from ppo_hidden_sps import build_engine
 
-            self.engines[slot] = build_engine(self.quick, device=device)
+            self.engines[slot] = build_engine(self.quick, device=device, quantize=self.quantize)
         return self.engines[slot]
 
     def factory(self, slot: str, device: str) -> Any:
@@ -129,7 +129,7 @@ class EngineCache:
             env.update({k: os.environ[k] for k in ("THINKCRAFT_CACHE", "THINKCRAFT_HIDDEN_GRAPHS") if k in os.environ})
             connect("", hide_device=None if self.quick else "cuda:0", env_vars=env,
                     **({"num_cpus": 2} if self.quick else {}))
-            eng = ray_feature_engine(functools.partial(engine_on, quick=self.quick), k,
+            eng = ray_feature_engine(functools.partial(engine_on, quick=self.quick, quantize=self.quantize), k,
                                      gather_device=None if self.quick else "cuda:0", timeout_s=600, retries=1)
             self.ray_engine = (k, eng)
         return self.ray_engine[1], f"Ray actors x {k}"
@@ -244,6 +244,9 @@ def main() -> None:
     ap.add_argument("--hidden-graphs", action="store_true",
                     help="refresh / ppo-hidden: the feature engines replay their forwards from CUDA graphs "
                          "(THINKCRAFT_HIDDEN_GRAPHS=1, llm/hf/hidden_graphs.py); rows carry hidden_graphs")
+    ap.add_argument("--quantize", choices=["none", "fp8"], default="none",
+                    help="refresh / ppo-hidden: the feature engines' decoder matmuls in FP8 (as BENCHMARKS' one-GPU "
+                         "ppo-hidden rows); the reference row uses the same engines; rows carry quantize")
     ap.add_argument("--llm-rows", default=None, metavar="FILE",
                     help="llm-policy: the async bench's rows to read (its --out of a --placement dedicated --gpus 2 3 4 "
                          "run); the llm-policy job measures nothing itself")
@@ -265,6 +268,8 @@ def main() -> None:
     if args.hidden_graphs:  # read by every engine this process (or its Ray actors: `ray_features`) builds
         os.environ["THINKCRAFT_HIDDEN_GRAPHS"] = "1"
         stamp["hidden_graphs"] = True
+    if args.quantize != "none":
+        stamp["quantize"] = args.quantize
     out = args.out or str(Path(__file__).parent / "results" / ("scale_quick.json" if args.quick else "scale.json"))
     rows: list[dict[str, Any]] = []
 
@@ -273,13 +278,14 @@ def main() -> None:
         print("row:", {k: row.get(k) for k in ("job", "gpus", "skip_n", "num_envs", "sps", "records")}, flush=True)
         # (rows read from another run's file keep that run's card and date)
         write_records(out, [{**stamp, **r} for r in with_references(rows)],
-                      merge_keys=("job", "gpus", "skip_n", "feature_backend", "pool_backend", "batch", "hidden_graphs"))
+                      merge_keys=("job", "gpus", "skip_n", "feature_backend", "pool_backend", "batch", "hidden_graphs",
+                                  "quantize"))
 
     with tempfile.TemporaryDirectory() as runs_dir:
         if "ppo" in args.jobs:
             for g in gpus:
                 add(ppo_row(g, args.quick, runs_dir, updates))
-        engines = EngineCache(args.quick, args.feature_backend)
+        engines = EngineCache(args.quick, args.feature_backend, args.quantize)
         # rows of Ray actors (g > 1) are kept apart from the in-process ones (no column: in-process)
         tag = {"feature_backend": "ray"} if args.feature_backend == "ray" else {}
         try:
