@@ -6,8 +6,8 @@
 #
 #   1. here, once:             bench/carry_ray.sh prepare
 #        downloads ray (the version installed here) and its pure-Python needs for the device's Python 3.12,
-#        splits the wheel into .ray-whl/part-00, part-01, ... (PART_MB each, default 56: a part plus the
-#        ~3 MB repo stays under 64 MiB) and writes .ray-whl/SHA256; prints the calls to make.
+#        splits the wheel into .ray-whl/part-00, part-01, ... (PART_MB each, default 50: a part plus the
+#        ~12 MB tracked tree stays under 64 MiB) and writes .ray-whl/SHA256; prints the calls to make.
 #   2. one device call per part, same kind, while the machine stays warm (command `true` is enough):
 #        carry [".ray-whl/part-00"], then [".ray-whl/part-01", ".ray-whl/deps"], ...
 #   3. in the call that uses Ray (no need to carry the parts again):
@@ -15,7 +15,7 @@
 #      joins the parts, checks the sha256, installs into /tmp/site and puts it on PYTHONPATH.
 [[ "${BASH_SOURCE[0]}" == "$0" ]] && set -euo pipefail  # not when sourced: it would stay in the caller's shell
 DIR=.ray-whl
-PART_MB=${PART_MB:-56}
+PART_MB=${PART_MB:-50}
 PY=${PY:-/work/main/.venv/bin/python}
 source "$(dirname "${BASH_SOURCE[0]}")/carry_lib.sh"
 DEPS="click jsonschema jsonschema-specifications referencing rpds-py attrs msgpack protobuf pyyaml filelock packaging
