@@ -58,10 +58,12 @@ def engine_on(device: str, quick: bool = False, quantize: str = "none"):
     return build_engine(quick, device=device, quantize=quantize)[0]
 
 
-def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None = None) -> tuple[float, float]:
+def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None = None,
+                 profile=None) -> tuple[float, float]:
     """(suffix tokens per env, prefill tokens/s of the suffixes) on real compact texts of `num_envs` fresh
     envs: raw (no prefix: the rate the skip_n=1 limit is defined by), or after a shared `prefix` of token
-    ids (the cascade path ppo-hidden runs)."""
+    ids (the cascade path ppo-hidden runs). `profile(fn)`, when given, is called once after the timed calls
+    with one more call of the same batch (e.g. common.torch_profile around it)."""
     import jax
     import torch
 
@@ -85,6 +87,8 @@ def prefill_rate(engine, env_name: str, num_envs: int, prefix: list[int] | None 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if profile is not None:
+        profile(lambda: engine.hidden_states_torch(batch))
     return n_tok / num_envs, n_tok / statistics.median(times)
 
 

@@ -21,15 +21,15 @@
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
-#             30-minute session reaches about the first three): ppo-hidden with three Ray feature actors at skip 25
-#             (one refresh alone first; 2026-11-28: the actors' refresh is 2.41x one engine's, three in-process
-#             engines' is not faster); PPO on 1 and 4 GPUs (2 GPUs: 1.94x on 2026-11-27; each GPU count compiles for
-#             2-4 minutes); the same ppo-hidden rows at skip 5 and 25 with FP8 engines (scale.py --quantize fp8, as
-#             BENCHMARKS' one-GPU rows: skip 5 needs a refresh under ~64 ms); llm-policy with 1, 2, 3 rollout GPUs
-#             (Ray engine actors) + 1 learner GPU at 16 prompts per rollout engine (weak scaling) and their rows
-#             into scale.json; the hidden-state graphs' GPU test and refresh rows (llm/hf/hidden_graphs.py: do
-#             three in-process engines scale once their forwards cost no host time?), ppo-hidden with them; the
-#             in-process llm-policy, refresh and ppo-hidden rows last. Needs the tokenizer (as llm), and Ray
+#             30-minute session reaches about the first three): one refresh alone under torch.profiler on one
+#             engine and on three in-process ones (scale.py --profile-refresh: how much of a refresh the kernels
+#             fill, and with what - 2026-11-28: in the loop three Ray actors took ~97-118 ms a refresh against an
+#             ideal 63); llm-policy with 1, 2, 3 rollout GPUs (Ray engine actors) + 1 learner GPU at 16 prompts per
+#             rollout engine (weak scaling) and their rows into scale.json; the hidden-state graphs' GPU test and
+#             refresh rows (llm/hf/hidden_graphs.py: do three in-process engines scale once their forwards cost no
+#             host time?), ppo-hidden with them; the in-process llm-policy, refresh and ppo-hidden rows; last, the
+#             rows measured on 2026-11-28 (4 x H200: ppo-hidden with three Ray actors, bf16 and fp8; PPO on 4 GPUs).
+#             Needs the tokenizer (as llm), and Ray
 #             carried: calls back to back on one x4 machine: carry [".ray-whl/part-00"] `true`; then carry
 #             [".ray-whl/part-01", ".ray-whl/deps", ".whl", ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null
 #             2>&1; source bench/carry_ray.sh install; bash bench/queues.sh scale > /tmp/q.log 2>&1; cat
@@ -101,9 +101,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
       "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
     scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-28's x4 session left: bench/HISTORY.md)
-      "@0,1,2,3 scale_hidden_ray25 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
-      "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
-      "@0,1,2,3 scale_hidden_fp8 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 5 25 --updates 5 --feature-backend ray --quantize fp8"
+      "@0,1,2,3 scale_refresh_profile 300 python bench/scale.py --jobs refresh --gpus 1 4 --profile-refresh"
       "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_graphtest 120 python -m pytest -m gpu tests/test_llm_hf.py -k hidden_graphs_on_gpu -x -q -p no:cacheprovider"
@@ -112,7 +110,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 scale_llm_weak 780 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --prompts-per-engine 16 --out bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_llm_rows 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_weak.json"
       "@0,1,2,3 scale_refresh 420 python bench/scale.py --jobs refresh --gpus 1 4"
-      "@0,1,2,3 scale_hidden 780 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5") ;;
+      "@0,1,2,3 scale_hidden 780 python bench/scale.py --jobs ppo-hidden --gpus 1 4 --skip-n 25 5 --updates 5"
+      "@0,1,2,3 scale_hidden_ray25 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
+      "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
+      "@0,1,2,3 scale_hidden_fp8 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 5 25 --updates 5 --feature-backend ray --quantize fp8") ;;
     pair) jobs=(  # one x4 machine, two lanes side by side: issue 20 on GPUs 0,1; issue 21's diagnosis on 2,3 (Ray carried)
       "@0,1 async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@0,1 async_2gpu_dedicated_si 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --switch-interval-ms 0.5 --out bench/results/logs/async_2gpu_dedicated_si.json"

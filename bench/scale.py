@@ -168,11 +168,13 @@ def ppo_hidden_row(gpus: int, skip_n: int, quick: bool, runs_dir: str, updates: 
     return row
 
 
-def refresh_row(gpus: int, quick: bool, engines: EngineCache) -> dict[str, Any]:
+def refresh_row(gpus: int, quick: bool, engines: EngineCache, profile_base: Path | None = None) -> dict[str, Any]:
     """One ppo-hidden refresh alone (no env running beside it): the hidden states of 136 fresh Craftax-Symbolic
     compact texts (128 envs + the reset pool's 8 worlds) after the default instructions, on g = 1: one engine
     on cuda:0; g > 1: g - 1 engines on cuda:1.. (sharded). Says whether the feature engines scale by
-    themselves, apart from the training loop around them (2026-11-27: the loop's refresh did not)."""
+    themselves, apart from the training loop around them (2026-11-27: the loop's refresh did not).
+    `profile_base`: one more refresh under torch.profiler (`<base>-g<g>.{txt,json}`: the kernels' share of its
+    wall time and the top operators; in-process engines only - a Ray actor's kernels run in its own process)."""
     from ppo_hidden_sps import prefill_rate
 
     from thinkcraft.llm.protocol import Batch
@@ -185,10 +187,25 @@ def refresh_row(gpus: int, quick: bool, engines: EngineCache) -> dict[str, Any]:
     env_name = "craftax-classic" if quick else "Craftax-Symbolic-v1"
     prefix, _ = engine.tokenize_batch(Batch([""], prefix=make_prompt_prefix(PPOHiddenConfig(env_name=env_name))))
     calls0 = getattr(engine, "calls", 0)
-    tok_per_env, tok_s = prefill_rate(engine, env_name, n, prefix)
+    summary: dict[str, Any] = {}
+
+    def profile(fn: Any) -> None:
+        import torch
+        from common import torch_profile
+
+        summary.update(torch_profile(fn, torch.cuda.is_available(), Path(f"{profile_base}-g{gpus}"),
+                                     f"refresh, {gpus} GPU(s), {desc}")[1])
+
+    in_process = not desc.startswith("Ray")
+    tok_per_env, tok_s = prefill_rate(engine, env_name, n, prefix,
+                                      profile=profile if profile_base is not None and in_process else None)
     ms = 1000.0 * tok_per_env * n / tok_s
     row = {"job": "refresh", "gpus": gpus, "skip_n": None, "num_envs": n, "refresh_ms": ms,
            "refreshes_per_s": 1000.0 / ms, "suffix_tokens_per_env": tok_per_env, "engine": desc}
+    if summary:  # the profiled refresh: how much of its wall time the devices' kernels fill, and with what
+        row.update(profile_wall_ms=1000.0 * summary["wall_s"], profile_device_busy_frac=summary["device_busy_frac"],
+                   profile_kernels=summary["device_kernels"],
+                   profile_top_device_ops=summary["top_device_ops"][:8])
     med = median_call_ms(engine, since=calls0, skip=1)  # after prefill_rate's warm-up call (its compiles)
     if med:  # each engine's own ms per call (its shard) against the call's: equal = side by side
         row["refresh_call_ms"], row["shard_ms"] = med
@@ -247,6 +264,9 @@ def main() -> None:
     ap.add_argument("--quantize", choices=["none", "fp8"], default="none",
                     help="refresh / ppo-hidden: the feature engines' decoder matmuls in FP8 (as BENCHMARKS' one-GPU "
                          "ppo-hidden rows); the reference row uses the same engines; rows carry quantize")
+    ap.add_argument("--profile-refresh", action="store_true",
+                    help="refresh: one more refresh under torch.profiler per in-process row (<out>_refresh_profile-g<g>"
+                         ".{txt,json}; the row gets its kernels' busy share and top operators)")
     ap.add_argument("--llm-rows", default=None, metavar="FILE",
                     help="llm-policy: the async bench's rows to read (its --out of a --placement dedicated --gpus 2 3 4 "
                          "run); the llm-policy job measures nothing itself")
@@ -272,6 +292,7 @@ def main() -> None:
         stamp["quantize"] = args.quantize
     out = args.out or str(Path(__file__).parent / "results" / ("scale_quick.json" if args.quick else "scale.json"))
     rows: list[dict[str, Any]] = []
+    profile_base = Path(out).with_name(Path(out).stem + "_refresh_profile") if args.profile_refresh else None
 
     def add(row: dict[str, Any]) -> None:  # each row written as soon as it is measured: a cut run keeps it
         rows.append(row)
@@ -291,7 +312,7 @@ def main() -> None:
         try:
             if "refresh" in args.jobs:  # first: seconds, and it warms every engine the ppo-hidden rows use
                 for g in gpus:
-                    add({**refresh_row(g, args.quick, engines), **(tag if g > 1 else {})})
+                    add({**refresh_row(g, args.quick, engines, profile_base), **(tag if g > 1 else {})})
             if "ppo-hidden" in args.jobs:
                 for s in skips:
                     for g in gpus:
