@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from thinkcraft.pools import ray_weights as RW
-from thinkcraft.pools.ray_backend import RayLayout, placement_timeout_message, require_ray
+from thinkcraft.pools.ray_backend import ActorLost, RayLayout, placement_timeout_message, require_ray
 from thinkcraft.utils.errors import ConfigError, UserError
 
 TESTS = Path(__file__).resolve().parent
@@ -248,8 +248,11 @@ def test_engine_actor_decode_counters_reach_the_driver_and_survive_a_replacement
     assert first["decode_steps"] >= 4 and first["generated_tokens"] >= 8
     _kill_and_wait_dead(ray, handle.actor)
     assert engine.decode_metrics() == first  # a dead actor: the last reading, no error
-    assert handle.restarts == 1  # (the failed call replaced it)
-    engine.generate(batch, sampling)
+    assert handle.restarts == 0  # a read replaces nothing (a fresh actor still starting would be killed)
+    with pytest.raises(ActorLost, match="died"):
+        engine.generate(batch, sampling)  # the next real call finds it dead and replaces it
+    assert handle.restarts == 1
+    engine.generate(batch, sampling)  # the fresh actor counts from zero
     after = engine.decode_metrics()
     assert after["decode_steps"] >= first["decode_steps"] + 4
     assert after["generated_tokens"] >= first["generated_tokens"] + 8

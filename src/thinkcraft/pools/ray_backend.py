@@ -420,13 +420,17 @@ class RayEngine:
     def decode_metrics(self) -> dict[str, float]:
         """The actor engine's decode counters, summed over the actors this slot has had (a replacement starts
         from zero: the ones it replaced are kept, so the driver's deltas never go backwards); what a dead or
-        silent actor cannot tell (10 s) is left out of that update's metrics - never a stall or an error."""
+        silent actor cannot tell (10 s) is left out of that update's metrics - never a stall or an error. A
+        read never replaces the actor: a fresh one still starting (its process, its model) answers late, and
+        a dead one is replaced by the next generate, whose caller re-issues the work."""
+        import ray
+
+        restarts, actor = self.restarts, self.actor  # read together: a reading belongs to this incarnation
         try:
-            got = self.call("decode_metrics", timeout_s=10.0)
+            got = ray.get(actor.decode_metrics.remote(), timeout=10.0)
         except Exception as e:  # noqa: BLE001 - a metric is not worth failing a step for
             log.info("%s: no decode counters this update (%s)", self.actor_handle.name, type(e).__name__)
             return dict(self._counters_before)
-        restarts = self.restarts
         if restarts != self._restarts_seen:  # a fresh actor: its predecessor's last reading stays in the sum
             self._base = dict(self._counters_before)
             self._restarts_seen = restarts
