@@ -21,11 +21,17 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/thinkcraft demo
 
+# Two pytest workers, one test file each at a time (--dist loadfile: a module's shared fixtures - a Ray
+# cluster, a served model - stay in one process): the suite is single-threaded work (compiles, small
+# models), so two workers halve it on the 2-core CI machine. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 clean:
 	rm -rf $(VENV) .cache runs
