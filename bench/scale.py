@@ -196,7 +196,7 @@ def refresh_row(gpus: int, quick: bool, engines: EngineCache, profile_base: Path
         summary.update(torch_profile(fn, torch.cuda.is_available(), Path(f"{profile_base}-g{gpus}"),
                                      f"refresh, {gpus} GPU(s), {desc}")[1])
 
-    in_process = not desc.startswith("Ray")
+    in_process = gpus == 1 or engines.backend != "ray"  # (a Ray actor's kernels run in its own process)
     tok_per_env, tok_s = prefill_rate(engine, env_name, n, prefix,
                                       profile=profile if profile_base is not None and in_process else None)
     ms = 1000.0 * tok_per_env * n / tok_s
