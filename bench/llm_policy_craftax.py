@@ -90,6 +90,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-update", type=int, default=None, metavar="STEP",
                    help="torch.profiler over the learner update of step STEP (-1: the last): the top operators by "
                         "device and host time and the kernel count in <out>_learner_profile-<case>.{txt,json}")
+    p.add_argument("--profile-rollout", type=int, default=None, metavar="STEP",
+                   help="torch.profiler over the rollout (generation + env) of step STEP (-1: the last): where the "
+                        "decode steps' and prefills' device time goes, in <out>_rollout_profile-<case>.{txt,json}; "
+                        "that step is left out of the rates, as --profile-update's")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
     if a.quick:
@@ -116,16 +120,17 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         plot=False, seed=0)
 
 
-def steady_steps(recs: list[Any], profiled: int | None) -> list[Any]:
-    """The steps the rates average: after the first (it compiles), without the one whose learner update ran
-    under torch.profiler (2026-11-27, H200: 37.1 s against 10.7-11.2 s, and it was in the means) - measured
-    apart, in its own file. With no other step left, the profiled one; with one step, that step."""
-    return [r for i, r in enumerate(recs) if i >= 1 and i != profiled] or recs[1:] or recs
+def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
+    """The steps the rates average: after the first (it compiles), without those whose learner update or
+    rollout ran under torch.profiler (2026-11-27, H200: 37.1 s against 10.7-11.2 s, and it was in the means) -
+    measured apart, in their own files. With no other step left, the profiled ones; with one step, that step."""
+    return [r for i, r in enumerate(recs) if i >= 1 and i not in profiled] or recs[1:] or recs
 
 
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
     import torch
 
+    from thinkcraft.train.llm_policy import loop
     from thinkcraft.train.llm_policy.loop import Carry, build_policy, train_step
     from thinkcraft.utils.timing import PhaseTimer
 
@@ -137,6 +142,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         update = policy.learner.update
 
         profile_at = None if a.profile_update is None else a.profile_update % a.steps
+        rollout_at = None if a.profile_rollout is None else a.profile_rollout % a.steps
 
         def measured_update(*args: Any, **kw: Any) -> Any:  # the peak of the learner phase alone
             if cuda:
@@ -154,6 +160,17 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             return out
 
         policy.learner.update = measured_update
+        plain_rollout = loop.rollout
+
+        def measured_rollout(*args: Any, **kw: Any) -> Any:  # the train step calls the loop module's `rollout`
+            if len(recs) != rollout_at:
+                return plain_rollout(*args, **kw)
+            label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
+            out, _ = torch_profile(lambda: plain_rollout(*args, **kw), cuda,
+                                   Path(a.out).with_name(f"{Path(a.out).stem}_rollout_profile-{label}"), label)
+            return out
+
+        loop.rollout = measured_rollout
         recs, carry, timer = [], Carry(), PhaseTimer()
         prof: Any = contextlib.nullcontext()
         if a.profile_steady > 0:  # after steps 0 (compiles) and 1 (the first after a weight update)
@@ -179,6 +196,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                       f"decode graphs captured {rec.get('engine/graph_captures', 0):.0f} in "
                       f"{rec.get('engine/graph_capture_s', 0):.1f} s)",
                       flush=True)
+        loop.rollout = plain_rollout
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
@@ -186,7 +204,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    steady = steady_steps(recs, profile_at)
+    steady = steady_steps(recs, profile_at, rollout_at)
     turns = [r["episode/turns"] * num_envs for r in steady]
     step_s = [r["timing/step"] for r in steady]
     gen_s = [r.get("timing/generate", 0.0) for r in steady]
@@ -238,7 +256,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
         "decode_graphs": decode_graphs_column(),
-        "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at, "env": a.env,
+        "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
+        "rollout_profiled_step": rollout_at, "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,

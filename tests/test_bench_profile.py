@@ -101,6 +101,7 @@ def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
     assert bench.steady_steps([0, 1, 2, 3], None) == [1, 2, 3]
     assert bench.steady_steps([0, 1], 1) == [1]  # nothing else after the first: the profiled step
     assert bench.steady_steps([0], None) == [0]
+    assert bench.steady_steps([0, 1, 2, 3], 2, 3) == [1]  # the learner-profiled and the rollout-profiled steps
 
 
 def test_async_bench_weak_scaling_gives_each_rollout_engine_the_same_prompts(tmp_path) -> None:
