@@ -90,6 +90,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-update", type=int, default=None, metavar="STEP",
                    help="torch.profiler over the learner update of step STEP (-1: the last): the top operators by "
                         "device and host time and the kernel count in <out>_learner_profile-<case>.{txt,json}")
+    p.add_argument("--submit-chunk", type=int, default=None, metavar="N",
+                   help="episodes whose next prompts are built and submitted before the engine steps again "
+                        "(the rollout's SUBMIT_CHUNK; default: the library's)")
     p.add_argument("--profile-rollout", type=int, default=None, metavar="STEP",
                    help="torch.profiler over the rollout (generation + env) of step STEP (-1: the last): where the "
                         "decode steps' and prefills' device time goes, in <out>_rollout_profile-<case>.{txt,json}; "
@@ -118,6 +121,12 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
         device=a.device, store=False,
         plot=False, seed=0)
+
+
+def _library_submit_chunk() -> int:
+    from thinkcraft.train.llm_policy.rollout import SUBMIT_CHUNK
+
+    return SUBMIT_CHUNK
 
 
 def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
@@ -160,6 +169,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             return out
 
         policy.learner.update = measured_update
+        if a.submit_chunk:
+            from thinkcraft.train.llm_policy import rollout as rollout_module
+
+            rollout_module.SUBMIT_CHUNK = a.submit_chunk
         plain_rollout = loop.rollout
 
         def measured_rollout(*args: Any, **kw: Any) -> Any:  # the train step calls the loop module's `rollout`
@@ -257,7 +270,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
         "decode_graphs": decode_graphs_column(),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
-        "rollout_profiled_step": rollout_at, "env": a.env,
+        "rollout_profiled_step": rollout_at,
+        "submit_chunk": a.submit_chunk or _library_submit_chunk(), "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,

@@ -18,8 +18,9 @@
 #             then the compiled learner + prefill, and the async bench on the GSM8K layout. The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
-#   llm1      one GPU: issue 19's Craftax rollout with the compiled prefill and without, each profiling its last
-#             step's rollout under torch.profiler (needs the tokenizer: the llm set's one call, then collects)
+#   llm1      one GPU: issue 19's Craftax rollout with all 256 prompts of a turn submitted at once, with the
+#             "dynamic" decode width, both; then the compiled prefill (2026-11-28: its first step did not end in
+#             580 s, in the learner's backward) (needs the tokenizer: the llm set's one call, then collects)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -98,10 +99,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$c1 craftax_auto 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_auto.json"
       "@$c0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --prefill-compile --out bench/results/logs/craftax_compiled.json"
       "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
-    llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout profiled, compiled prefill
-                  # beside the eager one (each profiles its last step's rollout: where decode and prefill time goes)
-      "@0 craftax_prefill 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-rollout -1 --out bench/results/logs/craftax_prefill.json"
-      "@0 craftax_auto 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-rollout -1 --out bench/results/logs/craftax_auto.json") ;;
+    llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout, the prompt chunk and the
+                  # decode width (the rollout profile of that day: 299 decode steps of 7.2 ms with the host waiting
+                  # 1.1 ms of each, 42 prefills of ~67 ms with ~24 ms of device time each)
+      "@0 craftax_chunk256 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --submit-chunk 256 --out bench/results/logs/craftax_chunk256.json"
+      "@0 craftax_dyn256 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --submit-chunk 256 --kv-cache dynamic --out bench/results/logs/craftax_dyn256.json"
+      "@0 craftax_dynamic 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
+      "@0 craftax_prefill 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-rollout -1 --out bench/results/logs/craftax_prefill.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
