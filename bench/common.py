@@ -135,16 +135,16 @@ def decode_means(recs: list[dict[str, Any]]) -> dict[str, float]:
     return {k.split("/")[1]: sum(r.get(k, 0.0) * w for r, w in zip(recs, n)) / sum(n) for k in keys}
 
 
-def decode_graphs_column() -> str | None:
+def decode_graphs_column(width: str = "static") -> str | None:
     """A row's `decode_graphs`: "manual" for the hand-captured decode graph (llm/hf/cache.py; the default since
     2026-11-27), None for torch.compile's graph trees (THINKCRAFT_DECODE_GRAPHS=trees; rows written before the
     column existed ran them), so the two never merge; "manual-dynamic" for the manual graph over one compile with
-    a symbolic width (THINKCRAFT_DECODE_DYNAMIC=1)."""
+    a symbolic width (THINKCRAFT_DECODE_DYNAMIC=1, or unset with `width` "dynamic": `cache.decode_dynamic`)."""
     from thinkcraft.llm.hf.cache import decode_dynamic, decode_graphs
 
     if decode_graphs() != "manual":
         return None
-    return "manual-dynamic" if decode_dynamic() is None else "manual"
+    return "manual-dynamic" if decode_dynamic(width) is None else "manual"
 
 
 

@@ -268,7 +268,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
-        "decode_graphs": decode_graphs_column(),
+        "decode_graphs": decode_graphs_column(engine_cfg[0]),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
         "rollout_profiled_step": rollout_at,
         "submit_chunk": a.submit_chunk or _library_submit_chunk(), "env": a.env,

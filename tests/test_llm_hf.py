@@ -692,8 +692,9 @@ def test_decode_graphs_setting(monkeypatch) -> None:
 
 
 def test_decode_dynamic_setting_and_the_bench_column(monkeypatch) -> None:
-    """THINKCRAFT_DECODE_DYNAMIC: the manual step's compile is width-specialised unless 1 (automatic dynamic);
-    the benches' `decode_graphs` column tells the two apart, so their rows never merge."""
+    """THINKCRAFT_DECODE_DYNAMIC: the manual step's compile is width-specialised unless 1 (automatic dynamic),
+    and for the "dynamic" width automatic unless 0; the benches' `decode_graphs` column tells the two apart, so
+    their rows never merge."""
     import sys
     from pathlib import Path
 
@@ -705,8 +706,11 @@ def test_decode_dynamic_setting_and_the_bench_column(monkeypatch) -> None:
     monkeypatch.delenv("THINKCRAFT_DECODE_GRAPHS", raising=False)
     monkeypatch.delenv("THINKCRAFT_DECODE_DYNAMIC", raising=False)
     assert decode_dynamic() is False and decode_graphs_column() == "manual"
+    assert decode_dynamic("dynamic") is None and decode_graphs_column("dynamic") == "manual-dynamic"
     monkeypatch.setenv("THINKCRAFT_DECODE_DYNAMIC", "1")
     assert decode_dynamic() is None and decode_graphs_column() == "manual-dynamic"
+    monkeypatch.setenv("THINKCRAFT_DECODE_DYNAMIC", "0")
+    assert decode_dynamic("dynamic") is False and decode_graphs_column("dynamic") == "manual"
     monkeypatch.setenv("THINKCRAFT_DECODE_DYNAMIC", "yes")
     with pytest.raises(UserError, match="0 or 1"):
         decode_dynamic()

@@ -348,7 +348,7 @@ class CacheMixin:
         A capture holds `CAPTURE_GATE` alone: one capture at a time in the process (torch allows one; two engines'
         slot threads, one engine per GPU, would otherwise capture at once) and no other engine's decode step
         meanwhile (see `CaptureGate`); each capture runs on a stream of its engine's device."""
-        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic())
+        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic(self.width))
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
         owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]
@@ -490,16 +490,24 @@ def decode_graphs() -> str:
     return mode
 
 
-def decode_dynamic() -> bool | None:
-    """The manually captured step's torch.compile `dynamic`, from THINKCRAFT_DECODE_DYNAMIC: unset or "0" = False
-    (the default: every decode width - a multiple of 128 columns - compiles its own specialised graph); "1" = None
-    (torch's automatic dynamic: the second width compiles one graph with a symbolic width that every later width
-    reuses; the CUDA graphs are still captured per width). Why it exists: two engines (one per GPU) each compile
-    every width they meet, one at a time, from threads that share the GIL with the rollout workers - suspected
-    (2026-11-27) of the 2-GPU async runs' first steps of many minutes. That day's last runs (H200,
-    `bench/results/logs/s31_h200x4_async_2gpu_*.log`) met one width only and stalled alike with and without it:
-    not the cause (`CaptureGate` ended the stall). Opt-in: `engine/graph_captures`, `engine/graph_capture_s` and
-    the decode step's ms compare the two."""
+def decode_dynamic(width: str = "static") -> bool | None:
+    """The manually captured step's torch.compile `dynamic`, from THINKCRAFT_DECODE_DYNAMIC: "0" = False (every
+    decode width - a multiple of 128 columns - compiles its own specialised graph); "1" = None (torch's
+    automatic dynamic: the second width compiles one graph with a symbolic width that every later width reuses;
+    the CUDA graphs are still captured per width); unset = None for the "dynamic" width (`kv_cache`), False for
+    the "static" one (one width: nothing to share).
+    Why the "dynamic" width's default: specialised, every width a rollout meets compiles anew - Craftax
+    llm-policy at 256 envs (Qwen2.5-0.5B shape, H200, 2026-11-28, `bench/results/logs/s36_craftax_dyn256.log`)
+    had not finished its first step after 480 s, in the compile of yet another width (the static width's first
+    step: 73 s). Why the switch exists at all: two engines (one per GPU) each compile every width they meet, one
+    at a time, from threads that share the GIL with the rollout workers - suspected (2026-11-27) of the 2-GPU
+    async runs' first steps of many minutes; that day's last runs (`bench/results/logs/s31_h200x4_async_2gpu_*.log`)
+    met one width only and stalled alike with and without it: not the cause (`CaptureGate` ended the stall).
+    `engine/graph_captures`, `engine/graph_capture_s` and the decode step's ms compare the two."""
+    import os
+
+    if os.environ.get("THINKCRAFT_DECODE_DYNAMIC", "").strip() == "":
+        return None if width == "dynamic" else False
     return None if env_switch("THINKCRAFT_DECODE_DYNAMIC") else False
 
 
