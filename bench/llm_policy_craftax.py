@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "date": today()})
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
-                                                       "learner_compile", "prefill_compile"))
+                                                       "learner_compile", "prefill_compile", "kv_cache", "submit_chunk"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
