@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: install
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q --durations=30 $(XDIST)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(XDIST)

@@ -40,7 +40,7 @@ def module_servers():
 # The longest test files first (their minutes on a 2-core CPU, 2026-11-28), then the rest in their usual order:
 # `make test` hands whole files to two workers as they free up (pytest-xdist --dist loadfile), and a long file
 # taken last runs on alone while the other worker idles (a 42-minute run had ~10 minutes of that).
-HEAVY_FIRST = ("test_sharding", "test_seeds", "test_rnn", "test_ppo_hidden", "test_program_cache",
+HEAVY_FIRST = ("test_sharding", "test_sharding_runs", "test_seeds", "test_rnn", "test_ppo_hidden", "test_program_cache",
                "test_feature_engines", "test_train_ppo", "test_hidden_pool", "test_llm_packed", "test_demo",
                "test_envs", "test_llm_batching", "test_pools_ray", "test_async_faults", "test_label_serve")
 

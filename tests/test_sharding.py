@@ -59,15 +59,8 @@ def test_sharded_chunk_equals_the_same_program_on_one_device_and_combines_with_s
     assert out.count("ok") == 4, out
 
 
-@pytest.mark.slow
-def test_train_ppo_devices_2_runs_resumes_and_evaluates(tmp_path):
-    assert "ok" in run_check("train_ppo", str(tmp_path / "run"), devices=2)
-
-
-@pytest.mark.slow
-def test_ppo_hidden_devices_2_equals_the_same_program_on_one_device(tmp_path):
-    out = run_check("ppo_hidden", str(tmp_path), devices=2)
-    assert out.count("ok") == 2, out
+# `train ppo --devices 2` end to end and ppo-hidden on 2 devices: tests/test_sharding_runs.py (their checks are
+# `check_train_ppo` / `check_ppo_hidden` below; a file of their own so that CI's two workers share the minutes)
 
 
 def test_devices_config_checks_and_one_device_is_the_unsharded_program(capsys):
