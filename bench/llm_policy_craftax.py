@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -99,6 +100,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                         "that step is left out of the rates, as --profile-update's")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
+    if a.submit_chunk is not None and a.submit_chunk < 1:
+        p.error(f"--submit-chunk must be >= 1, got {a.submit_chunk}")
     if a.quick:
         a.shapes, a.num_envs, a.thinking_budgets = ["tiny"], [4], [0, 6]
         a.max_new_tokens, a.max_turns, a.group_size, a.steps, a.env = 6, 2, 2, 2, "craftax-classic"
@@ -136,12 +139,41 @@ def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
     return [r for i, r in enumerate(recs) if i >= 1 and i not in profiled] or recs[1:] or recs
 
 
+def _run_steps(a: argparse.Namespace, cfg: Any, policy: Any, recs: list[Any], prof: Any, shape: str, num_envs: int,
+               budget: int) -> None:
+    """The measured train steps (records appended to `recs`, each step's line printed)."""
+    from thinkcraft.train.llm_policy.loop import Carry, train_step
+    from thinkcraft.utils.timing import PhaseTimer
+
+    carry, timer = Carry(), PhaseTimer()
+    with prof:
+        for step in range(a.steps):
+            timer.reset()
+            t0 = time.perf_counter()
+            rec, carry = train_step(cfg, policy, step, carry, None, timer)
+            rec["wall_s"] = time.perf_counter() - t0
+            recs.append(rec)
+            print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
+                  f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
+                  f"train {rec.get('timing/train', 0):.2f} in micro-batches of {rec.get('learner/micro_batch_tokens', 0):.0f} "
+                  f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
+                  f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
+                  f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows; prefill {rec.get('engine/prefill_s', 0):.2f} s in "
+                  f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens; "
+                  f"decode graphs captured {rec.get('engine/graph_captures', 0):.0f} in "
+                  f"{rec.get('engine/graph_capture_s', 0):.1f} s)",
+                  flush=True)
+
+
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
     import torch
 
     from thinkcraft.train.llm_policy import loop
-    from thinkcraft.train.llm_policy.loop import Carry, build_policy, train_step
-    from thinkcraft.utils.timing import PhaseTimer
+    from thinkcraft.train.llm_policy.loop import build_policy
+
+    # the module by its full name: the package's `rollout` attribute is the function of that name, and setting
+    # SUBMIT_CHUNK on a function fails silently (2026-11-28: a "--submit-chunk 256" GPU run kept 64)
+    rollout_module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(a, shape, num_envs, budget, tmp)
@@ -169,11 +201,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             return out
 
         policy.learner.update = measured_update
-        if a.submit_chunk:
-            from thinkcraft.train.llm_policy import rollout as rollout_module
-
-            rollout_module.SUBMIT_CHUNK = a.submit_chunk
-        plain_rollout = loop.rollout
+        plain_rollout, plain_chunk = loop.rollout, rollout_module.SUBMIT_CHUNK
+        rollout_module.SUBMIT_CHUNK = a.submit_chunk or plain_chunk
 
         def measured_rollout(*args: Any, **kw: Any) -> Any:  # the train step calls the loop module's `rollout`
             if len(recs) != rollout_at:
@@ -184,7 +213,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             return out
 
         loop.rollout = measured_rollout
-        recs, carry, timer = [], Carry(), PhaseTimer()
+        recs: list[Any] = []
         prof: Any = contextlib.nullcontext()
         if a.profile_steady > 0:  # after steps 0 (compiles) and 1 (the first after a weight update)
             from steady_profile import SteadyProfile
@@ -192,24 +221,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             out = Path(a.out)
             prof = SteadyProfile(lambda: len(recs) >= 2, out.with_name(out.stem + "_profile.json"),
                                  f"{shape}-{num_envs}envs-budget{budget}", seconds=a.profile_steady)
-        with prof:
-            for step in range(a.steps):
-                timer.reset()
-                t0 = time.perf_counter()
-                rec, carry = train_step(cfg, policy, step, carry, None, timer)
-                rec["wall_s"] = time.perf_counter() - t0
-                recs.append(rec)
-                print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
-                      f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
-                      f"train {rec.get('timing/train', 0):.2f} in micro-batches of {rec.get('learner/micro_batch_tokens', 0):.0f} "
-                      f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
-                      f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
-                      f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows; prefill {rec.get('engine/prefill_s', 0):.2f} s in "
-                      f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens; "
-                      f"decode graphs captured {rec.get('engine/graph_captures', 0):.0f} in "
-                      f"{rec.get('engine/graph_capture_s', 0):.1f} s)",
-                      flush=True)
-        loop.rollout = plain_rollout
+        try:  # the module patches undone whatever happens (main() goes on to the next case after an error)
+            _run_steps(a, cfg, policy, recs, prof, shape, num_envs, budget)
+        finally:
+            loop.rollout, rollout_module.SUBMIT_CHUNK = plain_rollout, plain_chunk
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
