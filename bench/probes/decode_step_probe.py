@@ -110,7 +110,8 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
     cuda = device.type == "cuda"
     engine = HFEngine.from_model(model, tok, kv_cache=width, compile_decode=cuda, max_batch_size=a.rows)
     rng = random.Random(0)
-    vocab = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
     prefix = [rng.choice(vocab) for _ in range(a.prefix)]
     prompts = [prefix + [rng.choice(vocab) for _ in range(a.context)] for _ in range(a.rows)]
     # the learner's autocast (bf16 on CUDA over fp32 adapters), as the rollout runs the engine
