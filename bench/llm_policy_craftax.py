@@ -48,7 +48,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -139,6 +139,24 @@ def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
     return [r for i, r in enumerate(recs) if i >= 1 and i not in profiled] or recs[1:] or recs
 
 
+@contextlib.contextmanager
+def rollout_patches(submit_chunk: int | None, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+                    ) -> Iterator[None]:
+    """For the block: the train step's `rollout` (the loop module's name for it) replaced by `wrap(rollout)`, and
+    the rollout module's SUBMIT_CHUNK set to `submit_chunk` (None: kept); both undone after, whatever happens
+    (main() goes on to the next case after an error). The modules by their full names: the package's `rollout`
+    attribute is the function of that name, and an attribute set on a function fails silently (2026-11-28: a
+    "--submit-chunk 256" GPU run kept 64)."""
+    loop = importlib.import_module("thinkcraft.train.llm_policy.loop")
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    plain, chunk = loop.rollout, module.SUBMIT_CHUNK
+    loop.rollout, module.SUBMIT_CHUNK = wrap(plain), submit_chunk or chunk
+    try:
+        yield
+    finally:
+        loop.rollout, module.SUBMIT_CHUNK = plain, chunk
+
+
 def _run_steps(a: argparse.Namespace, cfg: Any, policy: Any, recs: list[Any], prof: Any, shape: str, num_envs: int,
                budget: int) -> None:
     """The measured train steps (records appended to `recs`, each step's line printed)."""
@@ -168,12 +186,7 @@ def _run_steps(a: argparse.Namespace, cfg: Any, policy: Any, recs: list[Any], pr
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
     import torch
 
-    from thinkcraft.train.llm_policy import loop
     from thinkcraft.train.llm_policy.loop import build_policy
-
-    # the module by its full name: the package's `rollout` attribute is the function of that name, and setting
-    # SUBMIT_CHUNK on a function fails silently (2026-11-28: a "--submit-chunk 256" GPU run kept 64)
-    rollout_module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(a, shape, num_envs, budget, tmp)
@@ -201,18 +214,18 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             return out
 
         policy.learner.update = measured_update
-        plain_rollout, plain_chunk = loop.rollout, rollout_module.SUBMIT_CHUNK
-        rollout_module.SUBMIT_CHUNK = a.submit_chunk or plain_chunk
 
-        def measured_rollout(*args: Any, **kw: Any) -> Any:  # the train step calls the loop module's `rollout`
-            if len(recs) != rollout_at:
-                return plain_rollout(*args, **kw)
-            label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
-            out, _ = torch_profile(lambda: plain_rollout(*args, **kw), cuda,
-                                   Path(a.out).with_name(f"{Path(a.out).stem}_rollout_profile-{label}"), label)
-            return out
+        def profiled_at_its_step(plain_rollout: Callable[..., Any]) -> Callable[..., Any]:
+            def measured_rollout(*args: Any, **kw: Any) -> Any:
+                if len(recs) != rollout_at:
+                    return plain_rollout(*args, **kw)
+                label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
+                out, _ = torch_profile(lambda: plain_rollout(*args, **kw), cuda,
+                                       Path(a.out).with_name(f"{Path(a.out).stem}_rollout_profile-{label}"), label)
+                return out
 
-        loop.rollout = measured_rollout
+            return measured_rollout
+
         recs: list[Any] = []
         prof: Any = contextlib.nullcontext()
         if a.profile_steady > 0:  # after steps 0 (compiles) and 1 (the first after a weight update)
@@ -221,10 +234,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             out = Path(a.out)
             prof = SteadyProfile(lambda: len(recs) >= 2, out.with_name(out.stem + "_profile.json"),
                                  f"{shape}-{num_envs}envs-budget{budget}", seconds=a.profile_steady)
-        try:  # the module patches undone whatever happens (main() goes on to the next case after an error)
+        with rollout_patches(a.submit_chunk, profiled_at_its_step):
             _run_steps(a, cfg, policy, recs, prof, shape, num_envs, budget)
-        finally:
-            loop.rollout, rollout_module.SUBMIT_CHUNK = plain_rollout, plain_chunk
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("steady_profile", ROOT / "bench" / "steady_profile.py")
 sp = importlib.util.module_from_spec(_spec)
@@ -102,6 +104,30 @@ def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
     assert bench.steady_steps([0, 1], 1) == [1]  # nothing else after the first: the profiled step
     assert bench.steady_steps([0], None) == [0]
     assert bench.steady_steps([0, 1, 2, 3], 2, 3) == [1]  # the learner-profiled and the rollout-profiled steps
+
+
+def test_craftax_bench_patches_the_rollout_module_and_undoes_it() -> None:
+    """--submit-chunk and --profile-rollout reach the code the train step runs (the rollout *module*'s constant,
+    the loop module's `rollout`), and are undone after the block, also after an error. (A first version set the
+    constant on the package's `rollout` function: no error, no effect.)"""
+    import importlib
+
+    spec = importlib.util.spec_from_file_location("llm_policy_craftax", ROOT / "bench" / "llm_policy_craftax.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    loop = importlib.import_module("thinkcraft.train.llm_policy.loop")
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    plain, chunk = loop.rollout, module.SUBMIT_CHUNK
+    seen = []
+    wrap = lambda f: (lambda *a, **k: seen.append(f) or f(*a, **k))  # noqa: E731
+    with bench.rollout_patches(chunk + 7, wrap):
+        assert module.SUBMIT_CHUNK == chunk + 7 and loop.rollout is not plain
+        assert module._Continuous.__init__.__globals__["SUBMIT_CHUNK"] == chunk + 7  # what the rollout reads
+    assert (loop.rollout, module.SUBMIT_CHUNK) == (plain, chunk)
+    with pytest.raises(RuntimeError), bench.rollout_patches(None, wrap):
+        assert module.SUBMIT_CHUNK == chunk  # None keeps the library's
+        raise RuntimeError
+    assert (loop.rollout, module.SUBMIT_CHUNK) == (plain, chunk)
 
 
 def test_async_bench_weak_scaling_gives_each_rollout_engine_the_same_prompts(tmp_path) -> None:
