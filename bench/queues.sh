@@ -13,9 +13,10 @@
 #             learner alone on the first GPU and one engine on the second (--placement dedicated: 1.54x on 4 x H200,
 #             2026-11-27) with its own sync reference, then an engine per GPU (1.32x on 4 x H100, 2026-11-28), each
 #             run's per-update records kept (bench/results/logs/<out>.metrics/: the timeline of generation and
-#             updates), then the two-engine GPU tests; and, one GPU each, the Craftax llm-policy bench with the
-#             engine's prefill compiled (--prefill-compile, a py-spy profile) beside it without (the reference),
-#             then the compiled learner + prefill, and the async bench on the GSM8K layout. The one-GPU rows run
+#             updates), then the two-engine GPU tests; and, one GPU each, issue 19's decode step alone
+#             (bench/probes/decode_step_probe.py) beside the Craftax bench with the dynamic decode width, then
+#             the Craftax bench with the compiled learner, and the async bench on the GSM8K layout (the compiled
+#             prefill is in llm1 only: 2026-11-28 its first step did not end in 580 s). The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   llm1      one GPU: issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT LoRA vs merged,
@@ -89,16 +90,17 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local g=${LLM_GPUS:-0,1}; local g0=${g%%,*} g1=${g##*,}
       local wait="while [ ! -e /tmp/tc-llm-two-gpu-done ]; do sleep 3; done;"
       local c=${CRAFTAX_GPUS:-}; local c0=${c%%,*} c1=${c##*,}
-      [ -n "$c" ] && wait="" || { c0=$g0; c1=$g1; }
+      local w=0  # a job's limit counts its wait: the two-GPU jobs' limits added where it waits for them
+      [ -n "$c" ] && wait="" || { c0=$g0; c1=$g1; w=1255; }
       rm -f /tmp/tc-llm-two-gpu-done
       jobs=(
       "@$g async_2gpu_dedicated 600 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json"
       "@$g async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@$g gputest 200 python -m pytest -m gpu tests/test_llm_batching.py tests/test_llm_hf.py tests/test_transfer.py -k 'two_engines or manual_decode_graph_equals or does_not_wait or hidden_graphs_on_gpu' -x -q -p no:cacheprovider"
       "@$g two_gpu_done 5 touch /tmp/tc-llm-two-gpu-done"
-      "@$c0 craftax_prefill 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-steady 15 --out bench/results/logs/craftax_prefill.json"
-      "@$c1 craftax_auto 900 $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_auto.json"
-      "@$c0 craftax_compiled 560 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --prefill-compile --out bench/results/logs/craftax_compiled.json"
+      "@$c0 decode_probe $((300 + w)) $wait python bench/probes/decode_step_probe.py --profile"
+      "@$c1 craftax_dynamic $((600 + w)) $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
+      "@$c0 craftax_learner_compiled 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
     llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout, the prompt chunk and the
                   # decode width (the rollout profile of that day: 299 decode steps of 7.2 ms with the host waiting
