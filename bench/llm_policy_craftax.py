@@ -126,12 +126,6 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         plot=False, seed=0)
 
 
-def _library_submit_chunk() -> int:
-    from thinkcraft.train.llm_policy.rollout import SUBMIT_CHUNK
-
-    return SUBMIT_CHUNK
-
-
 def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
     """The steps the rates average: after the first (it compiles), without those whose learner update or
     rollout ran under torch.profiler (2026-11-27, H200: 37.1 s against 10.7-11.2 s, and it was in the means) -
@@ -141,18 +135,18 @@ def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
 
 @contextlib.contextmanager
 def rollout_patches(submit_chunk: int | None, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-                    ) -> Iterator[None]:
-    """For the block: the train step's `rollout` (the loop module's name for it) replaced by `wrap(rollout)`, and
-    the rollout module's SUBMIT_CHUNK set to `submit_chunk` (None: kept); both undone after, whatever happens
-    (main() goes on to the next case after an error). The modules by their full names: the package's `rollout`
-    attribute is the function of that name, and an attribute set on a function fails silently (2026-11-28: a
-    "--submit-chunk 256" GPU run kept 64)."""
+                    ) -> Iterator[int]:
+    """For the block (which gets the SUBMIT_CHUNK in effect): the train step's `rollout` (the loop module's name
+    for it) replaced by `wrap(rollout)`, and the rollout module's SUBMIT_CHUNK set to `submit_chunk` (None:
+    kept); both undone after, whatever happens (main() goes on to the next case after an error). The modules by
+    their full names: the package's `rollout` attribute is the function of that name, and an attribute set on a
+    function fails silently (2026-11-28: a "--submit-chunk 256" GPU run kept 64)."""
     loop = importlib.import_module("thinkcraft.train.llm_policy.loop")
     module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
     plain, chunk = loop.rollout, module.SUBMIT_CHUNK
     loop.rollout, module.SUBMIT_CHUNK = wrap(plain), submit_chunk or chunk
     try:
-        yield
+        yield module.SUBMIT_CHUNK
     finally:
         loop.rollout, module.SUBMIT_CHUNK = plain, chunk
 
@@ -234,7 +228,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             out = Path(a.out)
             prof = SteadyProfile(lambda: len(recs) >= 2, out.with_name(out.stem + "_profile.json"),
                                  f"{shape}-{num_envs}envs-budget{budget}", seconds=a.profile_steady)
-        with rollout_patches(a.submit_chunk, profiled_at_its_step):
+        with rollout_patches(a.submit_chunk, profiled_at_its_step) as submit_chunk:
             _run_steps(a, cfg, policy, recs, prof, shape, num_envs, budget)
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
@@ -297,7 +291,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "decode_graphs": decode_graphs_column(engine_cfg[0]),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
         "rollout_profiled_step": rollout_at,
-        "submit_chunk": a.submit_chunk or _library_submit_chunk(), "env": a.env,
+        "submit_chunk": submit_chunk, "env": a.env,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,

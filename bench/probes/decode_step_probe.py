@@ -85,6 +85,8 @@ def _round(engine: Any, prompts: list[list[int]], prefix: int, new_tokens: int) 
     from thinkcraft.llm.protocol import GenerationRequest, SamplingParams
 
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, logprobs=True)
+    from thinkcraft.train.llm_policy.rollout import decode_metrics_delta
+
     before = engine.decode_metrics()
     t0 = time.perf_counter()
     handles = {engine.submit(GenerationRequest(p, sp, prefix_len=prefix)) for p in prompts}
@@ -92,12 +94,10 @@ def _round(engine: Any, prompts: list[list[int]], prefix: int, new_tokens: int) 
         engine.step()
         handles -= {r.handle for r in engine.poll()}
     wall = time.perf_counter() - t0
-    after = engine.decode_metrics()
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    steps = max(d.get("decode_steps", 0.0), 1.0)
-    return {"wall_s": wall, "decode_ms": 1e3 * d.get("decode_s", 0.0) / steps,
-            "wait_ms": 1e3 * d.get("decode_wait_s", 0.0) / steps, "prefill_s": d.get("prefill_s", 0.0),
-            "rows_per_step": d.get("generated_tokens", 0.0) / steps, "captures": d.get("graph_captures", 0.0)}
+    d = decode_metrics_delta(before, engine.decode_metrics())  # the rollout's own per-step means
+    return {"wall_s": wall, "decode_ms": d["engine/decode_step_ms"], "wait_ms": d["engine/decode_wait_ms"],
+            "prefill_s": d["engine/prefill_s"], "rows_per_step": d["engine/rows_per_decode_step"],
+            "captures": d["engine/graph_captures"]}
 
 
 def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: str, width: str) -> dict[str, Any]:

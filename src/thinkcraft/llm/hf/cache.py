@@ -497,7 +497,7 @@ def decode_dynamic(width: str = "static") -> bool | None:
     the CUDA graphs are still captured per width); unset = None for the "dynamic" width (`kv_cache`), False for
     the "static" one (one width: nothing to share).
     Why the "dynamic" width's default: specialised, every width a rollout meets compiles anew - Craftax
-    llm-policy at 256 envs (Qwen2.5-0.5B shape, H200, 2026-11-28, `bench/results/logs/s36_craftax_dyn256.log`)
+    llm-policy at 256 envs (Qwen2.5-0.5B shape, H200, 2026-11-28, `bench/results/logs/s36_h200_craftax_dyn256.log`)
     had not finished its first step after 480 s, in the compile of yet another width (the static width's first
     step: 73 s). Why the switch exists at all: two engines (one per GPU) each compile every width they meet, one
     at a time, from threads that share the GIL with the rollout workers - suspected (2026-11-27) of the 2-GPU
