@@ -116,6 +116,9 @@ def _args(argv=None):
                    help="measure the sync loop (one GPU) before the async rows of the base case; --no-sync-reference "
                         "for a diagnosis run only (its async rows have no reference of the same run: not a result)")
     p.add_argument("--out", default=None)
+    p.add_argument("--rederive", default=None, metavar="JSON",
+                   help="recompute JSON's rows from the per-update records kept beside it (<stem>.metrics/), "
+                        "with this version's steady window; runs nothing")
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.tasks, a.steps, a.prompts, a.samples, a.max_new_tokens = "random:tiny", "arith,gsm8k", 3, 2, 2, 8
@@ -214,8 +217,20 @@ def _steady(recs: list[dict], max_staleness: int) -> list[dict]:
     Why: on one GPU the async loop runs in cycles of η + 1 updates - one that generates the next batches
     while the learner waits for the engine it shares, then updates that only train what is buffered - so a
     window of a partial cycle over-weights one kind (2026-11-27, gsm8k, 4 steps: a 3-step window with two
-    train-only steps read 1.93x sync; the balanced arith windows read 1.36x)."""
-    steady = recs[1:] or recs
+    train-only steps read 1.93x sync; the balanced arith windows read 1.36x).
+    A later step that compiled and captured a decode graph (`engine/graph_captures` > 0: a new width or prefix,
+    ~40 s) ends the warm-up there too: 2026-11-28 (4 x H200) a Ray engine's third capture in step 3 (44 s) made
+    a 6-step row read 4.43 samples/s where its capture-free steps ran 17.3."""
+    captured = [i for i, r in enumerate(recs) if r.get("engine/graph_captures", 0.0) > 0]
+    start = max(1, captured[-1] + 1 if captured else 1)
+    if start >= len(recs):
+        print(f"warning: step {recs[-1]['step']} still compiled a decode graph: no capture-free steady step; the "
+              "rows' rate counts compile time (run more --steps)", file=sys.stderr, flush=True)
+        start = 1
+    elif start > 1:
+        print(f"note: the steady window starts at step {recs[start]['step']}, after the last decode-graph capture "
+              f"(step {recs[start - 1]['step']})", file=sys.stderr, flush=True)
+    steady = recs[start:] or recs
     cycle = max_staleness + 1
     if cycle > 1 and len(steady) >= cycle:
         steady = steady[len(steady) % cycle:]
@@ -238,9 +253,14 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
     with profile or contextlib.nullcontext():
         run(cfg)
     recs = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
-    steady = _steady(recs, cfg.max_staleness if mode == "async" else 0)
+    return {**_summarise(recs, mode, cfg.max_staleness, cfg.prompts_per_step * cfg.group_size),
+            "wall_s": time.time() - t0}
+
+
+def _summarise(recs: list[dict], mode: str, max_staleness: int, batch: int) -> dict:
+    """A run's row metrics from its per-update records (also `--rederive`: rows again from kept records)."""
+    steady = _steady(recs, max_staleness if mode == "async" else 0)
     wall = sum(r["timing/step"] for r in steady)
-    batch = cfg.prompts_per_step * cfg.group_size
     if mode == "sync":
         idle = [1.0 - (r.get("timing/generate", 0.0) + r.get("timing/train", 0.0)) / r["timing/step"] for r in steady]
     else:
@@ -249,7 +269,7 @@ def _measure(a, cfg, mode: str, profile=None) -> dict:
     return {
         "samples_per_s": batch * len(steady) / wall, "s_per_step": statistics.median(r["timing/step"] for r in steady),
         "gpu_idle_share": statistics.mean(idle), "reward_final": statistics.mean(r["reward/mean"] for r in recs[-k:]),
-        "reward_first": statistics.mean(r["reward/mean"] for r in recs[:k]), "wall_s": time.time() - t0,
+        "reward_first": statistics.mean(r["reward/mean"] for r in recs[:k]),
         "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
         "steady_steps": [int(r["step"]) for r in steady],
@@ -382,8 +402,31 @@ def _plan(a) -> list[tuple[str, str, float, int]]:
     return plan
 
 
+def rederive(path: Path) -> list[dict]:
+    """The rows of `path` recomputed from the per-update records kept beside them (`_keep_metrics`) with
+    today's `_summarise` (e.g. a steady window that changed); rows without kept records are left as they are.
+    Writes the file back and returns the rows."""
+    import gzip
+
+    rows = json.loads(path.read_text())
+    for r in rows:
+        f = path.parent / f"{path.stem}.metrics" / f"{r['task']}-{r['mode']}-{r['env_latency_ms']:g}-{r['gpus']}.jsonl.gz"
+        if "error" in r or not f.exists():
+            continue
+        with gzip.open(f, "rt") as g:
+            recs = [json.loads(line) for line in g if line.strip()]
+        before = r["samples_per_s"]
+        r.update(_summarise(recs, r["mode"], r["max_staleness"], r["batch"]))
+        print(f"{f.name}: samples/s {before:.2f} -> {r['samples_per_s']:.2f} (steady steps {r['steady_steps']})")
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
 def main(argv=None) -> int:
     a = _args(argv)
+    if a.rederive:
+        rederive(Path(a.rederive))
+        return 0
     if a.placement == "dedicated" and min(a.gpus) < 2:
         raise SystemExit("--placement dedicated needs --gpus of 2 or more (the learner has cuda:0 to itself)")
     if a.pool_backend == "ray" and a.placement != "dedicated":

@@ -68,6 +68,32 @@ def test_async_bench_steady_window_is_whole_cycles(capsys) -> None:
     assert "less than one async cycle" in capsys.readouterr().err
 
 
+def test_async_bench_steady_window_starts_after_the_last_graph_capture(tmp_path, capsys) -> None:
+    """A decode graph compiled mid-run (a new width or prefix: ~40 s) ends the warm-up there: the 2-GPU Ray row of
+    2026-11-28 read 4.43 samples/s with its step-3 capture in the window, 17.3 without; `--rederive` recomputes
+    kept rows with the window."""
+    import gzip
+    import json
+
+    bench = _async_bench()
+    step_s = {1: 97.2, 2: 0.9, 3: 49.6, 4: 0.74, 5: 3.71, 6: 3.69}
+    recs = [{"step": i, "timing/step": t, "reward/mean": 0.1, "gpu/idle_share": 0.4,
+             "engine/graph_captures": 2.0 if i == 1 else 1.0 if i == 3 else 0.0} for i, t in step_s.items()]
+    assert [r["step"] for r in bench._steady(recs, 1)] == [5, 6]  # after step 3's capture, whole cycles
+    assert "after the last decode-graph capture (step 3)" in capsys.readouterr().err
+    assert [r["step"] for r in bench._steady(recs[:3], 1)] == [2, 3]  # no capture-free step: warned, kept
+    assert "still compiled a decode graph" in capsys.readouterr().err
+    out = tmp_path / "rows.json"
+    out.write_text(json.dumps([{"task": "arith", "mode": "async", "gpus": 2, "env_latency_ms": 0.0, "max_staleness": 1,
+                                "batch": 64, "samples_per_s": 4.43}]))
+    (tmp_path / "rows.metrics").mkdir()
+    with gzip.open(tmp_path / "rows.metrics" / "arith-async-0-2.jsonl.gz", "wt") as g:
+        g.write("".join(json.dumps(r) + "\n" for r in recs))
+    rows = bench.rederive(out)
+    assert rows[0]["samples_per_s"] == pytest.approx(128 / (3.71 + 3.69)) and rows[0]["steady_steps"] == [5, 6]
+    assert json.loads(out.read_text())[0]["samples_per_s"] == rows[0]["samples_per_s"]
+
+
 def test_async_bench_plan_keeps_the_sync_reference_unless_told() -> None:
     """bench/async_llm_policy.py: every base case measures the sync loop first (its rows' reference);
     --no-sync-reference (a diagnosis run) leaves only the async rows."""
