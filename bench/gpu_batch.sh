@@ -47,7 +47,7 @@ spy_later() {  # after $2 s, py-spy's native dump of every Python process under 
   for p in $(descendants "$1"); do
     # by the command line, not comm: on the GPU machine the bench process's comm is not python* (the 2026-11-27
     # 2-GPU hang's dump covered its compile workers and skipped it, the one process that mattered)
-    tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | grep -q python || continue
+    { tr '\0' ' ' < /proc/"$p"/cmdline; } 2>/dev/null | grep -q python || continue
     # which thread holds the GIL, and the native frames under each Python one: what faulthandler and a Python
     # timer cannot show when native code holds the interpreter lock (the 2-GPU async stalls, 2026-11-27)
     { echo; echo "=== py-spy dump --native of pid $p at $2 s"; "$spy" dump --native --pid "$p" 2>&1; } >> "$3"

@@ -233,6 +233,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
+        lora_fast = len(getattr(policy.engine, "_lora_fast", None) or [])  # llm/hf/lora_fast.py's layers (0: PEFT's)
         del policy
     gc.collect()
     if cuda:
@@ -291,7 +292,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "decode_graphs": decode_graphs_column(engine_cfg[0]),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
         "rollout_profiled_step": rollout_at,
-        "submit_chunk": submit_chunk, "env": a.env,
+        "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_fast,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -319,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "date": today()})
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
-                                                       "learner_compile", "prefill_compile", "kv_cache", "submit_chunk"))
+                                                       "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
+                                                       "lora_fast_layers"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -41,6 +41,11 @@
 #             /tmp/q.log   -- then collect calls. (2026-11-28: carried files did not stay on the machine from
 #             one call to the next: carry .ref/tc-cache in every call that starts jobs, and run a job by hand
 #             only from the queue's copy, cd /tmp/tc-devq-SET/work, where gpu_env.sh finds it.)
+#   lorafast  one x4 machine, one lane of all four GPUs (2026-11-28): issue 19's sampler LoRA forward
+#             (llm/hf/lora_fast.py) - its GPU test, then the Craftax bench with it (the default) and without it
+#             (THINKCRAFT_LORA_FAST=0) back to back on the same GPU -, then issue 21's weak-scaling row with three
+#             Ray rollout GPUs (the one- and two-GPU rows ran that morning). Needs the tokenizer and Ray carried
+#             (the scale set's two calls, with `bash bench/queues.sh lorafast`)
 #   pair      one x4 machine, two lanes at once (2026-11-28): issue 20's two 2-GPU runs that can reach 1.7x on GPUs
 #             0,1 (an engine per GPU with its sync reference, after the autocast fix; the dedicated placement with
 #             a 0.5 ms switch interval), and on GPUs 2,3 issue 21's questions at 2 GPUs: one refresh alone on an
@@ -71,7 +76,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 scale2 scale pair"
+SETS="parity features llm llm1 scale2 scale lorafast pair"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -126,6 +131,12 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 scale_hidden_ray25 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray"
       "@0,1,2,3 scale_ppo4 780 python bench/scale.py --jobs ppo --gpus 1 4"
       "@0,1,2,3 scale_hidden_fp8 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 5 25 --updates 5 --feature-backend ray --quantize fp8") ;;
+    lorafast) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4"
+      jobs=(
+      "@0,1,2,3 lora_gputest 240 python -m pytest -m gpu tests/test_lora_fast.py -x -q -p no:cacheprovider"
+      "@0,1,2,3 craftax_lora_fast 420 $C --out bench/results/logs/craftax_lora_fast.json"
+      "@0,1,2,3 craftax_lora_peft 420 env THINKCRAFT_LORA_FAST=0 $C --out bench/results/logs/craftax_lora_peft.json"
+      "@0,1,2,3 scale_llm_ray3 480 python bench/async_llm_policy.py --tasks arith --cases base --steps 8 --gpus 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak3.json") ;;
     pair) jobs=(  # one x4 machine, two lanes side by side: issue 20 on GPUs 0,1; issue 21's diagnosis on 2,3 (Ray carried)
       "@0,1 async_2gpu 450 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@0,1 async_2gpu_dedicated_si 420 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 6 --switch-interval-ms 0.5 --out bench/results/logs/async_2gpu_dedicated_si.json"

@@ -21,17 +21,20 @@ date} in bench/results/decode_step_probe.json (`--out`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from common import card, print_table, today, torch_profile, write_records  # noqa: E402
 
+VARIANTS = ("lora-peft", "lora", "merged")
 COLS = ["variant", "kv_cache", "rows", "context", "decode_ms_per_step", "decode_wait_ms", "host_ms",
         "rows_per_step", "prefill_s", "graph_captures"]
 
@@ -43,7 +46,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix", type=int, default=300, help="shared-prefix tokens (the system prompt)")
     p.add_argument("--context", type=int, default=1000, help="tokens of each row after the prefix")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--variants", nargs="+", default=["lora", "merged"], choices=["lora", "merged"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="lora-peft: PEFT's own LoRA forward (THINKCRAFT_LORA_FAST=0); lora: the engine's default "
+                        "(llm/hf/lora_fast.py: bf16 adapter copies, no casts); merged: merge_and_unload (the bound); "
+                        "run in this order whatever the order given (the fast forward and merging change the model)")
     p.add_argument("--kv-cache", nargs="+", default=["static", "dynamic"], choices=["static", "dynamic"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true",
@@ -108,7 +114,8 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
     from thinkcraft.llm.hf import HFEngine
 
     cuda = device.type == "cuda"
-    engine = HFEngine.from_model(model, tok, kv_cache=width, compile_decode=cuda, max_batch_size=a.rows)
+    with _env("THINKCRAFT_LORA_FAST", "0" if variant == "lora-peft" else None):
+        engine = HFEngine.from_model(model, tok, kv_cache=width, compile_decode=cuda, max_batch_size=a.rows)
     rng = random.Random(0)
     special = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in special]
@@ -125,7 +132,7 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
                           Path(a.out).with_name(f"{Path(a.out).stem}_profile-{label}"), label)
     med = lambda k: round(statistics.median(r[k] for r in runs), 3)  # noqa: E731
     engine.free_cache()
-    return {"variant": variant, "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
+    return {"variant": variant, "lora_fast_layers": len(engine._lora_fast), "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
             "context": a.context, "new_tokens": a.new_tokens, "decode_ms_per_step": med("decode_ms"),
             "decode_wait_ms": med("wait_ms"), "host_ms": round(med("decode_ms") - med("wait_ms"), 3),
             "rows_per_step": med("rows_per_step"), "prefill_s": med("prefill_s"),
@@ -133,11 +140,27 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
             "repeats": a.repeats, "card": card(), "date": today(), "quick": a.quick}
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` for the block (None: left as it is)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     model, tok, device = _policy(a)
     rows = []
-    for variant in a.variants:  # "lora" first: merging is in place
+    for variant in [v for v in VARIANTS if v in a.variants]:  # PEFT's forward, then the fast one, then merged
         if variant == "merged":
             model = model.merge_and_unload()
         for width in a.kv_cache:

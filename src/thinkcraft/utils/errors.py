@@ -20,11 +20,12 @@ def check(cond: bool, field: str, message: str) -> None:
         raise ConfigError(field, message)
 
 
-def env_switch(name: str) -> bool:
-    """An opt-in switch read from the environment: "1" on, "0" or unset off, anything else a clear error."""
+def env_switch(name: str, default: bool = False) -> bool:
+    """A switch read from the environment: "1" on, "0" off, unset (or empty) `default`, anything else a clear
+    error."""
     import os
 
-    v = os.environ.get(name, "0").strip() or "0"
+    v = os.environ.get(name, "").strip() or ("1" if default else "0")
     if v not in ("0", "1"):
         raise UserError(f"{name} must be 0 or 1, got {v!r}")
     return v == "1"

@@ -13,6 +13,7 @@ import torch
 
 from thinkcraft.llm import compat
 from thinkcraft.llm.batching import encode_text, pad_rows, tokenize_batch
+from thinkcraft.llm.hf import lora_fast
 from thinkcraft.llm.hf.decode import DecodeMixin
 from thinkcraft.llm.hf.prefill import PrefillMixin
 from thinkcraft.llm.protocol import Batch, Capabilities
@@ -151,6 +152,8 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self.tokenizer = tokenizer
         self._lm = _unwrap(model)
         self._dec = compat.decoder_of(self._lm)
+        # a learner's bf16 LoRA model: no-grad forwards without PEFT's dtype casts (lora_fast says why)
+        self._lora_fast = lora_fast.install(model)
         p = next(self._lm.parameters())
         self.device = p.device
         self.dtype = p.dtype

@@ -1,0 +1,168 @@
+"""The sampler's LoRA forward (llm/hf/lora_fast.py): with gradients off it gives PEFT's output within bf16
+rounding, follows the adapters' in-place updates, leaves the learner's (gradient) path exactly PEFT's own, and
+stays out of what it does not cover; an engine over a bf16 LoRA model generates what PEFT's forward generates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from thinkcraft.llm.hf import HFEngine, lora_fast
+from thinkcraft.llm.protocol import Batch, SamplingParams
+from thinkcraft.llm.testing import tiny_llama
+
+peft = pytest.importorskip("peft")
+
+
+def _lora(seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    model, tok = tiny_llama(seed=seed)
+    model = model.to(dtype)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:  # PEFT starts B at zero: the adapter would add nothing
+                p.normal_(std=0.05)
+    return lora, tok
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _peft_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """PEFT's own forward on the same modules (the fast one steps aside for a non-matching adapter name)."""
+    layers = lora_fast.lora_layers(model)
+    names = [layer._tc_name for layer in layers]
+    for layer in layers:
+        layer._tc_name = "--peft--"
+    try:
+        return _logits(model, ids)
+    finally:
+        for layer, n in zip(layers, names):
+            layer._tc_name = n
+
+
+def test_fast_forward_equals_peft_within_rounding_and_follows_updates() -> None:
+    lora, _ = _lora()
+    assert {p.dtype for n, p in lora.named_parameters() if "lora_" in n} == {torch.float32}  # PEFT's fp32 adapters
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    ref = _logits(lora, ids)
+    layers = lora_fast.install(lora)
+    assert len(layers) == len(lora_fast.lora_layers(lora)) > 0
+    assert all(type(layer).__name__.startswith("Fast") for layer in layers)
+    assert lora_fast.install(lora) == layers  # idempotent
+    got = _logits(lora, ids)
+    torch.testing.assert_close(got, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
+    # an optimizer-style in-place update: the next eager forward copies it first
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_A" in n:
+                p.add_(0.2)
+    after = _logits(lora, ids)
+    assert not torch.allclose(after, got)
+    ref_after = _peft_logits(lora, ids)
+    torch.testing.assert_close(after, ref_after, atol=0.02 * ref_after.abs().max().item(), rtol=0)
+    assert lora_fast.refresh(layers) == 0  # already copied by the forward
+    with torch.no_grad():
+        next(p for n, p in lora.named_parameters() if "lora_B" in n).mul_(2)
+    assert lora_fast.refresh(layers) == 1  # what the engine runs before a graphed step
+
+
+def test_gradient_path_is_peft_unchanged_and_trains() -> None:
+    lora, _ = _lora(seed=1)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    twin = copy.deepcopy(lora)
+    lora_fast.install(lora)
+    out, ref = lora(ids).logits, twin(ids).logits
+    assert torch.equal(out, ref)  # bit for bit: the learner's forward is PEFT's
+    out.float().sum().backward()
+    grads = [p.grad for n, p in lora.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None for g in grads)
+
+
+def test_what_it_does_not_cover_stays_peft(monkeypatch) -> None:
+    fp32, _ = _lora(seed=2, dtype=torch.float32)
+    assert lora_fast.install(fp32) == []  # no casts to save: a full-precision base keeps PEFT's forward
+    monkeypatch.setenv("THINKCRAFT_LORA_FAST", "0")
+    off, _ = _lora(seed=2)
+    assert lora_fast.install(off) == []
+    monkeypatch.setenv("THINKCRAFT_LORA_FAST", "maybe")
+    with pytest.raises(Exception, match="THINKCRAFT_LORA_FAST must be 0 or 1"):
+        lora_fast.install(off)
+    monkeypatch.delenv("THINKCRAFT_LORA_FAST")
+    lora, _ = _lora(seed=3)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    lora_fast.install(lora)
+    with lora.disable_adapter():  # the adapter-off judge: the base model alone, as PEFT computes it
+        base = _logits(lora, ids)
+    assert not torch.allclose(base, _logits(lora, ids))
+    moved = copy.deepcopy(lora).to(torch.float16)  # a copy in another dtype gets copies of its own
+    fast = lora_fast.install(moved)
+    assert fast and all(layer._tc_a.dtype == torch.float16 for layer in fast)
+
+
+def test_engine_over_a_bf16_lora_model_generates_peft_tokens() -> None:
+    lora, tok = _lora(seed=4)
+    ref_model = copy.deepcopy(lora)
+    prompt = list(tok("fast adapters", add_special_tokens=False)["input_ids"])
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    eng = HFEngine.from_model(lora, tok)
+    assert eng._lora_fast  # installed by the engine
+    first = eng.generate(Batch(items=[prompt]), sp)[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("THINKCRAFT_LORA_FAST", "0")
+        ref_eng = HFEngine.from_model(ref_model, tok)
+        assert not ref_eng._lora_fast
+        expected = ref_eng.generate(Batch(items=[prompt]), sp)[0]
+    assert first.token_ids == expected.token_ids
+    # the learner's in-place update between generations reaches the engine's copies (and the reference's PEFT)
+    with torch.no_grad():
+        for m in (lora, ref_model):
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(-3.0)
+    second = eng.generate(Batch(items=[prompt]), sp)[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("THINKCRAFT_LORA_FAST", "0")
+        again = ref_eng.generate(Batch(items=[prompt]), sp)[0]
+    assert second.token_ids == again.token_ids
+    assert second.token_ids != first.token_ids  # the update changed what is sampled: the copies followed it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hand-captured decode graph needs a GPU (none here)")
+def test_graphed_decode_reads_the_refreshed_copies_on_gpu() -> None:
+    """On CUDA with the compiled, hand-captured decode step under the learner's bf16 autocast: the fast engine
+    samples PEFT's greedy tokens, and after an in-place adapter update (no recapture: the copies keep their
+    addresses) it samples the updated adapter's tokens - the step refreshes the copies before replaying."""
+    lora, tok = _lora(seed=7)
+    lora = lora.to("cuda")
+    ref_model = copy.deepcopy(lora)
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in ("graphs and adapters", "a b c d")]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    eng = HFEngine.from_model(lora, tok, kv_cache="static", compile_decode=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("THINKCRAFT_LORA_FAST", "0")
+        ref_eng = HFEngine.from_model(ref_model, tok, kv_cache="static", compile_decode=True)
+    assert eng._lora_fast and not ref_eng._lora_fast
+
+    def both() -> tuple[list, list]:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            got = [r.token_ids for r in eng.generate(Batch(items=prompts), sp)]
+            want = [r.token_ids for r in ref_eng.generate(Batch(items=prompts), sp)]
+        return got, want
+
+    got, want = both()
+    assert got == want
+    with torch.no_grad():
+        for m in (lora, ref_model):
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(-3.0)
+    got2, want2 = both()
+    assert got2 == want2 and got2 != got
+    assert eng.decode_metrics()["graph_captures"] == 1  # one capture: the update was read in place
