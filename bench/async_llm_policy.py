@@ -70,6 +70,9 @@ def _args(argv=None):
     p.add_argument("--placement", choices=["shared", "dedicated"], default="shared",
                    help="async on G GPUs: shared = engines on cuda:0..G-1, the one on cuda:0 sharing the learner's "
                         "weights; dedicated = the learner alone on cuda:0, engine copies on cuda:1..G-1 (G >= 2)")
+    p.add_argument("--ray-weight-groups", choices=["per-engine", "shared"], default="per-engine",
+                   help="--pool-backend ray: an NCCL group per engine (the default since 2026-11-28) or one shared "
+                        "broadcast group (its first update waits for every engine's running batch)")
     p.add_argument("--pool-backend", choices=["local", "ray"], default="local",
                    help="async engines as threads of this process (local) or Ray actors (ray: with --placement "
                         "dedicated, G - 1 engine actors on GPUs 1..G-1, the learner on cuda:0; needs thinkcraft[ray])")
@@ -198,7 +201,7 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
                   gen_batching=a.gen_batching)
         first = 1 if a.placement == "dedicated" else 0
         if a.pool_backend == "ray":  # the backend places its engines: one actor per rollout GPU
-            kw.update(pool_backend="ray", ray_engines=gpus - first)
+            kw.update(pool_backend="ray", ray_engines=gpus - first, ray_weight_groups=a.ray_weight_groups)
         elif gpus > 1:
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
     return LLMPolicyConfig(
@@ -443,7 +446,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
     keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms",
-            "decode_graphs", "placement", "pool_backend", "batch")
+            "decode_graphs", "placement", "pool_backend", "ray_weight_groups", "batch")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -475,6 +478,8 @@ def main(argv=None) -> int:
                      "placement": a.placement if mode == "async" else None,
                      # None: threads of this process (every row before the flag), "ray": engine actors
                      "pool_backend": "ray" if mode == "async" and a.pool_backend == "ray" else None,
+                     # None: not Ray; rows before 2026-11-28's per-engine default used the shared group
+                     "ray_weight_groups": a.ray_weight_groups if mode == "async" and a.pool_backend == "ray" else None,
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": cfg.prompts_per_step * cfg.group_size, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,

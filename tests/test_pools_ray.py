@@ -309,6 +309,35 @@ def test_broadcast_path_over_gloo_delivers_every_bucket(ray_cluster):
     handle.kill()
 
 
+def test_per_engine_groups_update_each_engine_alone(ray_cluster):
+    """groups="per-engine" (the default): an engine's slot sends that engine its version and no other (the
+    shared broadcast made the first slot wait for every engine's running batch: 2.21 s a step with three
+    engines on 4 x H200); "shared" still reaches every engine with one broadcast."""
+    from thinkcraft.pools.weights import WeightUpdate
+
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    made = [_engine_actor(ray, model, tok, f"engine-p{k}", 120.0, dict(num_cpus=0.25, max_concurrency=4))
+            for k in range(2)]
+    engines = [e for _, e in made]
+    syncs = RW.nccl_syncs(engines, torch.device("cpu"), 0.01, 120.0, "per-engine", backend="gloo")
+    state = {n: p.detach().clone() + 0.25 for n, p in model.named_parameters()}
+    sent = RW.state_checksum({n: t.to(torch.bfloat16).float() for n, t in state.items()})
+    syncs[1].apply(WeightUpdate(1, state))
+    assert engines[1].call("checksum", sorted(state)) == (1, sent)
+    assert engines[0].call("checksum", sorted(state))[0] == 0  # untouched until its own slot applies
+    syncs[0].apply(WeightUpdate(1, state))
+    assert engines[0].call("checksum", sorted(state)) == (1, sent)
+    shared = RW.nccl_syncs(engines, torch.device("cpu"), 0.01, 120.0, "shared", version=1, backend="gloo")
+    state2 = {n: t * 2 for n, t in state.items()}
+    shared[0].apply(WeightUpdate(2, state2))  # one broadcast: both engines hold version 2
+    assert [e.call("checksum", [])[0] for e in engines] == [2, 2]
+    with pytest.raises(ValueError, match="per-engine"):
+        RW.nccl_syncs(engines, torch.device("cpu"), 0.01, 120.0, "each")
+    for h, _ in made:
+        h.kill()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="the NCCL weight broadcast needs 2 CUDA GPUs (learner + one engine actor)")
 def test_nccl_broadcast_delivers_bf16_buckets(ray_cluster):
@@ -446,6 +475,8 @@ def test_missing_ray_is_one_line(tmp_path, monkeypatch):
     (dict(mode="async", ray_engines=2), "ray-engines"),  # without --pool-backend ray
     (dict(mode="async", pool_backend="ray", ray_engines=0), "ray-engines"),
     (dict(mode="async", pool_backend="ray", rollout_devices="cpu,cpu"), "rollout-devices"),
+    (dict(mode="async", pool_backend="ray", ray_weight_transport="object_store", ray_weight_groups="shared"),
+     "ray-weight-groups"),
 ])
 def test_ray_config_rejects_bad_values(tmp_path, kw, field):
     pytest.importorskip("ray", reason="Ray is not installed")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from thinkcraft.utils.errors import ConfigError, check
 
 RAY_FIELDS = ("ray_address", "ray_engines", "ray_engine_gpus", "ray_engine_cpus", "ray_env_cpus", "ray_judge_gpus",
-              "ray_weight_transport", "ray_bucket_mb", "ray_start_timeout_s")
+              "ray_weight_transport", "ray_bucket_mb", "ray_weight_groups", "ray_start_timeout_s")
 
 
 def check_ray_config(cfg: Any) -> None:
@@ -35,6 +35,8 @@ def check_ray_config(cfg: Any) -> None:
     check(cfg.ray_engine_gpus is None or cfg.ray_engine_gpus >= 0, "ray_engine_gpus", "must be >= 0")
     check(cfg.ray_judge_gpus is None or cfg.ray_judge_gpus >= 0, "ray_judge_gpus", "must be >= 0")
     check(cfg.ray_bucket_mb > 0, "ray_bucket_mb", "must be > 0")
+    check(cfg.ray_weight_groups == "per-engine" or cfg.ray_weight_transport != "object_store", "ray_weight_groups",
+          "applies to the NCCL weight transport only (--ray-weight-transport object_store has no groups)")
     check(cfg.ray_start_timeout_s > 0, "ray_start_timeout_s", "must be > 0")
     from thinkcraft.pools.ray_backend import require_ray
 
@@ -138,8 +140,8 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
         engines.append(RB.RayEngine(h, cfg.rollout_timeout_s))
     starting = [e.actor_handle for e in engines]  # awaited last: they start while the env actors do
     if out.transport == "nccl":
-        bcast = RW.NcclBroadcast(lambda: engines, p.learner.device, cfg.ray_bucket_mb, cfg.rollout_timeout_s)
-        syncs: list[Any] = [RW.NcclWeights(k, bcast, version) for k in range(len(engines))]
+        syncs: list[Any] = RW.nccl_syncs(engines, p.learner.device, cfg.ray_bucket_mb, cfg.rollout_timeout_s,
+                                         cfg.ray_weight_groups, version)
     else:
         cache = RW._StoreCache()
         syncs = [RW.ObjectStoreWeights(e, cache, version, cfg.rollout_timeout_s) for e in engines]
