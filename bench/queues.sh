@@ -26,11 +26,13 @@
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
-#             30-minute session reaches about the first three): one refresh alone under torch.profiler on one
+#             30-minute session reaches about the first three): llm-policy with 1, 2, 3 rollout GPUs (Ray engine
+#             actors) + 1 learner GPU at 16 prompts per rollout engine (weak scaling; 8 steps: the per-engine
+#             weight groups and the actors' caches sized up front, both since 2026-11-28's 0.90 / 0.72 rows) and
+#             their rows into scale.json; one refresh alone under torch.profiler on one
 #             engine and on three in-process ones (scale.py --profile-refresh: how much of a refresh the kernels
 #             fill, and with what - 2026-11-28: in the loop three Ray actors took ~97-118 ms a refresh against an
-#             ideal 63); llm-policy with 1, 2, 3 rollout GPUs (Ray engine actors) + 1 learner GPU at 16 prompts per
-#             rollout engine (weak scaling) and their rows into scale.json; the hidden-state graphs' GPU test and
+#             ideal 63); the hidden-state graphs' GPU test and
 #             refresh rows (llm/hf/hidden_graphs.py: do three in-process engines scale once their forwards cost no
 #             host time?), ppo-hidden with them; the in-process llm-policy, refresh and ppo-hidden rows; last, the
 #             rows measured on 2026-11-28 (4 x H200: ppo-hidden with three Ray actors, bf16 and fp8; PPO on 4 GPUs).
@@ -118,9 +120,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
       "@0,1 scale_llm 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 --placement dedicated --out bench/results/logs/async_dedicated.json") ;;
     scale) jobs=(  # one lane of all four GPUs, by value (what 2026-11-28's x4 session left: bench/HISTORY.md)
-      "@0,1,2,3 scale_refresh_profile 300 python bench/scale.py --jobs refresh --gpus 1 4 --profile-refresh"
-      "@0,1,2,3 scale_llm_ray 560 python bench/async_llm_policy.py --tasks arith --cases base --steps 6 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
+      "@0,1,2,3 scale_llm_ray 780 python bench/async_llm_policy.py --tasks arith --cases base --steps 8 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak.json"
       "@0,1,2,3 scale_llm_rows_ray 120 python bench/scale.py --jobs llm-policy --llm-rows bench/results/logs/async_dedicated_ray_weak.json"
+      "@0,1,2,3 scale_refresh_profile 300 python bench/scale.py --jobs refresh --gpus 1 4 --profile-refresh"
       "@0,1,2,3 scale_graphtest 120 python -m pytest -m gpu tests/test_llm_hf.py -k hidden_graphs_on_gpu -x -q -p no:cacheprovider"
       "@0,1,2,3 scale_refresh_graphs 360 python bench/scale.py --jobs refresh --gpus 1 4 --hidden-graphs"
       "@0,1,2,3 scale_hidden_ray_graphs 600 python bench/scale.py --jobs refresh ppo-hidden --gpus 1 4 --skip-n 25 --updates 5 --feature-backend ray --hidden-graphs"

@@ -54,6 +54,10 @@ def test_fast_forward_equals_peft_within_rounding_and_follows_updates() -> None:
     layers = lora_fast.install(lora)
     assert len(layers) == len(lora_fast.lora_layers(lora)) > 0
     assert all(type(layer).__name__.startswith("Fast") for layer in layers)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(lora))  # a model pickled whole (Ray's object store): its class is found
+    assert type(lora_fast.lora_layers(again)[0]) is type(layers[0])
     assert lora_fast.install(lora) == layers  # idempotent
     got = _logits(lora, ids)
     torch.testing.assert_close(got, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
@@ -70,6 +74,8 @@ def test_fast_forward_equals_peft_within_rounding_and_follows_updates() -> None:
     with torch.no_grad():
         next(p for n, p in lora.named_parameters() if "lora_B" in n).mul_(2)
     assert lora_fast.refresh(layers) == 1  # what the engine runs before a graphed step
+    layers[0].scaling["default"] = 4.0  # PEFT's set_scale: no tensor changes, the copies must
+    assert lora_fast.refresh(layers) == 1
 
 
 def test_gradient_path_is_peft_unchanged_and_trains() -> None:

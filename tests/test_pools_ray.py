@@ -485,3 +485,30 @@ def test_ray_config_rejects_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
         _cfg(tmp_path, **kw)
 
+
+
+def test_engine_actor_cache_is_sized_once_and_again_after_a_replacement(ray_cluster):
+    """A Ray engine actor batches whole generate calls; reserved up front (`RayEngine.reserve`, which the front
+    calls for it), its cache is allocated once although the batches grow - each new size compiled and captured
+    a decode graph mid-run on a GPU (~40 s, 4 x H200, 2026-11-28); a replacement actor gets the reservation
+    before its first batch."""
+    from thinkcraft.llm.protocol import Batch, SamplingParams
+    from thinkcraft.pools.engine import EngineFront
+
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    handle, engine = _engine_actor(ray, model, tok, "engine-r", 120.0, dict(num_cpus=0.25, max_concurrency=4))
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+    prompt = list(tok("size the cache once", add_special_tokens=False)["input_ids"])
+    assert engine.reserves_whole_batches and EngineFront.sizes_caches.fget  # the front asks for it
+    engine.reserve(24, len(prompt) + 8)
+    for n in (2, 11, 23):  # growing whole batches
+        engine.generate(Batch(items=[prompt] * n), sp)
+    assert engine.decode_metrics()["cache_allocations"] == 1
+    _kill_and_wait_dead(ray, handle.actor)
+    with pytest.raises(Exception, match="died"):
+        engine.call("ready", timeout_s=30)
+    for n in (3, 20):
+        engine.generate(Batch(items=[prompt] * n), sp)
+    assert engine.decode_metrics()["cache_allocations"] == 2  # the replacement's one allocation added
+    handle.kill()

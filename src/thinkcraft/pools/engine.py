@@ -240,11 +240,17 @@ class EngineFront:
             for e in episodes:
                 slot.engine.release(e)
 
+    @property
+    def sizes_caches(self) -> bool:
+        """Does `reserve` size any engine (continuous batching, or a Ray engine actor)?"""
+        return self.continuous or any(getattr(s.engine, "reserves_whole_batches", False) for s in self.slots)
+
     def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
         """Continuous batching: size every engine's KV cache for `rows` sequences of `tokens` columns after a
-        shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows run)."""
-        if self.continuous:
-            for slot in self.slots:
+        shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows run).
+        Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors) are sized too."""
+        for slot in self.slots:
+            if self.continuous or getattr(slot.engine, "reserves_whole_batches", False):
                 slot.engine.reserve(rows, tokens, prefix_tokens)
 
     def notify(self) -> None:

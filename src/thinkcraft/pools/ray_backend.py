@@ -245,6 +245,12 @@ class _EngineActor:
         with self.lock, ctx:
             return self.engine.generate(batch, sampling)
 
+    def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
+        """Size the engine's KV cache before its first batch (engines without a cache: nothing to do)."""
+        fn = getattr(self.engine, "reserve", None)
+        if fn is not None:
+            fn(rows, tokens, prefix_tokens)
+
     def decode_metrics(self) -> dict[str, float]:
         """The engine's cumulative decode counters (a snapshot, read beside a running generate: the actor serves
         calls on several threads), for the driver's per-update engine metrics."""
@@ -396,9 +402,16 @@ class RayEnvHandle:
 class RayEngine:
     """The `engine` of an EngineSlot whose engine is an actor (generate only: batching is the front's)."""
 
+    reserves_whole_batches = True
+    """The front sizes this engine's cache up front although it batches whole `generate` calls: without it the
+    actor's cache grew with the batches it met, and each new size compiled and captured a decode graph again
+    (~40 s on an H200) in the middle of a run (4 x H200, 2026-11-28: captures at steps 3-7 of 6-8-step runs)."""
+
     def __init__(self, actor: ActorHandle, timeout_s: float | None) -> None:
         self.actor_handle = actor
         self.timeout_s = timeout_s
+        self._reservation: tuple[int, int, int] | None = None
+        self._reserved_actor: Any = None  # the incarnation that has it: a replacement gets it before its first batch
         self._counters_before: dict[str, float] = {}  # the last summed decode counters (decode_metrics)
         self._base: dict[str, float] = {}
         self._restarts_seen = 0
@@ -414,7 +427,20 @@ class RayEngine:
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return self.actor_handle.call(method, *args, timeout_s=timeout_s)
 
+    def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
+        """Size the actor engine's KV cache for `rows` sequences of `tokens` columns (see the class attribute);
+        kept and sent again to a replacement actor before its first batch."""
+        self._reservation = (int(rows), int(tokens), int(prefix_tokens))
+        self._reserve_now()
+
+    def _reserve_now(self) -> None:
+        actor = self.actor
+        if self._reservation is not None and self._reserved_actor is not actor:
+            self.call("reserve", *self._reservation, timeout_s=self.timeout_s)
+            self._reserved_actor = actor
+
     def generate(self, batch: Any, sampling: Any) -> Any:
+        self._reserve_now()
         return self.call("generate", batch, sampling, timeout_s=self.timeout_s)
 
     def decode_metrics(self) -> dict[str, float]:

@@ -41,7 +41,7 @@ class _FastLoraMixin:
 
     _tc_a: torch.Tensor  # (r, in), the base weight's dtype
     _tc_bt: torch.Tensor  # (r, out) = (scaling · B)ᵀ
-    _tc_seen: tuple[int, int, int, int]  # (A, B) storage pointers and version counters at the last copy
+    _tc_seen: tuple  # (A, B) storage pointers and version counters, and the scale, at the last copy
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if torch.is_grad_enabled() or args or kwargs or not _covered(self):
@@ -68,12 +68,13 @@ def _covered(layer: Any) -> bool:
 def _refresh_layer(layer: Any) -> bool:
     """Copy the adapter into the bf16 copies if it changed since the last copy (in place); True if it did."""
     a, b = layer.lora_A[layer._tc_name].weight, layer.lora_B[layer._tc_name].weight
-    seen = (a.data_ptr(), a._version, b.data_ptr(), b._version)
+    scale = layer.scaling[layer._tc_name]  # PEFT's set_scale changes it without touching a tensor
+    seen = (a.data_ptr(), a._version, b.data_ptr(), b._version, scale)
     if seen == layer._tc_seen:
         return False
     with torch.no_grad():
         layer._tc_a.copy_(a)
-        layer._tc_bt.copy_((b * layer.scaling[layer._tc_name]).t())
+        layer._tc_bt.copy_((b * scale).t())
     layer._tc_seen = seen
     return True
 
@@ -109,16 +110,24 @@ def install(model: torch.nn.Module) -> list[Any]:
             with torch.inference_mode(False), torch.no_grad():
                 layer._tc_a = torch.empty(a.shape, dtype=base.dtype, device=a.device)
                 layer._tc_bt = torch.empty((b.shape[1], b.shape[0]), dtype=base.dtype, device=b.device)
-            layer._tc_seen = (0, -1, 0, -1)
+            layer._tc_seen = ()
         layer._tc_name = name
         cls = type(layer)
         if not isinstance(layer, _FastLoraMixin):
-            if cls not in _CLASSES:
-                _CLASSES[cls] = type(f"Fast{cls.__name__}", (_FastLoraMixin, cls), {"__module__": __name__})
-            layer.__class__ = _CLASSES[cls]
+            layer.__class__ = _fast_class(cls)
         _refresh_layer(layer)
         fast.append(layer)
     return fast
+
+
+def _fast_class(cls: type) -> type:
+    """The fast subclass of a PEFT LoRA class, made once and named in this module (pickle finds it by name: a
+    model pickled whole - Ray's object store, torch.save - loads where thinkcraft is importable)."""
+    if cls not in _CLASSES:
+        name = f"Fast_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+        fast = type(name, (_FastLoraMixin, cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = _CLASSES[cls] = fast
+    return _CLASSES[cls]
 
 
 def refresh(layers: list[Any]) -> int:
