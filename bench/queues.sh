@@ -19,8 +19,10 @@
 #             prefill is in llm1 only: 2026-11-28 its first step did not end in 580 s). The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
-#   llm1      one GPU: issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT LoRA vs merged,
-#             static vs dynamic width, profiled), the Craftax rollout with the "dynamic" decode width (one
+#   llm1      one GPU: issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT's LoRA forward vs
+#             the fast one vs merged, static width, profiled), the Craftax rollout with a turn's prompts submitted
+#             256 at a time (fewer, larger prefills: its first run, 2026-11-28, did not apply the flag), with the
+#             "dynamic" decode width (one
 #             symbolic-width compile since 2026-11-28), then the compiled prefill (2026-11-28: its first step did
 #             not end in 580 s) (needs the tokenizer: the llm set's one call, then collects)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
@@ -112,7 +114,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout, the prompt chunk and the
                   # decode width (the rollout profile of that day: 299 decode steps of 7.2 ms with the host waiting
                   # 1.1 ms of each, 42 prefills of ~67 ms with ~24 ms of device time each)
-      "@0 decode_probe 300 python bench/probes/decode_step_probe.py --profile"
+      "@0 decode_probe 420 python bench/probes/decode_step_probe.py --kv-cache static --profile"
+      "@0 craftax_chunk256 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --submit-chunk 256 --out bench/results/logs/craftax_chunk256.json"
       "@0 craftax_dynamic 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
       "@0 craftax_prefill 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-rollout -1 --out bench/results/logs/craftax_prefill.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
