@@ -579,3 +579,28 @@ def test_env_handles_report_the_built_envs_turns_and_the_cache_is_sized_by_them(
     assert calls[-1][1] == per_turn * 8
     front.stop(timeout_s=5.0)
     pool.stop(drain=False, timeout_s=5.0)
+
+
+def test_front_sizes_whole_batch_engines_that_ask_with_their_share() -> None:
+    """`EngineFront.reserve` (continuous engines: every row, each); whole-batch engines only when they ask
+    (`reserves_whole_batches`: Ray actors, whose caches otherwise grew - a decode-graph compile each time) and
+    with their share of the rows (the static step computes every slot); other whole-batch engines are left
+    alone."""
+    from thinkcraft.pools.engine import EngineFront, EngineSlot
+    from thinkcraft.pools.weights import SharedWeights
+
+    class Eng:
+        def __init__(self, asks: bool) -> None:
+            self.reserves_whole_batches, self.calls = asks, []
+
+        def reserve(self, rows: int, tokens: int, prefix: int = 0) -> None:
+            self.calls.append((rows, tokens, prefix))
+
+    actors = [Eng(True) for _ in range(3)]
+    plain = Eng(False)
+    front = EngineFront([EngineSlot(e, SharedWeights()) for e in actors + [plain]], batch_wait_s=0.0)
+    assert front.sizes_caches
+    front.reserve(100, 64, 8)
+    assert [e.calls for e in actors] == [[(34, 64, 8)]] * 3 and plain.calls == []
+    alone = EngineFront([EngineSlot(Eng(False), SharedWeights())], batch_wait_s=0.0)
+    assert not alone.sizes_caches

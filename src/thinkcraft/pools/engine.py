@@ -248,10 +248,15 @@ class EngineFront:
     def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
         """Continuous batching: size every engine's KV cache for `rows` sequences of `tokens` columns after a
         shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows run).
-        Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors) are sized too."""
+        Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors) get their share of the
+        rows: the static decode step computes every slot, so a cache sized for all rows on each of K engines
+        would cost K times the decode work (a larger batch than the share still grows the cache, as before)."""
+        whole = [s for s in self.slots if not self.continuous and getattr(s.engine, "reserves_whole_batches", False)]
         for slot in self.slots:
-            if self.continuous or getattr(slot.engine, "reserves_whole_batches", False):
+            if self.continuous:
                 slot.engine.reserve(rows, tokens, prefix_tokens)
+            elif slot in whole:
+                slot.engine.reserve(-(-rows // len(whole)), tokens, prefix_tokens)
 
     def notify(self) -> None:
         """The rollout pool's expected row count changed: re-check whether a batch is ready."""

@@ -338,9 +338,10 @@ def nccl_syncs(engines: list[Any], device: Any, bucket_mb: float, timeout_s: flo
 
 
 class NcclWeights:
-    """WeightSync for the k-th Ray engine actor on the NCCL path (the broadcast is shared by all slots).
+    """WeightSync for the k-th Ray engine actor on the NCCL path (`nccl_syncs`: a group per engine, rank 0 of
+    its own broadcast, or one broadcast shared by all slots).
 
-    With several engines, the first slot to apply version v broadcasts it to every engine, so an engine may
+    With a shared group, the first slot to apply version v broadcasts it to every engine, so an engine may
     hold v while its own slot still reports v-1 (until that slot's apply confirms it): its tokens are then
     labelled one version older than the weights that made them. Staleness is over-, never under-estimated;
     behaviour log-probs are always the actual weights'."""

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
+from thinkcraft.llm.hf import lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
-from thinkcraft.llm.hf import lora_fast
 from thinkcraft.llm.hf.iteration import IterationMixin
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
@@ -155,7 +155,7 @@ class Batcher(CacheMixin, IterationMixin):
         with self._step_lock, self._contexts():
             try:
                 self._apply_updates()
-                if getattr(self.eng, "_lora_fast", None):  # a graphed step reads the adapters' copies: brought up to date first
+                if getattr(self.eng, "_lora_fast", None):  # a graphed step reads the adapters' copies: update them
                     lora_fast.refresh(self.eng._lora_fast)
                 # a synchronous `generate` times prefill apart from decode: the device is drained after a step
                 # that prefilled (its prefill time then holds up to one decode step's device time too), never at
