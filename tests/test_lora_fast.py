@@ -175,3 +175,28 @@ def test_graphed_decode_reads_the_refreshed_copies_on_gpu() -> None:
     # 6 of 8 agreed, then two alternating tokens swapped places): the rounding order differs, not the weights
     assert all(g[:4] == w[:4] for g, w in zip(got2, want2))
     assert eng.decode_metrics()["graph_captures"] == 1  # one capture: the update was read in place
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hand-captured decode graph needs a GPU (none here)")
+def test_graphed_decode_sees_the_adapter_switched_off_on_gpu() -> None:
+    """`disable_adapter()` (the adapter-off 'self' judge) around a graphed engine: a replayed graph cannot see the
+    switch, so the step keys its graphs on it - the judge samples the base model's tokens (as an eager engine
+    does), not the policy's, and its graph is captured apart."""
+    lora, tok = _lora(seed=8)
+    lora = lora.to("cuda")
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in ("judge this", "x y z")]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    graphed = HFEngine.from_model(lora, tok, kv_cache="static", compile_decode=True)
+    eager = HFEngine.from_model(lora, tok, kv_cache="static", compile_decode=False)
+
+    def gen(eng) -> list:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            return [r.token_ids for r in eng.generate(Batch(items=prompts), sp)]
+
+    policy = gen(graphed)
+    with lora.disable_adapter():
+        judge, judge_eager = gen(graphed), gen(eager)
+    assert judge != policy  # the switch reached the graphed step
+    assert all(a[:4] == b[:4] for a, b in zip(judge, judge_eager))  # (bf16 near-ties: the first tokens)
+    assert graphed.decode_metrics()["graph_captures"] == 2  # adapters on, adapters off

@@ -378,8 +378,9 @@ class CacheMixin:
             return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
+            lora = getattr(self.eng, "_lora_layers", None)
             key = (ctx.prefix_keys is not None, ctx.cols.shape[0], torch.is_autocast_enabled("cuda")
-                   and torch.get_autocast_dtype("cuda"))
+                   and torch.get_autocast_dtype("cuda"), bool(lora and lora[0].disable_adapters))
             entry = graphs.get(key)
             if entry is None or entry[5] != addresses(ctx):
                 entry = graphs[key] = capture(ids, pos, ctx)

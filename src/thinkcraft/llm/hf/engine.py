@@ -154,6 +154,9 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self._dec = compat.decoder_of(self._lm)
         # a learner's bf16 LoRA model: no-grad forwards without PEFT's dtype casts (lora_fast says why)
         self._lora_fast = lora_fast.install(model)
+        # PEFT's LoRA layers, whose adapter switch (`disable_adapter()`: the adapter-off judge) a replayed decode
+        # graph cannot see: the hand-captured step keys its graphs on it (cache.py)
+        self._lora_layers = lora_fast.lora_layers(model)
         p = next(self._lm.parameters())
         self.device = p.device
         self.dtype = p.dtype
