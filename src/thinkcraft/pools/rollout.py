@@ -191,7 +191,7 @@ class RolloutPool:
                     raise WorkFailed("stopped", f"group {req.group_id} abandoned at stop")
                 prompts = group_prompts.next(active, [obs[i] for i in active], [last[i] for i in active])
                 prefix = group_prompts.prefix_len(prompts[0]) if hasattr(group_prompts, "prefix_len") else 0
-                if getattr(self.front, "sizes_caches", self.front.continuous):
+                if self.front.sizes_caches:
                     self._reserve(prompts[0], prefix, keep_kv, getattr(env, "max_turns", None))
                 results = self.front.run(prompts, [(req.group_id, i) for i in active], s.sampling,
                                          s.engine_timeout_s, prefix_len=prefix, route=req.group_id,

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from thinkcraft.utils.errors import env_switch
 
 _HALF = (torch.bfloat16, torch.float16)
-_CLASSES: dict[type, type] = {}
 
 
 class _FastLoraMixin:
@@ -123,11 +122,10 @@ def install(model: torch.nn.Module) -> list[Any]:
 def _fast_class(cls: type) -> type:
     """The fast subclass of a PEFT LoRA class, made once and named in this module (pickle finds it by name: a
     model pickled whole - Ray's object store, torch.save - loads where thinkcraft is importable)."""
-    if cls not in _CLASSES:
-        name = f"Fast_{cls.__module__.replace('.', '_')}_{cls.__name__}"
-        fast = type(name, (_FastLoraMixin, cls), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = _CLASSES[cls] = fast
-    return _CLASSES[cls]
+    name = f"Fast_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+    if name not in globals():
+        globals()[name] = type(name, (_FastLoraMixin, cls), {"__module__": __name__, "__qualname__": name})
+    return globals()[name]
 
 
 def refresh(layers: list[Any]) -> int:
