@@ -551,3 +551,99 @@ def test_a_row_the_device_runs_past_max_new_tokens_ends_on_the_host(tiny) -> Non
     assert eng.decode_metrics()["host_length_ends"] == 1
     h2 = eng.submit(GenerationRequest(prompt, sp))  # the slot serves the next request normally
     assert _run(eng, [h2])[h2].completion.token_ids == want.token_ids
+
+
+def _fused_eagerly(monkeypatch) -> list[int]:
+    """Every engine made from here on runs `_fused_iteration` (what the CUDA path captures as one graph) eagerly,
+    in place of the step-by-step iteration; the returned list counts the fused iterations."""
+    from thinkcraft.llm.hf.batcher import Batcher
+
+    allocate = Batcher._allocate
+    calls = [0]
+
+    def alloc(self, *args):  # noqa: ANN001, ANN202
+        allocate(self, *args)
+
+        def fused(*flags):  # noqa: ANN002, ANN202
+            calls[0] += 1
+            return self._fused_iteration(self._forward_last, *flags)
+
+        self._fused_fn = fused
+
+    monkeypatch.setattr(Batcher, "_allocate", alloc)
+    return calls
+
+
+def test_the_fused_iteration_equals_the_step_by_step_one(tiny, monkeypatch) -> None:
+    """The fused iteration (sampling, bookkeeping, log-probs and forward with no host decision inside: one CUDA
+    graph on a GPU) gives the step-by-step iteration's tokens, log-probs, thinking cuts and ends: greedy and
+    sampled rows (the same default-generator draws), thinking budgets, requests joining at different steps."""
+    model, tok = tiny
+    prompts = [_ids(tok, t) for t in ("Hello there<think>", "The quick brown fox", "a", "Once upon<think>")]
+    sps = [SamplingParams(max_new_tokens=9, temperature=0.0, thinking_budget=3),
+           SamplingParams(max_new_tokens=7, temperature=1.0),
+           SamplingParams(max_new_tokens=5, temperature=0.8, top_p=0.9),
+           SamplingParams(max_new_tokens=10, temperature=1.0, thinking_budget=2)]
+
+    def run() -> tuple[list, dict]:
+        eng = HFEngine.from_model(model, tok, max_slots=3)
+        torch.manual_seed(7)
+        arrive = {0: [0, 1], 2: [2], 4: [3]}
+        got: dict = {}
+        step = 0
+        while len(got) < len(prompts):
+            for i in arrive.get(step, []):
+                eng.submit(GenerationRequest(prompts[i], sps[i], tag=i))
+            eng.step()
+            got.update({r.tag: r.completion for r in eng.poll()})
+            step += 1
+        return [got[i] for i in range(len(prompts))], eng.decode_metrics()
+
+    want, _ = run()
+    calls = _fused_eagerly(monkeypatch)
+    got, m = run()
+    assert calls[0] >= m["decode_steps"] > 0  # (an iteration launched after the last row ended is not counted)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        assert g.thinking_tokens == w.thinking_tokens and g.forced_token_indices == w.forced_token_indices
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    assert got[0].forced_token_indices and got[0].thinking_tokens == 3  # the budget cut ran in the fused path
+    assert m["generated_tokens"] == sum(len(c.token_ids) for c in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode graph is captured on CUDA only (no GPU here)")
+def test_the_fused_decode_graph_on_gpu_equals_the_step_by_step_one(monkeypatch) -> None:
+    """On a GPU (hand-captured graphs): the fused iteration as one graph gives the step-by-step engine's greedy
+    tokens, log-probs and thinking cuts, with a request joining mid-way; it really ran (no fallback, fused
+    captures); and its sampling draws anew at every replay (two unseeded sampled calls differ: a graph that froze
+    its random numbers would repeat them)."""
+    model, tok = tiny_llama(thinking=True)
+    model.cuda()
+    prompts = [_ids(tok, t) for t in ("Hello there<think>", "The quick brown fox", "Once upon<think>")]
+    sps = [SamplingParams(max_new_tokens=12, temperature=0.0, thinking_budget=3),
+           SamplingParams(max_new_tokens=9, temperature=0.0),
+           SamplingParams(max_new_tokens=10, temperature=0.0, thinking_budget=2)]
+
+    def run(fused: str) -> tuple[list, HFEngine]:
+        monkeypatch.setenv("THINKCRAFT_DECODE_FUSED", fused)
+        eng = HFEngine.from_model(model, tok, compile_decode=True)
+        hs = [eng.submit(GenerationRequest(prompts[i], sps[i])) for i in (0, 1)]
+        for _ in range(3):
+            eng.step()
+        hs.append(eng.submit(GenerationRequest(prompts[2], sps[2])))
+        res = _run(eng, hs)
+        return [res[h].completion for h in hs], eng
+
+    want, _ = run("0")
+    got, eng = run("1")
+    b = eng._batcher
+    assert b._fused_fn is not None and not b._fused_fn.failed
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.forced_token_indices == w.forced_token_indices
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-3)
+    sampled = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95)
+    first = eng.generate(Batch(items=[prompts[1]] * 2), sampled)
+    second = eng.generate(Batch(items=[prompts[1]] * 2), sampled)
+    assert not b._fused_fn.failed
+    assert [c.token_ids for c in first] != [c.token_ids for c in second]

@@ -76,6 +76,16 @@ def test_fast_forward_equals_peft_within_rounding_and_follows_updates() -> None:
     assert lora_fast.refresh(layers) == 1  # what the engine runs before a graphed step
     layers[0].scaling["default"] = 4.0  # PEFT's set_scale: no tensor changes, the copies must
     assert lora_fast.refresh(layers) == 1
+    assert lora_fast.refresh(layers) == 0  # the per-step check: nothing moved
+    # the check holds resolved tensors: a replaced adapter Parameter and a storage swapped under one are seen too
+    a = layers[1].lora_A["default"]
+    a.weight = torch.nn.Parameter(a.weight.detach() + 0.5)
+    assert lora_fast.refresh(layers) == 1
+    torch.testing.assert_close(layers[1]._tc_a, a.weight.detach().to(layers[1]._tc_a.dtype))
+    a.weight.data = a.weight.detach() * 3
+    assert lora_fast.refresh(layers) == 1
+    torch.testing.assert_close(layers[1]._tc_a, a.weight.detach().to(layers[1]._tc_a.dtype))
+    assert lora_fast.refresh(layers) == 0
 
 
 def test_gradient_path_is_peft_unchanged_and_trains() -> None:

@@ -54,6 +54,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true",
                    help="one more round per case under torch.profiler: <out>_profile-<case>.{txt,json}")
+    p.add_argument("--host-profile", action="store_true",
+                   help="one more round per case under cProfile: <out>_host-<case>.txt, the host's time by Python "
+                        "function (sampling, bookkeeping, the graph's replay, the collect), cumulative and own")
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shape, 4 rows, short contexts")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_step_probe.json"))
@@ -130,6 +133,9 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
             label = f"{variant}-{width}-{a.rows}rows"
             torch_profile(lambda: _round(engine, prompts, a.prefix, a.new_tokens), cuda,
                           Path(a.out).with_name(f"{Path(a.out).stem}_profile-{label}"), label)
+        if a.host_profile:
+            _host_profile(lambda: _round(engine, prompts, a.prefix, a.new_tokens),
+                          Path(a.out).with_name(f"{Path(a.out).stem}_host-{variant}-{width}-{a.rows}rows.txt"))
     med = lambda k: round(statistics.median(r[k] for r in runs), 3)  # noqa: E731
     engine.free_cache()
     return {"variant": variant, "lora_fast_layers": len(engine._lora_fast), "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
@@ -138,6 +144,24 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
             "rows_per_step": med("rows_per_step"), "prefill_s": med("prefill_s"),
             "graph_captures": warm["captures"] + sum(r["captures"] for r in runs), "warmup_s": round(warm["wall_s"], 1),
             "repeats": a.repeats, "card": card(), "date": today(), "quick": a.quick}
+
+
+def _host_profile(run: Any, path: Path) -> None:
+    """One round under cProfile, written as the top functions by cumulative and by own time (cProfile slows
+    the Python it sees, not the kernels: the ranking of host costs, not their exact share)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    out = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(45)
+    path.write_text(out.getvalue())
+    print(f"host profile: {path}", flush=True)
 
 
 @contextlib.contextmanager

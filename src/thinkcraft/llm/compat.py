@@ -313,6 +313,24 @@ def weights_version(params: Any) -> int:
     return sum(p._version for p in params)
 
 
+_PARAM_EPOCH = [0]
+_PARAM_HOOK: list[Any] = []
+
+
+def parameter_epoch() -> int:
+    """A process-wide counter that moves whenever any module registers a Parameter (`register_parameter`, and
+    so `module.weight = nn.Parameter(...)`), through torch's global parameter-registration hook (installed at
+    the first call). A per-step check that holds resolved Parameter objects re-resolves them only when it moves,
+    instead of walking every module's `_parameters` each step; a storage swapped under the same Parameter
+    (`p.data = t`) changes its `data_ptr`, which such a check reads itself."""
+    if not _PARAM_HOOK:
+        def bump(module: Any, name: str, param: Any) -> None:
+            _PARAM_EPOCH[0] += 1
+
+        _PARAM_HOOK.append(torch.nn.modules.module.register_module_parameter_registration_hook(bump))
+    return _PARAM_EPOCH[0]
+
+
 def flash_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """CUDA FlashAttention-2 with its log-sum-exp: `aten::_scaled_dot_product_flash_attention` (torch
     2.13.0: returns (out, lse, ...); takes GQA-shaped k/v). The public sdpa returns no LSE."""

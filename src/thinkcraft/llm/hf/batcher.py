@@ -78,6 +78,7 @@ class Batcher(CacheMixin, IterationMixin):
         self._prefix: np.ndarray | None = None
         self._reserve = (0, 0, 0)
         self._step_fn: Callable[..., torch.Tensor] | None = None
+        self._fused_fn: Callable[..., Any] | None = None  # the whole iteration as one graph (cache.py)
         self.gen: torch.Generator | None = None
         self.sync_timing = False
         self.counters: dict[str, float] = dict.fromkeys(
@@ -191,7 +192,7 @@ class Batcher(CacheMixin, IterationMixin):
                     completion=Completion(token_ids=[], text="", logprobs=None, finish_reason="error",
                                           prompt_token_ids=seq.prompt.tolist()))
             self.counters["failed"] += len(seqs)
-            self.kv, self._step_fn, self._prefix = None, None, None
+            self.kv, self._step_fn, self._fused_fn, self._prefix = None, None, None, None
             self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
             self._cv.notify_all()
 
@@ -274,7 +275,7 @@ class Batcher(CacheMixin, IterationMixin):
     def free(self) -> None:
         """Drop the cache (and anything queued, running or unpolled): the engine is closing."""
         with self._step_lock, self._cv:
-            self.kv, self._step_fn, self._prefix = None, None, None
+            self.kv, self._step_fn, self._fused_fn, self._prefix = None, None, None, None
             self._free_budget = None  # memory given back: the next cache measures the free memory again
             self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
             self._queue.clear()

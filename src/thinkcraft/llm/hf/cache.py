@@ -25,9 +25,11 @@ import torch
 
 from thinkcraft.llm import compat
 from thinkcraft.llm.hf.guides import SlotGuides
-from thinkcraft.llm.hf.rows import RowState, Step, ThinkTokens, advance_and_place_flat, unflatten_step
+from thinkcraft.llm.hf.rows import (
+    RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows, unflatten_step,
+)
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
-from thinkcraft.llm.hf.slots import SlotKV
+from thinkcraft.llm.hf.slots import DecodeCtx, SlotKV
 from thinkcraft.llm.protocol import GenerationRequest
 from thinkcraft.utils.errors import UserError, env_switch
 from thinkcraft.utils.fallback import OrEager, compiled_or_eager
@@ -202,6 +204,7 @@ class CacheMixin:
         self._events: list[Any] = [None, None]
         self._iter = self._collected = 0
         self._think_key: Any = None
+        self._fused_fn = None
         if not self.compile_step:
             self._step_fn = self._forward_last
         elif decode_graphs() == "manual" and dev.type == "cuda":
@@ -291,6 +294,30 @@ class CacheMixin:
         h = h[:, -1] if last is None else h[0, last]
         return compat.lm_head(self.eng._lm)(dec.norm(h)).float()
 
+    def _fused_iteration(self, forward: Callable[..., torch.Tensor], width: int, use_prefix: bool,
+                         any_sampled: bool, any_top_p: bool, want_lp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode iteration's device work with no host decision inside, what `_launch_unfused` launches
+        piece by piece: sample from the logits buffer (the default generator), advance the rows' state (written
+        back into its own buffers), the sampled tokens' log-probs, the one-token `forward` into the logits
+        buffer. Returns (record, log-probs) for the host. `_manual_graph_step` captures it whole in one CUDA
+        graph: one replay a step instead of ~40 launches and a compiled call's guards."""
+        kv, st = self.kv, self.state
+        tok = sample_rows(self.logits, st.temperature, st.top_p, any_sampled, any_top_p, None)
+        step = self._advance(st, tok, self._think_tokens(), kv.tokens)
+        if want_lp:
+            lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+        else:
+            lp = self._no_lp
+        ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
+                        kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
+                        kv.cols[:width], self.prefix_mask)
+        out = forward(step.tokens[:, None], step.pos[:, None], ctx)
+        for dst, src in zip(st, step.state):
+            if src is not dst:
+                dst.copy_(src)
+        self.logits.copy_(out)
+        return step.record, lp
+
     def _prefill_forward(self) -> Callable[..., torch.Tensor]:
         """The packed prefill's forward (`_forward_last` over a `PrefillCtx`): eager by default; through
         torch.compile with dynamic shapes (no CUDA graphs: every prefill has its own token and key counts) when
@@ -353,12 +380,20 @@ class CacheMixin:
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
         owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]
         graphs: dict[Any, Any] = {}
+        # the Parameter objects, resolved again only when a Parameter is registered somewhere (a reassignment):
+        # walking `m._parameters[n]` for ~500 parameters cost 0.8 ms of host time a step (cProfile, H200,
+        # 2026-11-28, a host-bound 2.9 ms step at 64 rows); a storage swapped under a Parameter moves its data_ptr
+        params: list[Any] = []
+        epoch = [-1]
 
         def addresses(ctx: Any) -> tuple[int, ...]:
+            if epoch[0] != compat.parameter_epoch():
+                params[:] = [m._parameters[n] for m, n in owners]
+                epoch[0] = compat.parameter_epoch()
             fixed = [ctx.keys[0], ctx.values[-1], ctx.rows, ctx.cols, ctx.prefix_mask]
             if ctx.prefix_keys is not None:
                 fixed.append(ctx.prefix_keys[0])
-            return tuple(t.data_ptr() for t in fixed) + tuple(m._parameters[n].data_ptr() for m, n in owners)
+            return tuple(t.data_ptr() for t in fixed) + tuple(p.data_ptr() for p in params)
 
         def capture(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> Any:
             ids_s, pos_s = ids.clone(), pos.clone()
@@ -393,6 +428,48 @@ class CacheMixin:
                 replay()
             return self.logits.copy_(out)
 
+        def fused(width: int, use_prefix: bool, any_sampled: bool, any_top_p: bool, want_lp: bool) -> Any:
+            """`_fused_iteration` through one hand-captured graph per (shape, flags); (record, log-probs)."""
+            kv, think = self.kv, self._think_tokens()
+            lora = getattr(self.eng, "_lora_layers", None)
+            key = ("fused", use_prefix, width, torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
+                   bool(lora and lora[0].disable_adapters), any_sampled, any_top_p, want_lp)
+            probe = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None, None, kv.rows, kv.rows,
+                              kv.rows, kv.cols[:width], self.prefix_mask)
+            addr = addresses(probe) + tuple(t.data_ptr() for t in self.state) + (self.logits.data_ptr(), id(think))
+            entry = graphs.get(key)
+            if entry is None or entry[2] != addr:
+                entry = graphs[key] = capture_fused(width, use_prefix, any_sampled, any_top_p, want_lp) + (addr, think)
+            replay, out = entry[0], entry[1]
+            with CAPTURE_GATE.shared():
+                replay()
+            return out
+
+        def capture_fused(width: int, use_prefix: bool, *flags: bool) -> tuple[Any, Any]:
+            # the capture's warm-up runs the iteration for real (twice: it advances the rows and samples): the
+            # rows' state and the logits are put back afterwards, and the replay that follows is the real step
+            # (the warm-ups' KV writes land in columns the rows write again before they read them)
+            saved = [t.clone() for t in self.state] + [self.logits.clone()]
+            t_wait = time.perf_counter()
+            try:
+                with CAPTURE_GATE.exclusive():
+                    t0 = time.perf_counter()
+                    replay, out = _graph_capture(
+                        lambda: self._fused_iteration(compiled, width, use_prefix, *flags), self.eng.device)
+            finally:
+                for dst, src in zip(list(self.state) + [self.logits], saved):
+                    dst.copy_(src)
+            t1 = time.perf_counter()
+            self.counters["graph_captures"] += 1
+            self.counters["graph_capture_s"] += t1 - t_wait
+            log.info("fused decode graph %d captured on %s (width %d, prefix %s, flags %s): %.1f s, %.1f s of it "
+                     "waiting for another capture or other engines' steps", int(self.counters["graph_captures"]),
+                     self.eng.device, width, use_prefix, flags, t1 - t_wait, t0 - t_wait)
+            return replay, out
+
+        if fused_decode():
+            self._fused_fn = OrEager(fused, lambda *a: None, "fused decode graph", log,
+                                     on_failure=lambda: [graphs.pop(k) for k in list(graphs) if k[0] == "fused"])
         return OrEager(step, self._forward_last, "manually captured decode step", log, on_failure=graphs.clear)
 
 
@@ -489,6 +566,16 @@ def decode_graphs() -> str:
     if mode not in ("trees", "manual"):
         raise UserError(f"THINKCRAFT_DECODE_GRAPHS must be 'trees' or 'manual', got {mode!r}")
     return mode
+
+
+def fused_decode() -> bool:
+    """THINKCRAFT_DECODE_FUSED ("1", the default; "0" off): with hand-captured decode graphs, an iteration with
+    no grammar mask and no seeded generator is one graph replay - sampling, the rows' bookkeeping, the
+    log-probs and the forward (`CacheMixin._fused_iteration`). Why: the decode loop is bound by the host, not the
+    GPU - at 64 rows of the Qwen2.5-0.5B shape a 2.95 ms step left the device idle but 0.44 ms of it, and the
+    sampling and the compiled bookkeeping's call were ~0.8 ms of its host time under cProfile (H200,
+    2026-11-28, bench/probes/decode_step_probe.py --host-profile)."""
+    return env_switch("THINKCRAFT_DECODE_FUSED", default=True)
 
 
 def decode_dynamic(width: str = "static") -> bool | None:

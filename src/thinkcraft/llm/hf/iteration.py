@@ -170,16 +170,39 @@ class IterationMixin:
         rows = self.h_run & (self.h_admit <= k)
         if not rows.any():
             return False
-        kv, st = self.kv, self.state
+        kv = self.kv
         any_sampled = bool((self.h_temp[rows] > 0).any())
         any_top_p = bool((self.h_topp[rows] < 1).any())
         guided = self.guides.any_open(rows)  # structured outputs: sample from the masked logits
+        want_lp = bool(self.h_wantlp[rows].any())
+        self.h_len[rows] += 1
+        width = kv.tokens
+        if self.width == "dynamic":
+            width = min(kv.tokens, _round_up(int(self.h_len[self.h_run].max()) + 1, _WIDTH_BUCKET))
+        use_prefix = kv.prefix_len > 0 and bool(self.table.uses_prefix())
+        out = None
+        # the whole iteration as one CUDA graph replay (cache.py `_manual_graph_step`) where no host decision is
+        # needed inside it: no grammar masks, no per-call seeded generator (a graph replays the default one's)
+        if self._fused_fn is not None and not guided and self.gen is None:
+            out = self._fused_fn(width, use_prefix, any_sampled, any_top_p, want_lp)  # None: it failed, for good
+        if out is None:
+            self._launch_unfused(k, width, use_prefix, any_sampled, any_top_p, want_lp, guided)
+        else:
+            self._hand_record(k, *out)
+        self._iter += 1
+        return True
+
+    def _launch_unfused(self, k: int, width: int, use_prefix: bool, any_sampled: bool, any_top_p: bool,
+                        want_lp: bool, guided: bool) -> None:
+        """The iteration step by step: sampling and bookkeeping launched from here, then the forward."""
+        kv, st = self.kv, self.state
         sample_from = self.guides.masked(self.logits) if guided else self.logits
         tok = sample_rows(sample_from, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
-        if self.h_wantlp[rows].any():
+        if want_lp:
             lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
             masked = sample_from is not self.logits  # (only rows still thinking: nothing masked this step)
+            rows = self.h_run & (self.h_admit <= k)
             if masked and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
                 lpc = torch.log_softmax(sample_from, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
                 lp = torch.where(to_device(self.guides.constrained_lp, lp.device), lpc, lp)
@@ -187,25 +210,28 @@ class IterationMixin:
             lp = self._no_lp
         if guided:  # structured outputs: the matchers accept this step's tokens before the next mask
             self.guides.advance(step.tokens, ~step.state.in_think & (step.state.force_pos < 0))
+        self._hand_record(k, step.record, lp)
+        if self._fused_fn is not None:  # the fused graph reads the state's buffers: they stay where they are
+            for dst, src in zip(self.state, step.state):
+                if src is not dst:
+                    dst.copy_(src)
+        else:
+            self.state = step.state
+        ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
+                        kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
+                        kv.cols[:width], self.prefix_mask)
+        self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
+
+    def _hand_record(self, k: int, record: torch.Tensor, lp: torch.Tensor) -> None:
+        """Iteration k's record and log-probs to the host (non-blocking, into pinned buffer k % 2), and an event
+        `_collect` waits on."""
         buf = k % 2
-        self._rec_host[buf].copy_(step.record, non_blocking=True)
+        self._rec_host[buf].copy_(record, non_blocking=True)
         self._lp_host[buf].copy_(lp, non_blocking=True)
         if self.eng.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.eng.device))  # the engine's GPU, whatever the thread's current one
             self._events[buf] = ev
-        self.state = step.state
-        self.h_len[rows] += 1
-        width = kv.tokens
-        if self.width == "dynamic":
-            width = min(kv.tokens, _round_up(int(self.h_len[self.h_run].max()) + 1, _WIDTH_BUCKET))
-        use_prefix = kv.prefix_len > 0 and bool(self.table.uses_prefix())
-        ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
-                        kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
-                        kv.cols[:width], self.prefix_mask)
-        self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
-        self._iter += 1
-        return True
 
     # ----------------------------------------------------------------------------------------- collect
 
