@@ -50,6 +50,8 @@
 #             (THINKCRAFT_LORA_FAST=0) back to back on the same GPU -, then issue 21's weak-scaling row with three
 #             Ray rollout GPUs (the one- and two-GPU rows ran that morning). Needs the tokenizer and Ray carried
 #             (the scale set's two calls, with `bash bench/queues.sh lorafast`)
+#   fused     one x4 machine, two lanes at once (2026-11-28 evening): issue 20's engine-per-GPU and dedicated
+#             placements on GPUs 0,1 and 2,3, each with its own sync reference (one call: the set, then collect)
 #   pair      one x4 machine, two lanes at once (2026-11-28): issue 20's two 2-GPU runs that can reach 1.7x on GPUs
 #             0,1 (an engine per GPU with its sync reference, after the autocast fix; the dedicated placement with
 #             a 0.5 ms switch interval), and on GPUs 2,3 issue 21's questions at 2 GPUs: one refresh alone on an
@@ -80,7 +82,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 scale2 scale lorafast pair"
+SETS="parity features llm llm1 scale2 scale lorafast pair fused"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -149,6 +151,11 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@2,3 refresh2_ray 300 python bench/scale.py --jobs refresh --gpus 1 2 --feature-backend ray"
       "@2,3 hidden2_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 --updates 5 --feature-backend ray"
       "@2,3 hidden2_skip5 480 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 5 --updates 5") ;;
+    fused) jobs=(  # one x4 machine, two lanes at once (2026-11-28, evening): issue 20's two 2-GPU placements, each with
+                   # its own sync reference, after the fused decode graph cut the engine's host time a step (the
+                   # GIL the learner and a second engine share)
+      "@0,1 async_2gpu 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
+      "@2,3 async_2gpu_dedicated 550 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }
