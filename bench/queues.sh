@@ -52,6 +52,7 @@
 #             (the scale set's two calls, with `bash bench/queues.sh lorafast`)
 #   fused     one x4 machine, two lanes at once (2026-11-28 evening): issue 20's engine-per-GPU and dedicated
 #             placements on GPUs 0,1 and 2,3, each with its own sync reference (one call: the set, then collect)
+#   fusedab   one x4 machine: the engine-per-GPU placement, THINKCRAFT_DECODE_FUSED=0 on GPUs 0,1 and =1 on 2,3
 #   pair      one x4 machine, two lanes at once (2026-11-28): issue 20's two 2-GPU runs that can reach 1.7x on GPUs
 #             0,1 (an engine per GPU with its sync reference, after the autocast fix; the dedicated placement with
 #             a 0.5 ms switch interval), and on GPUs 2,3 issue 21's questions at 2 GPUs: one refresh alone on an
@@ -82,7 +83,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 scale2 scale lorafast pair fused"
+SETS="parity features llm llm1 scale2 scale lorafast pair fused fusedab"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -156,6 +157,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
                    # GIL the learner and a second engine share)
       "@0,1 async_2gpu 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
       "@2,3 async_2gpu_dedicated 550 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json") ;;
+    fusedab) jobs=(  # one x4 machine: the engine-per-GPU placement with the fused decode graph off (GPUs 0,1) and on (2,3)
+      "@0,1 async_2gpu_unfused 550 env THINKCRAFT_DECODE_FUSED=0 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_unfused.json"
+      "@2,3 async_2gpu_fused 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_fused.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }
