@@ -329,3 +329,48 @@ def test_engine_update_skips_a_version_the_engine_has_queued():
     assert engine_update(Queued(), None, 3) is False
     with pytest.raises(WeightUpdateError, match="device is gone"):
         engine_update(Queued(), None, 5)
+
+
+def test_a_copy_engine_with_autocast_weights_samples_what_the_fp32_copy_samples(tiny):
+    """`autocast_weights` (a copy engine's linears and embeddings stored in the autocast dtype once, instead of
+    cast at every decode step): under bf16 autocast the engine over it generates the fp32 copy's tokens and
+    log-probs, norms stay fp32, tied weights stay tied, and an update from the fp32 learner (apply_state)
+    keeps the two equal."""
+    import copy
+
+    import numpy as np
+
+    from thinkcraft.llm import compat
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.hf.weights import apply_state, autocast_weights
+    from thinkcraft.llm.protocol import Batch, SamplingParams
+
+    model, tok = tiny
+    learner = copy.deepcopy(model).float()
+    fp32 = copy.deepcopy(learner)
+    half = autocast_weights(copy.deepcopy(learner), torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in half.named_parameters()}
+    assert {d for n, d in dtypes.items() if "norm" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if "proj" in n or "embed" in n} == {torch.bfloat16}
+    if learner.config.tie_word_embeddings:
+        assert half.get_output_embeddings().weight is half.get_input_embeddings().weight
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in ("Hello there", "The quick brown fox")]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=True)
+
+    def both() -> None:
+        out = []
+        for m in (fp32, half):
+            with compat.autocast(torch.bfloat16, "cpu"):
+                out.append(HFEngine.from_model(m, tok).generate(Batch(items=prompts), sp))
+        for a, b in zip(*out):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+
+    both()
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    for m in (fp32, half):
+        apply_state(m, learner.state_dict(), 1)
+    assert half.get_input_embeddings().weight.dtype == torch.bfloat16
+    both()

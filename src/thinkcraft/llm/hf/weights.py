@@ -76,3 +76,19 @@ def is_lora_name(name: str) -> bool:
 def lora_state(model: Any) -> dict[str, torch.Tensor]:
     """The adapter tensors of a PEFT model (what a LoRA learner publishes), detached."""
     return {n: p.detach() for n, p in model.named_parameters() if is_lora_name(n)}
+
+
+def autocast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (a sampler's own copy of fp32 master weights, served under `dtype` autocast) with the weights that
+    autocast casts at every call stored in `dtype` once: every `nn.Linear` and `nn.Embedding` (tied weights stay
+    tied). Norms and other parameters keep their dtype, so the forward under autocast is the one the fp32 copy
+    computes: autocast's cast of a fp32 weight is the rounding this stores (an update copied in later -
+    `apply_state` - is rounded the same way), and the embeddings' rows are cast alike.
+    Why: a copy engine served full fine-tuning's fp32 weights and cast each of them to bf16 inside every decode
+    step - for the Qwen2.5-0.5B shape ~170 extra kernels and ~3 GB of memory traffic a step, on a step that the
+    device bounds (3.4-3.5 ms at 30-95 rows, 4 x H200, 2026-11-28, bench/results/logs/s38_*async_2gpu*). In place;
+    returns `model`."""
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            m.to(dtype)
+    return model

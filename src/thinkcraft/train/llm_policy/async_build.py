@@ -95,6 +95,7 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
     """One EngineSlot per rollout engine (see the module docstring for the placement). `own_engine` is the
     engine over the learner's parameters (built before the learner, as the sync loop does)."""
     from thinkcraft.llm.clients import HTTPOptions, weights_client
+    from thinkcraft.llm.hf.weights import autocast_weights
     from thinkcraft.train.llm_policy.model import make_engine
 
     lora = cfg.finetune == "lora"
@@ -109,6 +110,8 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
                                     f"engine{k}-shared", dev, learner.autocast, lock=model_lock))
             continue
         twin = copy.deepcopy(learner.model).to(dev).eval().requires_grad_(False)
+        if not lora and learner.autocast_dtype is not None and str(dev).startswith("cuda"):
+            autocast_weights(twin, learner.autocast_dtype)  # cast once here, not in every decode step (it says why)
         engine = make_engine(twin, tokenizer, cfg)
         sync = CopyWeights(twin, version, on_change=engine.invalidate_prefix_cache, engine=engine)
         slots.append(EngineSlot(engine, sync, f"engine{k}-copy", dev, _autocast(dev, learner)))

@@ -129,7 +129,14 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
         return h
 
     # engines: a CPU copy of the learner's policy through the object store (a replacement starts from it)
-    model_ref = ray.put(copy.deepcopy(p.learner.model).to("cpu"))
+    policy = copy.deepcopy(p.learner.model).to("cpu")
+    if cfg.finetune != "lora" and cfg.bf16 and layout.engine_gpus > 0:
+        import torch
+
+        from thinkcraft.llm.hf.weights import autocast_weights
+
+        autocast_weights(policy, torch.bfloat16)  # GPU actors serve it under bf16 autocast: cast once, here
+    model_ref = ray.put(policy)
     engines = []
     for k in range(layout.engines):
         # engine 0's first incarnation draws the driver engine's sampling stream (cfg.seed, as build_policy)
