@@ -288,6 +288,11 @@ def _summarise(recs: list[dict], mode: str, max_staleness: int, batch: int) -> d
         **decode_means(steady),
         **{k.split("/")[1]: statistics.median(r[k] for r in steady) for k in ("timing/generate", "timing/train")
            if all(k in r for r in steady)},
+        # async: a group's admission to its finish (the generation it waited for), and its finish to its batch's
+        # hand-over (waiting for the batch's last group, or for the learner): async_loop.batch_timeline
+        **{k.split("/")[1]: round(statistics.median(r[k] for r in steady), 3)
+           for k in ("rollout/group_latency_s", "rollout/group_latency_max_s", "rollout/group_wait_s")
+           if all(k in r for r in steady)},
     }
 
 
@@ -492,7 +497,9 @@ def main(argv=None) -> int:
               f"GPU idle {100 * m['gpu_idle_share']:.0f}%, reward {m['reward_first']:.3f} -> {m['reward_final']:.3f}, "
               f"decode graphs captured {m['graph_captures']:.0f} ({m['graph_capture_s']:.0f} s), "
               f"longest GIL stall {m['gil_lag_max_s']:.2f} s"
-              + (f", weight update {m['weight_update_s']:.3f} s" if m.get("weight_update_s") is not None else ""),
+              + (f", weight update {m['weight_update_s']:.3f} s" if m.get("weight_update_s") is not None else "")
+              + (f", group latency {m['group_latency_s']:.2f} s (max {m['group_latency_max_s']:.2f}), waited "
+                 f"{m['group_wait_s']:.2f} s for its batch" if "group_latency_s" in m else ""),
               flush=True)
         write_records(out, rows[-1:], merge_keys=keys)  # each row as soon as it is measured (a cut run keeps it)
         _keep_metrics(cfg.run_dir, out)

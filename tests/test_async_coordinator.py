@@ -61,9 +61,15 @@ def test_eta_zero_admits_one_batch_and_replays_a_failed_group_under_its_id():
     c.collect(0.0)
     c.maybe_train()
     assert [g.request.group_id for g in train.submitted[0].groups] == [0, 1]
-    c.trained(SimpleNamespace(version=1, groups=[0, 1]))
+    tl = c.trained(SimpleNamespace(version=1, groups=[0, 1]))
+    # each trained group's schedule: admitted (the failed group: at its replay), at version 0, finished, then sent
+    assert [v for _, v, _ in tl["times"]] == [0, 0]
+    assert all(0 <= a <= f <= tl["batch_sent_s"] for a, _, f in tl["times"])
+    assert tl["rollout/group_latency_max_s"] >= tl["rollout/group_latency_s"] >= 0 <= tl["rollout/group_wait_s"]
+    assert not c.admitted and not c.finished  # booked once, then forgotten
     c.admit()
     assert [r.group_id for r in rollout.submitted[-2:]] == [2, 3]
+    assert [v for _, v in (c.admitted[2], c.admitted[3])] == [1, 1]
 
 
 def test_a_group_failing_every_attempt_is_abandoned_and_replaced():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import random
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -128,6 +129,13 @@ class Coordinator:
         self.training: Any = None
         self.counts: collections.Counter[str] = collections.Counter()
         self.engine_failures_in_a_row = 0
+        # each group's schedule (seconds since the coordinator started): admitted, at which learner version,
+        # finished; and when its batch went to the learner - what says whether a slow update waited for the
+        # engine, for admission or for the learner (`batch_timeline`)
+        self._t0 = time.perf_counter()
+        self.admitted: dict[int, tuple[float, int]] = {}
+        self.finished: dict[int, float] = {}
+        self.batch_sent_s: float | None = None
 
     # 1. admit
     def admit(self) -> None:
@@ -140,6 +148,10 @@ class Coordinator:
             else:
                 self.next_group += 1
             self.st = S.on_start(self.st, self.G)
+            self.admitted[req.group_id] = (self._now(), self.version)
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
 
     # 2. collect
     def collect(self, timeout_s: float) -> None:
@@ -171,6 +183,7 @@ class Coordinator:
         self.attempts[req.group_id] = n
         if n >= self.cfg.max_group_attempts:
             self.abandoned.add(req.group_id)
+            self.admitted.pop(req.group_id, None)
             self.counts["rollout/abandoned"] += 1
             return
         self.redo.append(GroupRequest(req.group_id, req.seed, req.num_samples, n))
@@ -180,10 +193,12 @@ class Coordinator:
         if self.cfg.dynamic_sampling and not group_has_signal([t.total_reward for t in g.trajectories]):
             self.st = S.on_reject(self.st, self.G)
             self.dropped.add(g.request.group_id)
+            self.admitted.pop(g.request.group_id, None)  # never trained: no schedule kept
             self.counts["dynamic/dropped_groups"] += 1
             return
         self.st = S.on_accept(self.st, self.G)
         self.buffer.add(g)
+        self.finished[g.request.group_id] = self._now()
 
     # 3. train
     def maybe_train(self) -> None:
@@ -202,12 +217,32 @@ class Coordinator:
         from thinkcraft.train.llm_policy.async_build import TrainBatch
 
         self.training = TrainBatch(self.version, batch)
+        self.batch_sent_s = self._now()
         self.train_pool.submit(self.training)
 
-    def trained(self, res: Any) -> None:
+    def trained(self, res: Any) -> dict[str, Any]:
+        """Book the update; returns the batch's timeline (`batch_timeline`)."""
         self.version = res.version
         self.consumed.update(res.groups)
         self.training = None
+        return self.batch_timeline(res.groups)
+
+    def batch_timeline(self, groups: list[int]) -> dict[str, Any]:
+        """The trained groups' schedule: per group [admitted s, learner version then, finished s] (seconds since
+        the coordinator started; for consumed.jsonl), and the means the metrics keep: admission to finish
+        (`rollout/group_latency_s`, its max), finish to the batch's hand-over to the learner
+        (`rollout/group_wait_s`: a group that waited for the rest of its batch, or for the learner)."""
+        rows = []
+        for g in groups:
+            a, v = self.admitted.pop(g, (float("nan"), -1))
+            rows.append([round(a, 3), v, round(self.finished.pop(g, float("nan")), 3)])
+        lat = [f - a for a, _, f in rows if f == f and a == a]
+        sent = self.batch_sent_s if self.batch_sent_s is not None else float("nan")
+        wait = [sent - f for _, _, f in rows if f == f]
+        return {"times": rows, "batch_sent_s": round(sent, 3),
+                "rollout/group_latency_s": sum(lat) / len(lat) if lat else 0.0,
+                "rollout/group_latency_max_s": max(lat, default=0.0),
+                "rollout/group_wait_s": sum(wait) / len(wait) if wait else 0.0}
 
     def state(self) -> dict[str, Any]:
         return {"next_group": self.next_group, "consumed": sorted(self.consumed), "dropped": sorted(self.dropped),

@@ -103,7 +103,7 @@ class AsyncRun:
 
         if isinstance(res, Failure):
             raise UserError(f"the learner failed ({res.reason}: {res.detail}); the last checkpoint is intact")
-        self.coord.trained(res)
+        timeline = self.coord.trained(res)
         if self.writer is not None:
             for e, tid, stale in zip(res.trajectories, res.traj_ids, res.staleness):
                 rec = episode_record(e, self.cfg.env, min(t.policy_version for t in e.turns),
@@ -111,10 +111,13 @@ class AsyncRun:
                 # under the update that trained it (1-based, as metrics.jsonl and the sync loop count): a resume
                 # drops the partitions after its checkpoint (loop._open_store)
                 self.writer.add(rec, learner_step=res.version)
+        # with each group's schedule: [admitted s, learner version then, finished s] (async_loop.batch_timeline)
         self.journal.write(json.dumps({"step": res.version, "groups": res.groups, "traj_ids": res.traj_ids,
-                                       "staleness": res.staleness}) + "\n")
+                                       "staleness": res.staleness, "group_times": timeline["times"],
+                                       "batch_sent_s": timeline["batch_sent_s"]}) + "\n")
         self.journal.flush()
         rec = self._metrics(res)
+        rec.update({k: v for k, v in timeline.items() if k.startswith("rollout/")})
         self.session.log(res.version, res.version, rec, reward=rec["reward/mean"], stale=rec["staleness/mean"],
                          queue=rec["queue/rollout_queued"] + rec["queue/rollout_running"],
                          buffer=rec["queue/buffer_groups"], samples_s=rec["perf/samples_per_s"],
