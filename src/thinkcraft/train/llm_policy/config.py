@@ -210,7 +210,8 @@ class LLMPolicyConfig(RunOptions):
     training take turns) or keep a copy updated after each step (they overlap; needs the memory)."""
     rollout_devices: str = ""
     """Async: in-process engines, one per device, comma-separated (e.g. cuda:0,cuda:1); engines on other
-    devices than the learner's get copies of the weights. Empty: one engine on the learner's device."""
+    devices than the learner's get copies of the weights (full fine-tuning on a GPU: linears and embeddings
+    stored in bf16, the rounding autocast applies anyway). Empty: one engine on the learner's device."""
     rollout_servers: str = ""
     """Async: HTTP engines, comma-separated, each updated through its own endpoint: thinkcraft+http://host:port
     (thinkcraft serve), sglang+http://host:port (/update_weights_from_disk), vllm+http://host:port/v1
