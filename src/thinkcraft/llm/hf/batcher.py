@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.hf import lora_fast
+from thinkcraft.llm.hf import autocast_shadow, lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
@@ -158,6 +158,7 @@ class Batcher(CacheMixin, IterationMixin):
                 self._apply_updates()
                 if getattr(self.eng, "_lora_fast", None):  # a graphed step reads the adapters' copies: update them
                     lora_fast.refresh(self.eng._lora_fast)
+                self._autocast_shadows()
                 # a synchronous `generate` times prefill apart from decode: the device is drained after a step
                 # that prefilled (its prefill time then holds up to one decode step's device time too), never at
                 # a plain decode step - that stopped host and device from overlapping at every step
@@ -177,6 +178,18 @@ class Batcher(CacheMixin, IterationMixin):
         with self._cv:
             self._cv.notify_all()
         return self.busy()
+
+    def _autocast_shadows(self) -> None:
+        """fp32 weights served under half-precision autocast (full fine-tuning's master weights, shared with the
+        learner): their half copies, made at the first such step, refreshed before each (autocast_shadow.py)."""
+        eng = self.eng
+        kind = eng.device.type
+        if eng.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+            return
+        if getattr(eng, "_shadow", None) is None:  # once, for the first half dtype met (a graph captured over the
+            eng._shadow = autocast_shadow.install(eng._lm, torch.get_autocast_dtype(kind))  # shadows keeps them)
+        if eng._shadow:
+            autocast_shadow.refresh(eng._shadow)
 
     def _fail_all(self, e: BaseException) -> None:
         """A step failed (a device error, an interrupt, a bug): every queued and running request ends with

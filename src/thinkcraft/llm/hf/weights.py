@@ -88,6 +88,9 @@ def autocast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     step - for the Qwen2.5-0.5B shape ~170 extra kernels and ~3 GB of memory traffic a step, on a step that the
     device bounds (3.4-3.5 ms at 30-95 rows, 4 x H200, 2026-11-28, bench/results/logs/s38_*async_2gpu*). In place;
     returns `model`."""
+    from thinkcraft.llm.hf.autocast_shadow import strip
+
+    strip(model)  # a copy of a model an engine served: its weights are the half copies now
     for m in model.modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             m.to(dtype)

@@ -1,0 +1,142 @@
+"""Half-precision shadows of fp32 master weights, for an engine's no-grad forwards under autocast.
+
+Full fine-tuning keeps fp32 master weights and runs the forward under bf16 autocast; an engine that shares the
+learner's parameters (the synchronous loop, one-GPU async, the engine-per-GPU placement's engine on the
+learner's GPU) then has autocast cast every linear's weight (and bias) to bf16 inside every decode step - the
+cast cache is off (`compat.autocast` says why). For the Qwen2.5-0.5B shape that is ~170 extra kernels and ~3 GB
+of memory traffic a step: a copy engine that stored its weights in bf16 once instead
+(`weights.autocast_weights`) went from 3.46 to 2.51 ms a decode step (2 x H200, 2026-11-28,
+bench/results/logs/s38_h200x2_async_dedicated_bf16copy.log).
+
+`install(model, dtype)` gives every plain `nn.Linear` with fp32 weights a `dtype` copy of its weight and bias
+and a forward that, with gradients off and autocast to `dtype` on the weight's device, computes
+`F.linear(x, W16, b16)` - what autocast computes from the fp32 weights, the same rounding, without the casts.
+With gradients on (the learner) or any other autocast state, `nn.Linear`'s own forward runs unchanged.
+
+Freshness as `lora_fast`: the copies follow in-place updates (the optimizer's step) through the tensors' version
+counters; an eager forward checks its own layer, a compiled or graphed one cannot run Python, so the engine
+calls `refresh(layers)` before each step (`Batcher.step`); the copies are updated in place, so a captured graph
+keeps reading them. Memory: 2 bytes per weight (1 GB for 0.5B parameters). THINKCRAFT_AUTOCAST_SHADOW=0 leaves
+the model alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from thinkcraft.llm import compat
+from thinkcraft.utils.errors import env_switch
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class _ShadowLinearMixin:
+    """Mixed into `nn.Linear` (or a subclass) by `install`: the instance's class is swapped."""
+
+    _tc_w: torch.Tensor
+    _tc_b: torch.Tensor | None
+    _tc_seen: tuple
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._tc_w
+        kind = w.device.type
+        if (torch.is_grad_enabled() or self.weight.dtype != torch.float32  # type: ignore[attr-defined]
+                or not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != w.dtype):
+            return super().forward(x)  # type: ignore[misc]
+        if not torch.compiler.is_compiling():
+            _refresh_layer(self)
+        return F.linear(x.to(w.dtype), w, self._tc_b)
+
+
+def _refresh_layer(layer: Any) -> bool:
+    """Copy the weight (and bias) into the shadows if they changed since the last copy; True if they did."""
+    w, b = layer.weight, layer.bias
+    seen = (w.data_ptr(), w._version) + ((b.data_ptr(), b._version) if b is not None else ())
+    if seen == layer._tc_seen:
+        return False
+    with torch.no_grad():
+        layer._tc_w.copy_(w)
+        if b is not None:
+            layer._tc_b.copy_(b)
+    layer._tc_seen = seen
+    return True
+
+
+class ShadowLayers(list):
+    """`install`'s layers with their tensors resolved once: the per-step check (`refresh`) reads a few numbers a
+    layer (re-resolved when a Parameter is registered anywhere: `compat.parameter_epoch`)."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        super().__init__(layers)
+        self._epoch = -1
+        self._tensors: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._seen: list[Any] | None = None
+
+    def stamp(self) -> list[Any]:
+        epoch = compat.parameter_epoch()
+        if epoch != self._epoch:
+            self._tensors = [(m.weight, m.bias) for m in self]
+            self._epoch = epoch
+        out: list[Any] = []
+        for w, b in self._tensors:
+            out += (w.data_ptr(), w._version)
+            if b is not None:
+                out += (b.data_ptr(), b._version)
+        return out
+
+
+def install(model: torch.nn.Module, dtype: torch.dtype) -> list[Any]:
+    """Give `model`'s plain fp32 linears `dtype` shadows and the shadow forward; returns those layers (empty:
+    nothing to shadow, or THINKCRAFT_AUTOCAST_SHADOW=0). Idempotent; a layer whose shadow is on another device
+    or dtype gets a new one."""
+    if dtype not in _HALF or not env_switch("THINKCRAFT_AUTOCAST_SHADOW", default=True):
+        return ShadowLayers([])
+    layers = ShadowLayers([])
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear) or m.weight.dtype != torch.float32:
+            continue
+        if type(m).forward is not torch.nn.Linear.forward and not isinstance(m, _ShadowLinearMixin):
+            continue  # a Linear with its own forward (a PEFT LoRA layer, a quantized one): not ours to replace
+        old = getattr(m, "_tc_w", None)
+        if old is None or old.device != m.weight.device or old.dtype != dtype:
+            with torch.inference_mode(False), torch.no_grad():  # updated in place later: no inference tensors
+                m._tc_w = torch.empty(m.weight.shape, dtype=dtype, device=m.weight.device)
+                m._tc_b = None if m.bias is None else torch.empty(m.bias.shape, dtype=dtype, device=m.bias.device)
+            m._tc_seen = ()
+        if not isinstance(m, _ShadowLinearMixin):
+            m.__class__ = _shadow_class(type(m))
+        _refresh_layer(m)
+        layers.append(m)
+    return layers
+
+
+def strip(model: torch.nn.Module) -> None:
+    """Take the shadows out of `model` (a deep copy that will hold its own weights: `weights.autocast_weights`)."""
+    for m in model.modules():
+        if isinstance(m, _ShadowLinearMixin):
+            m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, _ShadowLinearMixin))
+            for name in ("_tc_w", "_tc_b", "_tc_seen"):
+                m.__dict__.pop(name, None)
+
+
+def _shadow_class(cls: type) -> type:
+    """The shadow subclass of a Linear class, made once and named in this module (pickle finds it by name)."""
+    name = f"Shadow_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+    if name not in globals():
+        globals()[name] = type(name, (_ShadowLinearMixin, cls), {"__module__": __name__, "__qualname__": name})
+    return globals()[name]
+
+
+def refresh(layers: list[Any]) -> int:
+    """Bring every shadow up to date (before a compiled or graphed step); how many were copied."""
+    if not isinstance(layers, ShadowLayers):
+        return sum(_refresh_layer(m) for m in layers)
+    stamp = layers.stamp()
+    if stamp == layers._seen:
+        return 0
+    n = sum(_refresh_layer(m) for m in layers)
+    layers._seen = stamp
+    return n
