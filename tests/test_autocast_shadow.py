@@ -129,3 +129,13 @@ def test_graphed_decode_reads_the_refreshed_shadows_on_gpu(monkeypatch) -> None:
     want2, _ = run(reference, False)
     agree(want2, got2)
     assert [c.token_ids for c in got2] != [c.token_ids for c in got]
+
+
+def test_shadows_over_the_memory_allowed_are_not_made(tiny) -> None:
+    model, _ = tiny
+    m = copy.deepcopy(model)
+    need = 2 * sum(x.weight.numel() + (x.bias.numel() if x.bias is not None else 0) for x in autocast_shadow.shadowable(m))
+    assert not autocast_shadow.install(m, torch.bfloat16, max_bytes=need - 1)
+    assert not any(hasattr(x, "_tc_w") for x in m.modules())
+    assert len(autocast_shadow.install(m, torch.bfloat16, max_bytes=need)) == len(autocast_shadow.shadowable(m))
+    assert not autocast_shadow.install(m, torch.float32)  # nothing to save: fp32 autocast casts nothing

@@ -22,6 +22,7 @@ the model alone.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,7 +31,11 @@ import torch.nn.functional as F
 from thinkcraft.llm import compat
 from thinkcraft.utils.errors import env_switch
 
+log = logging.getLogger(__name__)
 _HALF = (torch.bfloat16, torch.float16)
+SHADOW_FREE_FRACTION = 0.25
+"""Shadows are made only if they take at most this share of the device's free memory (the engine's caller decides:
+`Batcher._autocast_shadows`): 2 bytes a weight is 8 GB for a 4B model beside full fine-tuning's optimizer state."""
 
 
 class _ShadowLinearMixin:
@@ -88,18 +93,28 @@ class ShadowLayers(list):
         return out
 
 
-def install(model: torch.nn.Module, dtype: torch.dtype) -> list[Any]:
+def shadowable(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The plain `nn.Linear` layers of `model` with fp32 weights (a Linear with its own forward - a PEFT LoRA
+    layer, a quantized one - is not ours to replace)."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32
+            and (type(m).forward is torch.nn.Linear.forward or isinstance(m, _ShadowLinearMixin))]
+
+
+def install(model: torch.nn.Module, dtype: torch.dtype, max_bytes: float | None = None) -> list[Any]:
     """Give `model`'s plain fp32 linears `dtype` shadows and the shadow forward; returns those layers (empty:
-    nothing to shadow, or THINKCRAFT_AUTOCAST_SHADOW=0). Idempotent; a layer whose shadow is on another device
-    or dtype gets a new one."""
+    nothing to shadow, THINKCRAFT_AUTOCAST_SHADOW=0, or shadows that would take more than `max_bytes`).
+    Idempotent; a layer whose shadow is on another device or dtype gets a new one."""
     if dtype not in _HALF or not env_switch("THINKCRAFT_AUTOCAST_SHADOW", default=True):
         return ShadowLayers([])
+    todo = shadowable(model)
+    need = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in todo) \
+        * torch.empty((), dtype=dtype).element_size()
+    if max_bytes is not None and need > max_bytes:
+        log.info("no %s weight shadows: they would take %.2f GiB, over the %.2f GiB allowed; autocast casts the "
+                 "fp32 weights at every step", dtype, need / 2**30, max_bytes / 2**30)
+        return ShadowLayers([])
     layers = ShadowLayers([])
-    for m in model.modules():
-        if not isinstance(m, torch.nn.Linear) or m.weight.dtype != torch.float32:
-            continue
-        if type(m).forward is not torch.nn.Linear.forward and not isinstance(m, _ShadowLinearMixin):
-            continue  # a Linear with its own forward (a PEFT LoRA layer, a quantized one): not ours to replace
+    for m in todo:
         old = getattr(m, "_tc_w", None)
         if old is None or old.device != m.weight.device or old.dtype != dtype:
             with torch.inference_mode(False), torch.no_grad():  # updated in place later: no inference tensors
