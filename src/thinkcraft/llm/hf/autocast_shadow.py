@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm import compat
+from thinkcraft.llm.hf.copies import StampedLayers, mixin_class
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
@@ -70,27 +70,17 @@ def _refresh_layer(layer: Any) -> bool:
     return True
 
 
-class ShadowLayers(list):
-    """`install`'s layers with their tensors resolved once: the per-step check (`refresh`) reads a few numbers a
-    layer (re-resolved when a Parameter is registered anywhere: `compat.parameter_epoch`)."""
+def _sources(m: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return m.weight, m.bias
 
-    def __init__(self, layers: list[Any]) -> None:
-        super().__init__(layers)
-        self._epoch = -1
-        self._tensors: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._seen: list[Any] | None = None
 
-    def stamp(self) -> list[Any]:
-        epoch = compat.parameter_epoch()
-        if epoch != self._epoch:
-            self._tensors = [(m.weight, m.bias) for m in self]
-            self._epoch = epoch
-        out: list[Any] = []
-        for w, b in self._tensors:
-            out += (w.data_ptr(), w._version)
-            if b is not None:
-                out += (b.data_ptr(), b._version)
-        return out
+def _numbers(src: tuple[torch.Tensor, torch.Tensor | None]) -> tuple:
+    w, b = src
+    return (w.data_ptr(), w._version) + ((b.data_ptr(), b._version) if b is not None else ())
+
+
+def _layers(layers: list[Any]) -> StampedLayers:
+    return StampedLayers(layers, _sources, _numbers, _refresh_layer)
 
 
 def shadowable(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -105,15 +95,15 @@ def install(model: torch.nn.Module, dtype: torch.dtype, max_bytes: float | None 
     nothing to shadow, THINKCRAFT_AUTOCAST_SHADOW=0, or shadows that would take more than `max_bytes`).
     Idempotent; a layer whose shadow is on another device or dtype gets a new one."""
     if dtype not in _HALF or not env_switch("THINKCRAFT_AUTOCAST_SHADOW", default=True):
-        return ShadowLayers([])
+        return _layers([])
     todo = shadowable(model)
     need = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in todo) \
         * torch.empty((), dtype=dtype).element_size()
     if max_bytes is not None and need > max_bytes:
         log.info("no %s weight shadows: they would take %.2f GiB, over the %.2f GiB allowed; autocast casts the "
                  "fp32 weights at every step", dtype, need / 2**30, max_bytes / 2**30)
-        return ShadowLayers([])
-    layers = ShadowLayers([])
+        return _layers([])
+    layers = _layers([])
     for m in todo:
         old = getattr(m, "_tc_w", None)
         if old is None or old.device != m.weight.device or old.dtype != dtype:
@@ -138,20 +128,11 @@ def strip(model: torch.nn.Module) -> None:
 
 
 def _shadow_class(cls: type) -> type:
-    """The shadow subclass of a Linear class, made once and named in this module (pickle finds it by name)."""
-    name = f"Shadow_{cls.__module__.replace('.', '_')}_{cls.__name__}"
-    if name not in globals():
-        globals()[name] = type(name, (_ShadowLinearMixin, cls), {"__module__": __name__, "__qualname__": name})
-    return globals()[name]
+    return mixin_class(_ShadowLinearMixin, cls, "Shadow", globals())
 
 
 def refresh(layers: list[Any]) -> int:
     """Bring every shadow up to date (before a compiled or graphed step); how many were copied."""
-    if not isinstance(layers, ShadowLayers):
-        return sum(_refresh_layer(m) for m in layers)
-    stamp = layers.stamp()
-    if stamp == layers._seen:
-        return 0
-    n = sum(_refresh_layer(m) for m in layers)
-    layers._seen = stamp
-    return n
+    if isinstance(layers, StampedLayers):
+        return layers.refresh()
+    return sum(_refresh_layer(m) for m in layers)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm import compat
+from thinkcraft.llm.hf.copies import StampedLayers, mixin_class
 from thinkcraft.utils.errors import env_switch
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -88,30 +88,13 @@ def lora_layers(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, LoraLinear)]
 
 
-class FastLayers(list):
-    """`install`'s layers, with each adapter's tensors resolved once: the per-step freshness check (`refresh`)
-    reads five numbers a layer instead of PEFT's module lookups - those took 1.3 ms of host time a decode step for
-    the 168 layers of the Qwen2.5-0.5B shape (cProfile, H200, 2026-11-28, bench/results/logs/s38_*host*: a
-    host-bound step of ~2.9 ms at 64 rows). Resolved again when a Parameter is registered anywhere
-    (`compat.parameter_epoch`: a replaced adapter module)."""
+def _sources(m: Any) -> tuple[torch.Tensor, torch.Tensor, dict, str]:
+    return m.lora_A[m._tc_name].weight, m.lora_B[m._tc_name].weight, m.scaling, m._tc_name
 
-    def __init__(self, layers: list[Any]) -> None:
-        super().__init__(layers)
-        self._epoch = -1
-        self._tensors: list[tuple[torch.Tensor, torch.Tensor, dict, str]] = []
-        self._seen: list[Any] | None = None
 
-    def stamp(self) -> list[Any]:
-        """The adapters' storage pointers, version counters and scales, flat: equal stamps, unchanged copies."""
-        epoch = compat.parameter_epoch()
-        if epoch != self._epoch:
-            self._tensors = [(m.lora_A[m._tc_name].weight, m.lora_B[m._tc_name].weight, m.scaling, m._tc_name)
-                             for m in self]
-            self._epoch = epoch
-        out: list[Any] = []
-        for a, b, scaling, name in self._tensors:
-            out += (a.data_ptr(), a._version, b.data_ptr(), b._version, scaling[name])
-        return out
+def _numbers(src: tuple[torch.Tensor, torch.Tensor, dict, str]) -> tuple:
+    a, b, scaling, name = src
+    return a.data_ptr(), a._version, b.data_ptr(), b._version, scaling[name]
 
 
 def install(model: torch.nn.Module) -> list[Any]:
@@ -120,7 +103,7 @@ def install(model: torch.nn.Module) -> list[Any]:
     another device or dtype than its base (a deep copy moved to another GPU) gets new ones."""
     if not env_switch("THINKCRAFT_LORA_FAST", default=True):
         return []
-    fast = FastLayers([])
+    fast = StampedLayers([], _sources, _numbers, _refresh_layer)
     for layer in lora_layers(model):
         base = getattr(layer.base_layer, "weight", None)
         names = list(layer.lora_A.keys())
@@ -147,22 +130,12 @@ def install(model: torch.nn.Module) -> list[Any]:
 
 
 def _fast_class(cls: type) -> type:
-    """The fast subclass of a PEFT LoRA class, made once and named in this module (pickle finds it by name: a
-    model pickled whole - Ray's object store, torch.save - loads where thinkcraft is importable)."""
-    name = f"Fast_{cls.__module__.replace('.', '_')}_{cls.__name__}"
-    if name not in globals():
-        globals()[name] = type(name, (_FastLoraMixin, cls), {"__module__": __name__, "__qualname__": name})
-    return globals()[name]
+    return mixin_class(_FastLoraMixin, cls, "Fast", globals())
 
 
 def refresh(layers: list[Any]) -> int:
     """Bring every fast layer's copies up to date (before a compiled or graphed step); how many were copied.
-    `install`'s list (`FastLayers`) answers "nothing changed" from one stamp of flat numbers."""
-    if not isinstance(layers, FastLayers):
-        return sum(_refresh_layer(layer) for layer in layers)
-    stamp = layers.stamp()
-    if stamp == layers._seen:
-        return 0
-    n = sum(_refresh_layer(layer) for layer in layers)
-    layers._seen = stamp
-    return n
+    `install`'s list (`copies.StampedLayers`) answers "nothing changed" from one stamp of flat numbers."""
+    if isinstance(layers, StampedLayers):
+        return layers.refresh()
+    return sum(_refresh_layer(layer) for layer in layers)
