@@ -19,7 +19,8 @@
 #             prefill is in llm1 only: 2026-11-28 its first step did not end in 580 s). The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
-#   llm1      one GPU: issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT's LoRA forward vs
+#   llm1      one GPU: the GPU tests of the half shadows and the fused decode graph (2026-11-28 evening: the fused
+#             one passed), the Craftax rollout with both (never run with the fused graph), issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT's LoRA forward vs
 #             the fast one vs merged, static width, profiled), the Craftax rollout with a turn's prompts submitted
 #             256 at a time (fewer, larger prefills: its first run, 2026-11-28, did not apply the flag), with the
 #             "dynamic" decode width (one
@@ -117,6 +118,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout, the prompt chunk and the
                   # decode width (the rollout profile of that day: 299 decode steps of 7.2 ms with the host waiting
                   # 1.1 ms of each, 42 prefills of ~67 ms with ~24 ms of device time each)
+      "@0 shadow_gputest 240 python -m pytest -m gpu tests/test_autocast_shadow.py tests/test_llm_batching.py -k 'shadows or fused' -x -q -p no:cacheprovider"
+      "@0 craftax_fused 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_fused.json"
       "@0 decode_probe 420 python bench/probes/decode_step_probe.py --kv-cache static --profile"
       "@0 craftax_chunk256 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --submit-chunk 256 --out bench/results/logs/craftax_chunk256.json"
       "@0 craftax_dynamic 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
@@ -152,11 +155,11 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@2,3 refresh2_ray 300 python bench/scale.py --jobs refresh --gpus 1 2 --feature-backend ray"
       "@2,3 hidden2_ray 600 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 --updates 5 --feature-backend ray"
       "@2,3 hidden2_skip5 480 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 5 --updates 5") ;;
-    fused) jobs=(  # one x4 machine, two lanes at once (2026-11-28, evening): issue 20's two 2-GPU placements, each with
-                   # its own sync reference, after the fused decode graph cut the engine's host time a step (the
-                   # GIL the learner and a second engine share)
-      "@0,1 async_2gpu 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu.json"
-      "@2,3 async_2gpu_dedicated 550 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_dedicated.json") ;;
+    fused) jobs=(  # one x4 machine, two lanes at once: issue 20's two 2-GPU placements, each with its own sync
+                   # reference (2026-11-28 evening: 6 steps; since, 10 - the bf16 copy engine's 6-step window held a
+                   # transient - and the shared engine's bf16 shadows, which speed the sync reference too)
+      "@0,1 async_2gpu 580 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu.json"
+      "@2,3 async_2gpu_dedicated 580 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu_dedicated.json") ;;
     fusedab) jobs=(  # one x4 machine: the engine-per-GPU placement with the fused decode graph off (GPUs 0,1) and on (2,3)
       "@0,1 async_2gpu_unfused 550 env THINKCRAFT_DECODE_FUSED=0 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_unfused.json"
       "@2,3 async_2gpu_fused 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_fused.json") ;;
