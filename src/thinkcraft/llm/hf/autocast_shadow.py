@@ -58,8 +58,8 @@ class _ShadowLinearMixin:
 
 def _refresh_layer(layer: Any) -> bool:
     """Copy the weight (and bias) into the shadows if they changed since the last copy; True if they did."""
-    w, b = layer.weight, layer.bias
-    seen = (w.data_ptr(), w._version) + ((b.data_ptr(), b._version) if b is not None else ())
+    w, b = src = _sources(layer)
+    seen = _numbers(src)
     if seen == layer._tc_seen:
         return False
     with torch.no_grad():

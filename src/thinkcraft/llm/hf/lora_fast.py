@@ -67,9 +67,9 @@ def _covered(layer: Any) -> bool:
 
 def _refresh_layer(layer: Any) -> bool:
     """Copy the adapter into the bf16 copies if it changed since the last copy (in place); True if it did."""
-    a, b = layer.lora_A[layer._tc_name].weight, layer.lora_B[layer._tc_name].weight
-    scale = layer.scaling[layer._tc_name]  # PEFT's set_scale changes it without touching a tensor
-    seen = (a.data_ptr(), a._version, b.data_ptr(), b._version, scale)
+    a, b, _, _ = src = _sources(layer)
+    seen = _numbers(src)  # the scale too: PEFT's set_scale changes it without touching a tensor
+    scale = seen[-1]
     if seen == layer._tc_seen:
         return False
     with torch.no_grad():
