@@ -359,7 +359,14 @@ def test_timeouts_bounded_and_reported(tmp_path, stub):
     url, st = stub(delay_s=0.6)
     rep = label(cfg(tmp_path, url, n=1, ep={"timeout_s": 0.2, "max_attempts": 2, "max_concurrency": 1}))
     assert rep["failed"] == 1 and rep["errors"] == {"timeout": 1}
-    assert rep["endpoints"]["stub"]["timeouts"] == 2 and st.n == 2
+    assert rep["endpoints"]["stub"]["timeouts"] == 2  # the client's count: both attempts timed out
+    # The server's count can lag or miss an attempt: on a loaded machine (CI under xdist) a request the client
+    # gave up on after 0.2 s may reach the handler late, or never (the client closed the socket first). What
+    # the bound promises is that no third attempt was ever sent.
+    deadline = time.monotonic() + 3.0
+    while st.n < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 1 <= st.n <= 2
 
 
 def test_template_file_and_schema_file(tmp_path, stub):
