@@ -191,6 +191,7 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
     (dict(mode="async", rollout_workers=0), "rollout-workers"),
     (dict(mode="async", dynamic_sampling=True, algo="apo"), "dynamic-sampling"),
     (dict(mode="async", rollout_devices="gpu0"), "rollout-devices"),
+    (dict(mode="async", rollout_devices="cpu,cuda:64"), "rollout-devices: 'cuda:64'"),  # no such GPU: said at once
     (dict(mode="async", rollout_servers="http://x:1"), "rollout-servers"),
     (dict(offpolicy="tis", offpolicy_cap=0.0), "offpolicy-cap"),
     (dict(mode="async", action_format="json", max_new_tokens=64, rollout_servers="thinkcraft+http://x:1"),
