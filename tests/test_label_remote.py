@@ -194,13 +194,14 @@ def test_5xx_retried_and_429_retry_after(tmp_path, stub):
     assert rep["endpoints"]["stub"]["retries"] >= 3
     _check_labels(tmp_path / "out", 9)
 
-    url, st = stub(fail_every=4, fail_status=429, retry_after=1)
+    url, st = stub(fail_every=4, fail_status=429, retry_after=2)
     (tmp_path / "b").mkdir()
     rep = label(cfg(tmp_path / "b", url, n=6, ep={"max_concurrency": 1}))
     assert rep["labelled"] == 6 and rep["endpoints"]["stub"]["http_429"] >= 1
-    # the request after a 429 waited for Retry-After (1 s)
+    # the request after a 429 waited for Retry-After (2 s); the others did not (a second's room for a loaded
+    # CI machine)
     gaps = [st.times[i + 1] - st.times[i] for i in range(len(st.times) - 1)]
-    assert gaps[3] >= 0.95 and max(gaps[:3]) < 0.9
+    assert gaps[3] >= 1.95 and max(gaps[:3]) < 1.0
 
 
 def test_bounded_retries_then_reported(tmp_path, stub):
