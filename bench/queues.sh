@@ -19,8 +19,10 @@
 #             prefill is in llm1 only: 2026-11-28 its first step did not end in 580 s). The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
-#   llm1      one GPU: the GPU tests of the half shadows and the fused decode graph (2026-11-28 evening: the fused
-#             one passed), the Craftax rollout with both (never run with the fused graph), issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT's LoRA forward vs
+#   llm1      one GPU: the GPU tests of the half shadows, the fused decode graph (2026-11-28 evening: the fused
+#             one passed) and the opt-in merged LoRA weights, the Craftax rollout with both (never run with the
+#             fused graph), the decode step at 64 rows and the Craftax rollout with THINKCRAFT_LORA_MERGE=1 (built
+#             2026-11-28 night, never on a GPU), issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT's LoRA forward vs
 #             the fast one vs merged, static width, profiled), the Craftax rollout with a turn's prompts submitted
 #             256 at a time (fewer, larger prefills: its first run, 2026-11-28, did not apply the flag), with the
 #             "dynamic" decode width (one
@@ -118,8 +120,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout, the prompt chunk and the
                   # decode width (the rollout profile of that day: 299 decode steps of 7.2 ms with the host waiting
                   # 1.1 ms of each, 42 prefills of ~67 ms with ~24 ms of device time each)
-      "@0 shadow_gputest 240 python -m pytest -m gpu tests/test_autocast_shadow.py tests/test_llm_batching.py -k 'shadows or fused' -x -q -p no:cacheprovider"
+      "@0 shadow_gputest 300 python -m pytest -m gpu tests/test_autocast_shadow.py tests/test_llm_batching.py tests/test_lora_fast.py -k 'shadows or fused or refreshed_copies' -x -q -p no:cacheprovider"
       "@0 craftax_fused 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_fused.json"
+      "@0 decode_probe_merge64 300 python bench/probes/decode_step_probe.py --variants lora lora-merge merged --kv-cache static --rows 64 --prefix 60 --context 40 --new-tokens 256 --out bench/results/logs/decode_probe_merge64.json"
+      "@0 craftax_lora_merge 420 env THINKCRAFT_LORA_MERGE=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_lora_merge.json"
       "@0 decode_probe 420 python bench/probes/decode_step_probe.py --kv-cache static --profile"
       "@0 craftax_chunk256 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --submit-chunk 256 --out bench/results/logs/craftax_chunk256.json"
       "@0 craftax_dynamic 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"

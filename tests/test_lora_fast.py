@@ -149,22 +149,91 @@ def test_engine_over_a_bf16_lora_model_generates_peft_tokens() -> None:
     assert second.token_ids != first.token_ids  # the update changed what is sampled: the copies followed it
 
 
+def test_merged_weights_are_w_plus_sba_rounded_once_and_follow_updates() -> None:
+    """THINKCRAFT_LORA_MERGE's layers: one linear over W + s·B·A (merged in fp32, one bf16 rounding), re-merged in
+    place when an adapter or the scale changes; within bf16 rounding of PEFT; off again, and stripped."""
+    lora, _ = _lora(seed=5)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    ref = _logits(lora, ids)
+    layers = lora_fast.install(lora, merge=True)
+    assert layers and all(layer._tc_merged is not None for layer in layers)
+
+    def exact(layer) -> torch.Tensor:
+        a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+        w = layer.base_layer.weight.float() + layer.scaling["default"] * (b @ a)
+        return w.to(layer.base_layer.weight.dtype)
+
+    for layer in layers:
+        torch.testing.assert_close(layer._tc_merged, exact(layer), atol=0, rtol=0)
+    got = _logits(lora, ids)
+    torch.testing.assert_close(got, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
+    ptrs = [layer._tc_merged.data_ptr() for layer in layers]
+    with torch.no_grad():
+        next(p for n, p in lora.named_parameters() if "lora_B" in n).mul_(-2)
+    assert lora_fast.refresh(layers) == 1  # the graphed step's refresh: one layer's adapter moved
+    layers[2].scaling["default"] = 3.0
+    assert lora_fast.refresh(layers) == 1 and lora_fast.refresh(layers) == 0
+    assert [layer._tc_merged.data_ptr() for layer in layers] == ptrs  # in place: a captured graph reads them
+    for layer in layers:
+        torch.testing.assert_close(layer._tc_merged, exact(layer), atol=0, rtol=0)
+    after, want = _logits(lora, ids), _peft_logits(lora, ids)
+    assert not torch.allclose(after, got)
+    # a bf16 rounding of each merged weight (PEFT rounds the adapter's output instead): a little further apart
+    torch.testing.assert_close(after, want, atol=0.03 * want.abs().max().item(), rtol=0)
+    assert lora_fast.install(lora, merge=True) == layers  # idempotent
+    assert [layer._tc_merged.data_ptr() for layer in layers] == ptrs
+    # over its memory allowance, or switched off: the three-operator forward, the merged copies dropped
+    assert all(layer._tc_merged is None for layer in lora_fast.install(lora, merge=True, max_merge_bytes=1000))
+    assert all(layer._tc_merged is None for layer in lora_fast.install(lora))  # THINKCRAFT_LORA_MERGE unset: off
+    lora_fast.install(lora, merge=True)
+    from thinkcraft.llm.hf.weights import strip_copies
+
+    twin = copy.deepcopy(lora)
+    strip_copies(twin)  # a copy for another engine or process: no derived tensors travel with it
+    assert not any(type(m).__name__.startswith("Fast") or "_tc_merged" in m.__dict__ for m in twin.modules())
+    want = _peft_logits(lora, ids)  # PEFT's own forward (a CPU bf16 GEMM's blocking may differ by an ulp)
+    torch.testing.assert_close(_logits(twin, ids), want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
+def test_engine_with_merged_adapters_generates_peft_tokens(monkeypatch) -> None:
+    lora, tok = _lora(seed=6)
+    ref_model = copy.deepcopy(lora)
+    prompt = list(tok("merged adapters", add_special_tokens=False)["input_ids"])
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "1")
+    eng = HFEngine.from_model(lora, tok)
+    assert eng._lora_fast and all(layer._tc_merged is not None for layer in eng._lora_fast)
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "0")
+    monkeypatch.setenv("THINKCRAFT_LORA_FAST", "0")
+    ref_eng = HFEngine.from_model(ref_model, tok)
+    assert eng.generate(Batch(items=[prompt]), sp)[0].token_ids == ref_eng.generate(Batch(items=[prompt]), sp)[0].token_ids
+    monkeypatch.delenv("THINKCRAFT_LORA_FAST")
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "maybe")
+    with pytest.raises(Exception, match="THINKCRAFT_LORA_MERGE must be 0 or 1"):
+        lora_fast.install(lora)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the hand-captured decode graph needs a GPU (none here)")
-def test_graphed_decode_reads_the_refreshed_copies_on_gpu() -> None:
+@pytest.mark.parametrize("merge", [False, True])
+def test_graphed_decode_reads_the_refreshed_copies_on_gpu(merge: bool) -> None:
     """On CUDA with the compiled, hand-captured decode step under the learner's bf16 autocast: the fast engine
-    samples PEFT's greedy tokens, and after an in-place adapter update (no recapture: the copies keep their
-    addresses) it samples the updated adapter's tokens - the step refreshes the copies before replaying."""
+    (and the merged one, THINKCRAFT_LORA_MERGE) samples PEFT's greedy tokens, and after an in-place adapter
+    update (no recapture: the copies keep their addresses) it samples the updated adapter's tokens - the step
+    refreshes (re-merges) the copies before replaying."""
     lora, tok = _lora(seed=7)
     lora = lora.to("cuda")
     ref_model = copy.deepcopy(lora)
     prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in ("graphs and adapters", "a b c d")]
     sp = SamplingParams(max_new_tokens=8, temperature=0.0)
-    eng = HFEngine.from_model(lora, tok, kv_cache="static", compile_decode=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("THINKCRAFT_LORA_MERGE", "1" if merge else "0")
+        eng = HFEngine.from_model(lora, tok, kv_cache="static", compile_decode=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("THINKCRAFT_LORA_FAST", "0")
         ref_eng = HFEngine.from_model(ref_model, tok, kv_cache="static", compile_decode=True)
     assert eng._lora_fast and not ref_eng._lora_fast
+    assert all((layer._tc_merged is not None) == merge for layer in eng._lora_fast)
 
     def both() -> tuple[list, list]:
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):

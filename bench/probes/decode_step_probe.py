@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from common import card, print_table, today, torch_profile, write_records  # noqa: E402
 
-VARIANTS = ("lora-peft", "lora", "merged")
+VARIANTS = ("lora-peft", "lora", "lora-merge", "merged")
 COLS = ["variant", "kv_cache", "rows", "context", "decode_ms_per_step", "decode_wait_ms", "host_ms",
         "rows_per_step", "prefill_s", "graph_captures"]
 
@@ -48,7 +48,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                    help="lora-peft: PEFT's own LoRA forward (THINKCRAFT_LORA_FAST=0); lora: the engine's default "
-                        "(llm/hf/lora_fast.py: bf16 adapter copies, no casts); merged: merge_and_unload (the bound); "
+                        "(llm/hf/lora_fast.py: bf16 adapter copies, no casts); lora-merge: its opt-in merged weights "
+                        "(THINKCRAFT_LORA_MERGE=1, refreshed with the adapters); merged: merge_and_unload (the bound); "
                         "run in this order whatever the order given (the fast forward and merging change the model)")
     p.add_argument("--kv-cache", nargs="+", default=["static", "dynamic"], choices=["static", "dynamic"])
     p.add_argument("--repeats", type=int, default=3)
@@ -117,7 +118,8 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
     from thinkcraft.llm.hf import HFEngine
 
     cuda = device.type == "cuda"
-    with _env("THINKCRAFT_LORA_FAST", "0" if variant == "lora-peft" else None):
+    with _env("THINKCRAFT_LORA_FAST", "0" if variant == "lora-peft" else None), \
+            _env("THINKCRAFT_LORA_MERGE", "1" if variant == "lora-merge" else "0"):
         engine = HFEngine.from_model(model, tok, kv_cache=width, compile_decode=cuda, max_batch_size=a.rows)
     rng = random.Random(0)
     special = set(tok.all_special_ids)

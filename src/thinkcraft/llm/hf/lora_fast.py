@@ -20,10 +20,21 @@ Freshness: the copies follow the adapters' in-place updates (the optimizer's ste
 the tensors' version counters. An eager forward checks its layer's counters first; a compiled or CUDA-graphed
 forward cannot run Python, so the engine calls `refresh(model)` before each step (`Batcher.step`); the copies are
 updated in place, so a captured graph keeps reading them. THINKCRAFT_LORA_FAST=0 leaves PEFT's forward alone.
+
+Merged (opt-in, THINKCRAFT_LORA_MERGE=1): each layer also keeps `W + s·B·A` in the base dtype, merged in fp32 and
+rounded once, and the no-grad forward is that one linear - one GEMM where the above is three (for the
+Qwen2.5-0.5B shape, 336 fewer kernels in each decode step of 168 adapted linears; the step at 64 rows was bound
+by its small kernels, 3.27 ms on an H200, 2026-11-28, bench/results/logs/s38_decode_probe_rows.json). Its cost:
+2 bytes per adapted weight (made only within `MERGE_FREE_FRACTION` of the device's free memory, else the layers
+keep the three-operator forward), a re-merge of every layer when the adapters change (once a learner update),
+and precision: the merged weight is rounded to bf16, so an adapter's change smaller than half a bf16 step of the
+base weight is lost in the engine's policy (the learner trains the exact one; the behaviour log-probs that the
+off-policy corrections use are the engine's). Not the default until measured on a GPU.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +43,7 @@ import torch.nn.functional as F
 from thinkcraft.llm.hf.copies import StampedLayers, mixin_class
 from thinkcraft.utils.errors import env_switch
 
+log = logging.getLogger(__name__)
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -41,13 +53,17 @@ class _FastLoraMixin:
 
     _tc_a: torch.Tensor  # (r, in), the base weight's dtype
     _tc_bt: torch.Tensor  # (r, out) = (scaling · B)ᵀ
-    _tc_seen: tuple  # (A, B) storage pointers and version counters, and the scale, at the last copy
+    _tc_merged: torch.Tensor | None  # (out, in) = W + scaling · B A in the base dtype (merged mode), else None
+    _tc_seen: tuple  # (A, B, W) storage pointers and version counters, and the scale, at the last copy
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if torch.is_grad_enabled() or args or kwargs or not _covered(self):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         if not torch.compiler.is_compiling():
             _refresh_layer(self)
+        merged = self._tc_merged
+        if merged is not None:
+            return F.linear(x.to(merged.dtype), merged, self.base_layer.bias)  # type: ignore[attr-defined]
         out = self.base_layer(x)  # type: ignore[attr-defined]
         h = F.linear(x.to(self._tc_a.dtype), self._tc_a)
         n = out.shape[-1]
@@ -66,8 +82,9 @@ def _covered(layer: Any) -> bool:
 
 
 def _refresh_layer(layer: Any) -> bool:
-    """Copy the adapter into the bf16 copies if it changed since the last copy (in place); True if it did."""
-    a, b, _, _ = src = _sources(layer)
+    """Copy the adapter into the bf16 copies (and re-merge a merged layer) if it or the base weight changed since
+    the last copy (in place: a captured graph keeps reading the same tensors); True if it did."""
+    a, b, _, _, w = src = _sources(layer)
     seen = _numbers(src)  # the scale too: PEFT's set_scale changes it without touching a tensor
     scale = seen[-1]
     if seen == layer._tc_seen:
@@ -75,6 +92,9 @@ def _refresh_layer(layer: Any) -> bool:
     with torch.no_grad():
         layer._tc_a.copy_(a)
         layer._tc_bt.copy_((b * scale).t())
+        merged = layer.__dict__.get("_tc_merged")
+        if merged is not None:  # W + s·B·A in fp32, one rounding to the base dtype
+            merged.copy_(torch.addmm(w.float(), b.float(), a.float(), alpha=scale))
     layer._tc_seen = seen
     return True
 
@@ -88,22 +108,33 @@ def lora_layers(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, LoraLinear)]
 
 
-def _sources(m: Any) -> tuple[torch.Tensor, torch.Tensor, dict, str]:
-    return m.lora_A[m._tc_name].weight, m.lora_B[m._tc_name].weight, m.scaling, m._tc_name
+def _sources(m: Any) -> tuple[torch.Tensor, torch.Tensor, dict, str, torch.Tensor]:
+    return m.lora_A[m._tc_name].weight, m.lora_B[m._tc_name].weight, m.scaling, m._tc_name, m.base_layer.weight
 
 
-def _numbers(src: tuple[torch.Tensor, torch.Tensor, dict, str]) -> tuple:
-    a, b, scaling, name = src
-    return a.data_ptr(), a._version, b.data_ptr(), b._version, scaling[name]
+def _numbers(src: tuple[torch.Tensor, torch.Tensor, dict, str, torch.Tensor]) -> tuple:
+    a, b, scaling, name, w = src  # the base weight: a merged copy follows it (a LoRA learner leaves it alone)
+    return a.data_ptr(), a._version, b.data_ptr(), b._version, w.data_ptr(), w._version, scaling[name]
 
 
-def install(model: torch.nn.Module) -> list[Any]:
+MERGE_FREE_FRACTION = 0.25
+"""Merged weights (THINKCRAFT_LORA_MERGE=1) are made only if they take at most this share of the device's free
+memory, as `autocast_shadow.SHADOW_FREE_FRACTION`: 2 bytes an adapted weight, beside a learner's state."""
+
+
+def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: float | None = None) -> list[Any]:
     """Give `model`'s LoRA linears the fast no-grad forward where it applies (a half-precision base, one adapter
-    without bias) and return those layers (empty: nothing changed). Idempotent; a layer whose copies are on
-    another device or dtype than its base (a deep copy moved to another GPU) gets new ones."""
+    without bias) and return those layers (empty: nothing changed). `merge` (default: THINKCRAFT_LORA_MERGE,
+    off) also keeps merged weights (the module docstring says what they cost), if they take at most
+    `max_merge_bytes` (default: `MERGE_FREE_FRACTION` of a GPU's free memory; no limit on the CPU).
+    Idempotent; a layer whose copies are on another device or dtype than its base (a deep copy moved to another
+    GPU) gets new ones."""
     if not env_switch("THINKCRAFT_LORA_FAST", default=True):
         return []
+    if merge is None:
+        merge = env_switch("THINKCRAFT_LORA_MERGE", default=False)
     fast = StampedLayers([], _sources, _numbers, _refresh_layer)
+    todo = []
     for layer in lora_layers(model):
         base = getattr(layer.base_layer, "weight", None)
         names = list(layer.lora_A.keys())
@@ -113,6 +144,9 @@ def install(model: torch.nn.Module) -> list[Any]:
         a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
         if layer.lora_B[name].bias is not None or name in layer.lora_variant:
             continue
+        todo.append((layer, name, a, b, base))
+    merge = merge and _merge_fits([base for *_, base in todo], max_merge_bytes)
+    for layer, name, a, b, base in todo:
         old = getattr(layer, "_tc_a", None)
         if old is None or old.device != a.device or old.dtype != base.dtype:
             # outside any inference mode: the copies are updated in place later, which an inference tensor forbids
@@ -120,6 +154,15 @@ def install(model: torch.nn.Module) -> list[Any]:
                 layer._tc_a = torch.empty(a.shape, dtype=base.dtype, device=a.device)
                 layer._tc_bt = torch.empty((b.shape[1], b.shape[0]), dtype=base.dtype, device=b.device)
             layer._tc_seen = ()
+        merged = layer.__dict__.get("_tc_merged")
+        if not merge:
+            merged = None
+        elif merged is None or merged.device != base.device or merged.dtype != base.dtype:
+            with torch.inference_mode(False), torch.no_grad():
+                merged = torch.empty(base.shape, dtype=base.dtype, device=base.device)
+        if merged is not layer.__dict__.get("_tc_merged"):
+            layer._tc_seen = ()  # a new (or no) merged copy: refreshed below
+        layer._tc_merged = merged
         layer._tc_name = name
         cls = type(layer)
         if not isinstance(layer, _FastLoraMixin):
@@ -127,6 +170,31 @@ def install(model: torch.nn.Module) -> list[Any]:
         _refresh_layer(layer)
         fast.append(layer)
     return fast
+
+
+def _merge_fits(bases: list[torch.Tensor], max_bytes: float | None) -> bool:
+    """Whether merged copies of `bases` take at most `max_bytes` (None: MERGE_FREE_FRACTION of a GPU's free
+    memory, no limit on the CPU); says so in the log when they do not."""
+    if not bases:
+        return False
+    if max_bytes is None and bases[0].device.type == "cuda":
+        max_bytes = MERGE_FREE_FRACTION * torch.cuda.mem_get_info(bases[0].device)[0]
+    need = sum(w.numel() * w.element_size() for w in bases)
+    if max_bytes is not None and need > max_bytes:
+        log.warning("THINKCRAFT_LORA_MERGE: no merged LoRA weights - they would take %.2f GiB, over the %.2f GiB "
+                    "allowed; the adapters run as three operators", need / 2**30, max_bytes / 2**30)
+        return False
+    return True
+
+
+def strip(model: torch.nn.Module) -> None:
+    """Take the copies and the fast forward out of `model` (a copy that another engine or process will install
+    its own into: the copies are derived, and a merged one is as large as the adapted weights)."""
+    for m in model.modules():
+        if isinstance(m, _FastLoraMixin):
+            m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, _FastLoraMixin))
+            for name in ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name"):
+                m.__dict__.pop(name, None)
 
 
 def _fast_class(cls: type) -> type:

@@ -78,6 +78,17 @@ def lora_state(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if is_lora_name(n)}
 
 
+def strip_copies(model: torch.nn.Module) -> None:
+    """Take an engine's derived copies out of `model` (autocast_shadow's half weights, lora_fast's adapter copies
+    and merged weights): a deep copy of a model that an engine served, made for another engine or process,
+    which installs its own - device tensors of the first engine's would otherwise travel with it (Ray's object
+    store) or go stale."""
+    from thinkcraft.llm.hf import autocast_shadow, lora_fast
+
+    autocast_shadow.strip(model)
+    lora_fast.strip(model)
+
+
 def autocast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`model` (a sampler's own copy of fp32 master weights, served under `dtype` autocast) with the weights that
     autocast casts at every call stored in `dtype` once: every `nn.Linear` and `nn.Embedding` (tied weights stay
@@ -88,9 +99,7 @@ def autocast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     step - for the Qwen2.5-0.5B shape ~170 extra kernels and ~3 GB of memory traffic a step, on a step that the
     device bounds (3.4-3.5 ms at 30-95 rows, 4 x H200, 2026-11-28, bench/results/logs/s38_*async_2gpu*). In place;
     returns `model`."""
-    from thinkcraft.llm.hf.autocast_shadow import strip
-
-    strip(model)  # a copy of a model an engine served: its weights are the half copies now
+    strip_copies(model)  # a copy of a model an engine served: its weights are the half copies now
     for m in model.modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             m.to(dtype)

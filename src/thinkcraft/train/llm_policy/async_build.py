@@ -95,8 +95,7 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
     """One EngineSlot per rollout engine (see the module docstring for the placement). `own_engine` is the
     engine over the learner's parameters (built before the learner, as the sync loop does)."""
     from thinkcraft.llm.clients import HTTPOptions, weights_client
-    from thinkcraft.llm.hf import autocast_shadow
-    from thinkcraft.llm.hf.weights import autocast_weights
+    from thinkcraft.llm.hf.weights import autocast_weights, strip_copies
     from thinkcraft.train.llm_policy.model import make_engine
 
     lora = cfg.finetune == "lora"
@@ -111,7 +110,7 @@ def build_slots(cfg: LLMPolicyConfig, learner: Learner, tokenizer: Any, own_engi
                                     f"engine{k}-shared", dev, learner.autocast, lock=model_lock))
             continue
         twin = copy.deepcopy(learner.model).to(dev).eval().requires_grad_(False)
-        autocast_shadow.strip(twin)  # a shared engine's shadows, if it ran already, are not this copy's
+        strip_copies(twin)  # a shared engine's shadows and adapter copies, if it ran already, are not this copy's
         if not lora and learner.autocast_dtype is not None and str(dev).startswith("cuda"):
             autocast_weights(twin, learner.autocast_dtype)  # cast once here, not in every decode step (it says why)
         engine = make_engine(twin, tokenizer, cfg)

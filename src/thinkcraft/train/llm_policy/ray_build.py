@@ -129,10 +129,10 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
         return h
 
     # engines: a CPU copy of the learner's policy through the object store (a replacement starts from it)
-    from thinkcraft.llm.hf.autocast_shadow import strip
+    from thinkcraft.llm.hf.weights import strip_copies
 
     policy = copy.deepcopy(p.learner.model).to("cpu")
-    strip(policy)  # a shared engine's half shadows (device tensors), if one ran already, stay out of the store
+    strip_copies(policy)  # a shared engine's derived copies (device tensors), if one ran already, stay out of the store
     if cfg.finetune != "lora" and cfg.bf16 and layout.engine_gpus > 0:
         import torch
 
