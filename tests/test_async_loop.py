@@ -191,7 +191,6 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
     (dict(mode="async", rollout_workers=0), "rollout-workers"),
     (dict(mode="async", dynamic_sampling=True, algo="apo"), "dynamic-sampling"),
     (dict(mode="async", rollout_devices="gpu0"), "rollout-devices"),
-    (dict(mode="async", rollout_devices="cpu,cuda:64"), "rollout-devices: 'cuda:64'"),  # no such GPU: said at once
     (dict(mode="async", rollout_servers="http://x:1"), "rollout-servers"),
     (dict(offpolicy="tis", offpolicy_cap=0.0), "offpolicy-cap"),
     (dict(mode="async", action_format="json", max_new_tokens=64, rollout_servers="thinkcraft+http://x:1"),
@@ -204,6 +203,17 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
 def test_async_config_rejects_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
         _cfg(tmp_path, **kw)
+
+
+def test_a_rollout_gpu_the_machine_lacks_is_said_before_the_model_loads(tmp_path, monkeypatch):
+    import thinkcraft.train.llm_policy.loop as loop
+
+    def never(*a, **k):
+        raise AssertionError("the model loaded before the devices were checked")
+
+    monkeypatch.setattr(loop, "load_policy", never)
+    with pytest.raises(ConfigError, match="rollout-devices: .*'cuda:64'"):  # no machine here has 65 GPUs
+        LP.run(_cfg(tmp_path, mode="async", rollout_devices="cpu,cuda:64"))
 
 
 @pytest.mark.slow

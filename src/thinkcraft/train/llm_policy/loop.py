@@ -111,6 +111,8 @@ def build_policy(cfg: LLMPolicyConfig) -> Policy:
     from thinkcraft.llm.protocol import SamplingParams
 
     device = _device(cfg.device)
+    for d in (x.strip() for x in cfg.rollout_devices.split(",") if x.strip() and cfg.pool_backend == "local"):
+        _device(d, flag="rollout_devices")  # a GPU this machine lacks: said now, not after the model has loaded
     autocast = torch.bfloat16 if (device.type == "cuda" and cfg.bf16) else None
     base_dtype = torch.bfloat16 if (autocast is not None and cfg.finetune == "lora") else torch.float32
     _seed_everything(cfg.seed)

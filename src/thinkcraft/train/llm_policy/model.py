@@ -147,12 +147,16 @@ def check_engine_for_algo(capabilities, algo: str) -> None:
 
 # =========================================================================================== rollout
 
-def _device(spec: str):
+def _device(spec: str, flag: str = "device"):
     import torch
 
     d = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
     if d.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "CUDA is not available on this machine; use --device cpu or auto")
+        hint = "use --device cpu or auto" if flag == "device" else f"{spec!r} names a GPU (use cpu)"
+        raise ConfigError(flag, f"CUDA is not available on this machine; {hint}")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(flag, f"{spec!r}: this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
     if d.type == "cuda" and d.index is None:
         # "cuda" names the *calling thread's* current GPU: the pools create tensors on the learner's device from
         # their own threads, and an engine on cuda:1 may make that GPU current in one of them; one index, fixed
