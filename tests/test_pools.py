@@ -49,10 +49,10 @@ def test_local_pool_results_failures_and_crash_replacement():
 
 
 def test_local_pool_backpressure_and_stop_reports_abandoned_items():
-    gate = threading.Event()
-    pool = LocalPool("t", lambda x, ctx: gate.wait(5) and x, num_workers=1, max_queued=2)
+    gate, holding = threading.Event(), threading.Event()
+    pool = LocalPool("t", lambda x, ctx: (holding.set(), gate.wait(5))[1] and x, num_workers=1, max_queued=2)
     assert pool.submit(0)
-    time.sleep(0.2)  # the worker holds item 0
+    assert holding.wait(10)  # the worker holds item 0
     assert pool.submit(1) and pool.submit(2)
     assert not pool.submit(3, timeout_s=0.1)  # the queue is full: backpressure, not growth
     pool.stop(drain=False, timeout_s=0.1)
@@ -408,12 +408,12 @@ def test_rollout_pool_drops_and_counts_a_hung_env_and_a_failed_engine_call():
 
 
 def test_rollout_pool_with_process_envs_replaces_a_killed_env_worker():
-    pool, front, eng = _rollout_pool(EnvSpec("arith", latency_ms=300), workers=1, env_mode="process")
+    pool, front, eng = _rollout_pool(EnvSpec("arith", latency_ms=1000), workers=1, env_mode="process")
     pool.submit(GroupRequest(0, seed=1, num_samples=2))
     (g0,) = _drain(pool, 1, 60)
     assert isinstance(g0, GroupResult)
     pool.submit(GroupRequest(1, seed=2, num_samples=2))
-    time.sleep(0.15)  # the worker is inside its 300 ms env step
+    time.sleep(0.3)  # the worker is inside its 1 s env step (room for a loaded CI machine on either side)
     os.kill(pool._envs[0].pid, signal.SIGKILL)
     (f,) = _drain(pool, 1, 60)
     assert isinstance(f, Failure) and f.reason == "env_crashed" and f.request.group_id == 1

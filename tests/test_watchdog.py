@@ -50,17 +50,21 @@ def test_llm_policy_stall_dump_is_validated_and_async_only():
 def test_deep_stacks_keep_both_ends_and_the_timer_dump_names_threads(tmp_path):
     """A compile runs hundreds of frames deep: the dump keeps the outermost frames (which of our threads, from
     where) as well as the innermost (what it does), which faulthandler's innermost-100 did not."""
-    release = threading.Event()
+    release, deepest = threading.Event(), threading.Event()
+
+    def bottom():
+        deepest.set()
+        return release.wait()
 
     def deeper(n):  # two functions in turn: traceback folds identical repeated frames, not alternating ones
-        return outermost_marker(n - 1) if n > 0 else release.wait()
+        return outermost_marker(n - 1) if n > 0 else bottom()
 
     def outermost_marker(n):
         return deeper(n - 1)
 
     t = threading.Thread(target=outermost_marker, args=(200,), name="deep-worker", daemon=True)
     t.start()
-    time.sleep(0.1)
+    assert deepest.wait(10)  # at the bottom of its 200 frames (not a fixed sleep: CI machines run loaded)
     text = thread_stacks(ends=10)
     block = text.split("Thread deep-worker")[1].split("\nThread ")[0]
     assert "frames ..." in block and "in outermost_marker" in block and "in wait" in block
