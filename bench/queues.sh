@@ -56,6 +56,8 @@
 #   fused     one x4 machine, two lanes at once (2026-11-28 evening): issue 20's engine-per-GPU and dedicated
 #             placements on GPUs 0,1 and 2,3, each with its own sync reference (one call: the set, then collect)
 #   fusedab   one x4 machine: the engine-per-GPU placement, THINKCRAFT_DECODE_FUSED=0 on GPUs 0,1 and =1 on 2,3
+#   grid19    one x4 machine, a lane per GPU: issue 19's grid beyond the goal row (Qwen3-4B shape, 64 envs, the
+#             256-token thinking budget; needs the tokenizer: carry .ref/tc-cache), then collect
 #   pair      one x4 machine, two lanes at once (2026-11-28): issue 20's two 2-GPU runs that can reach 1.7x on GPUs
 #             0,1 (an engine per GPU with its sync reference, after the autocast fix; the dedicated placement with
 #             a 0.5 ms switch interval), and on GPUs 2,3 issue 21's questions at 2 GPUs: one refresh alone on an
@@ -86,7 +88,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 scale2 scale lorafast pair fused fusedab"
+SETS="parity features llm llm1 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -167,6 +169,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     fusedab) jobs=(  # one x4 machine: the engine-per-GPU placement with the fused decode graph off (GPUs 0,1) and on (2,3)
       "@0,1 async_2gpu_unfused 550 env THINKCRAFT_DECODE_FUSED=0 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_unfused.json"
       "@2,3 async_2gpu_fused 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_fused.json") ;;
+    grid19) local C="python bench/llm_policy_craftax.py --steps 3"
+      jobs=(  # one x4 machine, a lane per GPU: issue 19's grid beyond the goal row (only 0.5B / 256 envs / no
+              # thinking had run by 2026-11-28); rows merged into llm_policy_craftax.json by configuration
+      "@0 grid_05b_64 580 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 0 256 --out bench/results/logs/grid_05b_64.json"
+      "@1 grid_05b_256_think 580 $C --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/grid_05b_256_think.json"
+      "@2 grid_4b_64 580 $C --shapes qwen3-4b --num-envs 64 --thinking-budgets 0 256 --out bench/results/logs/grid_4b_64.json"
+      "@3 grid_4b_256 580 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 0 --out bench/results/logs/grid_4b_256.json"
+      "@3 grid_4b_256_think 580 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/grid_4b_256_think.json") ;;
     *) echo "usage: bash bench/queues.sh {$(tr ' ' '|' <<<"$SETS")|collect SECONDS|peek [LINES]}  (see the header)"; exit 2 ;;
   esac
 }
