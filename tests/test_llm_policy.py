@@ -154,8 +154,11 @@ def test_an_unindexed_cuda_device_is_pinned_to_the_current_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert M._device("auto") == torch.device("cuda", 1) and M._device("cuda") == torch.device("cuda", 1)
     assert M._device("cuda:0") == torch.device("cuda", 0) and M._device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"rollout-devices: 'cuda:2': this machine has 2 GPU\(s\)"):
+        M._device("cuda:2", flag="rollout_devices")  # a GPU it lacks: said before anything loads
 
 
 def test_rollout_multi_turn_keeps_engine_tokens_and_history_window(tiny):
