@@ -320,8 +320,10 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, stub):
     assert proc.returncode == -signal.SIGKILL
     sent_before = st.n
     assert 25 <= sent_before < n
+    # the journal had lines when the loop looked; a shard flushed before the kill can have emptied it since
+    journaled = journal.exists() and journal.read_text().count("\n") >= 1
     rep = label(c)
-    assert rep["recovered_from_journal"] >= 1
+    assert rep["recovered_from_journal"] >= (1 if journaled else 0)
     # only requests in flight at the kill are repeated (2 workers -> at most 2)
     assert rep["already_done"] + rep["labelled"] == n
     assert st.n - sent_before == rep["labelled"] and rep["already_done"] >= sent_before - 2
