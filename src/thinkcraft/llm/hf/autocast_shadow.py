@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, mixin_class
+from thinkcraft.llm.hf.copies import StampedLayers, mixin_class, unmix
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,7 @@ def install(model: torch.nn.Module, dtype: torch.dtype, max_bytes: float | None 
 
 def strip(model: torch.nn.Module) -> None:
     """Take the shadows out of `model` (a deep copy that will hold its own weights: `weights.autocast_weights`)."""
-    for m in model.modules():
-        if isinstance(m, _ShadowLinearMixin):
-            m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, _ShadowLinearMixin))
-            for name in ("_tc_w", "_tc_b", "_tc_seen"):
-                m.__dict__.pop(name, None)
+    unmix(model, _ShadowLinearMixin, ("_tc_w", "_tc_b", "_tc_seen"))
 
 
 def _shadow_class(cls: type) -> type:

@@ -53,3 +53,13 @@ def mixin_class(mixin: type, cls: type, prefix: str, namespace: dict[str, Any]) 
     if name not in namespace:
         namespace[name] = type(name, (mixin, cls), {"__module__": namespace["__name__"], "__qualname__": name})
     return namespace[name]
+
+
+def unmix(model: Any, mixin: type, attrs: Iterable[str]) -> None:
+    """Undo `mixin_class` on every module of `model` that has it: the original class back, `attrs` (the copies
+    the mixin's forward read) dropped - for a copy of a model that another engine or process installs its own in."""
+    for m in model.modules():
+        if isinstance(m, mixin):
+            m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, mixin))
+            for name in attrs:
+                m.__dict__.pop(name, None)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, mixin_class
+from thinkcraft.llm.hf.copies import StampedLayers, mixin_class, unmix
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
@@ -190,11 +190,7 @@ def _merge_fits(bases: list[torch.Tensor], max_bytes: float | None) -> bool:
 def strip(model: torch.nn.Module) -> None:
     """Take the copies and the fast forward out of `model` (a copy that another engine or process will install
     its own into: the copies are derived, and a merged one is as large as the adapted weights)."""
-    for m in model.modules():
-        if isinstance(m, _FastLoraMixin):
-            m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, _FastLoraMixin))
-            for name in ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name"):
-                m.__dict__.pop(name, None)
+    unmix(model, _FastLoraMixin, ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name"))
 
 
 def _fast_class(cls: type) -> type:
