@@ -19,15 +19,12 @@
 #             prefill is in llm1 only: 2026-11-28 its first step did not end in 580 s). The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
-#   llm1      one GPU: the GPU tests of the half shadows, the fused decode graph (2026-11-28 evening: the fused
-#             one passed) and the opt-in merged LoRA weights, the Craftax rollout with both (never run with the
-#             fused graph), the decode step at 64 rows and the Craftax rollout with THINKCRAFT_LORA_MERGE=1 (built
-#             2026-11-28 night, never on a GPU), issue 19's decode step alone (bench/probes/decode_step_probe.py: PEFT's LoRA forward vs
-#             the fast one vs merged, static width, profiled), the Craftax rollout with a turn's prompts submitted
-#             256 at a time (fewer, larger prefills: its first run, 2026-11-28, did not apply the flag), with the
-#             "dynamic" decode width (one
-#             symbolic-width compile since 2026-11-28), then the compiled prefill (2026-11-28: its first step did
-#             not end in 580 s) (needs the tokenizer: the llm set's one call, then collects)
+#   llm1      one GPU, issue 19 (2026-11-29 measured the merged LoRA weights, the fused graph and prompts 256 at a
+#             time; BENCHMARKS 7b): the Craftax rollout with merged weights under torch.profiler (where a step's
+#             time goes now), the 256-row decode step profiled (fast LoRA vs merged), the "dynamic" decode width
+#             (one symbolic-width compile), then the compiled prefill (2026-11-28: its first step did not end in
+#             580 s). Needs the tokenizer: carry .ref/tc-cache in the call that starts it, then collect at once
+#             (2026-11-29: a machine idle 30 s is given back, and the queue with it)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -119,15 +116,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$c1 craftax_dynamic $((600 + w)) $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
       "@$c0 craftax_learner_compiled 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
-    llm1) jobs=(  # one GPU (2026-11-28: only single H200s lent): issue 19's Craftax rollout, the prompt chunk and the
-                  # decode width (the rollout profile of that day: 299 decode steps of 7.2 ms with the host waiting
-                  # 1.1 ms of each, 42 prefills of ~67 ms with ~24 ms of device time each)
-      "@0 shadow_gputest 300 python -m pytest -m gpu tests/test_autocast_shadow.py tests/test_llm_batching.py tests/test_lora_fast.py -k 'shadows or fused or refreshed_copies' -x -q -p no:cacheprovider"
-      "@0 craftax_fused 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_fused.json"
-      "@0 decode_probe_merge64 300 python bench/probes/decode_step_probe.py --variants lora lora-merge merged --kv-cache static --rows 64 --prefix 60 --context 40 --new-tokens 256 --out bench/results/logs/decode_probe_merge64.json"
-      "@0 craftax_lora_merge 420 env THINKCRAFT_LORA_MERGE=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --out bench/results/logs/craftax_lora_merge.json"
-      "@0 decode_probe 420 python bench/probes/decode_step_probe.py --kv-cache static --profile"
-      "@0 craftax_chunk256 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --submit-chunk 256 --out bench/results/logs/craftax_chunk256.json"
+    llm1) jobs=(  # one GPU: issue 19's next levers. Measured 2026-11-29 and left out since: the GPU tests of the
+                  # shadows / fused graph / merged LoRA (passed), the fused graph's and the merged weights' Craftax
+                  # rows, the decode step at 64 rows, prompts 256 at a time (the default now). Where the time of
+                  # a default step goes now (prompts 256 at a time, merged weights), the 256-row decode step
+                  # profiled, the symbolic-width decode, then the compiled prefill
+      "@0 craftax_merge_profile 420 env THINKCRAFT_LORA_MERGE=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 5 --profile-rollout -1 --out bench/results/logs/craftax_merge_profile.json"
+      "@0 decode_probe 420 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --profile"
       "@0 craftax_dynamic 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
       "@0 craftax_prefill 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-rollout -1 --out bench/results/logs/craftax_prefill.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
