@@ -279,3 +279,19 @@ def test_graphed_decode_sees_the_adapter_switched_off_on_gpu() -> None:
     assert judge != policy  # the switch reached the graphed step
     assert all(a[:4] == b[:4] for a, b in zip(judge, judge_eager))  # (bf16 near-ties: the first tokens)
     assert graphed.decode_metrics()["graph_captures"] == 2  # adapters on, adapters off
+
+
+def test_derived_copies_take_at_most_a_quarter_of_a_gpus_free_memory(monkeypatch, caplog) -> None:
+    """One allowance for every derived copy (merged LoRA weights, autocast shadows): an explicit byte limit, else
+    `COPY_FREE_FRACTION` of the GPU's free memory, no limit on the CPU; a refusal is said in the log."""
+    from thinkcraft.llm.hf import copies
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert copies.copies_fit(10**15, cpu, None, "x")  # the CPU: no limit
+    assert copies.copies_fit(100, cpu, 100, "x") and not copies.copies_fit(101, cpu, 100, "x")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4000, 8000))  # 4,000 bytes free
+    assert copies.copies_fit(1000, gpu, None, "x")
+    with caplog.at_level("WARNING"):
+        assert not copies.copies_fit(1001, gpu, None, "merged things: the slow path")
+    assert "no merged things: the slow path" in caplog.text
+    assert copies.copies_fit(5000, gpu, 6000, "x")  # an explicit limit wins over the free memory

@@ -22,20 +22,15 @@ the model alone.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, mixin_class, unmix
+from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, unmix
 from thinkcraft.utils.errors import env_switch
 
-log = logging.getLogger(__name__)
 _HALF = (torch.bfloat16, torch.float16)
-SHADOW_FREE_FRACTION = 0.25
-"""Shadows are made only if they take at most this share of the device's free memory (the engine's caller decides:
-`Batcher._autocast_shadows`): 2 bytes a weight is 8 GB for a 4B model beside full fine-tuning's optimizer state."""
 
 
 class _ShadowLinearMixin:
@@ -92,16 +87,16 @@ def shadowable(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def install(model: torch.nn.Module, dtype: torch.dtype, max_bytes: float | None = None) -> list[Any]:
     """Give `model`'s plain fp32 linears `dtype` shadows and the shadow forward; returns those layers (empty:
-    nothing to shadow, THINKCRAFT_AUTOCAST_SHADOW=0, or shadows that would take more than `max_bytes`).
+    nothing to shadow, THINKCRAFT_AUTOCAST_SHADOW=0, or shadows that would take more than `max_bytes`, by default
+    `copies.COPY_FREE_FRACTION` of a GPU's free memory, no limit on the CPU).
     Idempotent; a layer whose shadow is on another device or dtype gets a new one."""
     if dtype not in _HALF or not env_switch("THINKCRAFT_AUTOCAST_SHADOW", default=True):
         return _layers([])
     todo = shadowable(model)
     need = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in todo) \
         * torch.empty((), dtype=dtype).element_size()
-    if max_bytes is not None and need > max_bytes:
-        log.info("no %s weight shadows: they would take %.2f GiB, over the %.2f GiB allowed; autocast casts the "
-                 "fp32 weights at every step", dtype, need / 2**30, max_bytes / 2**30)
+    if not todo or not copies_fit(need, todo[0].weight.device, max_bytes,
+                                  f"{dtype} weight shadows: autocast casts the fp32 weights at every step"):
         return _layers([])
     layers = _layers([])
     for m in todo:

@@ -187,10 +187,8 @@ class Batcher(CacheMixin, IterationMixin):
         if eng.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
             return
         if getattr(eng, "_shadow", None) is None:  # once, for the first half dtype met (a graph captured over the
-            free = torch.cuda.mem_get_info(eng.device)[0] if kind == "cuda" else None  # shadows keeps them)
-            eng._shadow = autocast_shadow.install(
-                eng._lm, torch.get_autocast_dtype(kind),
-                None if free is None else autocast_shadow.SHADOW_FREE_FRACTION * free)
+            # shadows keeps them), within the device's allowance for derived copies
+            eng._shadow = autocast_shadow.install(eng._lm, torch.get_autocast_dtype(kind))
         if eng._shadow:
             autocast_shadow.refresh(eng._shadow)
 

@@ -4,9 +4,30 @@ forward."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterable
 
+import torch
+
 from thinkcraft.llm import compat
+
+log = logging.getLogger(__name__)
+
+COPY_FREE_FRACTION = 0.25
+"""Derived copies (autocast_shadow's half weights, lora_fast's merged ones) are made only if they take at most this
+share of the device's free memory: 2 bytes a weight is 8 GB for a 4B model, beside a learner's state."""
+
+
+def copies_fit(need_bytes: int, device: torch.device, max_bytes: float | None, what: str) -> bool:
+    """Whether copies of `need_bytes` may be made on `device`: at most `max_bytes` (None: `COPY_FREE_FRACTION` of
+    a GPU's free memory, no limit elsewhere). Says in the log what is done without them (`what`) when not."""
+    if max_bytes is None and device.type == "cuda":
+        max_bytes = COPY_FREE_FRACTION * torch.cuda.mem_get_info(device)[0]
+    if max_bytes is not None and need_bytes > max_bytes:
+        log.warning("no %s: they would take %.2f GiB, over the %.2f GiB allowed", what, need_bytes / 2**30,
+                    max_bytes / 2**30)
+        return False
+    return True
 
 
 class StampedLayers(list):

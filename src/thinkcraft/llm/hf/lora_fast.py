@@ -25,25 +25,24 @@ Merged (opt-in, THINKCRAFT_LORA_MERGE=1): each layer also keeps `W + s·B·A` in
 rounded once, and the no-grad forward is that one linear - one GEMM where the above is three (for the
 Qwen2.5-0.5B shape, 336 fewer kernels in each decode step of 168 adapted linears; the step at 64 rows was bound
 by its small kernels, 3.27 ms on an H200, 2026-11-28, bench/results/logs/s38_decode_probe_rows.json). Its cost:
-2 bytes per adapted weight (made only within `MERGE_FREE_FRACTION` of the device's free memory, else the layers
+2 bytes per adapted weight (made only within `copies.COPY_FREE_FRACTION` of the device's free memory, else the layers
 keep the three-operator forward), a re-merge of every layer when the adapters change (once a learner update),
 and precision: the merged weight is rounded to bf16, so an adapter's change smaller than half a bf16 step of the
 base weight is lost in the engine's policy (the learner trains the exact one; the behaviour log-probs that the
-off-policy corrections use are the engine's). Not the default until measured on a GPU.
+off-policy corrections use are the engine's). Measured (H200, 2026-11-29, BENCHMARKS §7b): the decode step at 64
+rows 3.24 -> 1.69 ms, the Craftax rollout 13-20% faster; opt-in for the precision.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, mixin_class, unmix
+from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, unmix
 from thinkcraft.utils.errors import env_switch
 
-log = logging.getLogger(__name__)
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -117,16 +116,11 @@ def _numbers(src: tuple[torch.Tensor, torch.Tensor, dict, str, torch.Tensor]) ->
     return a.data_ptr(), a._version, b.data_ptr(), b._version, w.data_ptr(), w._version, scaling[name]
 
 
-MERGE_FREE_FRACTION = 0.25
-"""Merged weights (THINKCRAFT_LORA_MERGE=1) are made only if they take at most this share of the device's free
-memory, as `autocast_shadow.SHADOW_FREE_FRACTION`: 2 bytes an adapted weight, beside a learner's state."""
-
-
 def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: float | None = None) -> list[Any]:
     """Give `model`'s LoRA linears the fast no-grad forward where it applies (a half-precision base, one adapter
     without bias) and return those layers (empty: nothing changed). `merge` (default: THINKCRAFT_LORA_MERGE,
     off) also keeps merged weights (the module docstring says what they cost), if they take at most
-    `max_merge_bytes` (default: `MERGE_FREE_FRACTION` of a GPU's free memory; no limit on the CPU).
+    `max_merge_bytes` (default: `copies.COPY_FREE_FRACTION` of a GPU's free memory; no limit on the CPU).
     Idempotent; a layer whose copies are on another device or dtype than its base (a deep copy moved to another
     GPU) gets new ones."""
     if not env_switch("THINKCRAFT_LORA_FAST", default=True):
@@ -173,18 +167,9 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
 
 
 def _merge_fits(bases: list[torch.Tensor], max_bytes: float | None) -> bool:
-    """Whether merged copies of `bases` take at most `max_bytes` (None: MERGE_FREE_FRACTION of a GPU's free
-    memory, no limit on the CPU); says so in the log when they do not."""
-    if not bases:
-        return False
-    if max_bytes is None and bases[0].device.type == "cuda":
-        max_bytes = MERGE_FREE_FRACTION * torch.cuda.mem_get_info(bases[0].device)[0]
-    need = sum(w.numel() * w.element_size() for w in bases)
-    if max_bytes is not None and need > max_bytes:
-        log.warning("THINKCRAFT_LORA_MERGE: no merged LoRA weights - they would take %.2f GiB, over the %.2f GiB "
-                    "allowed; the adapters run as three operators", need / 2**30, max_bytes / 2**30)
-        return False
-    return True
+    """Whether merged copies of `bases` may be made (`copies.copies_fit`)."""
+    return bool(bases) and copies_fit(sum(w.numel() * w.element_size() for w in bases), bases[0].device, max_bytes,
+                                      "merged LoRA weights (THINKCRAFT_LORA_MERGE): the adapters run as three operators")
 
 
 def strip(model: torch.nn.Module) -> None:
