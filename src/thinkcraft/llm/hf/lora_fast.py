@@ -139,7 +139,9 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
         if layer.lora_B[name].bias is not None or name in layer.lora_variant:
             continue
         todo.append((layer, name, a, b, base))
-    merge = merge and _merge_fits([base for *_, base in todo], max_merge_bytes)
+    merge = merge and bool(todo) and copies_fit(
+        sum(base.numel() * base.element_size() for *_, base in todo), todo[0][-1].device, max_merge_bytes,
+        "merged LoRA weights (THINKCRAFT_LORA_MERGE): the adapters run as three operators")
     for layer, name, a, b, base in todo:
         old = getattr(layer, "_tc_a", None)
         if old is None or old.device != a.device or old.dtype != base.dtype:
@@ -164,12 +166,6 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
         _refresh_layer(layer)
         fast.append(layer)
     return fast
-
-
-def _merge_fits(bases: list[torch.Tensor], max_bytes: float | None) -> bool:
-    """Whether merged copies of `bases` may be made (`copies.copies_fit`)."""
-    return bool(bases) and copies_fit(sum(w.numel() * w.element_size() for w in bases), bases[0].device, max_bytes,
-                                      "merged LoRA weights (THINKCRAFT_LORA_MERGE): the adapters run as three operators")
 
 
 def strip(model: torch.nn.Module) -> None:
