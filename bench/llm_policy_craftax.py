@@ -233,10 +233,11 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
-        fast_layers = getattr(policy.engine, "_lora_fast", None) or []  # llm/hf/lora_fast.py's layers (none: PEFT's)
-        lora_fast = len(fast_layers)
-        # THINKCRAFT_LORA_MERGE=1's merged weights (0: the three-operator forward; also when they did not fit)
-        lora_merged = sum(layer.__dict__.get("_tc_merged") is not None for layer in fast_layers)
+        from thinkcraft.llm.hf import lora_fast
+
+        # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": THINKCRAFT_LORA_MERGE=1's merged weights
+        # (0 also when they did not fit); "train": the learner's cast-free gradient path (THINKCRAFT_LORA_FAST_TRAIN)
+        lora_counts = lora_fast.counts(getattr(policy.engine, "_lora_fast", None) or [])
         del policy
     gc.collect()
     if cuda:
@@ -295,8 +296,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "decode_graphs": decode_graphs_column(engine_cfg[0]),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
         "rollout_profiled_step": rollout_at,
-        "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_fast,
-        "lora_merged_layers": lora_merged,
+        "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
+        "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -325,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
-                                                       "lora_fast_layers", "lora_merged_layers"))
+                                                       "lora_fast_layers", "lora_merged_layers",
+                                                       "lora_fast_train_layers"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

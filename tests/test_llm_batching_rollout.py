@@ -161,4 +161,5 @@ def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
         assert r["learner_episode_rows"] == 4 and r["learner_turn_rows"] == 0
         assert 0.25 < r["learner_tokens_saved_frac"] < 0.5 and r["learner_tokens"] > 0
         assert r["lora_merged_layers"] == 0  # THINKCRAFT_LORA_MERGE is opt-in: rows say which forward served
+        assert r["lora_fast_train_layers"] == r["lora_fast_layers"]  # the learner's cast-free path: on by default
     assert rows[1]["thinking_tokens_mean"] > 0  # the thinking rows think (and are cut at the budget)

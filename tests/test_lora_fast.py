@@ -1,6 +1,7 @@
 """The sampler's LoRA forward (llm/hf/lora_fast.py): with gradients off it gives PEFT's output within bf16
-rounding, follows the adapters' in-place updates, leaves the learner's (gradient) path exactly PEFT's own, and
-stays out of what it does not cover; an engine over a bf16 LoRA model generates what PEFT's forward generates."""
+rounding, follows the adapters' in-place updates, gives the learner's (gradient) path PEFT's values and gradients within
+bf16 rounding without the activation casts (PEFT's own with THINKCRAFT_LORA_FAST_TRAIN=0), and stays out of what
+it does not cover; an engine over a bf16 LoRA model generates what PEFT's forward generates."""
 
 from __future__ import annotations
 
@@ -88,16 +89,41 @@ def test_fast_forward_equals_peft_within_rounding_and_follows_updates() -> None:
     assert lora_fast.refresh(layers) == 0
 
 
-def test_gradient_path_is_peft_unchanged_and_trains() -> None:
+def _grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    out = model(ids).logits
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_gradient_path_without_casts_equals_peft_within_rounding(monkeypatch) -> None:
     lora, _ = _lora(seed=1)
-    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
-    twin = copy.deepcopy(lora)
-    lora_fast.install(lora)
-    out, ref = lora(ids).logits, twin(ids).logits
-    assert torch.equal(out, ref)  # bit for bit: the learner's forward is PEFT's
-    out.float().sum().backward()
-    grads = [p.grad for n, p in lora.named_parameters() if "lora_" in n]
-    assert grads and all(g is not None for g in grads)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    twin = copy.deepcopy(lora)  # PEFT's own forward on the same weights
+    calls = []
+    real = lora_fast._train_forward
+    monkeypatch.setattr(lora_fast, "_train_forward", lambda layer, x: calls.append(x.dtype) or real(layer, x))
+    layers = lora_fast.install_for_learner(lora)
+    assert layers and all(layer._tc_merged is None for layer in layers)  # a learner alone: no merged copies
+    out, grads = _grads(lora, ids)
+    assert len(calls) == len(layers) and set(calls) == {torch.bfloat16}  # every adapted linear, activations in bf16
+    ref, ref_grads = _grads(twin, ids)
+    torch.testing.assert_close(out, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * len(layers)
+    for n, g in grads.items():
+        r = ref_grads[n]
+        assert g.dtype == torch.float32 and r.abs().max() > 0  # the fp32 adapters themselves are trained
+        torch.testing.assert_close(g, r, atol=0.05 * r.abs().max().item(), rtol=0, msg=n)
+    # an engine's install before or after keeps its merge choice; the learner's leaves the engine's alone
+    assert lora_fast.install_for_learner(lora) == layers
+    # THINKCRAFT_LORA_FAST_TRAIN=0: the gradient path is PEFT's, bit for bit
+    monkeypatch.setenv("THINKCRAFT_LORA_FAST_TRAIN", "0")
+    off = copy.deepcopy(twin)
+    lora_fast.install(off)
+    calls.clear()
+    out_off, grads_off = _grads(off, ids)
+    assert not calls and torch.equal(out_off, ref)
+    assert all(torch.equal(grads_off[n], ref_grads[n]) for n in ref_grads)
 
 
 def test_what_it_does_not_cover_stays_peft(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""The sampler's LoRA: PEFT's `lora.Linear` forward without its dtype casts, for the engine's no-grad forwards.
+"""LoRA without PEFT's dtype casts: the engine's no-grad forwards (the sampler) and the learner's gradient path.
 
 A learner training LoRA in bf16 keeps fp32 adapters (PEFT's `autocast_adapter_dtype`) on a bf16 base, and the
 engine samples from the same modules. PEFT's forward then casts the activations to fp32, autocast casts them and
@@ -12,9 +12,17 @@ hundreds of 1.4 µs kernels.
 adapter (`A`, and `(scaling · B)ᵀ`) and a forward that, with gradients off, computes
 `base(x) + (x Aᵀ)(s B)ᵀ` as one linear and one `addmm` - the product autocast would compute anyway, with the
 scale folded into B (exact for PEFT's default power-of-two `alpha / r`) and one rounding of the sum instead of
-two. With gradients on (the learner), or any case it does not cover (adapters disabled or merged, several
-active adapters, a LoRA variant such as DoRA, dropout in training mode, extra arguments), PEFT's own forward
-runs unchanged.
+two. In any case it does not cover (adapters disabled or merged, several active adapters, a LoRA variant such
+as DoRA, dropout in training mode, extra arguments) PEFT's own forward runs unchanged.
+
+With gradients on (the learner; `install_for_learner` installs the layers where no engine has) the same
+expression runs over the fp32 adapters themselves, differentiably (`_train_forward`): the activations stay in
+the base's dtype, where PEFT's forward casts them to fp32 and autocast back to bf16 in every adapted linear,
+forward and backward. The learner's torch.profiler view (H200, 2026-11-27, Craftax llm-policy at 256 envs,
+`bench/results/llm_policy_craftax_learner_profile-*-step3.txt`: 2.84 s of device time an update) spent 0.68 s
+in `aten::copy_` and 0.52 s in `aten::mul` against 0.67 s in the matrix products. The values equal PEFT's
+within bf16 rounding (one rounding of the sum instead of two); THINKCRAFT_LORA_FAST_TRAIN=0 keeps PEFT's
+forward for the gradient path.
 
 Freshness: the copies follow the adapters' in-place updates (the optimizer's step, `apply_state`'s copy) through
 the tensors' version counters. An eager forward checks its layer's counters first; a compiled or CUDA-graphed
@@ -54,10 +62,15 @@ class _FastLoraMixin:
     _tc_bt: torch.Tensor  # (r, out) = (scaling · B)ᵀ
     _tc_merged: torch.Tensor | None  # (out, in) = W + scaling · B A in the base dtype (merged mode), else None
     _tc_seen: tuple  # (A, B, W) storage pointers and version counters, and the scale, at the last copy
+    _tc_train: bool  # the gradient path is `_train_forward` (THINKCRAFT_LORA_FAST_TRAIN, on), else PEFT's
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if torch.is_grad_enabled() or args or kwargs or not _covered(self):
+        if args or kwargs or not _covered(self):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        if torch.is_grad_enabled():
+            if not self._tc_train:
+                return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+            return _train_forward(self, x)
         if not torch.compiler.is_compiling():
             _refresh_layer(self)
         merged = self._tc_merged
@@ -67,6 +80,20 @@ class _FastLoraMixin:
         h = F.linear(x.to(self._tc_a.dtype), self._tc_a)
         n = out.shape[-1]
         return torch.addmm(out.reshape(-1, n), h.reshape(-1, h.shape[-1]), self._tc_bt).view(out.shape)
+
+
+def _train_forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """The learner's forward: `base(x) + (x Aᵀ)(s B)ᵀ` in the base's dtype, differentiable in A and B (the fp32
+    adapters themselves, not the copies) and in x. PEFT's forward casts x to fp32 and autocast casts it back
+    for every adapted linear, forward and backward, then scales and adds as two more passes over the output; here
+    only the (r, in) and (out, r) adapters are cast, and the scale and the sum ride in the GEMM's epilogue."""
+    name = layer._tc_name
+    out = layer.base_layer(x)
+    dt = out.dtype
+    h = F.linear(x.to(dt), layer.lora_A[name].weight.to(dt))
+    bt = (layer.lora_B[name].weight * layer.scaling[name]).t().to(dt)
+    n = out.shape[-1]
+    return torch.addmm(out.reshape(-1, n), h.reshape(-1, h.shape[-1]), bt).view(out.shape)
 
 
 def _covered(layer: Any) -> bool:
@@ -127,6 +154,7 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
         return []
     if merge is None:
         merge = env_switch("THINKCRAFT_LORA_MERGE", default=False)
+    train = env_switch("THINKCRAFT_LORA_FAST_TRAIN", default=True)
     fast = StampedLayers([], _sources, _numbers, _refresh_layer)
     todo = []
     for layer in lora_layers(model):
@@ -160,6 +188,7 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
             layer._tc_seen = ()  # a new (or no) merged copy: refreshed below
         layer._tc_merged = merged
         layer._tc_name = name
+        layer._tc_train = train
         cls = type(layer)
         if not isinstance(layer, _FastLoraMixin):
             layer.__class__ = _fast_class(cls)
@@ -168,10 +197,24 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
     return fast
 
 
+def install_for_learner(model: torch.nn.Module) -> list[Any]:
+    """The learner's model: its fast layers as they are when an engine sharing it installed them (with that
+    engine's merge choice), else `install` without merged copies (a learner alone on its GPU samples nothing)."""
+    fast = [m for m in lora_layers(model) if isinstance(m, _FastLoraMixin)]
+    return fast if fast else install(model, merge=False)
+
+
+def counts(layers: list[Any]) -> dict[str, int]:
+    """How many of `install`'s layers run each path: {"fast": all of them, "merged": with a merged weight,
+    "train": with the cast-free gradient path} (what a benchmark row records)."""
+    return {"fast": len(layers), "merged": sum(m.__dict__.get("_tc_merged") is not None for m in layers),
+            "train": sum(bool(m.__dict__.get("_tc_train")) for m in layers)}
+
+
 def strip(model: torch.nn.Module) -> None:
     """Take the copies and the fast forward out of `model` (a copy that another engine or process will install
     its own into: the copies are derived, and a merged one is as large as the adapted weights)."""
-    unmix(model, _FastLoraMixin, ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name"))
+    unmix(model, _FastLoraMixin, ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name", "_tc_train"))
 
 
 def _fast_class(cls: type) -> type:

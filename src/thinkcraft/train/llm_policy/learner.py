@@ -214,6 +214,10 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            **({"fused": True} if fused else {}))
         self.is_lora = cfg.finetune == "lora"
+        if self.is_lora:  # a bf16 base: the adapters' forward and backward without PEFT's activation casts
+            from thinkcraft.llm.hf import lora_fast
+
+            lora_fast.install_for_learner(model)
         self.ref_model = None
         needs_ref = cfg.kl_coef > 0 or cfg.algo == "apo"
         if needs_ref and not self.is_lora:
