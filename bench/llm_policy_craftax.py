@@ -233,11 +233,12 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         kv = policy.engine.decode_metrics()
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
-        from thinkcraft.llm.hf import lora_fast
+        from thinkcraft.llm.hf import fused_norm, lora_fast
 
         # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": THINKCRAFT_LORA_MERGE=1's merged weights
         # (0 also when they did not fit); "train": the learner's cast-free gradient path (THINKCRAFT_LORA_FAST_TRAIN)
         lora_counts = lora_fast.counts(getattr(policy.engine, "_lora_fast", None) or [])
+        fused_norms = fused_norm.installed(policy.learner.model)  # llm/hf/fused_norm.py (THINKCRAFT_FUSED_RMSNORM)
         del policy
     gc.collect()
     if cuda:
@@ -298,6 +299,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "rollout_profiled_step": rollout_at,
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
+        "fused_rmsnorms": fused_norms,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
                                                        "lora_fast_layers", "lora_merged_layers",
-                                                       "lora_fast_train_layers"))
+                                                       "lora_fast_train_layers", "fused_rmsnorms"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -162,4 +162,5 @@ def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
         assert 0.25 < r["learner_tokens_saved_frac"] < 0.5 and r["learner_tokens"] > 0
         assert r["lora_merged_layers"] == 0  # THINKCRAFT_LORA_MERGE is opt-in: rows say which forward served
         assert r["lora_fast_train_layers"] == r["lora_fast_layers"]  # the learner's cast-free path: on by default
+        assert r["fused_rmsnorms"] > 0  # swapped in (on the CPU's fp32 learner each call keeps HF's forward)
     assert rows[1]["thinking_tokens_mean"] > 0  # the thinking rows think (and are cut at the budget)

@@ -214,9 +214,12 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            **({"fused": True} if fused else {}))
         self.is_lora = cfg.finetune == "lora"
-        if self.is_lora:  # a bf16 base: the adapters' forward and backward without PEFT's activation casts
-            from thinkcraft.llm.hf import lora_fast
+        from thinkcraft.llm.hf import fused_norm, lora_fast
 
+        # a bf16 base: RMSNorm as one fused kernel, the adapters' forward and backward without PEFT's activation
+        # casts (each module says what it saves; the engine sharing the model samples through both)
+        fused_norm.install(model)
+        if self.is_lora:
             lora_fast.install_for_learner(model)
         self.ref_model = None
         needs_ref = cfg.kl_coef > 0 or cfg.algo == "apo"

@@ -1,0 +1,60 @@
+"""llm/hf/fused_norm.py: HF's RMSNorm swapped for `F.rms_norm` gives HF's values and gradients within bf16
+rounding on a bf16 model, steps aside where the dtypes differ, follows the switch, and undoes cleanly."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from thinkcraft.llm.hf import fused_norm
+from thinkcraft.llm.testing import tiny_llama
+
+
+def _run(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    emb = model.get_input_embeddings()
+    x = emb(ids).detach().requires_grad_(True)
+    out = model(inputs_embeds=x).logits.float()
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), x.grad.float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norms inside attention too
+def test_fused_norm_equals_hf_within_rounding(arch: str) -> None:
+    model, _ = tiny_llama(arch=arch, seed=3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:  # away from 1: the weight's product is where the two forwards round differently
+                p.normal_(1.0, 0.3)
+    model = model.to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    n_norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+    assert fused_norm.install(model) == n_norms > 0 and fused_norm.installed(model) == n_norms
+    assert fused_norm.install(model) == n_norms  # idempotent
+    assert type(pickle.loads(pickle.dumps(model)).model.norm) is type(model.model.norm)  # found by name
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    out, gx = _run(model, ids)
+    ref, ref_gx = _run(twin, ids)
+    torch.testing.assert_close(out, ref, atol=0.03 * ref.abs().max().item(), rtol=0)
+    torch.testing.assert_close(gx, ref_gx, atol=0.05 * ref_gx.abs().max().item(), rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # inside autocast too
+        torch.testing.assert_close(_run(model, ids)[0], ref, atol=0.03 * ref.abs().max().item(), rtol=0)
+    fused_norm.strip(model)
+    assert fused_norm.installed(model) == 0
+    assert torch.equal(_run(model, ids)[0], ref)  # HF's forward back, bit for bit
+
+
+def test_other_dtypes_and_the_switch_keep_hf(monkeypatch) -> None:
+    model, _ = tiny_llama(seed=4)  # fp32: nothing for the fused kernel to save, and full fine-tuning's master weights
+    twin = copy.deepcopy(model)
+    assert fused_norm.install(model) > 0
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        x = model.get_input_embeddings()(ids).to(torch.bfloat16)  # bf16 activations on fp32 weights: HF's forward
+        torch.testing.assert_close(model.model.norm(x), twin.model.norm(x), atol=0, rtol=0)
+        assert torch.equal(model(ids).logits, twin(ids).logits)
+    monkeypatch.setenv("THINKCRAFT_FUSED_RMSNORM", "0")
+    off, _ = tiny_llama(seed=4)
+    assert fused_norm.install(off) == 0 and fused_norm.installed(off) == 0
