@@ -58,3 +58,22 @@ def test_other_dtypes_and_the_switch_keep_hf(monkeypatch) -> None:
     monkeypatch.setenv("THINKCRAFT_FUSED_RMSNORM", "0")
     off, _ = tiny_llama(seed=4)
     assert fused_norm.install(off) == 0 and fused_norm.installed(off) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused CUDA kernel and CUDA autocast need a GPU (none here)")
+def test_fused_norm_on_gpu_keeps_bf16_under_autocast_and_matches_hf() -> None:
+    from thinkcraft.llm import compat
+
+    model, _ = tiny_llama(arch="qwen3", seed=5)
+    model = model.to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    fused_norm.install(model)
+    norm = model.model.norm
+    x = torch.randn(4096, norm.weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    with compat.autocast(torch.bfloat16):  # CUDA autocast runs rms_norm in fp32: the swap must not
+        y = norm(x)
+        assert y.dtype == torch.bfloat16
+        ids = torch.randint(0, 64, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        out, ref = model(ids).logits.float(), twin(ids).logits.float()
+    torch.testing.assert_close(y, twin.model.norm(x), atol=0.04 * x.abs().max().item(), rtol=0)
+    torch.testing.assert_close(out, ref, atol=0.03 * ref.abs().max().item(), rtol=0)
