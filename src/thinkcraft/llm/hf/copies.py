@@ -69,11 +69,31 @@ class StampedLayers(list):
 
 def mixin_class(mixin: type, cls: type, prefix: str, namespace: dict[str, Any]) -> type:
     """`cls` with `mixin` first, made once and named in `namespace` (a module's globals): pickle finds it by name,
-    so a model pickled whole (Ray's object store, torch.save) loads where thinkcraft is importable."""
-    name = f"{prefix}_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+    so a model pickled whole (Ray's object store, torch.save) loads where thinkcraft is importable - in another
+    process too, where the module's `__getattr__` makes it from its name (`resolve_mixin_class`)."""
+    name = f"{prefix}__{cls.__module__.replace('.', '__')}__{cls.__name__}"
     if name not in namespace:
         namespace[name] = type(name, (mixin, cls), {"__module__": namespace["__name__"], "__qualname__": name})
     return namespace[name]
+
+
+def resolve_mixin_class(name: str, mixin: type, prefix: str, namespace: dict[str, Any]) -> type:
+    """For a module's `__getattr__`: the class `mixin_class` named `name`, made now - a model unpickled in a
+    process that has not installed anything yet (a Ray actor receiving the learner's model: 2026-11-29, "Can't get
+    attribute 'Fused_…Qwen2RMSNorm'"). AttributeError for any other name, as a module must."""
+    import importlib
+
+    parts = name.split("__")
+    if len(parts) >= 3 and parts[0] == prefix:
+        try:
+            cls = getattr(importlib.import_module(".".join(parts[1:-1])), parts[-1])
+        except (ImportError, AttributeError, ValueError):
+            cls = None
+        if isinstance(cls, type):
+            made = mixin_class(mixin, cls, prefix, namespace)
+            if made.__name__ == name:
+                return made
+    raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
 
 
 def unmix(model: Any, mixin: type, attrs: Iterable[str]) -> None:

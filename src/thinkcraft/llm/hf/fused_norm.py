@@ -8,11 +8,13 @@ backward, 49 norms per forward of the Qwen2.5-0.5B shape. At the llm-policy lear
 
 Values: the same formula (`x · rsqrt(mean(x²) + ε) · w`, in fp32 inside); the fused kernel rounds the product
 once where HF rounds the normalised value to the half dtype before multiplying by the weight, so outputs differ by
-at most about one bf16 step (0.031 at the probe's magnitudes). Applied only where the activation and the weight
-share a half dtype (a bf16 LoRA base; full fine-tuning's fp32 master weights under autocast keep HF's forward,
-which returns fp32 there). CUDA autocast runs `rms_norm` in fp32, so inside an autocast region the call runs with
-autocast off - a nested region only: leaving the outermost one clears the process-wide cast cache, which
-`compat.autocast` explains must not happen from a forward.
+at most about one bf16 step (0.031 at the probe's magnitudes). Applied where the activation and the weight share
+a floating dtype: a bf16 LoRA base, and full fine-tuning's fp32 residual stream on its fp32 master weights (one
+kernel instead of six there, the same values up to fp32 rounding); elsewhere (Qwen3's q/k norms of bf16
+projections on fp32 weights under autocast) HF's forward, which returns fp32 there. CUDA autocast runs `rms_norm`
+in fp32, so inside an autocast region the call runs with autocast off - a nested region only: leaving the
+outermost one clears the process-wide cast cache, which `compat.autocast` explains must not happen from a
+forward.
 
 `install(model)` swaps the class of every RMSNorm of a known kind (`KINDS`: their forward is the formula above;
 Gemma's `1 + w` is not) and returns how many; the swap is visible to every engine sharing the modules.
@@ -26,14 +28,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import mixin_class, unmix
+from thinkcraft.llm.hf.copies import mixin_class, resolve_mixin_class, unmix
 from thinkcraft.utils.errors import env_switch
 
 KINDS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
 """HF norm classes whose forward is `weight * (x.float() * rsqrt(mean(x²) + variance_epsilon)).to(x.dtype)`."""
-
-_HALF = (torch.bfloat16, torch.float16)
-
 
 class _FusedRMSNormMixin:
     """Mixed into an HF RMSNorm subclass by `install` (the instance's class is swapped)."""
@@ -43,7 +42,7 @@ class _FusedRMSNormMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype != w.dtype or x.dtype not in _HALF:
+        if x.dtype != w.dtype or not x.is_floating_point():
             return super().forward(x)  # type: ignore[misc]
         dev = x.device.type
         if torch.is_autocast_enabled(dev):  # nested: leaving it does not clear the cast cache
@@ -76,3 +75,7 @@ def strip(model: torch.nn.Module) -> None:
 def installed(model: Any) -> int:
     """How many of `model`'s norms run the fused forward."""
     return sum(isinstance(m, _FusedRMSNormMixin) for m in model.modules())
+
+
+def __getattr__(name: str) -> type:  # a swapped class unpickled before this process made it
+    return resolve_mixin_class(name, _FusedRMSNormMixin, "Fused", globals())

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, unmix
+from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, resolve_mixin_class, unmix
 from thinkcraft.utils.errors import env_switch
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -227,3 +227,7 @@ def refresh(layers: list[Any]) -> int:
     if isinstance(layers, StampedLayers):
         return layers.refresh()
     return sum(_refresh_layer(layer) for layer in layers)
+
+
+def __getattr__(name: str) -> type:  # a swapped class unpickled before this process made it
+    return resolve_mixin_class(name, _FastLoraMixin, "Fast", globals())
