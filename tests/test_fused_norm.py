@@ -63,6 +63,7 @@ def test_fp32_fuses_mixed_dtypes_keep_hf_and_the_switch(monkeypatch) -> None:
     assert fused_norm.install(off) == 0 and fused_norm.installed(off) == 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused CUDA kernel and CUDA autocast need a GPU (none here)")
 def test_fused_norm_on_gpu_keeps_bf16_under_autocast_and_matches_hf() -> None:
     from thinkcraft.llm import compat
