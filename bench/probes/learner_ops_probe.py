@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=4864)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the norms' activation and weight (float32: full fine-tuning's residual stream)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/learner_ops_probe.json")
     a = p.parse_args(argv)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         a.tokens, a.hidden, a.intermediate, a.rank, a.repeats = 64, 32, 64, 4, 2
     cuda = torch.cuda.is_available() and not a.quick
     dev = torch.device("cuda" if cuda else "cpu")
-    dt = torch.bfloat16
+    dt = getattr(torch, a.dtype)
     torch.manual_seed(0)
     rows = []
 
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                      "compile_s": round(compile_s, 1) if name == "compiled" else None})
 
     try:
+        if dt != torch.bfloat16:
+            raise ImportError("the LoRA rows are for a bf16 base")
         import peft
 
         from thinkcraft.llm import compat
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                          "shape": [a.tokens, a.hidden, a.intermediate, a.rank]})
 
     meta = {"card": card(), "date": today(), "torch": torch.__version__, "tokens": a.tokens, "hidden": a.hidden,
-            "quick": a.quick}
+            "dtype": a.dtype, "quick": a.quick}
     for r in rows:
         r.update(meta)
         print(json.dumps(r))
