@@ -4,7 +4,8 @@ HF's Llama / Qwen2 / Qwen3 RMSNorm casts the activation to fp32, squares, averag
 multiplies, casts back and multiplies by the weight: five or six passes over the activation forward and more
 backward, 49 norms per forward of the Qwen2.5-0.5B shape. At the llm-policy learner's micro-batch (65,536 tokens ×
 896, bf16; `bench/probes/learner_ops_probe.py`, H200, torch 2.11, 2026-11-29) one norm's forward + backward took
-2.35 ms that way and 0.27 ms as `F.rms_norm` - ~0.4 s of a 2.5 s update.
+2.35 ms that way and 0.27 ms as `F.rms_norm` - ~0.4 s of a 2.5 s update; in fp32 (full fine-tuning) 1.86 and 0.31
+ms, and the 0.5B learner's full fine-tuning update 2.56 -> 2.25 s (BENCHMARKS §7b).
 
 Values: the same formula (`x · rsqrt(mean(x²) + ε) · w`, in fp32 inside); the fused kernel rounds the product
 once where HF rounds the normalised value to the half dtype before multiplying by the weight, so outputs differ by
