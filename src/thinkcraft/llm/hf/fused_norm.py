@@ -35,6 +35,7 @@ from thinkcraft.utils.errors import env_switch
 KINDS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
 """HF norm classes whose forward is `weight * (x.float() * rsqrt(mean(x²) + variance_epsilon)).to(x.dtype)`."""
 
+
 class _FusedRMSNormMixin:
     """Mixed into an HF RMSNorm subclass by `install` (the instance's class is swapped)."""
 

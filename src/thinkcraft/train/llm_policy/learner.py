@@ -216,8 +216,8 @@ class Learner:
         self.is_lora = cfg.finetune == "lora"
         from thinkcraft.llm.hf import fused_norm, lora_fast
 
-        # a bf16 base: RMSNorm as one fused kernel, the adapters' forward and backward without PEFT's activation
-        # casts (each module says what it saves; the engine sharing the model samples through both)
+        # RMSNorm as one fused kernel; on a bf16 LoRA base the adapters' forward and backward without PEFT's
+        # activation casts (each module says what it saves; an engine sharing the model samples through both)
         fused_norm.install(model)
         if self.is_lora:
             lora_fast.install_for_learner(model)
