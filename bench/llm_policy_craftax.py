@@ -312,6 +312,12 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
+    from thinkcraft.utils.jaxcache import configure_process_cache
+
+    # the persistent JAX cache, as `thinkcraft train llm-policy` has it (cli.main): the Craftax text env's
+    # programs compiled 40-48 s in step 0 of every run on an H200 machine (2026-11-29, s41 logs), the
+    # second run of a call included
+    configure_process_cache()
     if a.prefill_compile:
         os.environ["THINKCRAFT_PREFILL_COMPILE"] = "1"
     rows = []
