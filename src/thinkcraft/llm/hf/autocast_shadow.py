@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, resolve_mixin_class, unmix
+from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -129,5 +129,5 @@ def refresh(layers: list[Any]) -> int:
     return sum(_refresh_layer(m) for m in layers)
 
 
-def __getattr__(name: str) -> type:  # a swapped class unpickled before this process made it
-    return resolve_mixin_class(name, _ShadowLinearMixin, "Shadow", globals())
+# a swapped class unpickled before this process made it
+__getattr__ = mixin_getattr(_ShadowLinearMixin, "Shadow", globals())

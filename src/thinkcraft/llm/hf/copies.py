@@ -77,6 +77,12 @@ def mixin_class(mixin: type, cls: type, prefix: str, namespace: dict[str, Any]) 
     return namespace[name]
 
 
+def mixin_getattr(mixin: type, prefix: str, namespace: dict[str, Any]) -> Any:
+    """A module's `__getattr__` (`__getattr__ = mixin_getattr(Mixin, "Prefix", globals())`) that makes the classes
+    `mixin_class` names on demand (`resolve_mixin_class`)."""
+    return lambda name: resolve_mixin_class(name, mixin, prefix, namespace)
+
+
 def resolve_mixin_class(name: str, mixin: type, prefix: str, namespace: dict[str, Any]) -> type:
     """For a module's `__getattr__`: the class `mixin_class` named `name`, made now - a model unpickled in a
     process that has not installed anything yet (a Ray actor receiving the learner's model: 2026-11-29, "Can't get

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import mixin_class, resolve_mixin_class, unmix
+from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
 
 KINDS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
@@ -79,5 +79,5 @@ def installed(model: Any) -> int:
     return sum(isinstance(m, _FusedRMSNormMixin) for m in model.modules())
 
 
-def __getattr__(name: str) -> type:  # a swapped class unpickled before this process made it
-    return resolve_mixin_class(name, _FusedRMSNormMixin, "Fused", globals())
+# a swapped class unpickled before this process made it
+__getattr__ = mixin_getattr(_FusedRMSNormMixin, "Fused", globals())

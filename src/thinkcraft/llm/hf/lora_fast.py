@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, resolve_mixin_class, unmix
+from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -65,21 +65,18 @@ class _FastLoraMixin:
     _tc_train: bool  # the gradient path is `_train_forward` (THINKCRAFT_LORA_FAST_TRAIN, on), else PEFT's
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or not _covered(self):
+        grad = torch.is_grad_enabled()
+        if args or kwargs or not _covered(self) or (grad and not self._tc_train):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
-        if torch.is_grad_enabled():
-            if not self._tc_train:
-                return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        if grad:
             return _train_forward(self, x)
         if not torch.compiler.is_compiling():
             _refresh_layer(self)
         merged = self._tc_merged
         if merged is not None:
             return F.linear(x.to(merged.dtype), merged, self.base_layer.bias)  # type: ignore[attr-defined]
-        out = self.base_layer(x)  # type: ignore[attr-defined]
         h = F.linear(x.to(self._tc_a.dtype), self._tc_a)
-        n = out.shape[-1]
-        return torch.addmm(out.reshape(-1, n), h.reshape(-1, h.shape[-1]), self._tc_bt).view(out.shape)
+        return _plus_low_rank(self.base_layer(x), h, self._tc_bt)  # type: ignore[attr-defined]
 
 
 def _train_forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +88,11 @@ def _train_forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
     out = layer.base_layer(x)
     dt = out.dtype
     h = F.linear(x.to(dt), layer.lora_A[name].weight.to(dt))
-    bt = (layer.lora_B[name].weight * layer.scaling[name]).t().to(dt)
+    return _plus_low_rank(out, h, (layer.lora_B[name].weight * layer.scaling[name]).t().to(dt))
+
+
+def _plus_low_rank(out: torch.Tensor, h: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """`out + h @ bt` as one `addmm` over the flattened rows (the sum in the GEMM's epilogue), in `out`'s shape."""
     n = out.shape[-1]
     return torch.addmm(out.reshape(-1, n), h.reshape(-1, h.shape[-1]), bt).view(out.shape)
 
@@ -229,5 +230,5 @@ def refresh(layers: list[Any]) -> int:
     return sum(_refresh_layer(layer) for layer in layers)
 
 
-def __getattr__(name: str) -> type:  # a swapped class unpickled before this process made it
-    return resolve_mixin_class(name, _FastLoraMixin, "Fast", globals())
+# a swapped class unpickled before this process made it
+__getattr__ = mixin_getattr(_FastLoraMixin, "Fast", globals())
