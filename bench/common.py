@@ -154,7 +154,7 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
     left out; the device synchronised). Writes `<base>.txt` (the top operators by the device's self time -
     CUDA's, or the CPU's on a CPU - then by host time) and `<base>.json` (the summary: wall_s, device_busy_s =
     summed self time of the device, device_busy_frac, device_kernels, top_device_ops, top_host_ops as
-    (operator, ms, calls)). Near-1 busy fraction: compute-bound; well below: the host's launches and Python leave
+    (operator, ms, calls)) and `<base>_all.tsv` (every operator and kernel). Near-1 busy fraction: compute-bound; well below: the host's launches and Python leave
     the device idle."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -181,6 +181,10 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
     Path(f"{base}.txt").write_text(f"{label}: wall {wall:.3f} s, summed {key} {busy:.3f} s\n{table}\n"
                                    + ev.table(sort_by="self_cpu_time_total", row_limit=top) + "\n")
     Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")  # labels hold dots: no with_suffix
+    # every operator and kernel (the tables above stop at `top`): what a step's device time is made of
+    Path(f"{base}_all.tsv").write_text("name\tcalls\tself_device_ms\tself_host_ms\n" + "".join(
+        f"{e.key}\t{e.count}\t{getattr(e, key, 0.0) / 1e3:.3f}\t{e.self_cpu_time_total / 1e3:.3f}\n"
+        for e in sorted(ev, key=lambda e: -getattr(e, key, 0.0))))
     if show_table:
         print(table, flush=True)
     print(f"  profile ({label}): wall {wall:.2f} s, device busy {busy:.2f} s, {kernels} kernels -> {base}.{{txt,json}}",

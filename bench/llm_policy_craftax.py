@@ -239,6 +239,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # (0 also when they did not fit); "train": the learner's cast-free gradient path (THINKCRAFT_LORA_FAST_TRAIN)
         lora_counts = lora_fast.counts(getattr(policy.engine, "_lora_fast", None) or [])
         fused_norms = fused_norm.installed(policy.learner.model)  # llm/hf/fused_norm.py (THINKCRAFT_FUSED_RMSNORM)
+        # the decode step's slot attention: FlashAttention in place (llm/hf/slots.py `decode_kernel`,
+        # THINKCRAFT_FLASH_DECODE) or the matmul path over the whole width
+        batcher = getattr(policy.engine, "_batcher", None)
+        flash_decode = getattr(batcher, "_flash", None) is not None
         del policy
     gc.collect()
     if cuda:
@@ -299,7 +303,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "rollout_profiled_step": rollout_at,
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
-        "fused_rmsnorms": fused_norms,
+        "fused_rmsnorms": fused_norms, "flash_decode": flash_decode,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -335,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
                                                        "lora_fast_layers", "lora_merged_layers",
-                                                       "lora_fast_train_layers", "fused_rmsnorms"))
+                                                       "lora_fast_train_layers", "fused_rmsnorms", "flash_decode"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

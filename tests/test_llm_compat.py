@@ -240,6 +240,12 @@ def test_private_op_signatures(entry: str, op: str, head: list[str]) -> None:
     assert args[: len(head)] == head, compat.broken(entry, f"aten::{op} now takes {args}")
 
 
+def test_flash_decode_keyword_is_in_the_varlen_op() -> None:
+    """`compat.flash_decode` passes the varlen op's arguments as `flash_varlen` does, plus `seqused_k` by name."""
+    args = _args(torch.ops.aten._flash_attention_forward)
+    assert "seqused_k" in args, compat.broken("flash_decode", f"aten::_flash_attention_forward now takes {args}")
+
+
 def test_scaled_mm_applies_row_and_column_scales() -> None:
     torch.manual_seed(0)
     a, b = torch.randn(4, 32), torch.randn(16, 32)

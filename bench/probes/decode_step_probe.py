@@ -54,7 +54,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache", nargs="+", default=["static", "dynamic"], choices=["static", "dynamic"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true",
-                   help="one more round per case under torch.profiler: <out>_profile-<case>.{txt,json}")
+                   help="one more round per case, its decode steps (after the admitting step) under torch.profiler: "
+                        "<out>_profile-<case>.{txt,json} and _all.tsv (every kernel)")
     p.add_argument("--host-profile", action="store_true",
                    help="one more round per case under cProfile: <out>_host-<case>.txt, the host's time by Python "
                         "function (sampling, bookkeeping, the graph's replay, the collect), cumulative and own")
@@ -110,6 +111,29 @@ def _round(engine: Any, prompts: list[list[int]], prefix: int, new_tokens: int) 
             "captures": d["engine/graph_captures"]}
 
 
+def _profile_decode(engine: Any, prompts: list[list[int]], prefix: int, new_tokens: int, cuda: bool, base: Path,
+                    label: str) -> None:
+    """One more round with its decode steps alone under torch.profiler: the first step (every prompt admitted and
+    prefilled, the first iteration launched) runs before the profiler starts."""
+    from thinkcraft.llm.protocol import GenerationRequest, SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, logprobs=True)
+    handles = {engine.submit(GenerationRequest(p, sp, prefix_len=prefix)) for p in prompts}
+    engine.step()
+    handles -= {r.handle for r in engine.poll()}
+    steps = [0]
+
+    def rest() -> None:
+        nonlocal handles
+        while handles:
+            engine.step()
+            steps[0] += 1
+            handles -= {r.handle for r in engine.poll()}
+
+    torch_profile(rest, cuda, base, f"{label} ({new_tokens} decode steps after the admitting step)")
+    print(f"  profiled {steps[0]} engine steps", flush=True)
+
+
 def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: str, width: str) -> dict[str, Any]:
     import contextlib
 
@@ -133,8 +157,8 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
         runs = [_round(engine, prompts, a.prefix, a.new_tokens) for _ in range(a.repeats)]
         if a.profile:
             label = f"{variant}-{width}-{a.rows}rows"
-            torch_profile(lambda: _round(engine, prompts, a.prefix, a.new_tokens), cuda,
-                          Path(a.out).with_name(f"{Path(a.out).stem}_profile-{label}"), label)
+            _profile_decode(engine, prompts, a.prefix, a.new_tokens, cuda,
+                            Path(a.out).with_name(f"{Path(a.out).stem}_profile-{label}"), label)
         if a.host_profile:
             _host_profile(lambda: _round(engine, prompts, a.prefix, a.new_tokens),
                           Path(a.out).with_name(f"{Path(a.out).stem}_host-{variant}-{width}-{a.rows}rows.txt"))

@@ -378,3 +378,105 @@ def gqa_decode_attention(
     out, lse = folded_attention_lse(q, key, value, m, scale)
     out = out.reshape(b, h, 1, d)
     return (out, lse.reshape(b, h)) if return_lse else out
+
+
+def slot_decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_len: torch.Tensor, width: int,
+    scale: float, kernel=compat.flash_decode,  # noqa: ANN001 - or varlen_decode_reference in tests
+    meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gqa_decode_attention` over a slot cache in ONE FlashAttention call that reads only each row's own
+    columns. query (S, H, 1, d); key/value cache (S, Hkv, C, d), contiguous (the slot buffers, read in place);
+    row s reads its columns < key_len[s] (<= width). Sequence (s, j) of the varlen call is slot s's KV head j: its
+    keys start at row (s, j) of the cache viewed as (S*Hkv*C, 1, d) and run for key_len[s] columns (`seqused_k`),
+    its G = H/Hkv query heads are its G query tokens (the GQA group folded into the query axis: each key byte is
+    read once, by one block). `meta`: (cu_q, cu_k, used) precomputed (`slots.FlashDecode`), else made here.
+    Returns (out (S, H, 1, d), lse (S, H) float32).
+    Why: the matmul path reads the whole width for every row, writes the (S, H, width) scores in fp32 and reads
+    them back in three kernels; in a rollout whose episodes grow turn by turn most of the width is unused."""
+    s, h, _, d = query.shape
+    hkv, cols = key_cache.shape[1], key_cache.shape[2]
+    g = h // hkv
+    if meta is None:
+        steps = torch.arange(s * hkv + 1, device=query.device, dtype=torch.int32)
+        meta = (steps * g, steps * cols, key_len[:, None].expand(s, hkv).reshape(-1).to(torch.int32))
+    cu_q, cu_k, used = meta
+    out, lse = kernel(query.reshape(s * h, 1, d), key_cache.view(s * hkv * cols, 1, d),
+                      value_cache.view(s * hkv * cols, 1, d), cu_q, cu_k, g, width, scale, used)
+    return out.reshape(s, h, 1, d), lse.reshape(s, h)
+
+
+def prefix_decode_attention(
+    query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, scale: float,
+    kernel=compat.flash_decode,  # noqa: ANN001 - or varlen_decode_reference in tests
+    meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, prefix_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's query against the ONE shared-prefix copy, in one FlashAttention call: sequence j is KV head j,
+    its queries the G heads of every row (S*G query tokens), its keys the prefix buffer's columns < used[j].
+    query (S, H, 1, d); prefix_k/v (1, Hkv, Pcap, d) contiguous. `meta`: (cu_q, cu_k, used) precomputed
+    (`slots.FlashDecode`), else made here for `prefix_len` columns. Returns (out (S, H, 1, d), lse (S, H)
+    float32) for every row: rows that do not read the prefix are the caller's to mask (their lse)."""
+    s, h, _, d = query.shape
+    hkv, pcap = prefix_k.shape[1], prefix_k.shape[2]
+    g = h // hkv
+    if meta is None:
+        steps = torch.arange(hkv + 1, device=query.device, dtype=torch.int32)
+        used = torch.full((hkv,), max(int(prefix_len or pcap), 1), device=query.device, dtype=torch.int32)
+        meta = (steps * (s * g), steps * pcap, used)
+    cu_q, cu_k, used = meta
+    qp = query.reshape(s, hkv, g, d).transpose(0, 1).reshape(hkv * s * g, 1, d)
+    out, lse = kernel(qp, prefix_k.view(hkv * pcap, 1, d), prefix_v.view(hkv * pcap, 1, d), cu_q, cu_k, s * g,
+                      pcap, scale, used)
+    out = out.reshape(hkv, s, g, d).transpose(0, 1).reshape(s, h, 1, d)
+    return out, lse.reshape(hkv, s, g).transpose(0, 1).reshape(s, h)
+
+
+def varlen_decode_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float, used_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compat.flash_decode`'s contract, plainly (for tests): sequence i's queries q[cu_q[i]:cu_q[i+1]] read
+    every key of k[cu_k[i] : cu_k[i] + used_k[i]] (not causal). Returns (out (Tq, H, d), lse (H, Tq) float32)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for i in range(len(cu_q) - 1):
+        qa, qb, ka = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i])
+        kb = ka + int(used_k[i])
+        if not ka <= kb <= ka + max_k:
+            raise ValueError(f"sequence {i} reads {kb - ka} keys, more than max_k {max_k}")
+        o, l_ = attention_lse_reference(q[qa:qb].transpose(0, 1)[None], k[ka:kb].transpose(0, 1)[None],
+                                        v[ka:kb].transpose(0, 1)[None], False, scale)
+        out[qa:qb] = o[0].transpose(0, 1)
+        lse[:, qa:qb] = l_[0]
+    return out, lse
+
+
+_FLASH_DECODE: dict[str, bool] = {}
+"""Per device type: does `slot_decode_attention` agree with `gqa_decode_attention` here (`probe_flash_decode`)."""
+
+
+def probe_flash_decode(device: torch.device | str) -> bool:
+    """Whether the batcher's decode may read the slots through `slot_decode_attention` (CUDA only): tried once
+    per device type on a tiny GQA slot cache against the matmul path (eagerly: never inside a capture)."""
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return False
+    if kind not in _FLASH_DECODE:
+        ok = False
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+
+            def r(*shape):  # noqa: ANN002, ANN202
+                return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
+
+            q, kc, vc = r(3, 4, 1, 64), r(3, 2, 9, 64), r(3, 2, 9, 64)
+            key_len = torch.tensor([1, 5, 8], device=device)
+            mask = (torch.arange(8, device=device)[None, :] < key_len[:, None])[:, None, None, :]
+            want, want_lse = gqa_decode_attention(q, kc[:, :, :8], vc[:, :, :8], mask, 0.125, True)
+            got, got_lse = slot_decode_attention(q, kc, vc, key_len, 8, 0.125)
+            ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2)
+                      and torch.allclose(got_lse, want_lse, atol=2e-2))
+        except (RuntimeError, AttributeError, NotImplementedError, TypeError, ValueError) as e:
+            log.info("flash decode over the slots unavailable (%s): the decode step's attention is the matmul path", e)
+        _FLASH_DECODE[kind] = ok
+    return _FLASH_DECODE[kind]

@@ -364,6 +364,20 @@ def flash_varlen(
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
 
 
+def flash_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float, used_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA FlashAttention-2 varlen forward, NOT causal, over keys read in place: sequence i's keys are
+    k[cu_k[i] : cu_k[i] + used_k[i]] (`seqused_k`: cu_k only gives where each starts, so the rows of a larger
+    buffer serve as sequences without a gather). q (Tq, H, d), k/v (Tk, Hkv, d); returns (out (Tq, H, d),
+    lse (H, Tq) float32). Same private op as `flash_varlen` (its `seqused_k` keyword: torch >= 2.5; checked on
+    2.13.0 here, 2.11.0+cu130 on the GPU image)."""
+    r = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale,
+                                                seqused_k=used_k)
+    return r[0], r[1]
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """FP8 matmul with per-row (a: (M, 1)) and per-column (b: (1, N)) float32 scales applied in the
     epilogue: the private `torch._scaled_mm` (torch 2.13.0; `b` must be column-major; runs on CPU too).

@@ -29,7 +29,7 @@ from thinkcraft.llm.hf.rows import (
     RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows, unflatten_step,
 )
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
-from thinkcraft.llm.hf.slots import DecodeCtx, SlotKV
+from thinkcraft.llm.hf.slots import DecodeCtx, SlotKV, decode_kernel, flash_decode_meta, per_forward
 from thinkcraft.llm.protocol import GenerationRequest
 from thinkcraft.utils.errors import UserError, env_switch
 from thinkcraft.utils.fallback import OrEager, compiled_or_eager
@@ -172,6 +172,8 @@ class CacheMixin:
         self._budget_limited = slots < wanted
         self.kv = SlotKV(eng.num_layers, slots, tokens, hkv, head_dim, prefix_cap, dtype, dev,
                          static_addresses=self.compile_step)
+        # FlashAttention over the slots on CUDA (slots.py `decode_kernel`): its fixed arguments, once per cache
+        self._flash = flash_decode_meta(self.kv, int(cfg.num_attention_heads), decode_kernel(dev, dtype))
         # each allocation means new shapes and buffers: with a compiled step, a recompile and new CUDA graphs
         self.counters["cache_allocations"] += 1
         log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d)", slots, tokens,
@@ -287,6 +289,7 @@ class CacheMixin:
         """The decoder layers over `ids` with the slot attention, then the final norm and the LM head on the
         last token of each row (or, packed, on the positions `last`): (rows, V) float32 logits."""
         dec = self.eng._dec
+        ctx = per_forward(ctx)
         h = dec.embed_tokens(ids)
         pe = compat.rotary(dec, h, pos)
         for layer in dec.layers:
@@ -310,7 +313,7 @@ class CacheMixin:
             lp = self._no_lp
         ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
                         kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
-                        kv.cols[:width], self.prefix_mask)
+                        kv.cols[:width], self.prefix_mask, self._flash)
         out = forward(step.tokens[:, None], step.pos[:, None], ctx)
         for dst, src in zip(st, step.state):
             if src is not dst:

@@ -12,9 +12,11 @@ Two forward kinds, both through the decoder layers (`compat.call_layer`), with t
 the attention function as the layer's `thinkcraft_prefix_kv` keyword (see `compat.PREFIX_KV_KWARG`):
 
 - `DecodeCtx`: one token per slot (B = S rows). The new K/V go to column `write_col[s]`; the query reads
-  columns < `key_len[s]` of its own slot (GQA heads folded, each byte read once, as
-  `attention.gqa_decode_attention`), over a width `cols` that is a bucket of the longest sequence ("dynamic")
-  or the whole slot ("static"), plus the shared prefix where `prefix_mask` says so.
+  columns < `key_len[s]` of its own slot (GQA heads folded, each byte read once), plus the shared prefix where
+  `prefix_mask` says so. On CUDA one FlashAttention call reads each row's own columns in place
+  (`attention.slot_decode_attention`, `decode_kernel`); elsewhere (and with THINKCRAFT_FLASH_DECODE=0) matmuls
+  read a width `cols` that is a bucket of the longest sequence ("dynamic") or the whole slot ("static"), masked
+  (`attention.gqa_decode_attention`).
 - `PrefillCtx`: the new tokens of several rows packed into one sequence (batch 1, no padding). Their K/V are
   written to (tok_slot, tok_col); each row then attends to [shared prefix | its slot's columns so far], causal
   aligned bottom-right: one FlashAttention varlen call on CUDA (`compat.flash_varlen`), the per-row
@@ -31,8 +33,32 @@ import torch
 from thinkcraft.llm import attention as A
 from thinkcraft.llm import compat
 from thinkcraft.llm.compat import PREFIX_KV_KWARG
+from thinkcraft.utils.errors import env_switch
 
 SLOT_ATTN = "thinkcraft_slots"
+
+
+class FlashDecode(NamedTuple):
+    """The decode step's FlashAttention arguments (`attention.slot_decode_attention`,
+    `attention.prefix_decode_attention`): the fixed ones made once per cache (`flash_decode_meta`), the per-row
+    key counts once per forward (`per_forward`, inside the captured step) - not in each of the layers, where they
+    were two more graph nodes a layer."""
+
+    kernel: Callable[..., Any]
+    cu_q: torch.Tensor
+    """(S*Hkv+1,) int32: sequence (s, j) - slot s's KV head j - has G query tokens (its query heads)."""
+    cu_k: torch.Tensor
+    """(S*Hkv+1,) int32: where sequence (s, j)'s keys start in the slot cache viewed as (S*Hkv*(T+1), 1, d)."""
+    prefix_cu_q: torch.Tensor
+    """(Hkv+1,) int32: the shared prefix's sequence j (KV head j) has every row's G query heads, S*G tokens."""
+    prefix_cu_k: torch.Tensor
+    """(Hkv+1,) int32: where KV head j's prefix columns start in the prefix buffer viewed flat."""
+    used: torch.Tensor | None = None
+    """(S*Hkv,) int32: key_len of sequence (s, j)'s row (per forward)."""
+    prefix_used: torch.Tensor | None = None
+    """(Hkv,) int32: the prefix columns read (per forward; >= 1, so the call never meets an empty sequence)."""
+    prefix_rows: torch.Tensor | None = None
+    """(S,) bool: the rows that read the prefix (the others' prefix part gets no weight in the merge)."""
 
 
 class DecodeCtx(NamedTuple):
@@ -50,6 +76,9 @@ class DecodeCtx(NamedTuple):
     """(width,) arange: the columns read this step (its length is the attention width)."""
     prefix_mask: torch.Tensor
     """(S, Pcap) bool: prefix keys each row reads (none for rows without the shared prefix)."""
+    flash: FlashDecode | None = None
+    """FlashAttention reading each row's own columns in place (`decode_kernel`, `flash_decode_meta`), or None for
+    the matmul path over the whole width."""
 
 
 class PrefillCtx(NamedTuple):
@@ -124,6 +153,15 @@ def _decode_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     hkv = kc.shape[1]
     g = h // hkv
     width = ctx.cols.shape[0]
+    f = ctx.flash
+    if f is not None:
+        out, lse = A.slot_decode_attention(q, kc, vc, ctx.key_len, width, scale, f.kernel, (f.cu_q, f.cu_k, f.used))
+        if ctx.prefix_keys is not None:
+            o_p, lse_p = A.prefix_decode_attention(q, ctx.prefix_keys[i], ctx.prefix_values[i], scale, f.kernel,
+                                                   (f.prefix_cu_q, f.prefix_cu_k, f.prefix_used))
+            lse_p = torch.where(f.prefix_rows[:, None], lse_p, A.NO_KEYS_LSE)
+            out = A.merge_attention(o_p, lse_p[..., None], out, lse[..., None])
+        return out.transpose(1, 2)
     mask = (ctx.cols[None, :] < ctx.key_len[:, None])[:, None, None, :]
     out, lse = A.gqa_decode_attention(q, kc[:, :, :width], vc[:, :, :width], mask, scale, True)
     if ctx.prefix_keys is not None:
@@ -181,3 +219,38 @@ def prefill_kernel(device: torch.device, dtype: torch.dtype, traceable: bool = F
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.probe_varlen(device):
         return A.VARLEN_KERNELS[A._VARLEN["cuda"]]
     return A.varlen_dense if traceable else A.varlen_reference
+
+
+def decode_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., Any] | None:
+    """The decode step's slot attention: FlashAttention over each row's own columns, in place
+    (`attention.slot_decode_attention`), on CUDA in half precision where `attention.probe_flash_decode` found it
+    agreeing with the matmul path; None (the matmul path over the whole width, `attention.gqa_decode_attention`)
+    elsewhere and with THINKCRAFT_FLASH_DECODE=0. Chosen once per cache, eagerly (never inside a capture)."""
+    if not env_switch("THINKCRAFT_FLASH_DECODE", default=True):
+        return None
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.probe_flash_decode(device):
+        return compat.flash_decode
+    return None
+
+
+def flash_decode_meta(kv: SlotKV, query_heads: int, kernel: Callable[..., Any] | None) -> FlashDecode | None:
+    """`FlashDecode`'s fixed tensors for this cache and `query_heads` (None without a kernel)."""
+    if kernel is None:
+        return None
+    s, hkv = kv.slots, kv.keys[0].shape[1]
+    g = query_heads // hkv
+    steps = torch.arange(s * hkv + 1, device=kv.device, dtype=torch.int32)
+    psteps = torch.arange(hkv + 1, device=kv.device, dtype=torch.int32)
+    return FlashDecode(kernel, steps * g, steps * (kv.tokens + 1), psteps * (s * g), psteps * max(kv.prefix_cap, 1))
+
+
+def per_forward(ctx: Any) -> Any:
+    """A decode context's per-row FlashAttention counts, made once per forward (inside the captured step, from
+    the step's own key lengths and prefix mask); any other context as it is."""
+    if not isinstance(ctx, DecodeCtx) or ctx.flash is None:
+        return ctx
+    s, hkv = ctx.key_len.shape[0], ctx.keys[0].shape[1]
+    used = ctx.key_len[:, None].expand(s, hkv).reshape(-1).to(torch.int32)
+    # the prefix's length, read off the mask (every prefix-reading row has the same columns), at least 1
+    p = ctx.prefix_mask.sum(1).amax().clamp(min=1).to(torch.int32).reshape(1).repeat(hkv)
+    return ctx._replace(flash=ctx.flash._replace(used=used, prefix_used=p, prefix_rows=ctx.prefix_mask[:, 0]))
