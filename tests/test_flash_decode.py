@@ -103,7 +103,7 @@ def test_the_batcher_through_the_slot_layout_equals_the_matmul_path(monkeypatch)
     want = _episodes(HFEngine.from_model(model, tok, max_slots=4), tok)
     import thinkcraft.llm.hf.cache as cache_mod
 
-    monkeypatch.setattr(cache_mod, "decode_kernel", lambda device, dtype: A.varlen_decode_reference)
+    monkeypatch.setattr(cache_mod, "decode_kernel", lambda device, dtype, head_dim: A.varlen_decode_reference)
     calls = []
     real = A.slot_decode_attention
     monkeypatch.setattr(A, "slot_decode_attention", lambda *a: calls.append(1) or real(*a))
@@ -119,7 +119,7 @@ def test_the_batcher_through_the_slot_layout_equals_the_matmul_path(monkeypatch)
 def test_flash_decode_on_gpu_equals_the_matmul_path() -> None:
     """The real kernel at the Qwen2.5-0.5B decode shape (14 query / 2 KV heads of 64), rows from 1 column to the
     whole width, bf16; and the probe picks it."""
-    assert A.probe_flash_decode("cuda")
+    assert A.probe_flash_decode("cuda") and A.probe_flash_decode("cuda", 128, torch.float16)
     s = 64
     lens = torch.randint(1, 1536, (s,), generator=torch.Generator().manual_seed(1)).tolist()
     lens[:2] = [1, 1536]
@@ -138,7 +138,7 @@ def test_flash_decode_on_gpu_equals_the_matmul_path() -> None:
     pg, pg_lse = A.prefix_decode_attention(q, pk, pv, 0.125, prefix_len=300)
     torch.testing.assert_close(pg.float(), pw.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pg_lse, pw_lse.reshape(2, s, 7).permute(1, 0, 2).reshape(s, 14), atol=1e-2, rtol=1e-3)
-    assert slots_mod.decode_kernel(torch.device("cuda"), torch.bfloat16) is compat.flash_decode
+    assert slots_mod.decode_kernel(torch.device("cuda"), torch.bfloat16, 64) is compat.flash_decode
 
 
 @pytest.mark.gpu

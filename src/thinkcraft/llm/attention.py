@@ -451,32 +451,38 @@ def varlen_decode_reference(
     return out, lse
 
 
-_FLASH_DECODE: dict[str, bool] = {}
-"""Per device type: does `slot_decode_attention` agree with `gqa_decode_attention` here (`probe_flash_decode`)."""
+_FLASH_DECODE: dict[tuple[str, int, torch.dtype], bool] = {}
+"""Per (device type, head dim, dtype): does `slot_decode_attention` agree with `gqa_decode_attention` there
+(`probe_flash_decode`)."""
 
 
-def probe_flash_decode(device: torch.device | str) -> bool:
+def probe_flash_decode(device: torch.device | str, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the batcher's decode may read the slots through `slot_decode_attention` (CUDA only): tried once
-    per device type on a tiny GQA slot cache against the matmul path (eagerly: never inside a capture)."""
+    per (device type, head dim, dtype) on a tiny GQA slot cache against the matmul path (eagerly: never inside a
+    capture). A head dim or dtype the kernel does not take is refused here, not in the middle of a step."""
     kind = torch.device(device).type
     if kind != "cuda":
         return False
-    if kind not in _FLASH_DECODE:
+    key = (kind, int(head_dim), dtype)
+    if key not in _FLASH_DECODE:
         ok = False
         try:
             g = torch.Generator(device=device).manual_seed(0)
 
             def r(*shape):  # noqa: ANN002, ANN202
-                return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
+                return torch.randn(*shape, device=device, generator=g).to(dtype)
 
-            q, kc, vc = r(3, 4, 1, 64), r(3, 2, 9, 64), r(3, 2, 9, 64)
+            d = int(head_dim)
+            q, kc, vc = r(3, 4, 1, d), r(3, 2, 9, d), r(3, 2, 9, d)
             key_len = torch.tensor([1, 5, 8], device=device)
             mask = (torch.arange(8, device=device)[None, :] < key_len[:, None])[:, None, None, :]
-            want, want_lse = gqa_decode_attention(q, kc[:, :, :8], vc[:, :, :8], mask, 0.125, True)
-            got, got_lse = slot_decode_attention(q, kc, vc, key_len, 8, 0.125)
+            scale = d ** -0.5
+            want, want_lse = gqa_decode_attention(q, kc[:, :, :8], vc[:, :, :8], mask, scale, True)
+            got, got_lse = slot_decode_attention(q, kc, vc, key_len, 8, scale)
             ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2)
                       and torch.allclose(got_lse, want_lse, atol=2e-2))
         except (RuntimeError, AttributeError, NotImplementedError, TypeError, ValueError) as e:
-            log.info("flash decode over the slots unavailable (%s): the decode step's attention is the matmul path", e)
-        _FLASH_DECODE[kind] = ok
-    return _FLASH_DECODE[kind]
+            log.info("flash decode over the slots unavailable for head dim %d, %s (%s): the decode step's attention "
+                     "is the matmul path", d, dtype, e)
+        _FLASH_DECODE[key] = ok
+    return _FLASH_DECODE[key]

@@ -173,7 +173,7 @@ class CacheMixin:
         self.kv = SlotKV(eng.num_layers, slots, tokens, hkv, head_dim, prefix_cap, dtype, dev,
                          static_addresses=self.compile_step)
         # FlashAttention over the slots on CUDA (slots.py `decode_kernel`): its fixed arguments, once per cache
-        self._flash = flash_decode_meta(self.kv, int(cfg.num_attention_heads), decode_kernel(dev, dtype))
+        self._flash = flash_decode_meta(self.kv, int(cfg.num_attention_heads), decode_kernel(dev, dtype, head_dim))
         # each allocation means new shapes and buffers: with a compiled step, a recompile and new CUDA graphs
         self.counters["cache_allocations"] += 1
         log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d)", slots, tokens,
