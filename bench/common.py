@@ -154,8 +154,8 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
     left out; the device synchronised). Writes `<base>.txt` (the top operators by the device's self time -
     CUDA's, or the CPU's on a CPU - then by host time) and `<base>.json` (the summary: wall_s, device_busy_s =
     summed self time of the device, device_busy_frac, device_kernels, top_device_ops, top_host_ops as
-    (operator, ms, calls)) and `<base>_all.tsv` (every operator and kernel). Near-1 busy fraction: compute-bound; well below: the host's launches and Python leave
-    the device idle."""
+    (operator, ms, calls)) and `<base>_all.tsv` (every operator and kernel). Near-1 busy fraction:
+    compute-bound; well below: the host's launches and Python leave the device idle."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -224,11 +224,13 @@ def prefill_kernel(device: torch.device, dtype: torch.dtype, traceable: bool = F
 def decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> Callable[..., Any] | None:
     """The decode step's slot attention: FlashAttention over each row's own columns, in place
     (`attention.slot_decode_attention`), on CUDA in half precision where `attention.probe_flash_decode` found it
-    agreeing with the matmul path at this head dim and dtype; None (the matmul path over the whole width, `attention.gqa_decode_attention`)
-    elsewhere and with THINKCRAFT_FLASH_DECODE=0. Chosen once per cache, eagerly (never inside a capture)."""
+    agreeing with the matmul path at this head dim and dtype; None (the matmul path over the whole width,
+    `attention.gqa_decode_attention`) elsewhere and with THINKCRAFT_FLASH_DECODE=0. Chosen once per cache, eagerly
+    (never inside a capture)."""
     if not env_switch("THINKCRAFT_FLASH_DECODE", default=True):
         return None
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.probe_flash_decode(device, head_dim, dtype):
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device.type == "cuda" and half and A.probe_flash_decode(device, head_dim, dtype):
         return compat.flash_decode
     return None
 
