@@ -19,12 +19,13 @@
 #             prefill is in llm1 only: 2026-11-28 its first step did not end in 580 s). The one-GPU rows run
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
-#   llm1      one GPU, issue 19 (2026-11-29 measured the merged LoRA weights, the fused graph and prompts 256 at a
-#             time; BENCHMARKS 7b): the Craftax rollout with merged weights under torch.profiler (where a step's
-#             time goes now), the 256-row decode step profiled (fast LoRA vs merged), the "dynamic" decode width
-#             (one symbolic-width compile), then the compiled prefill (2026-11-28: its first step did not end in
-#             580 s). Needs the tokenizer: carry .ref/tc-cache in the call that starts it, then collect at once
-#             (2026-11-29: a machine idle 30 s is given back, and the queue with it)
+#   llm1      one GPU, issue 19 (2026-11-29 measured the merged LoRA weights, the fused graph, prompts 256 at a
+#             time, the learner's changes and the FlashAttention decode; BENCHMARKS 7b): the flash decode's GPU
+#             tests, the default Craftax rollout under torch.profiler (where a step's time goes now: the prefill's
+#             device time against its host time), the 256-row decode step alone profiled (fast LoRA vs merged,
+#             every kernel), then the compiled prefill (2026-11-28: its first step did not end in 580 s). Needs
+#             the tokenizer: carry .ref/tc-cache in the call that starts it, then collect at once (2026-11-29: a
+#             machine idle 30 s is given back, and the queue with it)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -116,14 +117,16 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$c1 craftax_dynamic $((600 + w)) $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
       "@$c0 craftax_learner_compiled 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
-    llm1) jobs=(  # one GPU: issue 19's next levers. Measured 2026-11-29 and left out since: the GPU tests of the
-                  # shadows / fused graph / merged LoRA (passed), the fused graph's and the merged weights' Craftax
-                  # rows, the decode step at 64 rows, prompts 256 at a time (the default now). Where the time of
-                  # a default step goes now (prompts 256 at a time, merged weights), the 256-row decode step
-                  # profiled, the symbolic-width decode, then the compiled prefill
-      "@0 craftax_merge_profile 420 env THINKCRAFT_LORA_MERGE=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 5 --profile-rollout -1 --out bench/results/logs/craftax_merge_profile.json"
-      "@0 decode_probe 420 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --profile"
-      "@0 craftax_dynamic 480 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
+    llm1) jobs=(  # one GPU: issue 19's next levers. Measured 2026-11-29 and left out since: the merged LoRA
+                  # weights, the fused graph, prompts 256 at a time, the learner's cast-free LoRA and fused norm,
+                  # the FlashAttention decode (third session: decode step 11-16% shorter; the "dynamic" width
+                  # reads nothing FlashAttention does not skip already). The flash tests' new GPU assertion,
+                  # where the default rollout's time goes (the prefill's device time against its host time
+                  # decides between graphing the prefill and fusing the projections), the decode step alone
+                  # profiled (every kernel, decode steps only), then the compiled prefill
+      "@0 flash_gputests 240 python -m pytest -q -p no:cacheprovider tests/test_flash_decode.py -m gpu"
+      "@0 craftax_rollout_profile 420 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --profile-rollout -1 --out bench/results/logs/craftax_rollout_profile.json"
+      "@0 decode_probe 420 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile"
       "@0 craftax_prefill 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --prefill-compile --profile-rollout -1 --out bench/results/logs/craftax_prefill.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
@@ -166,8 +169,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@2,3 async_2gpu_fused 550 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 6 --out bench/results/logs/async_2gpu_fused.json") ;;
     grid19) local C="python bench/llm_policy_craftax.py --steps 3"
       jobs=(  # one x4 machine, a lane per GPU: issue 19's grid beyond the goal row (only 0.5B / 256 envs / no
-              # thinking had run by 2026-11-28); rows merged into llm_policy_craftax.json by configuration
-      "@0 grid_05b_64 580 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 0 256 --out bench/results/logs/grid_05b_64.json"
+              # thinking had run by 2026-11-28; 0.5B / 64 / none ran 2026-11-29); rows merged into
+              # llm_policy_craftax.json by configuration
+      "@0 grid_05b_64 580 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 256 --out bench/results/logs/grid_05b_64.json"
       "@1 grid_05b_256_think 580 $C --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/grid_05b_256_think.json"
       "@2 grid_4b_64 580 $C --shapes qwen3-4b --num-envs 64 --thinking-budgets 0 256 --out bench/results/logs/grid_4b_64.json"
       "@3 grid_4b_256 580 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 0 --out bench/results/logs/grid_4b_256.json"
