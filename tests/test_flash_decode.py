@@ -100,15 +100,18 @@ def test_the_batcher_through_the_slot_layout_equals_the_matmul_path(monkeypatch)
     """CPU: the batcher with the slot attention forced through `slot_decode_attention` (its kernel's plain
     contract) gives the matmul path's greedy tokens and log-probs over growing episodes that share a prefix."""
     model, tok = tiny_llama()
-    want = _episodes(HFEngine.from_model(model, tok, max_slots=4), tok)
+    plain = HFEngine.from_model(model, tok, max_slots=4)
+    want = _episodes(plain, tok)
+    assert plain.decode_metrics()["flash_decode"] == 0.0  # the CPU's matmul path, said in the metrics
     import thinkcraft.llm.hf.cache as cache_mod
 
     monkeypatch.setattr(cache_mod, "decode_kernel", lambda device, dtype, head_dim: A.varlen_decode_reference)
     calls = []
     real = A.slot_decode_attention
     monkeypatch.setattr(A, "slot_decode_attention", lambda *a: calls.append(1) or real(*a))
-    got = _episodes(HFEngine.from_model(model, tok, max_slots=4), tok)
-    assert calls
+    eng = HFEngine.from_model(model, tok, max_slots=4)
+    got = _episodes(eng, tok)
+    assert calls and eng.decode_metrics()["flash_decode"] == 1.0
     for (k, e, tw, lw), (_, _, tg, lg) in zip(want, got):
         assert tg == tw, (k, e)
         np.testing.assert_allclose(lg, lw, atol=1e-5)

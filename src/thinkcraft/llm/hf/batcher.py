@@ -302,6 +302,8 @@ class Batcher(CacheMixin, IterationMixin):
         c["slot_tokens"] = float(self.kv.tokens if self.kv else 0)
         c["kv_cache_gb"] = self.kv.nbytes / 2**30 if self.kv else 0.0
         c["weights_version"] = float(self.version)
+        # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
+        c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
         return c
 
     # ---------------------------------------------------------------------------------------- contexts

@@ -176,8 +176,9 @@ class CacheMixin:
         self._flash = flash_decode_meta(self.kv, int(cfg.num_attention_heads), decode_kernel(dev, dtype, head_dim))
         # each allocation means new shapes and buffers: with a compiled step, a recompile and new CUDA graphs
         self.counters["cache_allocations"] += 1
-        log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d)", slots, tokens,
-                 prefix_cap, self.kv.nbytes / 2**30, int(self.counters["cache_allocations"]))
+        log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d); decode attention: "
+                 "%s", slots, tokens, prefix_cap, self.kv.nbytes / 2**30, int(self.counters["cache_allocations"]),
+                 "FlashAttention over the slots" if self._flash is not None else "matmuls over the slot width")
         self.table = SlotTable(slots, self.evict)  # type: ignore[arg-type]
         self.state = RowState.empty(slots, dev)
         self.prefix_mask = torch.zeros((slots, max(prefix_cap, 1)), dtype=torch.bool, device=dev)

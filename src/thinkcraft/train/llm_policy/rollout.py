@@ -118,7 +118,10 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # decode graphs compiled and captured (a new width, prefix or dtype) and the seconds they took,
             # waits for another engine's capture included: a first step's compile time, seen
             "engine/graph_captures": d.get("graph_captures", 0.0),
-            "engine/graph_capture_s": d.get("graph_capture_s", 0.0)}
+            "engine/graph_capture_s": d.get("graph_capture_s", 0.0),
+            # a state, not a count: the decode step's attention, 1 per engine on FlashAttention over the slots (the
+            # async pools sum their engines' counters), 0 on the matmuls
+            "engine/flash_decode": after.get("flash_decode", 0.0)}
 
 
 def answer_structure(env, sampling):
