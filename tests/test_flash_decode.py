@@ -165,3 +165,28 @@ def test_the_compiled_graphed_engine_with_flash_decode_equals_the_matmul_path(mo
     for a, b in zip(runs["0"], runs["1"]):
         n = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), len(a[2]))
         np.testing.assert_allclose(a[3][:n], b[3][:n], atol=5e-2)
+
+
+@pytest.mark.parametrize("prefix_rows", [[False, False, False], [True, False, True]])
+def test_decode_attention_with_flash_meta_equals_the_matmul_path(prefix_rows: list[bool]) -> None:
+    """The slot attention as the decode step runs it (`per_forward`, then `_decode_attention` with the cache's
+    `FlashDecode`), through the kernel's plain contract, equals the matmul path: rows that read a 3-column shared
+    prefix and rows that do not, and no row reading it at all (the call still reads one column, given no weight)."""
+    from types import SimpleNamespace
+
+    kv = slots_mod.SlotKV(1, 3, 8, 2, 8, 4, torch.float32, torch.device("cpu"), static_addresses=False)
+    g = torch.Generator().manual_seed(5)
+    for t in kv.keys + kv.values + kv.prefix_keys + kv.prefix_values:
+        t.copy_(torch.randn(t.shape, generator=g))
+    kv.prefix_len = 3
+    mask = (kv.pcols < 3)[None, :] & torch.tensor(prefix_rows)[:, None]
+    q = torch.randn(3, 4, 1, 8, generator=g)
+    k, v = torch.randn(3, 2, 1, 8, generator=g), torch.randn(3, 2, 1, 8, generator=g)
+    key_len, write_col = torch.tensor([1, 4, 8]), torch.tensor([0, 3, 7])
+    outs = []
+    for flash in (None, slots_mod.flash_decode_meta(kv, 4, A.varlen_decode_reference)):
+        kc, vc = kv.keys[0].clone(), kv.values[0].clone()  # each path writes this step's K/V into its own copy
+        ctx = slots_mod.DecodeCtx((kc,), (vc,), kv.prefix_keys, kv.prefix_values, kv.rows, write_col, key_len,
+                                  kv.cols, mask, flash)
+        outs.append(slots_mod._decode_attention(SimpleNamespace(layer_idx=0), q, k, v, slots_mod.per_forward(ctx), 0.3))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
