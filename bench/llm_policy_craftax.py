@@ -240,9 +240,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         lora_counts = lora_fast.counts(getattr(policy.engine, "_lora_fast", None) or [])
         fused_norms = fused_norm.installed(policy.learner.model)  # llm/hf/fused_norm.py (THINKCRAFT_FUSED_RMSNORM)
         # the decode step's slot attention: FlashAttention in place (llm/hf/slots.py `decode_kernel`,
-        # THINKCRAFT_FLASH_DECODE) or the matmul path over the whole width
-        batcher = getattr(policy.engine, "_batcher", None)
-        flash_decode = getattr(batcher, "_flash", None) is not None
+        # THINKCRAFT_FLASH_DECODE) or the matmul path over the whole width; the engine's own counter
+        flash_decode = bool(kv.get("flash_decode", 0.0))
         del policy
     gc.collect()
     if cuda:

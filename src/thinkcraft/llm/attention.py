@@ -380,6 +380,22 @@ def gqa_decode_attention(
     return (out, lse.reshape(b, h)) if return_lse else out
 
 
+def flash_decode_offsets(
+    slots: int, kv_heads: int, group: int, cols: int, prefix_cols: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen offsets of the decode's two FlashAttention calls (int32): `slot_decode_attention`'s cu_q (G query
+    tokens per (slot, KV head) sequence) and cu_k (each sequence's row of the cache viewed flat, `cols` apart), then
+    `prefix_decode_attention`'s (every row's G heads per KV head; `prefix_cols` apart)."""
+    steps = torch.arange(slots * kv_heads + 1, device=device, dtype=torch.int32)
+    psteps = torch.arange(kv_heads + 1, device=device, dtype=torch.int32)
+    return steps * group, steps * cols, psteps * (slots * group), psteps * prefix_cols
+
+
+def keys_per_sequence(key_len: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(S*Hkv,) int32: each (slot, KV head) sequence's key count - its row's `key_len` (`seqused_k`)."""
+    return key_len[:, None].expand(key_len.shape[0], kv_heads).reshape(-1).to(torch.int32)
+
+
 def slot_decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_len: torch.Tensor, width: int,
     scale: float, kernel=compat.flash_decode,  # noqa: ANN001 - or varlen_decode_reference in tests
@@ -398,8 +414,8 @@ def slot_decode_attention(
     hkv, cols = key_cache.shape[1], key_cache.shape[2]
     g = h // hkv
     if meta is None:
-        steps = torch.arange(s * hkv + 1, device=query.device, dtype=torch.int32)
-        meta = (steps * g, steps * cols, key_len[:, None].expand(s, hkv).reshape(-1).to(torch.int32))
+        cu_q, cu_k, _, _ = flash_decode_offsets(s, hkv, g, cols, 1, query.device)
+        meta = (cu_q, cu_k, keys_per_sequence(key_len, hkv))
     cu_q, cu_k, used = meta
     out, lse = kernel(query.reshape(s * h, 1, d), key_cache.view(s * hkv * cols, 1, d),
                       value_cache.view(s * hkv * cols, 1, d), cu_q, cu_k, g, width, scale, used)
@@ -420,9 +436,8 @@ def prefix_decode_attention(
     hkv, pcap = prefix_k.shape[1], prefix_k.shape[2]
     g = h // hkv
     if meta is None:
-        steps = torch.arange(hkv + 1, device=query.device, dtype=torch.int32)
-        used = torch.full((hkv,), max(int(prefix_len or pcap), 1), device=query.device, dtype=torch.int32)
-        meta = (steps * (s * g), steps * pcap, used)
+        _, _, cu_q, cu_k = flash_decode_offsets(s, hkv, g, 1, pcap, query.device)
+        meta = (cu_q, cu_k, torch.full((hkv,), max(int(prefix_len or pcap), 1), device=query.device, dtype=torch.int32))
     cu_q, cu_k, used = meta
     qp = query.reshape(s, hkv, g, d).transpose(0, 1).reshape(hkv * s * g, 1, d)
     out, lse = kernel(qp, prefix_k.view(hkv * pcap, 1, d), prefix_v.view(hkv * pcap, 1, d), cu_q, cu_k, s * g,

@@ -149,30 +149,42 @@ def _decode_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     kc, vc = ctx.keys[i], ctx.values[i]
     kc[ctx.rows, :, ctx.write_col] = k[:, :, 0]
     vc[ctx.rows, :, ctx.write_col] = v[:, :, 0]
-    s, h, _, d = q.shape
-    hkv = kc.shape[1]
-    g = h // hkv
+    out, lse = _own_columns(q, kc, vc, ctx, scale)
+    if ctx.prefix_keys is not None:
+        o_p, lse_p = _shared_prefix(q, ctx.prefix_keys[i], ctx.prefix_values[i], ctx, scale)
+        out = A.merge_attention(o_p, lse_p[..., None], out, lse[..., None])
+    return out.transpose(1, 2)
+
+
+def _own_columns(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ctx: DecodeCtx,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row against its own slot's columns < key_len: (out (S, H, 1, d), lse (S, H))."""
     width = ctx.cols.shape[0]
     f = ctx.flash
     if f is not None:
-        out, lse = A.slot_decode_attention(q, kc, vc, ctx.key_len, width, scale, f.kernel, (f.cu_q, f.cu_k, f.used))
-        if ctx.prefix_keys is not None:
-            o_p, lse_p = A.prefix_decode_attention(q, ctx.prefix_keys[i], ctx.prefix_values[i], scale, f.kernel,
-                                                   (f.prefix_cu_q, f.prefix_cu_k, f.prefix_used))
-            lse_p = torch.where(f.prefix_rows[:, None], lse_p, A.NO_KEYS_LSE)
-            out = A.merge_attention(o_p, lse_p[..., None], out, lse[..., None])
-        return out.transpose(1, 2)
+        return A.slot_decode_attention(q, kc, vc, ctx.key_len, width, scale, f.kernel, (f.cu_q, f.cu_k, f.used))
     mask = (ctx.cols[None, :] < ctx.key_len[:, None])[:, None, None, :]
-    out, lse = A.gqa_decode_attention(q, kc[:, :, :width], vc[:, :, :width], mask, scale, True)
-    if ctx.prefix_keys is not None:
-        # every row's queries against the one prefix copy: (1, Hkv, S*G, d) x (1, Hkv, Pcap, d)
-        qp = q.reshape(s, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, s * g, d)
-        pmask = ctx.prefix_mask.repeat_interleave(g, dim=0)[None, None]
-        o_p, lse_p = A.folded_attention_lse(qp, ctx.prefix_keys[i], ctx.prefix_values[i], pmask, scale)
-        o_p = o_p.reshape(hkv, s, g, d).permute(1, 0, 2, 3).reshape(s, h, 1, d)
-        lse_p = lse_p.reshape(hkv, s, g).permute(1, 0, 2).reshape(s, h)
-        out = A.merge_attention(o_p, lse_p[..., None], out, lse[..., None])
-    return out.transpose(1, 2)
+    return A.gqa_decode_attention(q, kc[:, :, :width], vc[:, :, :width], mask, scale, True)
+
+
+def _shared_prefix(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, ctx: DecodeCtx,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row against the one prefix copy (rows that do not read it get no weight in the merge): (out
+    (S, H, 1, d), lse (S, H))."""
+    f = ctx.flash
+    if f is not None:
+        meta = (f.prefix_cu_q, f.prefix_cu_k, f.prefix_used)
+        o_p, lse_p = A.prefix_decode_attention(q, pk, pv, scale, f.kernel, meta)
+        return o_p, torch.where(f.prefix_rows[:, None], lse_p, A.NO_KEYS_LSE)
+    # (1, Hkv, S*G, d) x (1, Hkv, Pcap, d), the prefix mask per row
+    s, h, _, d = q.shape
+    hkv = pk.shape[1]
+    g = h // hkv
+    qp = q.reshape(s, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, s * g, d)
+    pmask = ctx.prefix_mask.repeat_interleave(g, dim=0)[None, None]
+    o_p, lse_p = A.folded_attention_lse(qp, pk, pv, pmask, scale)
+    o_p = o_p.reshape(hkv, s, g, d).permute(1, 0, 2, 3).reshape(s, h, 1, d)
+    return o_p, lse_p.reshape(hkv, s, g).permute(1, 0, 2).reshape(s, h)
 
 
 def _prefill_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PrefillCtx,
@@ -239,11 +251,9 @@ def flash_decode_meta(kv: SlotKV, query_heads: int, kernel: Callable[..., Any] |
     """`FlashDecode`'s fixed tensors for this cache and `query_heads` (None without a kernel)."""
     if kernel is None:
         return None
-    s, hkv = kv.slots, kv.keys[0].shape[1]
-    g = query_heads // hkv
-    steps = torch.arange(s * hkv + 1, device=kv.device, dtype=torch.int32)
-    psteps = torch.arange(hkv + 1, device=kv.device, dtype=torch.int32)
-    return FlashDecode(kernel, steps * g, steps * (kv.tokens + 1), psteps * (s * g), psteps * max(kv.prefix_cap, 1))
+    hkv = kv.keys[0].shape[1]
+    return FlashDecode(kernel, *A.flash_decode_offsets(kv.slots, hkv, query_heads // hkv, kv.tokens + 1,
+                                                       max(kv.prefix_cap, 1), kv.device))
 
 
 def per_forward(ctx: Any) -> Any:
@@ -251,8 +261,8 @@ def per_forward(ctx: Any) -> Any:
     the step's own key lengths and prefix mask); any other context as it is."""
     if not isinstance(ctx, DecodeCtx) or ctx.flash is None:
         return ctx
-    s, hkv = ctx.key_len.shape[0], ctx.keys[0].shape[1]
-    used = ctx.key_len[:, None].expand(s, hkv).reshape(-1).to(torch.int32)
+    hkv = ctx.keys[0].shape[1]
+    used = A.keys_per_sequence(ctx.key_len, hkv)
     # the prefix's length, read off the mask (every prefix-reading row has the same columns), at least 1
     p = ctx.prefix_mask.sum(1).amax().clamp(min=1).to(torch.int32).reshape(1).repeat(hkv)
     return ctx._replace(flash=ctx.flash._replace(used=used, prefix_used=p, prefix_rows=ctx.prefix_mask[:, 0]))
