@@ -242,6 +242,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the decode step's slot attention: FlashAttention in place (llm/hf/slots.py `decode_kernel`,
         # THINKCRAFT_FLASH_DECODE) or the matmul path over the whole width; the engine's own counter
         flash_decode = bool(kv.get("flash_decode", 0.0))
+        # the prefill's attention: keys read in place (slots.py `prefill_inplace_kernel`, THINKCRAFT_FLASH_PREFILL)
+        # or gathered per row
+        flash_prefill = bool(kv.get("flash_prefill", 0.0))
         del policy
     gc.collect()
     if cuda:
@@ -302,7 +305,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "rollout_profiled_step": rollout_at,
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
-        "fused_rmsnorms": fused_norms, "flash_decode": flash_decode,
+        "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
                                                        "lora_fast_layers", "lora_merged_layers",
-                                                       "lora_fast_train_layers", "fused_rmsnorms", "flash_decode"))
+                                                       "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
+                                                       "flash_prefill"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

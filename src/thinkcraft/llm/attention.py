@@ -446,12 +446,70 @@ def prefix_decode_attention(
     return out, lse.reshape(hkv, s, g).transpose(0, 1).reshape(s, h)
 
 
+def slot_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A slot cache (S, Hkv, C, d), contiguous, as varlen keys (rows, Hkv, d) without a copy: row
+    `s*Hkv*C + c` is slot s's column c, its head j `C*d` further on (the heads are not adjacent in the slot
+    layout, so the rows overlap: a strided view, in bounds - the last slot's rows stop at its last column)."""
+    s, hkv, c, d = cache.shape
+    return cache.as_strided(((s - 1) * hkv * c + c, hkv, d), (d, c * d, 1))
+
+
+def slot_prefill_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
+    used: torch.Tensor, max_q: int, max_k: int, scale: float,
+    kernel=compat.flash_decode,  # noqa: ANN001 - or varlen_decode_reference in tests
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill's packed new tokens against their slots' columns, read in place by one FlashAttention call
+    (the GQA heads mapped by the kernel): row i's queries q[cu_q[i]:cu_q[i+1]] (N, H, d) read its slot's
+    columns < used[i] (its kept turns and the new tokens, already written), causal aligned bottom-right;
+    `starts[i]` = slot_i * Hkv * C, its first row in `slot_rows`. Returns (out (N, H, d), lse (H, N) float32).
+    Why: the gather it replaces copied every kept column of every row into a packed buffer, per layer, and the
+    shared prefix once per row (2026-11-29, H200, Craftax rollout at 256 envs: ~0.25 s of a step's device time
+    in `index`, `gather` and `cat`, bench/results/logs/s43_prof_rollout_profile-*.txt)."""
+    # max_q >= 2: a call whose every row has one new token would otherwise take the kernel's "one query, swap
+    # the GQA group into the query axis" path, whose LSE comes back in another layout (an upper bound is allowed)
+    return kernel(q, slot_rows(key_cache), slot_rows(value_cache), cu_q, starts, max(int(max_q), 2), int(max_k),
+                  scale, used, causal=True)
+
+
+def prefix_prefill_attention(
+    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    prefix_len: int, scale: float, kernel=compat.flash_decode,  # noqa: ANN001 - or varlen_decode_reference in tests
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every packed query token against the ONE shared-prefix copy (1, Hkv, Pcap, d), read in place: one
+    sequence of N queries and the prefix's first `prefix_len` columns, not causal (the prefix precedes every
+    row's own columns). `meta` = (cu_q [0, N], cu_k [0, rows], used [prefix_len]) int32. Returns (out (N, H, d),
+    lse (H, N)): the rows that do not read the prefix are the caller's to mask (their lse)."""
+    cu_q, cu_k, used = meta
+    return kernel(q, slot_rows(prefix_k), slot_rows(prefix_v), cu_q, cu_k, max(q.shape[0], 2), int(prefix_len),
+                  scale, used)
+
+
+def prefill_in_place(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
+    used: torch.Tensor, max_q: int, max_k: int, scale: float, kernel,  # noqa: ANN001
+    prefix: tuple[torch.Tensor, torch.Tensor, tuple, int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The prefill's attention over [shared prefix | own slot columns] without copying a key: the own part
+    (`slot_prefill_attention`) and, where some rows read the prefix, the prefix part
+    (`prefix_prefill_attention`) merged by their LSEs (`merge_attention`). `prefix` = (prefix_k, prefix_v,
+    meta, prefix_len, reads (N,) bool: the query tokens whose row reads the prefix). Returns (N, H, d)."""
+    out, lse = slot_prefill_attention(q, key_cache, value_cache, cu_q, starts, used, max_q, max_k, scale, kernel)
+    if prefix is None:
+        return out
+    pk, pv, meta, p, reads = prefix
+    o_p, lse_p = prefix_prefill_attention(q, pk, pv, meta, p, scale, kernel)
+    lse_p = lse_p.masked_fill(~reads[None, :], float("-inf"))
+    return merge_attention(o_p, lse_p.t(), out, lse.t())
+
+
 def varlen_decode_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-    scale: float, used_k: torch.Tensor,
+    scale: float, used_k: torch.Tensor, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`compat.flash_decode`'s contract, plainly (for tests): sequence i's queries q[cu_q[i]:cu_q[i+1]] read
-    every key of k[cu_k[i] : cu_k[i] + used_k[i]] (not causal). Returns (out (Tq, H, d), lse (H, Tq) float32)."""
+    the keys k[cu_k[i] : cu_k[i] + used_k[i]]: all of them, or (`causal`) aligned bottom-right. Returns
+    (out (Tq, H, d), lse (H, Tq) float32)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     for i in range(len(cu_q) - 1):
@@ -459,11 +517,86 @@ def varlen_decode_reference(
         kb = ka + int(used_k[i])
         if not ka <= kb <= ka + max_k:
             raise ValueError(f"sequence {i} reads {kb - ka} keys, more than max_k {max_k}")
+        if qb - qa > max_q or (causal and qb - qa > kb - ka):
+            raise ValueError(f"sequence {i} has {qb - qa} queries: more than max_q {max_q} or (causal) its keys")
         o, l_ = attention_lse_reference(q[qa:qb].transpose(0, 1)[None], k[ka:kb].transpose(0, 1)[None],
-                                        v[ka:kb].transpose(0, 1)[None], False, scale)
+                                        v[ka:kb].transpose(0, 1)[None], causal, scale)
         out[qa:qb] = o[0].transpose(0, 1)
         lse[:, qa:qb] = l_[0]
     return out, lse
+
+
+def prefill_gather_reference(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_q: torch.Tensor, slots: list[int],
+    used: list[int], scale: float, prefix: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    prefix_rows: list[bool] | None = None,
+) -> torch.Tensor:
+    """`prefill_in_place`'s result the plain way (tests, probe): row i's keys gathered - the prefix's first p
+    columns where `prefix_rows[i]`, then its slot's columns < used[i] - and `varlen_reference` over them."""
+    ks, vs, cu_k = [], [], [0]
+    for i, (s, n) in enumerate(zip(slots, used)):
+        k, v = key_cache[s, :, :n], value_cache[s, :, :n]  # (Hkv, n, d)
+        if prefix is not None and prefix_rows is not None and prefix_rows[i]:
+            pk, pv, p = prefix
+            k, v = torch.cat([pk[0, :, :p], k], 1), torch.cat([pv[0, :, :p], v], 1)
+        ks.append(k.transpose(0, 1))
+        vs.append(v.transpose(0, 1))
+        cu_k.append(cu_k[-1] + k.shape[1])
+    cu = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+    return varlen_reference(q, torch.cat(ks), torch.cat(vs), cu_q, cu, 0, 0, scale)
+
+
+_FLASH_PREFILL: dict[tuple[str, int, torch.dtype], bool] = {}
+"""Per (device type, head dim, dtype): does `prefill_in_place` with FlashAttention agree with the gather there
+(`probe_flash_prefill`)."""
+
+
+def prefill_case(device: torch.device | str, head_dim: int, dtype: torch.dtype, prefix: bool = True) -> dict:
+    """A small prefill over a slot cache with GQA, kept and new columns, rows with and without the shared prefix,
+    one row of one new token and garbage past every row's columns: the arguments of `prefill_in_place` (its
+    kernel left out) and of `prefill_gather_reference` (`probe_flash_prefill` and the tests share it)."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=g).to(dtype)
+
+    d, hkv, h, cols, pcap, p = int(head_dim), 2, 6, 12, 6, 4
+    kc, vc, pk, pv = r(4, hkv, cols, d), r(4, hkv, cols, d), r(1, hkv, pcap, d), r(1, hkv, pcap, d)
+    slots, new, used, rows = [3, 0, 2], [3, 1, 5], [7, 1, 11], [True, False, True]  # kept 4, 0 and 6 columns
+    q = r(sum(new), h, d)
+    dev = torch.device(device)
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu_q = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], **i32)
+    starts = torch.tensor([s * hkv * cols for s in slots] + [(3 * hkv + 1) * cols], **i32)
+    reads = torch.tensor(sum(([x] * n for x, n in zip(rows, new)), []), device=dev)
+    meta = (torch.tensor([0, sum(new)], **i32), torch.tensor([0, pcap], **i32), torch.tensor([p], **i32))
+    return dict(
+        inplace=(q, kc, vc, cu_q, starts, torch.tensor(used, **i32), max(new), max(used), d ** -0.5),
+        prefix=(pk, pv, meta, p, reads) if prefix else None,
+        reference=(q, kc, vc, cu_q, slots, used, d ** -0.5),
+        reference_prefix=dict(prefix=(pk, pv, p), prefix_rows=rows) if prefix else {},
+    )
+
+
+def probe_flash_prefill(device: torch.device | str, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the batcher's prefill may read the slots in place (`prefill_in_place` through FlashAttention;
+    CUDA only): tried once per (device type, head dim, dtype) on `prefill_case` against the gather, eagerly."""
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return False
+    key = (kind, int(head_dim), dtype)
+    if key not in _FLASH_PREFILL:
+        ok = False
+        try:
+            case = prefill_case(device, head_dim, dtype)
+            got = prefill_in_place(*case["inplace"], compat.flash_decode, prefix=case["prefix"])
+            want = prefill_gather_reference(*case["reference"], **case["reference_prefix"])
+            ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+        except (RuntimeError, AttributeError, NotImplementedError, TypeError, ValueError) as e:
+            log.info("the prefill over the slots in place is unavailable for head dim %d, %s (%s): it gathers",
+                     head_dim, dtype, e)
+        _FLASH_PREFILL[key] = ok
+    return _FLASH_PREFILL[key]
 
 
 _FLASH_DECODE: dict[tuple[str, int, torch.dtype], bool] = {}

@@ -366,14 +366,15 @@ def flash_varlen(
 
 def flash_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-    scale: float, used_k: torch.Tensor,
+    scale: float, used_k: torch.Tensor, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA FlashAttention-2 varlen forward, NOT causal, over keys read in place: sequence i's keys are
+    """CUDA FlashAttention-2 varlen forward over keys read in place: sequence i's keys are
     k[cu_k[i] : cu_k[i] + used_k[i]] (`seqused_k`: cu_k only gives where each starts, so the rows of a larger
-    buffer serve as sequences without a gather). q (Tq, H, d), k/v (Tk, Hkv, d); returns (out (Tq, H, d),
-    lse (H, Tq) float32). Same private op as `flash_varlen` (its `seqused_k` keyword: torch >= 2.5; checked on
-    2.13.0 here, 2.11.0+cu130 on the GPU image)."""
-    r = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale,
+    buffer serve as sequences without a gather; k may be a strided view whose rows overlap). Not causal (the
+    decode step), or `causal`, aligned bottom-right to the used keys (the prefill over a slot). q (Tq, H, d),
+    k/v (Tk, Hkv, d); returns (out (Tq, H, d), lse (H, Tq) float32). Same private op as `flash_varlen` (its
+    `seqused_k` keyword: torch >= 2.5; checked on 2.13.0 here, 2.11.0+cu130 on the GPU image)."""
+    r = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
                                                 seqused_k=used_k)
     return r[0], r[1]
 

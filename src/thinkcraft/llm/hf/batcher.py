@@ -304,6 +304,8 @@ class Batcher(CacheMixin, IterationMixin):
         c["weights_version"] = float(self.version)
         # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
         c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
+        # the prefill's attention: 1 the keys read in place, 0 gathered per row (slots.py)
+        c["flash_prefill"] = float(self.kv is not None and getattr(self, "_flash_prefill", None) is not None)
         return c
 
     # ---------------------------------------------------------------------------------------- contexts

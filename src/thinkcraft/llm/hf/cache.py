@@ -29,7 +29,8 @@ from thinkcraft.llm.hf.rows import (
     RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows, unflatten_step,
 )
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
-from thinkcraft.llm.hf.slots import DecodeCtx, SlotKV, decode_kernel, flash_decode_meta, per_forward
+from thinkcraft.llm.hf.slots import (DecodeCtx, SlotKV, decode_kernel, flash_decode_meta, per_forward,
+                                     prefill_inplace_kernel)
 from thinkcraft.llm.protocol import GenerationRequest
 from thinkcraft.utils.errors import UserError, env_switch
 from thinkcraft.utils.fallback import OrEager, compiled_or_eager
@@ -174,11 +175,15 @@ class CacheMixin:
                          static_addresses=self.compile_step)
         # FlashAttention over the slots on CUDA (slots.py `decode_kernel`): its fixed arguments, once per cache
         self._flash = flash_decode_meta(self.kv, int(cfg.num_attention_heads), decode_kernel(dev, dtype, head_dim))
+        # and the prefill's (slots.py `prefill_inplace_kernel`): the keys read in place, no gather
+        self._flash_prefill = prefill_inplace_kernel(dev, dtype, head_dim)
         # each allocation means new shapes and buffers: with a compiled step, a recompile and new CUDA graphs
         self.counters["cache_allocations"] += 1
         log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d); decode attention: "
-                 "%s", slots, tokens, prefix_cap, self.kv.nbytes / 2**30, int(self.counters["cache_allocations"]),
-                 "FlashAttention over the slots" if self._flash is not None else "matmuls over the slot width")
+                 "%s; prefill attention: %s", slots, tokens, prefix_cap, self.kv.nbytes / 2**30,
+                 int(self.counters["cache_allocations"]),
+                 "FlashAttention over the slots" if self._flash is not None else "matmuls over the slot width",
+                 "in place" if self._flash_prefill is not None else "gathered")
         self.table = SlotTable(slots, self.evict)  # type: ignore[arg-type]
         self.state = RowState.empty(slots, dev)
         self.prefix_mask = torch.zeros((slots, max(prefix_cap, 1)), dtype=torch.bool, device=dev)

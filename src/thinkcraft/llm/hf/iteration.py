@@ -13,7 +13,7 @@ from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
 from thinkcraft.llm.hf.rows import sample_rows
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
-from thinkcraft.llm.hf.slots import DecodeCtx, PrefillCtx, prefill_kernel
+from thinkcraft.llm.hf.slots import DecodeCtx, FlashPrefill, PrefillCtx, prefill_kernel
 from thinkcraft.llm.protocol import Completion, GenerationResult
 from thinkcraft.utils.transfer import to_device
 
@@ -96,22 +96,29 @@ class IterationMixin:
         # the decode step in flight
         ids = to_device(np.concatenate(news), dev)[None]
         pos = to_device(tok_col + np.repeat(offs, n_new), dev)[None]
-        gather_col = np.concatenate([np.arange(t) for t in total])
-        gather_slot = np.repeat(slots, total)
         p = kv.prefix_len if (offs > 0).any() else 0
-        key_index = None
-        k_len = total + np.where(offs > 0, p, 0)
-        if p:
-            starts = np.concatenate([[0], np.cumsum(total)[:-1]]) + p
-            key_index = to_device(np.concatenate([
-                np.concatenate([np.arange(p) if o > 0 else np.zeros(0, np.int64), np.arange(s, s + t)])
-                for o, s, t in zip(offs, starts, total)]), dev)
         cu_q = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
         t = lambda a: to_device(a, dev)  # noqa: E731
-        ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
-                         t(tok_slot), t(tok_col), t(gather_slot), t(gather_col), key_index, t(cu_q), t(cu_k),
-                         int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype, self._prefill_traced()))
+        traced = self._prefill_traced()
+        if self._flash_prefill is not None and not traced:
+            flash = self._flash_prefill_args(slots, total, n_new, offs, p)
+            ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
+                             t(tok_slot), t(tok_col), None, None, None, t(cu_q), None, int(n_new.max()),
+                             flash.max_k, flash.kernel, flash)
+        else:
+            gather_col = np.concatenate([np.arange(t) for t in total])
+            gather_slot = np.repeat(slots, total)
+            key_index = None
+            k_len = total + np.where(offs > 0, p, 0)
+            if p:
+                starts = np.concatenate([[0], np.cumsum(total)[:-1]]) + p
+                key_index = to_device(np.concatenate([
+                    np.concatenate([np.arange(p) if o > 0 else np.zeros(0, np.int64), np.arange(s, s + t)])
+                    for o, s, t in zip(offs, starts, total)]), dev)
+            cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
+            ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
+                             t(tok_slot), t(tok_col), t(gather_slot), t(gather_col), key_index, t(cu_q), t(cu_k),
+                             int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype, traced))
         logits = self._prefill_forward()(ids, pos, ctx, t(cu_q[1:].astype(np.int64) - 1))
         idx = t(slots)
         self.logits[idx] = logits
@@ -120,6 +127,22 @@ class IterationMixin:
         self.counters["prefill_calls"] += 1.0
         self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
         self.counters["fallbacks"] += float(sum(q.fallback for q, _, _ in chunk))
+
+    def _flash_prefill_args(self, slots: np.ndarray, total: np.ndarray, n_new: np.ndarray, offs: np.ndarray,
+                            p: int) -> FlashPrefill:
+        """`FlashPrefill` for a chunk: where each row's slot starts in the cache viewed as rows, its column
+        count after the write, and the shared prefix's call where some row reads it - one host-to-device copy."""
+        kv = self.kv
+        hkv, cols = kv.keys[0].shape[1], kv.keys[0].shape[2]
+        rows = (kv.slots - 1) * hkv * cols + cols  # attention.slot_rows's row count
+        n = int(n_new.sum())
+        ints = np.concatenate([slots * hkv * cols, [rows], total, [0, n, 0, kv.prefix_keys[0].shape[2], max(p, 1)]])
+        dev = to_device(ints.astype(np.int32), self.eng.device)
+        b = len(slots)
+        starts, used, meta = dev[:b + 1], dev[b + 1:2 * b + 1], dev[2 * b + 1:]
+        reads = to_device(np.repeat(offs > 0, n_new), self.eng.device) if p else None
+        prefix_meta = (meta[0:2], meta[2:4], meta[4:5]) if p else None
+        return FlashPrefill(self._flash_prefill, starts, used, int(total.max()), prefix_meta, reads)
 
     def _start_rows(self, chunk: list[tuple[Seq, int, int]], slots: np.ndarray, length: np.ndarray,
                     offs: np.ndarray) -> None:

@@ -19,8 +19,11 @@ the attention function as the layer's `thinkcraft_prefix_kv` keyword (see `compa
   (`attention.gqa_decode_attention`).
 - `PrefillCtx`: the new tokens of several rows packed into one sequence (batch 1, no padding). Their K/V are
   written to (tok_slot, tok_col); each row then attends to [shared prefix | its slot's columns so far], causal
-  aligned bottom-right: one FlashAttention varlen call on CUDA (`compat.flash_varlen`), the per-row
-  reference elsewhere (`attention.varlen_reference`).
+  aligned bottom-right. On CUDA the keys are read in place (`FlashPrefill`, `attention.prefill_in_place`): one
+  FlashAttention call over the rows' slot columns and one over the prefix's single copy, merged by their LSEs;
+  elsewhere (and with THINKCRAFT_FLASH_PREFILL=0) the keys are gathered into one packed sequence per row
+  ([prefix | columns]) for one varlen call (`compat.flash_varlen`, the per-row reference
+  `attention.varlen_reference` off CUDA).
 """
 
 from __future__ import annotations
@@ -81,6 +84,23 @@ class DecodeCtx(NamedTuple):
     the matmul path over the whole width."""
 
 
+class FlashPrefill(NamedTuple):
+    """The prefill's in-place attention (`attention.prefill_in_place`): each row's slot columns read where they
+    are, the shared prefix read once, no gather (`prefill_inplace_kernel`)."""
+
+    kernel: Callable[..., Any]
+    starts: torch.Tensor
+    """(B+1,) int32: row i's first row in the slot cache viewed as `attention.slot_rows` (the last entry: the
+    view's row count; unread)."""
+    used: torch.Tensor
+    """(B,) int32: the columns row i reads after the write (kept + new)."""
+    max_k: int
+    prefix_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """`attention.prefix_prefill_attention`'s (cu_q, cu_k, used), or None when no row reads the prefix."""
+    reads_prefix: torch.Tensor | None
+    """(N,) bool: the packed tokens whose row reads the shared prefix."""
+
+
 class PrefillCtx(NamedTuple):
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
@@ -90,16 +110,19 @@ class PrefillCtx(NamedTuple):
     tok_slot: torch.Tensor
     """(N,) slot of each packed new token; `tok_col` (N,) its column."""
     tok_col: torch.Tensor
-    gather_slot: torch.Tensor
-    """(K,) the slot columns every row reads, row after row (its columns 0..len-1 after the write)."""
-    gather_col: torch.Tensor
+    gather_slot: torch.Tensor | None
+    """(K,) the slot columns every row reads, row after row (its columns 0..len-1 after the write); None with
+    `flash` (read in place)."""
+    gather_col: torch.Tensor | None
     key_index: torch.Tensor | None
-    """(Kp,) packed keys = cat([prefix P, gathered K])[key_index] (None: no row reads the prefix)."""
+    """(Kp,) packed keys = cat([prefix P, gathered K])[key_index] (None: no row reads the prefix, or `flash`)."""
     cu_q: torch.Tensor
-    cu_k: torch.Tensor
+    cu_k: torch.Tensor | None
     max_q: int
     max_k: int
     kernel: Callable[..., torch.Tensor]
+    flash: FlashPrefill | None = None
+    """The in-place FlashAttention (CUDA, `prefill_inplace_kernel`), else None: gather, then `kernel`."""
 
 
 class SlotKV:
@@ -193,6 +216,13 @@ def _prefill_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.T
     kc, vc = ctx.keys[i], ctx.values[i]
     kc[ctx.tok_slot, :, ctx.tok_col] = k[0].transpose(0, 1)
     vc[ctx.tok_slot, :, ctx.tok_col] = v[0].transpose(0, 1)
+    f = ctx.flash
+    if f is not None:
+        prefix = None
+        if f.prefix_meta is not None:
+            prefix = (ctx.prefix_keys[i], ctx.prefix_values[i], f.prefix_meta, ctx.prefix_len, f.reads_prefix)
+        return A.prefill_in_place(q[0].transpose(0, 1).contiguous(), kc, vc, ctx.cu_q, f.starts, f.used, ctx.max_q,
+                                  f.max_k, scale, f.kernel, prefix)[None]
     ks = kc[ctx.gather_slot, :, ctx.gather_col]  # (K, Hkv, d)
     vs = vc[ctx.gather_slot, :, ctx.gather_col]
     if ctx.key_index is not None:
@@ -231,6 +261,19 @@ def prefill_kernel(device: torch.device, dtype: torch.dtype, traceable: bool = F
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.probe_varlen(device):
         return A.VARLEN_KERNELS[A._VARLEN["cuda"]]
     return A.varlen_dense if traceable else A.varlen_reference
+
+
+def prefill_inplace_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> Callable[..., Any] | None:
+    """The prefill's attention in place (`FlashPrefill`): FlashAttention with `seqused_k` over each row's slot
+    columns and the shared prefix's one copy, on CUDA in half precision where `attention.probe_flash_prefill`
+    found it agreeing with the gather; None (gather, then `prefill_kernel`) elsewhere and with
+    THINKCRAFT_FLASH_PREFILL=0."""
+    if not env_switch("THINKCRAFT_FLASH_PREFILL", default=True):
+        return None
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device.type == "cuda" and half and A.probe_flash_prefill(device, head_dim, dtype):
+        return compat.flash_decode
+    return None
 
 
 def decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> Callable[..., Any] | None:
