@@ -139,3 +139,23 @@ def test_the_compiled_graphed_engine_with_flash_prefill_equals_the_gather(monkey
     for a, b in zip(runs["0"], runs["1"]):
         n = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), len(a[2]))
         np.testing.assert_allclose(a[3][:n], b[3][:n], atol=5e-2)
+
+
+def test_keys_read_in_place_do_not_split_a_turn(monkeypatch) -> None:
+    """The gather bounds a prefill call's keys (4 x max_batch_tokens, copied per layer); read in place they cost no
+    memory, so late turns of long kept episodes are one call each: fewer calls than the gather, the same tokens."""
+    import thinkcraft.llm.hf.cache as cache_mod
+
+    model, tok = tiny_llama()
+    runs = []
+    for inplace in (False, True):
+        if inplace:
+            monkeypatch.setattr(cache_mod, "prefill_inplace_kernel",
+                                lambda device, dtype, head_dim: A.varlen_decode_reference)
+        eng = HFEngine.from_model(model, tok, max_slots=4, max_batch_tokens=64)
+        out = _episodes(eng, tok, turns=8)
+        m = eng.decode_metrics()
+        runs.append((m["prefill_calls"], m["prefill_tokens"], [o[2] for o in out]))
+    (calls_g, tokens_g, toks_g), (calls_i, tokens_i, toks_i) = runs
+    assert toks_i == toks_g and tokens_i == tokens_g
+    assert calls_i < calls_g, (calls_i, calls_g)

@@ -33,6 +33,9 @@ class IterationMixin:
         self._check_shared_weights()
         self._ensure_kv()
         kv, budget = self.kv, self.eng.max_batch_tokens
+        # the keys a chunk reads are bounded only where they are gathered (copied per layer); read in place
+        # (`FlashPrefill`) they cost no memory, and a turn of long kept episodes is one call, not two or three
+        key_budget = 4 * budget if self._flash_prefill is None or self._prefill_traced() else float("inf")
         chunk: list[tuple[Seq, int, int]] = []  # (seq, slot, kept columns)
         new_tokens = key_tokens = 0
         while True:
@@ -55,7 +58,7 @@ class IterationMixin:
             seq.reused_tokens = offset + keep
             seq.prefill_tokens = len(seq.prompt) - seq.reused_tokens
             n_new, n_keys = seq.prefill_tokens, keep + seq.prefill_tokens + offset
-            if chunk and (new_tokens + n_new > budget or key_tokens + n_keys > 4 * budget):
+            if chunk and (new_tokens + n_new > budget or key_tokens + n_keys > key_budget):
                 self._prefill(chunk)
                 chunk, new_tokens, key_tokens = [], 0, 0
             chunk.append((seq, slot, keep))
