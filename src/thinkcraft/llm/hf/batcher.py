@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.hf import autocast_shadow, lora_fast
+from thinkcraft.llm.hf import autocast_shadow, fused_proj, lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
@@ -158,6 +158,8 @@ class Batcher(CacheMixin, IterationMixin):
                 self._apply_updates()
                 if getattr(self.eng, "_lora_fast", None):  # a graphed step reads the adapters' copies: update them
                     lora_fast.refresh(self.eng._lora_fast)
+                if getattr(self.eng, "_fused_proj", None):  # and the fused projections' (sources: the above)
+                    fused_proj.refresh(self.eng._fused_proj)
                 self._autocast_shadows()
                 # a synchronous `generate` times prefill apart from decode: the device is drained after a step
                 # that prefilled (its prefill time then holds up to one decode step's device time too), never at
@@ -303,6 +305,8 @@ class Batcher(CacheMixin, IterationMixin):
         c["kv_cache_gb"] = self.kv.nbytes / 2**30 if self.kv else 0.0
         c["weights_version"] = float(self.version)
         # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
+        # sibling projections fused into one GEMM (fused_proj.py): the groups (two a layer where all apply)
+        c["fused_proj_groups"] = float(len(getattr(self.eng, "_fused_proj", None) or []))
         c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
         # the prefill's attention: 1 the keys read in place, 0 gathered per row (slots.py)
         c["flash_prefill"] = float(self.kv is not None and getattr(self, "_flash_prefill", None) is not None)

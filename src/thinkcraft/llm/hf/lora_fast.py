@@ -70,6 +70,11 @@ class _FastLoraMixin:
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         if grad:
             return _train_forward(self, x)
+        group = self.__dict__.get("_tc_group")
+        if group is not None:  # fused with its siblings (fused_proj.py)
+            out = group.member_forward(self._tc_index, x)
+            if out is not None:
+                return out
         if not torch.compiler.is_compiling():
             _refresh_layer(self)
         merged = self._tc_merged

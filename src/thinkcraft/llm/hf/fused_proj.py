@@ -1,0 +1,268 @@
+"""Sibling projections as one GEMM in the engine's no-grad forwards: each attention's q/k/v, each MLP's gate/up.
+
+Every decoder layer of the Llama / Qwen / Mistral families projects one input three times (q_proj, k_proj, v_proj)
+and another twice (gate_proj, up_proj). An engine's decode step at 256 rows is bound by its number of kernels, not
+by bytes (H200, 2026-11-29: 1,054 kernels a step, ~2.8 us of gap each, BENCHMARKS §7b); with LoRA on every linear
+each projection is three GEMMs (`lora_fast`), 15 for the five. Fused, a group is one GEMM over the concatenated
+weights, plus - for LoRA - one over the stacked adapters' A (`[A_q; A_k; A_v] x`) and one `addmm` over their
+block-diagonal `(s B)ᵀ`: 6 GEMMs for the five (merged LoRA weights, `THINKCRAFT_LORA_MERGE=1`: 2 for 5).
+
+How, without touching the model's code: the group's first member (the "leader", q_proj / gate_proj) computes the
+whole group's output, returns its own slice and leaves the others' in the group's stash keyed by its input
+tensor; a sibling called with that same tensor takes its slice (the last one clears the stash), and one called
+with anything else computes its own output as before - so an unusual call order costs the fusion, never the
+result. Only in no-grad forwards (the learner's gradient path is untouched), only for members that are plain
+half-precision `nn.Linear`s or `lora_fast` layers whose fast forward applies at that call.
+
+The fused tensors are copies (the members' weights stay where they are: the learner, checkpoints and weight
+updates see nothing new), `copies.COPY_FREE_FRACTION` of the free memory at most, refreshed like `lora_fast`'s:
+an eager forward checks its group's stamps; a compiled or graphed step cannot run Python, so the batcher calls
+`refresh` before each step, after `lora_fast.refresh` (whose adapter copies are sources here). The copies are
+updated in place, so captured graphs keep reading them. THINKCRAFT_FUSED_PROJ=0 leaves every projection alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from thinkcraft.llm.hf import lora_fast
+from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, mixin_getattr, unmix
+from thinkcraft.utils.errors import env_switch
+
+_HALF = (torch.bfloat16, torch.float16)
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Sibling linears fused when a module holds all of a tuple's names (leader first)."""
+
+
+class Group:
+    """One fused group: its members (leader first), the fused copies and the stash of one forward."""
+
+    def __init__(self, members: list[Any], lora: list[bool], merged: bool) -> None:
+        self.members = members
+        self.lora = lora  # per member: a lora_fast layer (its copies are the adapter's sources)
+        self.merged = merged  # the LoRA members carry merged weights: no adapter GEMMs
+        self.splits = [_base(m).weight.shape[0] for m in members]
+        w = _base(members[0]).weight
+        n_in, dt, dev = w.shape[1], w.dtype, w.device
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight = torch.empty(sum(self.splits), n_in, dtype=dt, device=dev)
+            has_bias = any(_base(m).bias is not None for m in members)
+            self.bias = torch.zeros(sum(self.splits), dtype=dt, device=dev) if has_bias else None
+            ranks = [m._tc_a.shape[0] if lo and not merged else 0 for m, lo in zip(members, lora)]
+            self.ranks = ranks
+            self.a = torch.empty(sum(ranks), n_in, dtype=dt, device=dev) if sum(ranks) else None
+            self.bt = torch.zeros(sum(ranks), sum(self.splits), dtype=dt, device=dev) if sum(ranks) else None
+        self.stash: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.seen: list[Any] = []
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias, self.a, self.bt) if t is not None)
+
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors the copies come from: each member's weight (its merged copy when merged) and bias, and its
+        adapter copies."""
+        out: list[torch.Tensor] = []
+        for m, lo in zip(self.members, self.lora):
+            base = _base(m)
+            if lo and self.merged:
+                out.append(m._tc_merged)
+            else:
+                out.append(base.weight)
+            if base.bias is not None:
+                out.append(base.bias)
+            if lo and not self.merged:
+                out += [m._tc_a, m._tc_bt]
+        return out
+
+    def refresh(self) -> bool:
+        """Copy every source into the fused tensors if any changed since the last copy (in place); True if so."""
+        stamp = _numbers(self.sources())
+        if stamp == self.seen:
+            return False
+        with torch.no_grad():
+            o = r = 0
+            for m, lo, n, k in zip(self.members, self.lora, self.splits, self.ranks):
+                base = _base(m)
+                self.weight[o:o + n].copy_(m._tc_merged if lo and self.merged else base.weight)
+                if self.bias is not None and base.bias is not None:
+                    self.bias[o:o + n].copy_(base.bias)
+                if k:
+                    self.a[r:r + k].copy_(m._tc_a)  # type: ignore[index]
+                    self.bt[r:r + k, o:o + n].copy_(m._tc_bt)  # type: ignore[index]
+                o, r = o + n, r + k
+        self.seen = stamp
+        return True
+
+    def usable(self, x: torch.Tensor) -> bool:
+        """This call may take the fused path: no gradient, the input on the copies' device, every LoRA member's fast
+        forward applying now (adapters enabled, one active, ...) in the mode the copies were made for."""
+        if torch.is_grad_enabled() or x.device != self.weight.device:
+            return False
+        for m, lo in zip(self.members, self.lora):
+            if lo and (not lora_fast._covered(m) or (m.__dict__.get("_tc_merged") is not None) != self.merged):
+                return False
+        return True
+
+    def member_forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Member i's output (None: it computes its own). The leader (i = 0) computes the group and stashes the
+        siblings' slices under its input; a sibling takes its slice only for that same input tensor."""
+        if i == 0:
+            if not self.usable(x):
+                return None
+            if not torch.compiler.is_compiling():  # an eager forward: the adapters' copies, then the group's
+                for m, lo in zip(self.members, self.lora):
+                    if lo:
+                        lora_fast._refresh_layer(m)
+                self.refresh()
+            outs = list(self.compute(x).split(self.splits, dim=-1))
+            self.stash = (x, outs)
+            return outs[0]
+        st = self.stash
+        if st is None or st[0] is not x:
+            return None
+        out = st[1][i]
+        if i == len(self.members) - 1:
+            self.stash = None  # the last sibling: nothing of this forward is kept alive
+        return out
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.weight.dtype)
+        y = F.linear(x, self.weight, self.bias)
+        if self.a is None:
+            return y
+        h = F.linear(x, self.a)
+        n = y.shape[-1]
+        return torch.addmm(y.reshape(-1, n), h.reshape(-1, h.shape[-1]), self.bt).view(y.shape)
+
+
+def _base(m: Any) -> Any:
+    """A member's linear: a LoRA layer's base layer, else the member itself."""
+    return getattr(m, "base_layer", m)
+
+
+def _numbers(tensors: list[torch.Tensor]) -> list[Any]:
+    out: list[Any] = []
+    for t in tensors:
+        out += [t.data_ptr(), t._version]
+    return out
+
+
+def member_forward(m: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """A member's output through its group, if it has one (None: this call computes as before)."""
+    g: Group | None = m.__dict__.get("_tc_group")
+    return None if g is None else g.member_forward(m._tc_index, x)
+
+
+class _FusedLinearMixin:
+    """Mixed into a plain `nn.Linear` member (the class swapped, as lora_fast's layers are): its no-grad forward
+    goes through the group; `lora_fast`'s layers ask the group from their own forward."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not args and not kwargs:
+            out = member_forward(self, x)
+            if out is not None:
+                return out
+        return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+
+
+def _fusable(m: Any) -> str | None:
+    """"lora" (a lora_fast layer), "plain" (a half-precision `nn.Linear`, or one already swapped here) or None."""
+    if isinstance(m, lora_fast._FastLoraMixin):
+        return "lora" if m.base_layer.weight.dtype in _HALF else None
+    if type(m) is torch.nn.Linear or isinstance(m, _FusedLinearMixin):
+        return "plain" if m.weight.dtype in _HALF else None
+    return None
+
+
+def _candidates(model: torch.nn.Module) -> list[tuple[list[Any], list[bool], bool]]:
+    """(members, lora flags, merged) for every module holding a fusable group of siblings that agree on the input
+    size, dtype and device, and on the LoRA mode (all merged or none)."""
+    out = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            kinds = [_fusable(m) for m in members]
+            if any(k is None for k in kinds):
+                continue
+            ws = [_base(m).weight for m in members]
+            if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
+                continue
+            lora = [k == "lora" for k in kinds]
+            modes = {m.__dict__.get("_tc_merged") is not None for m, lo in zip(members, lora) if lo}
+            if len(modes) > 1:
+                continue
+            out.append((members, lora, modes == {True}))
+    return out
+
+
+def install(model: torch.nn.Module, max_bytes: float | None = None) -> list[Group]:
+    """Fuse `model`'s sibling projections (after `lora_fast.install` and any quantisation: members are plain
+    half-precision linears or lora_fast layers) and return the groups (empty: nothing changed, also with
+    THINKCRAFT_FUSED_PROJ=0 or when the copies do not fit). Idempotent: groups already on their members' device
+    are kept."""
+    if not env_switch("THINKCRAFT_FUSED_PROJ", default=True):
+        return []
+    found = _candidates(model)
+    if not found:
+        return []
+    kept, todo = [], []
+    for members, lora, merged in found:
+        g = members[0].__dict__.get("_tc_group")
+        same = (g is not None and g.members == members and g.merged == merged
+                and g.weight.device == _base(members[0]).weight.device)
+        (kept if same else todo).append(g if same else (members, lora, merged))
+    need = 0
+    for members, lora, merged in todo:
+        n_out = sum(_base(m).weight.shape[0] for m in members)
+        n_in = _base(members[0]).weight.shape[1]
+        need += n_out * n_in * _base(members[0]).weight.element_size()
+    if todo and not copies_fit(need, _base(todo[0][0][0]).weight.device, max_bytes,
+                               "fused q/k/v and gate/up copies (THINKCRAFT_FUSED_PROJ): each projection runs alone"):
+        return list(kept)
+    groups = list(kept)
+    for members, lora, merged in todo:
+        g = Group(members, lora, merged)
+        for i, m in enumerate(members):
+            if not lora[i] and not isinstance(m, _FusedLinearMixin):
+                m.__class__ = mixin_class(_FusedLinearMixin, type(m), "FusedProj", globals())
+            m._tc_group, m._tc_index = g, i
+        g.refresh()
+        groups.append(g)
+    return StampedGroups(groups)
+
+
+class StampedGroups(StampedLayers):
+    """The groups with `copies.StampedLayers`' one-stamp check a step (nothing changed: no group walked)."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        super().__init__(groups, lambda g: g.sources(), _numbers, lambda g: g.refresh())
+
+
+def refresh(groups: list[Group]) -> int:
+    """Bring every group's copies up to date (before a compiled or graphed step, after `lora_fast.refresh`); how
+    many were copied."""
+    if isinstance(groups, StampedLayers):
+        return groups.refresh()
+    return sum(g.refresh() for g in groups)
+
+
+def counts(groups: list[Group]) -> dict[str, int]:
+    """{"groups": fused groups, "members": projections they replace, "lora": of them with stacked adapters}."""
+    return {"groups": len(groups), "members": sum(len(g.members) for g in groups),
+            "lora": sum(g.a is not None for g in groups)}
+
+
+def strip(model: torch.nn.Module) -> None:
+    """Take the groups out of `model` (a copy for another engine or process, which fuses its own)."""
+    unmix(model, _FusedLinearMixin, ())
+    for m in model.modules():
+        m.__dict__.pop("_tc_group", None)
+        m.__dict__.pop("_tc_index", None)
+
+
+# a swapped class unpickled before this process made it
+__getattr__ = mixin_getattr(_FusedLinearMixin, "FusedProj", globals())
