@@ -245,6 +245,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the prefill's attention: keys read in place (slots.py `prefill_inplace_kernel`, THINKCRAFT_FLASH_PREFILL)
         # or gathered per row
         flash_prefill = bool(kv.get("flash_prefill", 0.0))
+        # q/k/v and gate/up groups run as one GEMM each (llm/hf/fused_proj.py, THINKCRAFT_FUSED_PROJ)
+        fused_proj_groups = int(kv.get("fused_proj_groups", 0.0))
         del policy
     gc.collect()
     if cuda:
@@ -306,6 +308,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
+        "fused_proj_groups": fused_proj_groups,
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
-                                                       "flash_prefill"))
+                                                       "flash_prefill", "fused_proj_groups"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
