@@ -1,11 +1,14 @@
 """What do an llm-policy rollout's prompts cost on the host per decision? `ChatPrompts.next` (the sync and
-async rollouts' prompt builder) for N episodes x T turns: the whole conversation rendered by the chat template
-again each turn, then only the new piece tokenized. Bundled SmolLM2 template, Craftax-sized observations
+async rollouts' prompt builder) for N episodes x T turns: each later turn's piece built around the observation
+(THINKCRAFT_FAST_PROMPTS=0: the whole conversation rendered by the chat template again each turn), then only the
+new piece tokenized. Bundled SmolLM2 template, Craftax-sized observations
 (80 lines, ~1,500 characters), 32-token replies ending in the template's end-of-turn token.
 
     PYTHONPATH=src python bench/probes/chat_render_probe.py            # 256 episodes x 8 turns
+    THINKCRAFT_FAST_PROMPTS=0 PYTHONPATH=src python bench/probes/chat_render_probe.py   # rendering whole
 
-Writes bench/results/chat_render_probe.json {episodes, turns, per_turn_s, ms_per_decision, prompt_tokens_last}.
+Writes bench/results/chat_render_probe.json {episodes, turns, per_turn_s, ms_per_decision, prompt_tokens_last,
+fast_prompts, fast_pieces}.
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ def main() -> None:
                                  finish_reason="stop") for _ in range(n)]
     row = {"episodes": n, "turns": a.turns, "per_turn_s": [round(x, 4) for x in per_turn],
            "ms_per_decision": 1000 * sum(per_turn) / (n * a.turns), "prompt_tokens_last": len(ids[0]),
+           # later turns built around the observation without rendering the conversation (THINKCRAFT_FAST_PROMPTS)
+           "fast_prompts": prompts.fast, "fast_pieces": prompts.fast_pieces,
            "card": card(), "date": today()}
     print(f"{n} episodes x {a.turns} turns: {row['ms_per_decision']:.3f} ms per decision; per turn "
           f"{row['per_turn_s']} s; {row['prompt_tokens_last']} prompt tokens at the end")
-    print("wrote", write_records(ROOT / "bench" / "results" / "chat_render_probe.json", [row]))
+    print("wrote", write_records(ROOT / "bench" / "results" / "chat_render_probe.json", [row],
+                                 merge_keys=("episodes", "turns", "fast_prompts", "card")))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -29,6 +30,9 @@ import numpy as np
 
 from thinkcraft.pools.contract import Trajectory, TurnRecord
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
+from thinkcraft.utils.errors import env_switch
+
+log = logging.getLogger(__name__)
 
 
 def build_messages(system: str, history: Sequence[tuple[str, str]], obs: str, history_turns: int) -> list[dict]:
@@ -199,7 +203,17 @@ class ChatPrompts:
     turns (detected on the rendered text) gets that prompt tokenized whole (`_Chat.fallback`). A history
     window renders every prompt anew. One batched tokenizer call per `next`, under `lock` (a fast tokenizer
     shared by threads can fail "Already borrowed"). `sampling`: a constrained answer under a thinking budget
-    gets `THOUGHT_OPENER` appended where the template does not open the thought (`_needs_opener`)."""
+    gets `THOUGHT_OPENER` appended where the template does not open the thought (`_needs_opener`).
+
+    Without rendering (`fast`, THINKCRAFT_FAST_PROMPTS, on): a template that writes every message on its own
+    (the end of a reply, then the user turn around its content, then the generation prompt) adds, after a
+    reply, the same text around every observation - found once by rendering marker messages (`_wrapper`;
+    refused where the markers do not come back verbatim: a template that trims, escapes or reorders content).
+    Each later turn's piece is then that text around the observation, where rendering the whole conversation
+    again cost the host ~0.3-0.5 ms a decision, growing with the turns (bench/probes/chat_render_probe.py).
+    Every `next` still renders one episode's conversation whole and compares; a template whose rendering
+    depends on more than the message (Qwen3 drops earlier thoughts, some number the turns) fails that check
+    and every prompt is rendered whole from then on (`rendered_whole_after_check`, a warning)."""
 
     def __init__(self, tokenizer, system_prompt: str, n: int, history_turns: int, lock: Any = None,
                  sampling: Any = None) -> None:
@@ -213,6 +227,12 @@ class ChatPrompts:
         self.specials = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids}
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self._prefix: np.ndarray | None = None
+        self.fast = self.append_only and env_switch("THINKCRAFT_FAST_PROMPTS", default=True)
+        self._wrap: tuple[str, str] | None | bool = False  # (after a reply, after an observation); False: not yet
+        self.fast_pieces = 0
+        """Pieces built without rendering."""
+        self.rendered_whole_after_check = False
+        """The per-`next` check found a whole render that the pieces did not match: rendering whole since."""
 
     @property
     def prefix(self) -> np.ndarray:
@@ -232,13 +252,51 @@ class ChatPrompts:
         """The next prompts' ids of episodes `idx`, given their new observations and their last completions
         (None on the first turn)."""
         with self.lock:
-            pieces = [self._piece(i, o, c) for i, o, c in zip(idx, obs, comps)]
+            check = next((k for k, c in enumerate(comps) if c is not None), None) if self._fast_ready() else None
+            if check is not None:  # one episode rendered whole and compared: the rest then need no render
+                pieces = {check: self._piece(idx[check], obs[check], comps[check], verify=True)}
+            else:
+                pieces = {}
+            pieces.update({k: self._piece(i, o, c) for k, (i, o, c) in enumerate(zip(idx, obs, comps))
+                           if k not in pieces})
+            pieces = [pieces[k] for k in range(len(idx))]
             for i, ids in zip(idx, _encode_texts(self.tok, pieces)):
                 self.chats[i].ids = self.chats[i].ids + ids
         return [self.chats[i].ids for i in idx]
 
-    def _piece(self, i: int, obs: str, c: Any) -> str:
-        """The text still to tokenize for episode i's next prompt (its chat updated to that prompt)."""
+    def _fast_ready(self) -> bool:
+        return self.fast and not self.rendered_whole_after_check and self._wrapper() is not None
+
+    def _wrapper(self) -> tuple[str, str] | None:
+        """(what the template writes between a reply's content and the next user message's, what it writes after
+        a user message's content up to the reply: its end, the generation prompt), from one render of marker
+        messages with spaces around them (a template that trims or escapes content loses them: None)."""
+        if self._wrap is False:
+            reply, user = " @@thinkcraft-reply-7f3a@@ ", " @@thinkcraft-obs-7f3a@@ "
+            turn = [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
+            first = [{"role": "user", "content": " @@thinkcraft-first-7f3a@@ "}]
+            early = [{"role": "assistant", "content": " @@thinkcraft-early-7f3a@@ "},
+                     {"role": "user", "content": " @@thinkcraft-second-7f3a@@ "}]
+            # after one exchange and after two: a template that numbers turns (or looks at the message count)
+            # writes different text around the same marker
+            wraps = {self._marked(first + turn, reply, user), self._marked(first + early + turn, reply, user)}
+            self._wrap = wraps.pop() if len(wraps) == 1 else None
+        return self._wrap  # type: ignore[return-value]
+
+    def _marked(self, msgs: list[dict], reply: str, user: str) -> tuple[str, str] | None:
+        """`_wrapper`'s two texts in one render of `msgs` (system first), or None."""
+        try:
+            text = _render(self.tok, self.system + msgs)
+        except Exception:  # noqa: BLE001 - a template refusing these messages: render whole
+            return None
+        if text.count(reply) != 1 or text.count(user) != 1 or text.index(reply) > text.index(user):
+            return None
+        a, u = text.index(reply) + len(reply), text.index(user)
+        return text[a:u], text[u + len(user):]
+
+    def _piece(self, i: int, obs: str, c: Any, verify: bool = False) -> str:
+        """The text still to tokenize for episode i's next prompt (its chat updated to that prompt). `verify`:
+        rendered whole and compared with the piece `_wrapper` gives (a mismatch: render whole from now on)."""
         tok, chat = self.tok, self.chats[i]
         if c is not None:
             self.histories[i].append((self._obs[i], c.text))
@@ -256,7 +314,20 @@ class ChatPrompts:
             sent = chat.text + content + end
             chat.messages.append({"role": "assistant", "content": chat.opener + content})
         chat.messages.append({"role": "user", "content": obs})
-        text = _render(tok, chat.messages)
+        fast = None
+        if sent is not None and self._fast_ready():
+            after_reply, after_obs = self._wrapper()  # type: ignore[misc]
+            if after_reply.startswith(end):  # the reply's sampled end is the template's
+                fast = after_reply[len(end):] + obs + after_obs
+        if fast is not None and not verify:
+            self.fast_pieces += 1
+            text = sent + fast  # type: ignore[operator]
+        else:
+            text = _render(tok, chat.messages)
+            if verify and fast is not None and text != sent + fast:  # type: ignore[operator]
+                self.rendered_whole_after_check = True
+                log.warning("the chat template does not write each message on its own (a whole render differed from "
+                            "the piece around the observation): every prompt is rendered whole from now on")
         chat.opener = self._opener(text)
         text += chat.opener
         chat.fallback = sent is not None and not text.startswith(sent)
