@@ -309,6 +309,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
         "fused_proj_groups": fused_proj_groups,
+        # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
+        "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
-                                                       "flash_prefill", "fused_proj_groups"))
+                                                       "flash_prefill", "fused_proj_groups", "fast_prompts"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
