@@ -20,19 +20,15 @@ from thinkcraft.utils.errors import UserError
 from test_flash_decode import _episodes
 
 peft = pytest.importorskip("peft")
+from test_lora_fast import _lora  # noqa: E402 - after the skip: it needs PEFT too
 
 
 def _model(lora: bool, seed: int = 0):  # noqa: ANN202
-    model, tok = tiny_llama(seed=seed)
-    model = model.to(torch.bfloat16)
+    """A bf16 tiny Llama, with LoRA on every linear (B non-zero) or plain."""
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:  # PEFT starts B at zero: the adapter would add nothing
-                    p.normal_(std=0.05)
-    return model, tok
+        return _lora(seed=seed)
+    model, tok = tiny_llama(seed=seed)
+    return model.to(torch.bfloat16), tok
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001

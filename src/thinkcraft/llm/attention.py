@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 
@@ -581,22 +582,33 @@ def prefill_case(device: torch.device | str, head_dim: int, dtype: torch.dtype, 
 def probe_flash_prefill(device: torch.device | str, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the batcher's prefill may read the slots in place (`prefill_in_place` through FlashAttention;
     CUDA only): tried once per (device type, head dim, dtype) on `prefill_case` against the gather, eagerly."""
+    def agrees() -> bool:
+        case = prefill_case(device, head_dim, dtype)
+        got = prefill_in_place(*case["inplace"], compat.flash_decode, prefix=case["prefix"])
+        want = prefill_gather_reference(*case["reference"], **case["reference_prefix"])
+        return bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+
+    return _probe_once(_FLASH_PREFILL, device, head_dim, dtype, agrees, "the prefill over the slots in place",
+                       "it gathers")
+
+
+def _probe_once(results: dict, device: torch.device | str, head_dim: int, dtype: torch.dtype,
+                agrees: Callable[[], bool], what: str, instead: str) -> bool:
+    """A kernel's probe, run once per (device type, head dim, dtype) and remembered in `results`: CUDA only;
+    `agrees()` compares the kernel with its reference on a small case, and a kernel that raises (a head dim or
+    dtype it does not take) is refused here, said in the log with what runs `instead`."""
     kind = torch.device(device).type
     if kind != "cuda":
         return False
     key = (kind, int(head_dim), dtype)
-    if key not in _FLASH_PREFILL:
+    if key not in results:
         ok = False
         try:
-            case = prefill_case(device, head_dim, dtype)
-            got = prefill_in_place(*case["inplace"], compat.flash_decode, prefix=case["prefix"])
-            want = prefill_gather_reference(*case["reference"], **case["reference_prefix"])
-            ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+            ok = agrees()
         except (RuntimeError, AttributeError, NotImplementedError, TypeError, ValueError) as e:
-            log.info("the prefill over the slots in place is unavailable for head dim %d, %s (%s): it gathers",
-                     head_dim, dtype, e)
-        _FLASH_PREFILL[key] = ok
-    return _FLASH_PREFILL[key]
+            log.info("%s is unavailable for head dim %d, %s (%s): %s", what, head_dim, dtype, e, instead)
+        results[key] = ok
+    return results[key]
 
 
 _FLASH_DECODE: dict[tuple[str, int, torch.dtype], bool] = {}
@@ -608,29 +620,21 @@ def probe_flash_decode(device: torch.device | str, head_dim: int = 64, dtype: to
     """Whether the batcher's decode may read the slots through `slot_decode_attention` (CUDA only): tried once
     per (device type, head dim, dtype) on a tiny GQA slot cache against the matmul path (eagerly: never inside a
     capture). A head dim or dtype the kernel does not take is refused here, not in the middle of a step."""
-    kind = torch.device(device).type
-    if kind != "cuda":
-        return False
-    key = (kind, int(head_dim), dtype)
-    if key not in _FLASH_DECODE:
-        ok = False
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
+    def agrees() -> bool:
+        g = torch.Generator(device=device).manual_seed(0)
 
-            def r(*shape):  # noqa: ANN002, ANN202
-                return torch.randn(*shape, device=device, generator=g).to(dtype)
+        def r(*shape):  # noqa: ANN002, ANN202
+            return torch.randn(*shape, device=device, generator=g).to(dtype)
 
-            d = int(head_dim)
-            q, kc, vc = r(3, 4, 1, d), r(3, 2, 9, d), r(3, 2, 9, d)
-            key_len = torch.tensor([1, 5, 8], device=device)
-            mask = (torch.arange(8, device=device)[None, :] < key_len[:, None])[:, None, None, :]
-            scale = d ** -0.5
-            want, want_lse = gqa_decode_attention(q, kc[:, :, :8], vc[:, :, :8], mask, scale, True)
-            got, got_lse = slot_decode_attention(q, kc, vc, key_len, 8, scale)
-            ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2)
-                      and torch.allclose(got_lse, want_lse, atol=2e-2))
-        except (RuntimeError, AttributeError, NotImplementedError, TypeError, ValueError) as e:
-            log.info("flash decode over the slots unavailable for head dim %d, %s (%s): the decode step's attention "
-                     "is the matmul path", d, dtype, e)
-        _FLASH_DECODE[key] = ok
-    return _FLASH_DECODE[key]
+        d = int(head_dim)
+        q, kc, vc = r(3, 4, 1, d), r(3, 2, 9, d), r(3, 2, 9, d)
+        key_len = torch.tensor([1, 5, 8], device=device)
+        mask = (torch.arange(8, device=device)[None, :] < key_len[:, None])[:, None, None, :]
+        scale = d ** -0.5
+        want, want_lse = gqa_decode_attention(q, kc[:, :, :8], vc[:, :, :8], mask, scale, True)
+        got, got_lse = slot_decode_attention(q, kc, vc, key_len, 8, scale)
+        return bool(torch.allclose(got.float(), want.float(), atol=2e-2)
+                    and torch.allclose(got_lse, want_lse, atol=2e-2))
+
+    return _probe_once(_FLASH_DECODE, device, head_dim, dtype, agrees, "flash decode over the slots",
+                       "the decode step's attention is the matmul path")

@@ -268,10 +268,17 @@ def prefill_inplace_kernel(device: torch.device, dtype: torch.dtype, head_dim: i
     columns and the shared prefix's one copy, on CUDA in half precision where `attention.probe_flash_prefill`
     found it agreeing with the gather; None (gather, then `prefill_kernel`) elsewhere and with
     THINKCRAFT_FLASH_PREFILL=0."""
-    if not env_switch("THINKCRAFT_FLASH_PREFILL", default=True):
+    return _flash_kernel("THINKCRAFT_FLASH_PREFILL", A.probe_flash_prefill, device, dtype, head_dim)
+
+
+def _flash_kernel(switch: str, probe: Callable[..., bool], device: torch.device, dtype: torch.dtype,
+                  head_dim: int) -> Callable[..., Any] | None:
+    """`compat.flash_decode` where `switch` (default on) allows it, on CUDA in half precision, where `probe` found
+    it agreeing with its reference at this head dim and dtype; else None."""
+    if not env_switch(switch, default=True):
         return None
     half = dtype in (torch.float16, torch.bfloat16)
-    if device.type == "cuda" and half and A.probe_flash_prefill(device, head_dim, dtype):
+    if device.type == "cuda" and half and probe(device, head_dim, dtype):
         return compat.flash_decode
     return None
 
@@ -282,12 +289,7 @@ def decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) 
     agreeing with the matmul path at this head dim and dtype; None (the matmul path over the whole width,
     `attention.gqa_decode_attention`) elsewhere and with THINKCRAFT_FLASH_DECODE=0. Chosen once per cache, eagerly
     (never inside a capture)."""
-    if not env_switch("THINKCRAFT_FLASH_DECODE", default=True):
-        return None
-    half = dtype in (torch.float16, torch.bfloat16)
-    if device.type == "cuda" and half and A.probe_flash_decode(device, head_dim, dtype):
-        return compat.flash_decode
-    return None
+    return _flash_kernel("THINKCRAFT_FLASH_DECODE", A.probe_flash_decode, device, dtype, head_dim)
 
 
 def flash_decode_meta(kv: SlotKV, query_heads: int, kernel: Callable[..., Any] | None) -> FlashDecode | None:
