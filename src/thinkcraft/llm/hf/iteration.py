@@ -103,25 +103,16 @@ class IterationMixin:
         cu_q = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         t = lambda a: to_device(a, dev)  # noqa: E731
         traced = self._prefill_traced()
+        flash = None
         if self._flash_prefill is not None and not traced:
             flash = self._flash_prefill_args(slots, total, n_new, offs, p)
-            ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
-                             t(tok_slot), t(tok_col), None, None, None, t(cu_q), None, int(n_new.max()),
-                             flash.max_k, flash.kernel, flash)
+            keys: tuple = (None, None, None, None, flash.max_k, flash.kernel)
         else:
-            gather_col = np.concatenate([np.arange(t) for t in total])
-            gather_slot = np.repeat(slots, total)
-            key_index = None
-            k_len = total + np.where(offs > 0, p, 0)
-            if p:
-                starts = np.concatenate([[0], np.cumsum(total)[:-1]]) + p
-                key_index = to_device(np.concatenate([
-                    np.concatenate([np.arange(p) if o > 0 else np.zeros(0, np.int64), np.arange(s, s + t)])
-                    for o, s, t in zip(offs, starts, total)]), dev)
-            cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
-            ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
-                             t(tok_slot), t(tok_col), t(gather_slot), t(gather_col), key_index, t(cu_q), t(cu_k),
-                             int(n_new.max()), int(k_len.max()), prefill_kernel(dev, kv.dtype, traced))
+            keys = self._gather_args(slots, total, offs, p, traced)
+        gather_slot, gather_col, key_index, cu_k, max_k, kernel = keys
+        ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
+                         t(tok_slot), t(tok_col), gather_slot, gather_col, key_index, t(cu_q), cu_k, int(n_new.max()),
+                         max_k, kernel, flash)
         logits = self._prefill_forward()(ids, pos, ctx, t(cu_q[1:].astype(np.int64) - 1))
         idx = t(slots)
         self.logits[idx] = logits
@@ -130,6 +121,23 @@ class IterationMixin:
         self.counters["prefill_calls"] += 1.0
         self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
         self.counters["fallbacks"] += float(sum(q.fallback for q, _, _ in chunk))
+
+    def _gather_args(self, slots: np.ndarray, total: np.ndarray, offs: np.ndarray, p: int, traced: bool) -> tuple:
+        """The gathered prefill's (gather_slot, gather_col, key_index, cu_k, max_k, kernel): every row's columns
+        after the write, and the prefix before them for the rows that read it, packed as one key sequence a row."""
+        dev = self.eng.device
+        gather_col = np.concatenate([np.arange(t) for t in total])
+        gather_slot = np.repeat(slots, total)
+        key_index = None
+        k_len = total + np.where(offs > 0, p, 0)
+        if p:
+            starts = np.concatenate([[0], np.cumsum(total)[:-1]]) + p
+            key_index = to_device(np.concatenate([
+                np.concatenate([np.arange(p) if o > 0 else np.zeros(0, np.int64), np.arange(s, s + t)])
+                for o, s, t in zip(offs, starts, total)]), dev)
+        cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
+        return (to_device(gather_slot, dev), to_device(gather_col, dev), key_index, to_device(cu_k, dev),
+                int(k_len.max()), prefill_kernel(dev, self.kv.dtype, traced))
 
     def _flash_prefill_args(self, slots: np.ndarray, total: np.ndarray, n_new: np.ndarray, offs: np.ndarray,
                             p: int) -> FlashPrefill:
