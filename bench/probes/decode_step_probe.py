@@ -164,7 +164,9 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
                           Path(a.out).with_name(f"{Path(a.out).stem}_host-{variant}-{width}-{a.rows}rows.txt"))
     med = lambda k: round(statistics.median(r[k] for r in runs), 3)  # noqa: E731
     engine.free_cache()
-    return {"variant": variant, "lora_fast_layers": len(engine._lora_fast), "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
+    return {"variant": variant, "lora_fast_layers": len(engine._lora_fast),
+            # q/k/v and gate/up groups as one GEMM each (llm/hf/fused_proj.py; THINKCRAFT_FUSED_PROJ=0: none)
+            "fused_proj_groups": len(getattr(engine, "_fused_proj", None) or []), "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
             "context": a.context, "new_tokens": a.new_tokens, "decode_ms_per_step": med("decode_ms"),
             "decode_wait_ms": med("wait_ms"), "host_ms": round(med("decode_ms") - med("wait_ms"), 3),
             "rows_per_step": med("rows_per_step"), "prefill_s": med("prefill_s"),
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         for width in a.kv_cache:
             rows.append(measure(a, model, tok, device, variant, width))
             print({k: rows[-1][k] for k in COLS}, flush=True)
-    write_records(a.out, rows, merge_keys=("variant", "kv_cache", "shape", "rows", "context", "card", "quick"))
+    write_records(a.out, rows, merge_keys=("variant", "kv_cache", "shape", "rows", "context", "card", "quick",
+                                           "fused_proj_groups"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0
