@@ -20,7 +20,7 @@ from thinkcraft.utils.errors import UserError
 from test_flash_decode import _episodes
 
 peft = pytest.importorskip("peft")
-from test_lora_fast import _lora  # noqa: E402 - after the skip: it needs PEFT too
+from test_lora_fast import _logits, _lora  # noqa: E402 - after the skip: it needs PEFT too
 
 
 def _model(lora: bool, seed: int = 0):  # noqa: ANN202
@@ -29,11 +29,6 @@ def _model(lora: bool, seed: int = 0):  # noqa: ANN202
         return _lora(seed=seed)
     model, tok = tiny_llama(seed=seed)
     return model.to(torch.bfloat16), tok
-
-
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    with torch.no_grad():
-        return model(ids).logits.float()
 
 
 def _counting(monkeypatch) -> list:  # noqa: ANN001

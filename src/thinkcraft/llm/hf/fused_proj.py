@@ -59,9 +59,6 @@ class Group:
         self.stash: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.seen: list[Any] = []
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias, self.a, self.bt) if t is not None)
-
     def sources(self) -> list[torch.Tensor]:
         """The tensors the copies come from: each member's weight (its merged copy when merged) and bias, and its
         adapter copies."""
@@ -151,19 +148,14 @@ def _numbers(tensors: list[torch.Tensor]) -> list[Any]:
     return out
 
 
-def member_forward(m: Any, x: torch.Tensor) -> torch.Tensor | None:
-    """A member's output through its group, if it has one (None: this call computes as before)."""
-    g: Group | None = m.__dict__.get("_tc_group")
-    return None if g is None else g.member_forward(m._tc_index, x)
-
-
 class _FusedLinearMixin:
     """Mixed into a plain `nn.Linear` member (the class swapped, as lora_fast's layers are): its no-grad forward
     goes through the group; `lora_fast`'s layers ask the group from their own forward."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not args and not kwargs:
-            out = member_forward(self, x)
+        group = self.__dict__.get("_tc_group")
+        if group is not None and not args and not kwargs:
+            out = group.member_forward(self._tc_index, x)
             if out is not None:
                 return out
         return super().forward(x, *args, **kwargs)  # type: ignore[misc]

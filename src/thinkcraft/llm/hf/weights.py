@@ -80,9 +80,9 @@ def lora_state(model: Any) -> dict[str, torch.Tensor]:
 
 def strip_copies(model: torch.nn.Module) -> None:
     """Take an engine's derived copies out of `model` (autocast_shadow's half weights, lora_fast's adapter copies
-    and merged weights, fused_proj's fused projections): a deep copy of a model that an engine served, made for another engine or process,
-    which installs its own - device tensors of the first engine's would otherwise travel with it (Ray's object
-    store) or go stale."""
+    and merged weights, fused_proj's fused projections): a deep copy of a model that an engine served, made for
+    another engine or process, which installs its own - device tensors of the first engine's would otherwise travel
+    with it (Ray's object store) or go stale."""
     from thinkcraft.llm.hf import autocast_shadow, fused_proj, lora_fast
 
     autocast_shadow.strip(model)

@@ -252,14 +252,13 @@ class ChatPrompts:
         """The next prompts' ids of episodes `idx`, given their new observations and their last completions
         (None on the first turn)."""
         with self.lock:
+            # one episode rendered whole and compared first: the others then need no render (or, after a
+            # mismatch, all are rendered)
             check = next((k for k, c in enumerate(comps) if c is not None), None) if self._fast_ready() else None
-            if check is not None:  # one episode rendered whole and compared: the rest then need no render
-                pieces = {check: self._piece(idx[check], obs[check], comps[check], verify=True)}
-            else:
-                pieces = {}
-            pieces.update({k: self._piece(i, o, c) for k, (i, o, c) in enumerate(zip(idx, obs, comps))
-                           if k not in pieces})
-            pieces = [pieces[k] for k in range(len(idx))]
+            order = ([check] if check is not None else []) + [k for k in range(len(idx)) if k != check]
+            pieces: list[str] = [""] * len(idx)
+            for k in order:
+                pieces[k] = self._piece(idx[k], obs[k], comps[k], verify=k == check)
             for i, ids in zip(idx, _encode_texts(self.tok, pieces)):
                 self.chats[i].ids = self.chats[i].ids + ids
         return [self.chats[i].ids for i in idx]
