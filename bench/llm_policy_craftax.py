@@ -247,6 +247,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         flash_prefill = bool(kv.get("flash_prefill", 0.0))
         # q/k/v and gate/up groups run as one GEMM each (llm/hf/fused_proj.py, THINKCRAFT_FUSED_PROJ)
         fused_proj_groups = int(kv.get("fused_proj_groups", 0.0))
+        # of them, the LoRA groups whose adapters' A rides in the base GEMM (fused_proj.py, THINKCRAFT_FOLD_LORA_A)
+        fused_proj_folded = int(kv.get("fused_proj_folded", 0.0))
         del policy
     gc.collect()
     if cuda:
@@ -308,7 +310,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
-        "fused_proj_groups": fused_proj_groups,
+        "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
@@ -347,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
-                                                       "flash_prefill", "fused_proj_groups", "fast_prompts"))
+                                                       "flash_prefill", "fused_proj_groups", "fused_proj_folded",
+                                                       "fast_prompts"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

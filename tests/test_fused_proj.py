@@ -38,25 +38,83 @@ def _counting(monkeypatch) -> list:  # noqa: ANN001
     return calls
 
 
-@pytest.mark.parametrize("kind", ["plain", "lora", "lora-merged"])
+@pytest.mark.parametrize("kind", ["plain", "lora", "lora-unfolded", "lora-merged"])
 def test_fused_groups_equal_the_separate_projections(kind: str, monkeypatch) -> None:
-    """Every layer's q/k/v and gate/up fused (two groups a layer, five projections); the logits equal those of the
-    same layers computed one by one (the groups stripped) to bf16 rounding of the GEMMs."""
+    """Every layer's q/k/v and gate/up fused (two groups a layer, five projections), and with LoRA's A folded into
+    the base GEMM (the default) o_proj and down_proj as groups of one; the logits equal those of the same layers
+    computed one by one (the groups stripped) to bf16 rounding of the GEMMs."""
     monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "1" if kind == "lora-merged" else "0")
+    monkeypatch.setenv("THINKCRAFT_FOLD_LORA_A", "0" if kind == "lora-unfolded" else "1")
     model, _ = _model(kind != "plain")
     lora_fast.install(model)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     want = _logits(model, ids)
     groups = fused_proj.install(model)
-    n_layers = model.config.num_hidden_layers
-    assert fused_proj.counts(groups) == {"groups": 2 * n_layers, "members": 5 * n_layers,
-                                         "lora": 2 * n_layers if kind == "lora" else 0}
+    n = model.config.num_hidden_layers
+    lora, folded = kind.startswith("lora") and kind != "lora-merged", kind == "lora"
+    assert fused_proj.counts(groups) == {"groups": (4 if folded else 2) * n, "members": (7 if folded else 5) * n,
+                                         "lora": (4 if folded else 2) * n if lora else 0,
+                                         "folded": 4 * n if folded else 0, "singles": 2 * n if folded else 0}
     assert fused_proj.install(model) == groups  # idempotent
     calls = _counting(monkeypatch)
     got = _logits(model, ids)
-    assert sorted(set(calls)) == [2, 3] and len(calls) == 2 * n_layers  # one GEMM group per sibling set
+    assert sorted(set(calls)) == ([1, 2, 3] if folded else [2, 3])  # one GEMM group per sibling set (and single)
+    assert len(calls) == len(groups)
     assert all(g.stash is None for g in groups)  # the last sibling let go of the forward's outputs
     torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
+def _aten_ops(fn) -> list[str]:  # noqa: ANN001
+    """The aten operators `fn()` dispatches (what a captured graph would hold as kernels, on the CPU's side)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return ops
+
+
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_folded_adapters_are_two_products_and_equal_unfolded(fold: str, monkeypatch) -> None:
+    """A LoRA group with A folded computes the base outputs and `x Aᵀ` in ONE product and adds the low-rank part in
+    place (two products, no copy); unfolded it is three products (base, A, addmm). Both give the members' own
+    outputs (each projection alone: its lora_fast forward, no group) to bf16 rounding, q/k/v and o_proj."""
+    monkeypatch.setenv("THINKCRAFT_FOLD_LORA_A", fold)
+    model, _ = _model(lora=True, seed=5)
+    lora_fast.install(model)
+    groups = fused_proj.install(model)
+    attn = model.base_model.model.model.layers[1].self_attn
+    x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
+    alone = {}
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            m = getattr(attn, name)
+            g = m.__dict__.pop("_tc_group", None)
+            alone[name] = m(x if name != "o_proj" else x[..., : m.in_features])
+            if g is not None:
+                m._tc_group = g
+        group = attn.q_proj._tc_group
+        assert group.fold == (fold == "1") and (attn.o_proj.__dict__.get("_tc_group") is not None) == (fold == "1")
+        ops = _aten_ops(lambda: group.compute(x))
+        prods = [o for o in ops if o in ("mm", "addmm", "addmm_", "bmm", "matmul", "linear")]
+        assert prods == (["mm", "addmm_"] if fold == "1" else ["mm", "mm", "addmm"]), ops  # (no bias: mm)
+        assert not [o for o in ops if o in ("copy_", "clone", "cat")], ops
+        got = {n: getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+        got["o_proj"] = attn.o_proj(x[..., : attn.o_proj.in_features])
+    for name, want in alone.items():
+        torch.testing.assert_close(got[name], want, atol=0.02 * want.abs().max().item(), rtol=0)
+    assert len(groups) == (4 if fold == "1" else 2) * model.config.num_hidden_layers
+    monkeypatch.setenv("THINKCRAFT_FOLD_LORA_A", "0" if fold == "1" else "1")  # the switch flipped, installed again
+    again = fused_proj.install(model)
+    assert len(again) == (2 if fold == "1" else 4) * model.config.num_hidden_layers
+    assert (attn.o_proj.__dict__.get("_tc_group") is not None) == (fold != "1")  # the old single let go
+    assert attn.q_proj._tc_group.fold == (fold != "1")
 
 
 def test_fused_groups_follow_updates_and_step_aside(monkeypatch) -> None:
@@ -105,8 +163,9 @@ def test_fused_groups_follow_updates_and_step_aside(monkeypatch) -> None:
 
 def test_pickle_strip_switch_and_engine_tokens(monkeypatch) -> None:
     """A model with groups pickles whole (the swapped classes resolve by name); `strip` takes them out; the
-    switch is validated; an engine over a bf16 LoRA model samples the same greedy tokens with and without them over
-    growing episodes that share a prefix, and says how many groups it runs."""
+    switches are validated; an engine over a bf16 LoRA model samples the same greedy tokens without them, with them
+    and with the adapters' A folded (the default) over growing episodes that share a prefix, and says how many
+    groups it runs and how many are folded."""
     model, tok = _model(lora=False, seed=3)
     assert fused_proj.install(model)
     again = pickle.loads(pickle.dumps(model))
@@ -117,15 +176,23 @@ def test_pickle_strip_switch_and_engine_tokens(monkeypatch) -> None:
     monkeypatch.setenv("THINKCRAFT_FUSED_PROJ", "maybe")
     with pytest.raises(UserError, match="THINKCRAFT_FUSED_PROJ"):
         fused_proj.install(model)
+    monkeypatch.setenv("THINKCRAFT_FUSED_PROJ", "1")
+    monkeypatch.setenv("THINKCRAFT_FOLD_LORA_A", "2")
+    with pytest.raises(UserError, match="THINKCRAFT_FOLD_LORA_A"):
+        fused_proj.install(model)
     lora, tok = _model(lora=True, seed=4)
+    n = lora.config.num_hidden_layers
     runs = {}
-    for flag in ("0", "1"):
+    for flag, fold, groups, folded in (("0", "1", 0, 0), ("1", "0", 2 * n, 0), ("1", "1", 4 * n, 4 * n)):
         monkeypatch.setenv("THINKCRAFT_FUSED_PROJ", flag)
+        monkeypatch.setenv("THINKCRAFT_FOLD_LORA_A", fold)
         m = copy.deepcopy(lora)
         strip_copies(m)  # a copy another engine served: it installs its own
         eng = HFEngine.from_model(m, tok, max_slots=4)
-        runs[flag] = _episodes(eng, tok)
-        assert eng.decode_metrics()["fused_proj_groups"] == (2 * lora.config.num_hidden_layers if flag == "1" else 0)
-    for (k, e, tw, lw), (_, _, tg, lg) in zip(runs["0"], runs["1"]):
-        assert tg == tw, (k, e)
-        np.testing.assert_allclose(lg, lw, atol=2e-2)
+        runs[flag + fold] = _episodes(eng, tok)
+        got = eng.decode_metrics()
+        assert (got["fused_proj_groups"], got["fused_proj_folded"]) == (groups, folded)
+    for run in ("10", "11"):
+        for (k, e, tw, lw), (_, _, tg, lg) in zip(runs["01"], runs[run]):
+            assert tg == tw, (run, k, e)
+            np.testing.assert_allclose(lg, lw, atol=2e-2)

@@ -166,7 +166,10 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
     engine.free_cache()
     return {"variant": variant, "lora_fast_layers": len(engine._lora_fast),
             # q/k/v and gate/up groups as one GEMM each (llm/hf/fused_proj.py; THINKCRAFT_FUSED_PROJ=0: none)
-            "fused_proj_groups": len(getattr(engine, "_fused_proj", None) or []), "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
+            "fused_proj_groups": len(getattr(engine, "_fused_proj", None) or []),
+            # of them with the adapters' A inside the base GEMM (THINKCRAFT_FOLD_LORA_A=0: none)
+            "fused_proj_folded": sum(g.fold for g in getattr(engine, "_fused_proj", None) or []),
+            "kv_cache": width, "shape": a.shape, "rows": a.rows, "prefix": a.prefix,
             "context": a.context, "new_tokens": a.new_tokens, "decode_ms_per_step": med("decode_ms"),
             "decode_wait_ms": med("wait_ms"), "host_ms": round(med("decode_ms") - med("wait_ms"), 3),
             "rows_per_step": med("rows_per_step"), "prefill_s": med("prefill_s"),
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(a, model, tok, device, variant, width))
             print({k: rows[-1][k] for k in COLS}, flush=True)
     write_records(a.out, rows, merge_keys=("variant", "kv_cache", "shape", "rows", "context", "card", "quick",
-                                           "fused_proj_groups"))
+                                           "fused_proj_groups", "fused_proj_folded"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0

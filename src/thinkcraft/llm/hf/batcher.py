@@ -304,8 +304,11 @@ class Batcher(CacheMixin, IterationMixin):
         c["slot_tokens"] = float(self.kv.tokens if self.kv else 0)
         c["kv_cache_gb"] = self.kv.nbytes / 2**30 if self.kv else 0.0
         c["weights_version"] = float(self.version)
-        # sibling projections fused into one GEMM (fused_proj.py): the groups (two a layer where all apply)
-        c["fused_proj_groups"] = float(len(getattr(self.eng, "_fused_proj", None) or []))
+        # sibling projections fused into one GEMM (fused_proj.py): the groups (two a layer where all apply, four with
+        # LoRA on every linear: o_proj and down_proj alone), and those with the adapters' A inside the base GEMM
+        groups = getattr(self.eng, "_fused_proj", None) or []
+        c["fused_proj_groups"] = float(len(groups))
+        c["fused_proj_folded"] = float(sum(g.fold for g in groups))
         # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
         c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
         # the prefill's attention: 1 the keys read in place, 0 gathered per row (slots.py)

@@ -175,7 +175,8 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self._init_prefill(max_batch_tokens, max_batch_size, prefix_reuse, prefix_cache_size, compile_prefill,
                            chunk_overhead_tokens, quantize)
         self._init_decode(kv_cache, compile_decode, thinking_close_text, max_slots, max_seq_len, evict, kv_cache_gb)
-        # q/k/v and gate/up as one GEMM each in no-grad forwards (fused_proj says why); after any quantisation
+        # q/k/v and gate/up as one GEMM each in no-grad forwards, LoRA's A inside it, the other adapted linears as
+        # groups of one (fused_proj says why); after any quantisation
         self._fused_proj = fused_proj.install(model)
 
     # --- protocol -------------------------------------------------------------------------------------

@@ -7,6 +7,17 @@ each projection is three GEMMs (`lora_fast`), 15 for the five. Fused, a group is
 weights, plus - for LoRA - one over the stacked adapters' A (`[A_q; A_k; A_v] x`) and one `addmm` over their
 block-diagonal `(s B)ᵀ`: 6 GEMMs for the five (merged LoRA weights, `THINKCRAFT_LORA_MERGE=1`: 2 for 5).
 
+The adapters' A folded into the base GEMM (`THINKCRAFT_FOLD_LORA_A`, on): a LoRA group's weight copy is
+`[W_1; ...; W_k; A_1; ...; A_k]`, so one GEMM gives the base outputs and `x Aᵀ` side by side, and the low-rank part is
+added in place by one `addmm_` over the base part's columns (no copy of the output first, as `torch.addmm(y, h, Bᵀ)`
+makes): 2 kernels a group where there were 4 (base, A, copy, addmm). Every other adapted linear (o_proj, down_proj)
+becomes a group of one, for the same 2 kernels. For the Qwen2.5-0.5B shape with LoRA on every linear that is 8
+kernels fewer a layer, 192 a decode step (2026-11-29: a step at 256 rows is ~686 kernels, ~2-3 us of gap each).
+The values are the same products as unfolded (each output column is still one dot product over `x`, rounded once
+to the base dtype; the sum with the low-rank part is the GEMM's `beta = 1` epilogue, as `addmm` was); the singles'
+weight copies cost 2 bytes a weight of o_proj and down_proj, made only if they fit beside the groups'
+(`copies.copies_fit`); `THINKCRAFT_FOLD_LORA_A=0` keeps the four-kernel groups and no singles.
+
 How, without touching the model's code: the group's first member (the "leader", q_proj / gate_proj) computes the
 whole group's output, returns its own slice and leaves the others' in the group's stash keyed by its input
 tensor; a sibling called with that same tensor takes its slice (the last one clears the stash), and one called
@@ -35,27 +46,37 @@ from thinkcraft.utils.errors import env_switch
 _HALF = (torch.bfloat16, torch.float16)
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Sibling linears fused when a module holds all of a tuple's names (leader first)."""
+"""Sibling linears fused when a module holds all of a tuple's names (leader first). With the adapters' A folded
+(`fold_switch`), every other unmerged LoRA linear is a group of one."""
+
+
+def fold_switch() -> bool:
+    """THINKCRAFT_FOLD_LORA_A (on): LoRA groups compute `x Aᵀ` inside the base GEMM, adapted singles are groups."""
+    return env_switch("THINKCRAFT_FOLD_LORA_A", default=True)
 
 
 class Group:
     """One fused group: its members (leader first), the fused copies and the stash of one forward."""
 
-    def __init__(self, members: list[Any], lora: list[bool], merged: bool) -> None:
+    def __init__(self, members: list[Any], lora: list[bool], merged: bool, fold: bool = False) -> None:
         self.members = members
         self.lora = lora  # per member: a lora_fast layer (its copies are the adapter's sources)
         self.merged = merged  # the LoRA members carry merged weights: no adapter GEMMs
         self.splits = [_base(m).weight.shape[0] for m in members]
         w = _base(members[0]).weight
         n_in, dt, dev = w.shape[1], w.dtype, w.device
+        ranks = [m._tc_a.shape[0] if lo and not merged else 0 for m, lo in zip(members, lora)]
+        self.ranks = ranks
+        self.n_out = sum(self.splits)
+        self.fold = fold and sum(ranks) > 0  # A's rows after the base rows in `weight` (the module docstring)
         with torch.inference_mode(False), torch.no_grad():
-            self.weight = torch.empty(sum(self.splits), n_in, dtype=dt, device=dev)
+            rows = self.n_out + (sum(ranks) if self.fold else 0)
+            self.weight = torch.empty(rows, n_in, dtype=dt, device=dev)
             has_bias = any(_base(m).bias is not None for m in members)
-            self.bias = torch.zeros(sum(self.splits), dtype=dt, device=dev) if has_bias else None
-            ranks = [m._tc_a.shape[0] if lo and not merged else 0 for m, lo in zip(members, lora)]
-            self.ranks = ranks
-            self.a = torch.empty(sum(ranks), n_in, dtype=dt, device=dev) if sum(ranks) else None
-            self.bt = torch.zeros(sum(ranks), sum(self.splits), dtype=dt, device=dev) if sum(ranks) else None
+            self.bias = torch.zeros(rows, dtype=dt, device=dev) if has_bias else None  # A's rows: no bias
+            self.a = self.weight[self.n_out:] if self.fold else (
+                torch.empty(sum(ranks), n_in, dtype=dt, device=dev) if sum(ranks) else None)
+            self.bt = torch.zeros(sum(ranks), self.n_out, dtype=dt, device=dev) if sum(ranks) else None
         self.stash: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.seen: list[Any] = []
 
@@ -115,6 +136,8 @@ class Group:
                     if lo:
                         lora_fast._refresh_layer(m)
                 self.refresh()
+            if len(self.members) == 1:
+                return self.compute(x)  # a group of one: nothing to keep for a sibling
             outs = list(self.compute(x).split(self.splits, dim=-1))
             self.stash = (x, outs)
             return outs[0]
@@ -131,6 +154,12 @@ class Group:
         y = F.linear(x, self.weight, self.bias)
         if self.a is None:
             return y
+        if self.fold:  # y = [base | x Aᵀ]: the low-rank part added into the base columns in place (a strided
+            n = self.n_out  # view, which cuBLAS takes as it is: its row stride is the leading dimension)
+            y2 = y.reshape(-1, y.shape[-1])
+            out = y2[:, :n]
+            out.addmm_(y2[:, n:], self.bt)
+            return out.view(*y.shape[:-1], n)
         h = F.linear(x, self.a)
         n = y.shape[-1]
         return torch.addmm(y.reshape(-1, n), h.reshape(-1, h.shape[-1]), self.bt).view(y.shape)
@@ -170,9 +199,10 @@ def _fusable(m: Any) -> str | None:
     return None
 
 
-def _candidates(model: torch.nn.Module) -> list[tuple[list[Any], list[bool], bool]]:
+def _candidates(model: torch.nn.Module, fold: bool) -> list[tuple[list[Any], list[bool], bool]]:
     """(members, lora flags, merged) for every module holding a fusable group of siblings that agree on the input
-    size, dtype and device, and on the LoRA mode (all merged or none)."""
+    size, dtype and device, and on the LoRA mode (all merged or none); with `fold`, then every other unmerged
+    lora_fast layer alone."""
     out = []
     for parent in model.modules():
         for names in GROUPS:
@@ -188,6 +218,10 @@ def _candidates(model: torch.nn.Module) -> list[tuple[list[Any], list[bool], boo
             if len(modes) > 1:
                 continue
             out.append((members, lora, modes == {True}))
+    if fold:
+        grouped = {id(m) for members, _, _ in out for m in members}
+        out += [([m], [True], False) for m in model.modules()
+                if id(m) not in grouped and _fusable(m) == "lora" and m.__dict__.get("_tc_merged") is None]
     return out
 
 
@@ -198,33 +232,49 @@ def install(model: torch.nn.Module, max_bytes: float | None = None) -> list[Grou
     are kept."""
     if not env_switch("THINKCRAFT_FUSED_PROJ", default=True):
         return []
-    found = _candidates(model)
+    fold = fold_switch()
+    found = _candidates(model, fold)
     if not found:
         return []
     kept, todo = [], []
     for members, lora, merged in found:
         g = members[0].__dict__.get("_tc_group")
-        same = (g is not None and g.members == members and g.merged == merged
+        same = (g is not None and g.members == members and g.merged == merged and g.fold == (fold and g.a is not None)
                 and g.weight.device == _base(members[0]).weight.device)
         (kept if same else todo).append(g if same else (members, lora, merged))
-    need = 0
-    for members, lora, merged in todo:
-        n_out = sum(_base(m).weight.shape[0] for m in members)
-        n_in = _base(members[0]).weight.shape[1]
-        need += n_out * n_in * _base(members[0]).weight.element_size()
-    if todo and not copies_fit(need, _base(todo[0][0][0]).weight.device, max_bytes,
-                               "fused q/k/v and gate/up copies (THINKCRAFT_FUSED_PROJ): each projection runs alone"):
-        return list(kept)
+    siblings = [t for t in todo if len(t[0]) > 1]
+    singles = [t for t in todo if len(t[0]) == 1]
+    if siblings and not copies_fit(_nbytes(siblings), _base(siblings[0][0][0]).weight.device, max_bytes,
+                                   "fused q/k/v and gate/up copies (THINKCRAFT_FUSED_PROJ): each projection runs alone"):
+        siblings = singles = []  # (the singles are only worth their copies beside the groups)
+    if singles and not copies_fit(_nbytes(siblings + singles), _base(singles[0][0][0]).weight.device, max_bytes,
+                                  "adapted singles' copies (THINKCRAFT_FOLD_LORA_A): o_proj / down_proj keep 4 kernels"):
+        singles = []
     groups = list(kept)
-    for members, lora, merged in todo:
-        g = Group(members, lora, merged)
+    for members, lora, merged in siblings + singles:
+        g = Group(members, lora, merged, fold)
         for i, m in enumerate(members):
             if not lora[i] and not isinstance(m, _FusedLinearMixin):
                 m.__class__ = mixin_class(_FusedLinearMixin, type(m), "FusedProj", globals())
             m._tc_group, m._tc_index = g, i
         g.refresh()
         groups.append(g)
+    live = {id(g) for g in groups}
+    for m in model.modules():  # a group made before under other settings (the switch, merged weights) lets go
+        g = m.__dict__.get("_tc_group")
+        if g is not None and id(g) not in live:
+            del m.__dict__["_tc_group"]
+            m.__dict__.pop("_tc_index", None)
     return StampedGroups(groups)
+
+
+def _nbytes(todo: list[tuple[list[Any], list[bool], bool]]) -> int:
+    """The fused weight copies' bytes (the adapters' rows and biases are small beside them)."""
+    need = 0
+    for members, _, _ in todo:
+        w = _base(members[0]).weight
+        need += sum(_base(m).weight.shape[0] for m in members) * w.shape[1] * w.element_size()
+    return need
 
 
 class StampedGroups(StampedLayers):
@@ -243,9 +293,11 @@ def refresh(groups: list[Group]) -> int:
 
 
 def counts(groups: list[Group]) -> dict[str, int]:
-    """{"groups": fused groups, "members": projections they replace, "lora": of them with stacked adapters}."""
+    """{"groups": groups (of siblings, and adapted singles), "members": projections they replace, "lora": groups
+    with stacked adapters, "folded": of them with A inside the base GEMM, "singles": groups of one}."""
     return {"groups": len(groups), "members": sum(len(g.members) for g in groups),
-            "lora": sum(g.a is not None for g in groups)}
+            "lora": sum(g.a is not None for g in groups), "folded": sum(g.fold for g in groups),
+            "singles": sum(len(g.members) == 1 for g in groups)}
 
 
 def strip(model: torch.nn.Module) -> None:
