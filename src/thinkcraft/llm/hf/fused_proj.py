@@ -9,10 +9,12 @@ block-diagonal `(s B)ᵀ`: 6 GEMMs for the five (merged LoRA weights, `THINKCRAF
 
 The adapters' A folded into the base GEMM (`THINKCRAFT_FOLD_LORA_A`, on): a LoRA group's weight copy is
 `[W_1; ...; W_k; A_1; ...; A_k]`, so one GEMM gives the base outputs and `x Aᵀ` side by side, and the low-rank part is
-added in place by one `addmm_` over the base part's columns (no copy of the output first, as `torch.addmm(y, h, Bᵀ)`
-makes): 2 kernels a group where there were 4 (base, A, copy, addmm). Every other adapted linear (o_proj, down_proj)
-becomes a group of one, for the same 2 kernels. For the Qwen2.5-0.5B shape with LoRA on every linear that is 8
-kernels fewer a layer, 192 a decode step (2026-11-29: a step at 256 rows is ~686 kernels, ~2-3 us of gap each).
+added in place by one `addmm_` over the base part's columns (the output is not copied first, as an out-of-place
+`torch.addmm(y, h, Bᵀ)` may): 2 kernels a group where there were 3 or more (base, A, addmm). Every other adapted
+linear (o_proj, down_proj) becomes a group of one, for the same 2. For the Qwen2.5-0.5B shape with LoRA on every
+linear, a decode step at 256 rows went from 686 kernels to 566, 5 a layer (H200, 2026-11-29, BENCHMARKS §7b), but
+its time did not follow beyond the runs' spread (the Craftax bench's means 5.25 -> 4.94 ms, the decode probe's
+8.30 -> 8.6 ms): the wider GEMMs seem to give back what the launches save. The eager prefill gained 10-14%.
 The values are the same products as unfolded (each output column is still one dot product over `x`, rounded once
 to the base dtype; the sum with the low-rank part is the GEMM's `beta = 1` epilogue, as `addmm` was); the singles'
 weight copies cost 2 bytes a weight of o_proj and down_proj, made only if they fit beside the groups'
