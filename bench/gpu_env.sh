@@ -7,6 +7,8 @@ export PYTHONPATH=/tmp/site:$PWD/src THINKCRAFT_CACHE=$PWD/.ref/tc-cache XLA_PYT
 # 0 compiling the env, a warm one 7-8 s; 2026-11-29): end a call with `tar czf $OUT/jax-cache.tgz -C .ref jax-cache`,
 # unpack it here (`tar xzf <files_at>/jax-cache.tgz -C .ref`) and name .ref/jax-cache in the next calls' carry
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.ref/jax-cache}
+# A call brings back at most 8 files from $OUT: end one that writes more (profiles: three files a case) with
+# `bash bench/pack_out.sh` (everything in one out.tgz; NAMES="a.log b.json" keeps those beside it too)
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 # the tests' tiny models use the bundled tokenizer: from the carried model, else parsed once into .ref/tc-cache
 # (name .ref/tc-cache in the carry of the call that starts tests; the 2026-11-27 two-GPU test ran without it)
