@@ -118,3 +118,19 @@ def test_resume_replays_what_was_in_flight_and_skips_what_was_trained_or_dropped
     assert [r.group_id for r in rollout.submitted] == [2, 4]  # η = 0 at version 1: one batch (2 groups)
     s = ResumeState.from_checkpoint({}, version=3, prompts_per_step=2)  # a synchronous run's checkpoint
     assert s.next_group == 6 and s.consumed == list(range(6))
+
+
+def test_group_wait_and_latency_come_from_the_clock_not_the_rounded_timeline(monkeypatch):
+    """The timeline is rounded to ms; the metrics are not computed from it: a group that finished 0.4 ms before
+    its batch's hand-over waited 0.4 ms, not -0.1 (2026-11-29: CI saw `rollout/group_wait_s` = -1e-4)."""
+    c, rollout, train = _coord()
+    clock = iter([0.0, 0.0, 0.0235, 0.0235, 0.0239])  # two admissions, two finishes, the hand-over
+    monkeypatch.setattr(c, "_now", lambda: next(clock))
+    c.admit()
+    rollout.out = [_result(r) for r in rollout.submitted]
+    c.collect(0.0)
+    c.maybe_train()
+    tl = c.trained(SimpleNamespace(version=1, groups=[0, 1]))
+    assert tl["times"] == [[0.0, 0, 0.024], [0.0, 0, 0.024]] and tl["batch_sent_s"] == 0.024
+    assert abs(tl["rollout/group_wait_s"] - 0.0004) < 1e-12
+    assert abs(tl["rollout/group_latency_s"] - 0.0235) < 1e-12 and tl["rollout/group_latency_max_s"] == 0.0235

@@ -232,13 +232,16 @@ class Coordinator:
         the coordinator started; for consumed.jsonl), and the means the metrics keep: admission to finish
         (`rollout/group_latency_s`, its max), finish to the batch's hand-over to the learner
         (`rollout/group_wait_s`: a group that waited for the rest of its batch, or for the learner)."""
-        rows = []
+        raw = []
         for g in groups:
             a, v = self.admitted.pop(g, (float("nan"), -1))
-            rows.append([round(a, 3), v, round(self.finished.pop(g, float("nan")), 3)])
-        lat = [f - a for a, _, f in rows if f == f and a == a]
+            raw.append((a, v, self.finished.pop(g, float("nan"))))
+        # the means from the clock's readings, the timeline rounded to ms: from rounded times a group that finished
+        # 0.4 ms before the hand-over could wait -0.1 ms (its finish rounded up past the hand-over; CI, 2026-11-29)
+        rows = [[round(a, 3), v, round(f, 3)] for a, v, f in raw]
+        lat = [f - a for a, _, f in raw if f == f and a == a]
         sent = self.batch_sent_s if self.batch_sent_s is not None else float("nan")
-        wait = [sent - f for _, _, f in rows if f == f]
+        wait = [sent - f for _, _, f in raw if f == f]
         return {"times": rows, "batch_sent_s": round(sent, 3),
                 "rollout/group_latency_s": sum(lat) / len(lat) if lat else 0.0,
                 "rollout/group_latency_max_s": max(lat, default=0.0),
