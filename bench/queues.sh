@@ -20,9 +20,9 @@
 #             on CRAFTAX_GPUS (e.g. "2,3" on an x4 machine: at once) or else after the two-GPU jobs on the same
 #             GPUs. Needs the tokenizer (.ref/tc-cache, or the bundled model installed).
 #   llm1      one GPU, issue 19 (2026-11-29 measured the merged LoRA weights, the fused graph, prompts 256 at a
-#             time, the learner's changes, the FlashAttention decode, the prefill in place and the fused projections;
-#             BENCHMARKS 7b): the prompts' pieces against whole renders (THINKCRAFT_FAST_PROMPTS) in both orders, the
-#             merged weights with the fused projections, the decode step alone profiled. Needs the tokenizer: carry
+#             time, the learner's changes, the FlashAttention decode, the prefill in place, the fused projections,
+#             the prompts' pieces and the adapters' A folded; BENCHMARKS 7b): the decode step alone profiled (folded,
+#             merged), the learner's update profiled, the fold A/B once more. Needs the tokenizer: carry
 #             .ref/tc-cache in the call that starts it, then collect at once (a machine idle 30 s is given back,
 #             and the queue with it)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
@@ -117,17 +117,15 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$c0 craftax_learner_compiled 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
     llm1) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 3"
-      jobs=(  # one GPU: issue 19's next measurements. 2026-11-29 (fourth session) measured the prefill's keys read
-              # in place (one call a turn) and the fused projections (BENCHMARKS 7b) and built the prompts' pieces
-              # without measuring them on a GPU: first the pieces against whole renders, both orders on one
-              # machine; then the merged LoRA weights with the fused projections (4 GEMMs a layer); the decode
-              # step alone profiled after the fusion (what the ~840 kernels a step are now)
-      "@0 fastprompts_on 300 $C --out bench/results/logs/craftax_fastprompts1.json"
-      "@0 fastprompts_off 300 env THINKCRAFT_FAST_PROMPTS=0 $C --out bench/results/logs/craftax_fastprompts0.json"
-      "@0 fastprompts_off2 300 env THINKCRAFT_FAST_PROMPTS=0 $C --out bench/results/logs/craftax_fastprompts0b.json"
-      "@0 fastprompts_on2 300 $C --out bench/results/logs/craftax_fastprompts1b.json"
-      "@0 merge_fused 300 env THINKCRAFT_LORA_MERGE=1 $C --out bench/results/logs/craftax_merge_fused.json"
-      "@0 decode_probe 420 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile") ;;
+      jobs=(  # one GPU: issue 19's next measurements. 2026-11-29 (fifth session) measured the prompts' pieces (no
+              # difference), merged weights with fusion (decode 4.2 ms) and the adapters' A folded (686 -> 566 kernels
+              # a step, time within the spread; BENCHMARKS 7b), but lost the decode profiles to the 8-file limit of a
+              # direct call: first what the 566 kernels a step are (folded, merged), then the learner's update
+              # profiled (2.0-2.2 s of a 4.7 s step: the end-to-end goal's lever), then the fold A/B once more
+      "@0 decode_profile 300 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
+      "@0 learner_profile 300 ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
+      "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
+      "@0 fold_on 300 $C --out bench/results/logs/craftax_fold1.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
