@@ -250,7 +250,7 @@ def install(model: torch.nn.Module, max_bytes: float | None = None) -> list[Grou
                                    "fused q/k/v and gate/up copies (THINKCRAFT_FUSED_PROJ): each projection runs alone"):
         siblings = singles = []  # (the singles are only worth their copies beside the groups)
     if singles and not copies_fit(_nbytes(siblings + singles), _base(singles[0][0][0]).weight.device, max_bytes,
-                                  "adapted singles' copies (THINKCRAFT_FOLD_LORA_A): o_proj / down_proj keep 4 kernels"):
+                                  "adapted singles' copies (THINKCRAFT_FOLD_LORA_A): o_proj / down_proj run alone"):
         singles = []
     groups = list(kept)
     for members, lora, merged in siblings + singles:
