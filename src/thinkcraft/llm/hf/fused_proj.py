@@ -18,7 +18,7 @@ its time did not follow beyond the runs' spread (the Craftax bench's means 5.25 
 The values are the same products as unfolded (each output column is still one dot product over `x`, rounded once
 to the base dtype; the sum with the low-rank part is the GEMM's `beta = 1` epilogue, as `addmm` was); the singles'
 weight copies cost 2 bytes a weight of o_proj and down_proj, made only if they fit beside the groups'
-(`copies.copies_fit`); `THINKCRAFT_FOLD_LORA_A=0` keeps the four-kernel groups and no singles.
+(`copies.copies_fit`); `THINKCRAFT_FOLD_LORA_A=0` keeps the unfolded groups and no singles.
 
 How, without touching the model's code: the group's first member (the "leader", q_proj / gate_proj) computes the
 whole group's output, returns its own slice and leaves the others' in the group's stash keyed by its input
