@@ -7,8 +7,7 @@ set -euo pipefail
 : "${OUT:?bench/pack_out.sh runs on the device machine, where OUT is set}"
 cd "$OUT"
 files=$(find . -type f ! -name out.tgz | sed 's|^\./||' | sort)
-[ -n "$files" ] || { find . -mindepth 1 -type d -empty -delete
-echo "pack_out: nothing under $OUT"; exit 0; }
+[ -n "$files" ] || { echo "pack_out: nothing under $OUT"; exit 0; }
 # shellcheck disable=SC2086
 tar czf out.tgz $files
 keep=" ${NAMES:-} "
