@@ -25,6 +25,8 @@
 #             merged), the learner's update profiled, the fold A/B once more. Needs the tokenizer: carry
 #             .ref/tc-cache in the call that starts it, then collect at once (a machine idle 30 s is given back,
 #             and the queue with it)
+#   x2        one machine of 2 GPUs (2026-11-29): issue 20's two placements over 10 steps with their sync references,
+#             then llm1's four jobs, two lanes at once. Needs the tokenizer: carry .ref/tc-cache (and .ref/jax-cache)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -85,7 +87,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
@@ -126,6 +128,20 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 learner_profile 300 ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
       "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
       "@0 fold_on 300 $C --out bench/results/logs/craftax_fold1.json") ;;
+    x2) # one x2 machine (2026-11-29, sixth session): issue 20's two placements over 10 steps (the bf16 copy engine's
+        # 6-step window held a transient; the shared engine's bf16 shadows since), each with its own sync reference,
+        # then llm1's four one-GPU jobs two at a time, one lane per GPU
+      local wait="while [ ! -e /tmp/tc-x2-two-gpu-done ]; do sleep 3; done;"
+      local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 3"
+      rm -f /tmp/tc-x2-two-gpu-done
+      jobs=(
+      "@0,1 async_2gpu_dedicated 580 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu_dedicated.json"
+      "@0,1 async_2gpu 580 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu.json"
+      "@0,1 two_gpu_done 5 touch /tmp/tc-x2-two-gpu-done"
+      "@0 decode_profile 1460 $wait python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
+      "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
+      "@1 learner_profile 1460 $wait ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
+      "@1 fold_on 300 $C --out bench/results/logs/craftax_fold1.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
