@@ -523,6 +523,9 @@ def main(argv=None) -> int:
         print(line)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     shutil.rmtree(tmp, ignore_errors=True)
+    if len(ok) < len(rows):  # a failed case is in its row's `error` and above; the exit status says so too
+        print(f"{len(rows) - len(ok)} of {len(rows)} cases failed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -111,7 +111,7 @@ def random_action_carry(env: Any, seed_reset: int = 0, seed_actions: int = 1) ->
 
 
 def print_table(records: list[dict[str, Any]], cols: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in cols]
+    widths = [max([len(c), *(len(_fmt(r.get(c))) for r in records)]) for c in cols]  # no records: the header
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in records:
         print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))

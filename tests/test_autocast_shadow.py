@@ -16,6 +16,7 @@ from thinkcraft.llm.hf import HFEngine, autocast_shadow
 from thinkcraft.llm.hf.weights import autocast_weights
 from thinkcraft.llm.protocol import Batch, SamplingParams
 from thinkcraft.llm.testing import tiny_llama
+from thinkcraft.utils.errors import UserError
 
 SP = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=True)
 
@@ -83,6 +84,32 @@ def test_a_shared_fp32_engine_under_autocast_generates_the_cast_weights_tokens(t
     # outside bf16 autocast a no-grad forward is the fp32 one
     with torch.no_grad():
         torch.testing.assert_close(learner(x).logits, reference(x).logits, rtol=0, atol=0)
+
+
+def test_the_learner_reads_a_shadowed_head_as_its_plain_linear(tiny) -> None:
+    """The engine shares the learner's modules, so the learner meets the shadow classes too: its LM head
+    (`compat.plain_lm_head`, read by weight, not called) is still the plain linear map, its fp32 master tensors
+    (2 x H200, 2026-11-29: every full fine-tuning update on a GPU stopped at "not a plain Linear"); an adapter
+    subclass is still refused."""
+    model, tok = tiny
+    learner = copy.deepcopy(model)
+    _generate(learner, tok, _prompts(tok))
+    head = compat.lm_head(learner)
+    assert isinstance(head, autocast_shadow._ShadowLinearMixin)
+    weight, bias = compat.plain_lm_head(learner)
+    assert weight is head.weight and bias is head.bias and weight.dtype == torch.float32
+
+    class Adapted(torch.nn.Linear):
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return super().forward(x) + 1
+
+    adapted = copy.deepcopy(model)
+    old = compat.lm_head(adapted)
+    new = Adapted(old.in_features, old.out_features, bias=old.bias is not None)
+    adapted.set_output_embeddings(new)
+    autocast_shadow.install(adapted, torch.bfloat16)  # not plain: not shadowed, and still refused
+    with pytest.raises(UserError, match="not a plain Linear"):
+        compat.plain_lm_head(adapted)
 
 
 def test_a_copy_for_a_copy_engine_carries_no_shadows(tiny) -> None:

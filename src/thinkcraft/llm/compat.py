@@ -209,7 +209,10 @@ def plain_lm_head(lm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
     head = lm_head(lm)
     cfg = text_config(lm)
     post = [a for a in LOGIT_POSTPROCESSING if getattr(cfg, a, None) not in (None, 1, 1.0)]
-    if type(head) is not torch.nn.Linear or post:  # noqa: E721 - a subclass (an adapter layer) adds terms
+    cls = type(head)
+    if getattr(cls, "_tc_same_forward", False):  # an engine's derived copy of the same map (autocast_shadow)
+        cls = cls._tc_unmixed
+    if cls is not torch.nn.Linear or post:  # a subclass (an adapter layer) adds terms
         why = f"its config sets {post[0]}" if post else f"its head is a {type(head).__name__}, not a plain Linear"
         raise UserError(f"the learner computes token log-probs from the LM head's weight; {type(lm).__name__}: {why}")
     return head.weight, head.bias

@@ -36,6 +36,12 @@ _HALF = (torch.bfloat16, torch.float16)
 class _ShadowLinearMixin:
     """Mixed into `nn.Linear` (or a subclass) by `install`: the instance's class is swapped."""
 
+    _tc_same_forward = True
+    """It computes what its base class computes (from a rounded copy only where autocast would round the same):
+    code that reads a layer's weight itself in place of its forward - the learner's LM head
+    (`compat.plain_lm_head`) - may treat it as its base class (2 x H200, 2026-11-29: the first update of every
+    full fine-tuning run on a GPU stopped at "its head is a Shadow…Linear, not a plain Linear")."""
+
     _tc_w: torch.Tensor
     _tc_b: torch.Tensor | None
     _tc_seen: tuple

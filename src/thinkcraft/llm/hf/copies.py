@@ -73,7 +73,8 @@ def mixin_class(mixin: type, cls: type, prefix: str, namespace: dict[str, Any]) 
     process too, where the module's `__getattr__` makes it from its name (`resolve_mixin_class`)."""
     name = f"{prefix}__{cls.__module__.replace('.', '__')}__{cls.__name__}"
     if name not in namespace:
-        namespace[name] = type(name, (mixin, cls), {"__module__": namespace["__name__"], "__qualname__": name})
+        namespace[name] = type(name, (mixin, cls), {"__module__": namespace["__name__"], "__qualname__": name,
+                                                    "_tc_unmixed": cls})
     return namespace[name]
 
 
