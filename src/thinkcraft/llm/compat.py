@@ -309,6 +309,89 @@ def ensure_cudagraph_thread_state() -> None:
     torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
+_FX_PER_THREAD: dict[str, Any] = {}
+
+
+def fx_patches_per_thread() -> bool:
+    """Make torch.fx's tracing patches of `torch.nn.Module.__call__` / `__getattr__` act only in the thread that
+    traces. Why: `torch.fx.Tracer.trace` (run by every torch.compile through AOTAutograd's make_fx) replaces both
+    on the class itself for the trace's duration (torch.fx._symbolic_trace `_Patcher.patch_method`, torch
+    2.x-2.13.0), so a module called in *another* thread meanwhile goes to the tracer, which does not know it:
+    "NameError: module is not installed as a submodule" - an engine's eager prefill on one GPU while another
+    engine compiled its decode step on the other (2 x H200, 2026-11-29, bench/results/logs/s45_*async_2gpu*; a
+    decode step failed, its group played again), reproduced on the CPU in tests/test_fx_threads.py. With this,
+    each trace's patch goes on a per-thread stack and the class holds, while any trace runs, one dispatcher that
+    gives a thread its own top patch or else the original method; the class gets the original back when the
+    last trace ends. Nothing changes outside traces (no cost on any forward). Installed once per process
+    (engines and learners call it); False, with a warning, where torch's internals differ."""
+    import logging
+    import threading
+
+    if _FX_PER_THREAD:
+        return True
+    try:
+        from torch.fx import _symbolic_trace as st
+
+        originals = {"__call__": st._orig_module_call, "__getattr__": st._orig_module_getattr}
+        patcher, plain_patch_method = st._Patcher, st._Patcher.patch_method
+    except AttributeError as e:
+        logging.getLogger(__name__).warning(broken("fx_patches_per_thread", f"torch.fx internals moved ({e}); "
+                                                   "tracing in one thread can break modules called in another"))
+        return False
+    lock = threading.Lock()
+    stacks: dict[str, dict[int, list[Any]]] = {name: {} for name in originals}
+
+    def dispatcher(name: str) -> Any:
+        original, table = originals[name], stacks[name]
+
+        def dispatch(mod: Any, *args: Any, **kwargs: Any) -> Any:
+            mine = table.get(threading.get_ident())
+            return (mine[-1] if mine else original)(mod, *args, **kwargs)
+
+        return dispatch
+
+    dispatchers = {name: dispatcher(name) for name in originals}
+
+    class ThreadPatch(NamedTuple):  # the fields of torch's _PatchedFn, which `_Patcher` reads
+        frame_dict: Any
+        fn_name: str
+        orig_fn: Any
+        new_fn: Any
+        thread: int
+
+        def patch(self) -> None:
+            with lock:
+                stacks[self.fn_name].setdefault(self.thread, []).append(self.new_fn)
+                setattr(torch.nn.Module, self.fn_name, dispatchers[self.fn_name])
+
+        def revert(self) -> None:
+            with lock:
+                mine = stacks[self.fn_name].get(self.thread, [])
+                for i in range(len(mine) - 1, -1, -1):
+                    if mine[i] is self.new_fn:
+                        del mine[i]
+                        break
+                if not mine:
+                    stacks[self.fn_name].pop(self.thread, None)
+                if not stacks[self.fn_name]:
+                    setattr(torch.nn.Module, self.fn_name, originals[self.fn_name])
+
+    def patch_method(self: Any, cls: type, name: str, new_fn: Any, deduplicate: bool = True) -> None:
+        if cls is not torch.nn.Module or name not in originals:
+            return plain_patch_method(self, cls, name, new_fn, deduplicate)
+        new_fn.__fx_already_patched = deduplicate
+        mine = stacks[name].get(threading.get_ident())
+        if mine and getattr(mine[-1], "__fx_already_patched", False):
+            return None  # torch's deduplication, per thread
+        self.patches_made.append(ThreadPatch(cls, name, originals[name], new_fn, threading.get_ident()))
+        self.patches_made[-1].patch()
+        return None
+
+    patcher.patch_method = patch_method
+    _FX_PER_THREAD["installed"] = True
+    return True
+
+
 def weights_version(params: Any) -> int:
     """A number that changes whenever one of `params` is modified in place (optimizer steps,
     `load_state_dict`): the sum of the private per-tensor counter `Tensor._version` (torch 1.x-2.13.0;

@@ -152,6 +152,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self.tokenizer = tokenizer
         self._lm = _unwrap(model)
         self._dec = compat.decoder_of(self._lm)
+        compat.fx_patches_per_thread()  # engines compile in their own threads beside others' eager forwards
         # a learner's bf16 LoRA model: no-grad forwards without PEFT's dtype casts (lora_fast says why)
         self._lora_fast = lora_fast.install(model)
         # PEFT's LoRA layers, whose adapter switch (`disable_adapter()`: the adapter-off judge) a replayed decode

@@ -205,6 +205,7 @@ class Learner:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        compat.fx_patches_per_thread()  # the learner's thread runs forwards while engines compile, and compiles
         self.autocast_dtype = autocast_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         # on CUDA the fused AdamW: one kernel per step for every parameter instead of a few per tensor group
