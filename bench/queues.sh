@@ -139,6 +139,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 async_2gpu 580 python bench/async_llm_policy.py --gpus 2 --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu.json"
       "@0,1 async_2gpu_again 400 python bench/async_llm_policy.py --gpus 2 --no-sync-reference --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu_again.json"
       "@0,1 async_2gpu_dedicated_again 400 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu_dedicated_again.json"
+      "@0 async_1gpu_arith 330 python bench/async_llm_policy.py --gpus 1 --tasks arith --cases base --steps 8 --out bench/results/logs/async_1gpu_arith.json"
+      "@1 async_1gpu_gsm8k 330 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 8 --out bench/results/logs/async_1gpu_gsm8k.json"
       "@0,1 shadow_gputest 240 python -m pytest -m gpu tests/test_autocast_shadow.py -x -q -p no:cacheprovider"
       "@0,1 two_gpu_done 5 touch /tmp/tc-x2-two-gpu-done"
       "@0 decode_profile 1460 $wait python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
