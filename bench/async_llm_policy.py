@@ -204,8 +204,13 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
             kw.update(pool_backend="ray", ray_engines=gpus - first, ray_weight_groups=a.ray_weight_groups)
         elif gpus > 1:
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
+    import torch
+
+    # the learner on cuda:0 by name: "auto" is the thread's current GPU, and a run earlier in this process once
+    # left cuda:1 current, so that a --placement dedicated row's learner shared its engine's GPU (2026-11-29)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
     return LLMPolicyConfig(
-        env=task, algo="grpo", model=a.model, run_dir=str(run_dir), steps=a.steps, prompts_per_step=prompts,
+        env=task, algo="grpo", model=a.model, run_dir=str(run_dir), device=device, steps=a.steps, prompts_per_step=prompts,
         group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune=a.finetune, format_weight=0.1,
         kv_cache="static" if a.compile_decode else "dynamic", compile_decode=a.compile_decode,
         max_generate_batch=a.max_generate_batch,

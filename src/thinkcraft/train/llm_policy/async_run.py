@@ -10,6 +10,7 @@ checkpoint on resume, like metrics.jsonl and the store), and `weights/` for HTTP
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from thinkcraft.train.llm_policy.async_loop import Coordinator, ResumeState, gro
 from thinkcraft.utils.errors import UserError
 from thinkcraft.utils.timing import PhaseTimer
 from thinkcraft.utils.watchdog import GilProbe
+
+log = logging.getLogger(__name__)
 
 PLOT_KEYS = ("reward/mean", "reward/correct_rate", "staleness/mean", "gpu/idle_share", "perf/samples_per_s")
 
@@ -71,6 +74,11 @@ class AsyncRun:
             self.slots = build_slots(cfg, p.learner, p.tokenizer, p.engine, self.model_lock, self.run_dir, model_dir,
                                      version)
             self.rollout = build_rollout_pool(cfg, p.tokenizer, p.env, p.sampling)
+        # where everything runs, once: a learner's "cuda" resolves to the thread's current GPU (model._device),
+        # and a bench process whose earlier run left another GPU current once ran a "dedicated" row with its
+        # learner on the engine's GPU, sharing it (2 x H200, 2026-11-29, bench/results/logs/s45_*_run1.log)
+        log.info("placement: learner on %s; engines: %s", p.learner.device,
+                 ", ".join(f"{s.name} on {s.device}" if s.device else s.name for s in self.slots))
         self.front = build_front(cfg, self.slots, self.rollout)
         self.rollout.attach(self.front)
         self._closers.append(self.stop_pools)
