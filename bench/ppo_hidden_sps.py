@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import card, print_table, today, write_records  # noqa: E402
 
 
-def build_engine(quick: bool, device: str = "cuda", quantize: str = "none", layers: int | None = None):
+def build_engine(quick: bool, device: str = "cuda:0", quantize: str = "none", layers: int | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--skip1-overlap", action="store_true", help="also run skip_n=1 with overlap (off by default: slow)")
     ap.add_argument("--llm-layers", type=int, default=None,
                     help="cut the Qwen3-4B-shaped model to this many layers (a near-free LLM: isolates the loop's own costs)")
-    ap.add_argument("--llm-device", default="cuda", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first)")
+    ap.add_argument("--llm-device", default="cuda:0", help="torch device of the LLM (cuda:1: a second GPU; JAX uses the first, cuda:0; named: torch's \"cuda\" is the current GPU, which JAX's start may leave on the last one)")
     ap.add_argument("--unroll-env-scans", choices=["off", "on", "both"], default="on",
                     help="craftax's inner loops unrolled (PPOConfig.unroll_env_scans; its default auto = on on a GPU); both = each config twice")
     ap.add_argument("--reset-pool-size", nargs="+", default=["auto"],

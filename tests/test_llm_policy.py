@@ -148,14 +148,15 @@ def test_learner_refuses_parameters_off_its_device(tiny):
 
 
 def test_an_unindexed_cuda_device_is_pinned_to_the_current_gpu(monkeypatch):
-    """`--device cuda` / auto names one GPU for the whole run: the current one when the run starts (threads
-    that make another GPU current later must not move the learner's tensors)."""
+    """`--device cuda` names one GPU for the whole run: the current one when the run starts (threads that make
+    another GPU current later must not move the learner's tensors); `auto` is cuda:0 by name, whatever is current
+    (2 x H200, 2026-11-29: JAX's start had left cuda:1 current, and a learner meant for cuda:0 shared cuda:1)."""
     from thinkcraft.train.llm_policy import model as M
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert M._device("auto") == torch.device("cuda", 1) and M._device("cuda") == torch.device("cuda", 1)
+    assert M._device("auto") == torch.device("cuda", 0) and M._device("cuda") == torch.device("cuda", 1)
     assert M._device("cuda:0") == torch.device("cuda", 0) and M._device("cpu") == torch.device("cpu")
     with pytest.raises(ConfigError, match=r"rollout-devices: 'cuda:2': this machine has 2 GPU\(s\)"):
         M._device("cuda:2", flag="rollout_devices")  # a GPU it lacks: said before anything loads

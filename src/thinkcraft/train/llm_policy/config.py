@@ -167,7 +167,8 @@ class LLMPolicyConfig(RunOptions):
     seed: int = 0
     """Seeds problems, sampling and LoRA init."""
     device: str = "auto"
-    """auto (cuda if available), cpu, cuda, cuda:1, ..."""
+    """auto (the first visible GPU, cuda:0, if there is one; else cpu), cpu, cuda (this thread's current GPU),
+    cuda:1, ..."""
     bf16: bool = True
     """On GPU: bf16 forward (frozen base weights stored in bf16; trainable weights stay fp32)."""
     store: bool = True

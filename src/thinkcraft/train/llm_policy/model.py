@@ -150,7 +150,10 @@ def check_engine_for_algo(capabilities, algo: str) -> None:
 def _device(spec: str, flag: str = "device"):
     import torch
 
-    d = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
+    # "auto": the first visible GPU by name, never the thread's current one - something else in the process (JAX's
+    # GPU client starting, an earlier run's engine) may have left another GPU current (2 x H200, 2026-11-29: a
+    # learner meant for cuda:0 went to cuda:1, its engine's GPU)
+    d = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
     if d.type == "cuda" and not torch.cuda.is_available():
         hint = "use --device cpu or auto" if flag == "device" else f"{spec!r} names a GPU (use cpu)"
         raise ConfigError(flag, f"CUDA is not available on this machine; {hint}")

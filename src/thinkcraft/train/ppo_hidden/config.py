@@ -34,7 +34,7 @@ class PPOHiddenConfig(PPOConfig):
     engine: str = "hf:default"
     """Engine spec: hf:<path-or-default>, vllm:<path>, sglang+http://host:port."""
     engine_device: str | None = None
-    """Device for an in-process hf engine (default: cuda if available, else cpu)."""
+    """Device for an in-process hf engine (default: cuda:0 - the policy's GPU - if there is one, else cpu)."""
     feature_devices: tuple[str, ...] = ()
     """In-process hf engines on these devices (e.g. cuda:1 cuda:2 cuda:3), one each: every refresh's texts
     are split over them in contiguous shards and gathered back in order (llm/sharded.py); a failing or
@@ -228,6 +228,14 @@ def engine_options(cfg: PPOHiddenConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if cfg.engine_device:
         opts["device"] = cfg.engine_device
+    else:
+        import torch
+
+        if torch.cuda.is_available():
+            # by name, the policy's GPU (JAX's first device is torch's cuda:0 under the same CUDA_VISIBLE_DEVICES):
+            # torch's "cuda" is the thread's current GPU, and JAX's GPU client leaves the last one current when it
+            # starts (2 x H200, 2026-11-29: a learner meant for cuda:0 went to cuda:1 after a JAX start)
+            opts["device"] = "cuda:0"
     if cfg.engine_max_batch_tokens:
         opts["max_batch_tokens"] = cfg.engine_max_batch_tokens
     if cfg.engine_quantize != "none":
