@@ -22,6 +22,9 @@ take turns; env steps, rewards and the next batch's prompts overlap them). Async
 cuda:0 (shared with the learner, time-sliced) and cuda:1 (a copy, updated after every step), so generation
 uses both GPUs while the learner trains on cuda:0. `--placement dedicated`: the learner alone on cuda:0 and
 G - 1 engine copies on cuda:1..G-1, each updated after every step (the rollout-scaling layout of issue 21).
+`--placement copies`: G engine copies on cuda:0..G-1 (bf16, updated after every step), the learner beside the one
+on cuda:0: no engine stops for an update (the shared engine does: the learner holds its weights), at the cost of
+a copy's memory and its update; on one GPU, generation and training overlap on the same device.
 
 Model (GPU): the Qwen2.5-0.5B body with random weights and a 2,048-token BPE (the TRL comparison shape of
 bench/grpo_arith.py), LoRA. Rewards of a random model are ~0, so reward curves say little there; the speed
@@ -67,9 +70,11 @@ def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, nargs="+", choices=range(1, 9), default=[1], metavar="G",
                    help="async placements to measure beside the one sync reference (`--gpus 1 2`)")
-    p.add_argument("--placement", choices=["shared", "dedicated"], default="shared",
+    p.add_argument("--placement", choices=["shared", "dedicated", "copies"], default="shared",
                    help="async on G GPUs: shared = engines on cuda:0..G-1, the one on cuda:0 sharing the learner's "
-                        "weights; dedicated = the learner alone on cuda:0, engine copies on cuda:1..G-1 (G >= 2)")
+                        "weights; dedicated = the learner alone on cuda:0, engine copies on cuda:1..G-1 (G >= 2); "
+                        "copies = engine copies on cuda:0..G-1, the learner beside the one on cuda:0 (G >= 1: "
+                        "generation never waits for an update)")
     p.add_argument("--ray-weight-groups", choices=["per-engine", "shared"], default="per-engine",
                    help="--pool-backend ray: an NCCL group per engine (the default since 2026-11-28) or one shared "
                         "broadcast group (its first update waits for every engine's running batch)")
@@ -184,11 +189,13 @@ def _prompts(a, mode: str, gpus: int) -> int:
     engine; async shared: one per GPU; dedicated: one per GPU but the learner's)."""
     if a.prompts_per_engine is None:
         return a.prompts
-    engines = 1 if mode == "sync" else gpus - (1 if a.placement == "dedicated" else 0)
+    engines = 1 if mode == "sync" else gpus - (1 if a.placement == "dedicated" else 0)  # copies: one per GPU
     return a.prompts_per_engine * engines
 
 
 def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path, gsm8k_path: str | None):
+    import torch
+
     from thinkcraft.train.llm_policy import LLMPolicyConfig
 
     kw: dict = {}
@@ -202,10 +209,11 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
         first = 1 if a.placement == "dedicated" else 0
         if a.pool_backend == "ray":  # the backend places its engines: one actor per rollout GPU
             kw.update(pool_backend="ray", ray_engines=gpus - first, ray_weight_groups=a.ray_weight_groups)
+        elif a.placement == "copies":  # every engine a copy, the one on the learner's device too
+            kw["weight_sync"] = "copy"
+            kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(gpus)) if torch.cuda.is_available() else "cpu"
         elif gpus > 1:
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
-    import torch
-
     # the learner on cuda:0 by name: "auto" is the thread's current GPU, and a run earlier in this process once
     # left cuda:1 current, so that a --placement dedicated row's learner shared its engine's GPU (2026-11-29)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"

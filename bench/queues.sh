@@ -26,7 +26,11 @@
 #             .ref/tc-cache in the call that starts it, then collect at once (a machine idle 30 s is given back,
 #             and the queue with it)
 #   x2        one machine of 2 GPUs (2026-11-29): issue 20's two placements over 10 steps with their sync references,
-#             then llm1's four jobs, two lanes at once. Needs the tokenizer: carry .ref/tc-cache (and .ref/jax-cache)
+#             then llm1's four jobs, two lanes at once. Needs the tokenizer: carry .ref/tc-cache (and .ref/jax-cache).
+#             Next (not run yet): ONLY="async_2gpu_copies async_2gpu_dedicated16" - every engine a bf16 copy (on 1 and
+#             2 GPUs: no engine stops for the learner's update) and the dedicated placement over 16 steps with its
+#             sync row first, now that the learner is on cuda:0 by name (both 2026-11-29 runs of that command
+#             with a sync row had shared cuda:1)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -141,6 +145,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 async_2gpu_dedicated_again 400 python bench/async_llm_policy.py --gpus 2 --placement dedicated --no-sync-reference --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu_dedicated_again.json"
       "@0 async_1gpu_arith 330 python bench/async_llm_policy.py --gpus 1 --tasks arith --cases base --steps 8 --out bench/results/logs/async_1gpu_arith.json"
       "@1 async_1gpu_gsm8k 330 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 8 --out bench/results/logs/async_1gpu_gsm8k.json"
+      "@0,1 async_2gpu_copies 560 python bench/async_llm_policy.py --gpus 1 2 --placement copies --tasks arith --cases base --steps 16 --out bench/results/logs/async_copies.json"
+      "@0,1 async_2gpu_dedicated16 560 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 16 --out bench/results/logs/async_dedicated16.json"
       "@0,1 shadow_gputest 240 python -m pytest -m gpu tests/test_autocast_shadow.py -x -q -p no:cacheprovider"
       "@0,1 two_gpu_done 5 touch /tmp/tc-x2-two-gpu-done"
       "@0 decode_profile 1460 $wait python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
