@@ -131,7 +131,11 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 decode_profile 300 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
       "@0 learner_profile 300 ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
       "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
-      "@0 fold_on 300 $C --out bench/results/logs/craftax_fold1.json") ;;
+      "@0 fold_on 300 $C --out bench/results/logs/craftax_fold1.json"
+      # 2026-11-29 (sixth session): the learner's update made 119 cudaMalloc / 118 cudaFree calls (the caching
+      # allocator giving memory back and taking it again inside one update); expandable segments against the default
+      "@0 alloc_default 300 $C --out bench/results/logs/craftax_alloc_default.json"
+      "@0 alloc_expandable 300 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --out bench/results/logs/craftax_alloc_expandable.json") ;;
     x2) # one x2 machine (2026-11-29, sixth session): issue 20's two placements over 10 steps (the bf16 copy engine's
         # 6-step window held a transient; the shared engine's bf16 shadows since), each with its own sync reference,
         # then llm1's four one-GPU jobs two at a time, one lane per GPU
