@@ -121,6 +121,29 @@ def test_async_bench_ray_backend_places_one_engine_actor_per_rollout_gpu(tmp_pat
         bench.main(["--gpus", "2", "--pool-backend", "ray"])
 
 
+def test_async_bench_places_copies_and_names_the_learners_gpu(tmp_path, monkeypatch) -> None:
+    """--placement copies: every engine a copy (weight_sync copy), one per GPU including the learner's; every row's
+    learner on cuda:0 by name (2026-11-29: "auto" had followed a current GPU that JAX's start left on cuda:1)."""
+    import torch
+
+    bench = _async_bench()
+    cpu = bench._config(bench._args(["--gpus", "2", "--placement", "copies"]), "arith", "async", 0.0, 2,
+                        tmp_path / "c", None)
+    assert cpu.weight_sync == "copy" and cpu.rollout_devices == "cpu" and cpu.device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    two = bench._config(bench._args(["--gpus", "2", "--placement", "copies"]), "arith", "async", 0.0, 2,
+                        tmp_path / "g", None)
+    assert two.weight_sync == "copy" and two.rollout_devices == "cuda:0,cuda:1" and two.device == "cuda:0"
+    one = bench._config(bench._args(["--gpus", "1", "--placement", "copies"]), "arith", "async", 0.0, 1,
+                        tmp_path / "o", None)
+    assert one.rollout_devices == "cuda:0" and one.weight_sync == "copy"
+    ded = bench._config(bench._args(["--gpus", "2", "--placement", "dedicated"]), "arith", "async", 0.0, 2,
+                        tmp_path / "d", None)
+    assert ded.device == "cuda:0" and ded.rollout_devices == "cuda:1" and ded.weight_sync == "shared"
+    sync = bench._config(bench._args(["--gpus", "2"]), "arith", "sync", 0.0, 1, tmp_path / "s", None)
+    assert sync.device == "cuda:0" and sync.rollout_devices == ""
+
+
 def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
     spec = importlib.util.spec_from_file_location("llm_policy_craftax", ROOT / "bench" / "llm_policy_craftax.py")
     bench = importlib.util.module_from_spec(spec)
