@@ -16,12 +16,12 @@ from thinkcraft.llm import compat
 
 
 class _Held(torch.nn.Module):
-    """A module whose traced forward lets another thread run `other` while the trace's patches are in place."""
+    """A module whose traced forward has another thread call a module of its own while the trace's patches are in
+    place, and records what that call returned (or raised)."""
 
-    def __init__(self, other) -> None:  # noqa: ANN001
+    def __init__(self) -> None:
         super().__init__()
         self.inner = torch.nn.Linear(4, 4)
-        self.other = other
         self.seen: list[object] = []
 
     def forward(self, x):  # noqa: ANN001, ANN201
@@ -40,7 +40,7 @@ class _Held(torch.nn.Module):
 
 def test_a_module_called_in_another_thread_during_a_trace_is_not_traced() -> None:
     compat.fx_patches_per_thread()
-    held = _Held(None)
+    held = _Held()
     graph = torch.fx.symbolic_trace(held)
     assert held.seen == [torch.Size([1, 3])], held.seen  # before: NameError from the tracer
     # the tracing thread's own module calls are still traced as modules
