@@ -214,8 +214,9 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(gpus)) if torch.cuda.is_available() else "cpu"
         elif gpus > 1:
             kw["rollout_devices"] = ",".join(f"cuda:{k}" for k in range(first, gpus))
-    # the learner on cuda:0 by name: "auto" is the thread's current GPU, and a run earlier in this process once
-    # left cuda:1 current, so that a --placement dedicated row's learner shared its engine's GPU (2026-11-29)
+    # the learner on cuda:0 by name, as the rows say (llm-policy's "auto" is cuda:0 too since 2026-11-29; before,
+    # it followed the current GPU, which a run earlier in this process had left on cuda:1: a "dedicated" row's
+    # learner shared its engine's GPU)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     return LLMPolicyConfig(
         env=task, algo="grpo", model=a.model, run_dir=str(run_dir), device=device, steps=a.steps, prompts_per_step=prompts,

@@ -94,6 +94,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SETS="parity features llm llm1 x2 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
+# issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
+CRAFTAX="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 3"
+DECODE_PROFILE="python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
 set_jobs() {  # the job specs of set $1, in the array `jobs`
   case "$1" in
     parity) jobs=(
@@ -122,13 +125,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@$c1 craftax_dynamic $((600 + w)) $wait python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --kv-cache dynamic --out bench/results/logs/craftax_dynamic.json"
       "@$c0 craftax_learner_compiled 600 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 4 --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "@$c1 async_gsm8k 900 python bench/async_llm_policy.py --gpus 1 --tasks gsm8k --cases base --steps 5 --out bench/results/logs/async_gsm8k.json") ;;
-    llm1) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 3"
+    llm1) local C=$CRAFTAX
       jobs=(  # one GPU: issue 19's next measurements. 2026-11-29 (fifth session) measured the prompts' pieces (no
               # difference), merged weights with fusion (decode 4.2 ms) and the adapters' A folded (686 -> 566 kernels
               # a step, time within the spread; BENCHMARKS 7b), but lost the decode profiles to the 8-file limit of a
               # direct call: first what the 566 kernels a step are (folded, merged), then the learner's update
               # profiled (2.0-2.2 s of a 4.7 s step: the end-to-end goal's lever), then the fold A/B once more
-      "@0 decode_profile 300 python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
+      "@0 decode_profile 300 $DECODE_PROFILE"
       "@0 learner_profile 300 ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
       "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
       "@0 fold_on 300 $C --out bench/results/logs/craftax_fold1.json"
@@ -140,7 +143,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
         # 6-step window held a transient; the shared engine's bf16 shadows since), each with its own sync reference,
         # then llm1's four one-GPU jobs two at a time, one lane per GPU
       local wait="while [ ! -e /tmp/tc-x2-two-gpu-done ]; do sleep 3; done;"
-      local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 3"
+      local C=$CRAFTAX
       rm -f /tmp/tc-x2-two-gpu-done
       jobs=(
       "@0,1 async_2gpu_dedicated 580 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 10 --out bench/results/logs/async_2gpu_dedicated.json"
@@ -153,7 +156,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 async_2gpu_dedicated16 560 python bench/async_llm_policy.py --gpus 2 --placement dedicated --tasks arith --cases base --steps 16 --out bench/results/logs/async_dedicated16.json"
       "@0,1 shadow_gputest 240 python -m pytest -m gpu tests/test_autocast_shadow.py -x -q -p no:cacheprovider"
       "@0,1 two_gpu_done 5 touch /tmp/tc-x2-two-gpu-done"
-      "@0 decode_profile 1460 $wait python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
+      "@0 decode_profile 1460 $wait $DECODE_PROFILE"
       "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
       "@1 learner_profile 1460 $wait ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
       "@1 fold_on 300 $C --out bench/results/logs/craftax_fold1.json") ;;
