@@ -106,7 +106,11 @@ def _args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="default: 1e-6 full, 2e-4 LoRA")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="static KV cache + compiled decode step (default: on with a GPU, as the sync reference)")
-    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=16,
+                   help="rows per learner micro-batch, both loops (grpo_arith.py's reference: 16, i.e. 4 forward/backward "
+                        "passes an update of 64 samples; 0 = the token budget alone decides: one pass of ~50k tokens)")
+    p.add_argument("--learner-compile", action="store_true",
+                   help="torch.compile the learner's packed forward, both loops (LLMPolicyConfig.learner_compile)")
     p.add_argument("--max-generate-batch", type=int, default=1024, help="rows per engine batch (both loops)")
     p.add_argument("--gen-batching", choices=["auto", "continuous", "whole"], default="auto",
                    help="the async front's batching (train llm-policy --gen-batching)")
@@ -223,7 +227,8 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
         group_size=a.samples, max_new_tokens=a.max_new_tokens, lr=a.lr, finetune=a.finetune, format_weight=0.1,
         kv_cache="static" if a.compile_decode else "dynamic", compile_decode=a.compile_decode,
         max_generate_batch=a.max_generate_batch,
-        lenient_answer=False, micro_batch_size=a.micro_batch_size, seed=a.seed, checkpoint_every=0,
+        lenient_answer=False, micro_batch_size=a.micro_batch_size, learner_compile=a.learner_compile, seed=a.seed,
+        checkpoint_every=0,
         store=False, plot=False, log_every_s=30.0, gsm8k_path=gsm8k_path if task == "gsm8k" else None,
         env_latency_ms=latency_ms, **kw,
     )
@@ -465,7 +470,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="async_llm_policy-"))
     gsm = a.gsm8k_path or str(gsm8k_layout_file(tmp / "gsm8k_layout.jsonl"))
     keys = ("task", "mode", "gpus", "env_latency_ms", "max_staleness", "offpolicy", "gen_batching", "switch_interval_ms",
-            "decode_graphs", "placement", "pool_backend", "ray_weight_groups", "batch")
+            "decode_graphs", "placement", "pool_backend", "ray_weight_groups", "batch", "micro_batch_size",
+            "learner_compile")
     name = "async_llm_policy" + ("_quick" if a.quick else "_cpu_learning" if a.learning_check else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
     fallbacks = _EagerFallbacks.install()
@@ -502,6 +508,8 @@ def main(argv=None) -> int:
                      "rollout_workers": cfg.rollout_workers if mode == "async" else None, "model": a.model,
                      "steps": a.steps, "batch": cfg.prompts_per_step * cfg.group_size, "max_new_tokens": a.max_new_tokens,
                      "finetune": a.finetune, "compile_decode": a.compile_decode,
+                     # the learner's passes an update (rows without the column ran 16)
+                     "micro_batch_size": a.micro_batch_size, "learner_compile": a.learner_compile or None,
                      # a compiled decode step that fell back to eager makes a row slow for the wrong reason
                      "eager_fallbacks": len(fallbacks.reasons), "eager_fallback_reasons": list(fallbacks.reasons),
                      "switch_interval_ms": a.switch_interval_ms,  # None: Python's default (5 ms)

@@ -31,6 +31,10 @@
 #             2 GPUs: no engine stops for the learner's update) and the dedicated placement over 16 steps with its
 #             sync row first, now that the learner is on cuda:0 by name (both 2026-11-29 runs of that command
 #             with a sync row had shared cuda:1)
+#   x4mb      one machine of 4 GPUs (2026-11-29, seventh session), Ray carried (the scale set's two calls, with
+#             `bash bench/queues.sh x4mb`): the learner's update in one pass (--micro-batch-size 0) - issue 21's
+#             weak scaling with Ray engine actors on all four GPUs, then issue 20's 2-GPU runs on GPUs 0,1 and 2,3
+#             (the dedicated placement over 16 steps with its sync row, one pass or four, eager or compiled; copies)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -91,7 +95,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -160,6 +164,22 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 fold_off 300 env THINKCRAFT_FOLD_LORA_A=0 $C --out bench/results/logs/craftax_fold0.json"
       "@1 learner_profile 1460 $wait ${C/--steps 3/--steps 4} --profile-update -1 --out bench/results/logs/craftax_learner_profile.json"
       "@1 fold_on 300 $C --out bench/results/logs/craftax_fold1.json") ;;
+    x4mb) # one x4 machine (2026-11-29, seventh session; Ray carried): the learner's update in one pass instead of
+          # four (--micro-batch-size 0: the token budget decides; grpo_arith's reference is 16 rows a pass). First
+          # issue 21's weak scaling with Ray engine actors on all four GPUs (1, 2, 3 rollout GPUs + the learner:
+          # 2026-11-28's third GPU lost to a learner update growing 0.68 -> 1.8 s with the batch), then two lanes of
+          # issue 20 at once: the queued dedicated run over 16 steps with its sync row and the copies placement on
+          # GPUs 0,1; the dedicated run with one pass an update (eager, then compiled), each with its sync row, on 2,3
+      local wait="while [ ! -e /tmp/tc-x4mb-ray-done ]; do sleep 3; done;"
+      local A="python bench/async_llm_policy.py --tasks arith --cases base"
+      rm -f /tmp/tc-x4mb-ray-done
+      jobs=(
+      "@0,1,2,3 scale_llm_ray_mb0 580 $A --steps 10 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --micro-batch-size 0 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak_mb0.json"
+      "@0,1,2,3 ray_done 5 touch /tmp/tc-x4mb-ray-done"
+      "@0,1 async_dedicated16 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --out bench/results/logs/async_dedicated16.json"
+      "@0,1 async_copies 560 $A --gpus 1 2 --placement copies --steps 16 --out bench/results/logs/async_copies.json"
+      "@2,3 async_dedicated16_mb0 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --out bench/results/logs/async_dedicated16_mb0.json"
+      "@2,3 async_dedicated16_mb0_compiled 560 $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --learner-compile --out bench/results/logs/async_dedicated16_mb0_compiled.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
