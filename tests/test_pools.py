@@ -604,3 +604,44 @@ def test_front_sizes_whole_batch_engines_that_ask_with_their_share() -> None:
     assert [e.calls for e in actors] == [[(34, 64, 8)]] * 3 and plain.calls == []
     alone = EngineFront([EngineSlot(Eng(False), SharedWeights())], batch_wait_s=0.0)
     assert not alone.sizes_caches
+
+
+def test_whole_batch_engines_that_reserved_take_at_most_their_share() -> None:
+    """A batch handed to an engine whose cache the front sized (its share of the rows) is cut at that share, so
+    the cache never grows mid-run (each growth was a decode-graph capture, ~25 s, 4 x H200 2026-11-29); the rest
+    goes to the other engines. Without a reservation a slot takes everything pending, as before."""
+
+    class Actorish(ScriptedEngine):
+        reserves_whole_batches = True
+
+        def reserve(self, rows: int, tokens: int, prefix: int = 0) -> None:
+            self.reserved = rows
+
+    engines = [Actorish(delay_s=0.2), Actorish(delay_s=0.2)]
+    front = EngineFront([EngineSlot(e, SharedWeights()) for e in engines], batch_wait_s=30.0,
+                        expected_rows=lambda: 8)
+    front.reserve(8, 64)
+    assert [e.reserved for e in engines] == [4, 4]
+    out: dict[int, str] = {}
+
+    def ask(key: int) -> None:
+        out[key] = generate(front, [[key] * (key + 1)], [key], SP, timeout_s=10)[0][0].text
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    sizes = [len(b) for e in engines for b in e.batches]
+    assert out == {k: f"#### {k + 1}" for k in range(8)}  # every row answered, once
+    assert sum(sizes) == 8 and max(sizes) <= 4 and all(e.batches for e in engines)  # cut at the share, both busy
+    front.stop()
+    plain = ScriptedEngine()
+    front = EngineFront([EngineSlot(plain, SharedWeights())], batch_wait_s=30.0, expected_rows=lambda: 6)
+    threads = [threading.Thread(target=generate, args=(front, [[k]], [k], SP), kwargs={"timeout_s": 10}) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [len(b) for b in plain.batches] == [6]  # no reservation: one batch of all the expected rows
+    front.stop()

@@ -179,6 +179,7 @@ class EngineFront:
         self._queues: list[list[_Request]] = [[] for _ in self.slots]  # continuous: per slot
         self._routes: dict[Hashable, int] = {}
         self._load = [0] * len(self.slots)  # continuous: rows queued or running per slot
+        self._row_cap = [max_batch_rows] * len(self.slots)  # whole calls: rows a slot's batch may take (`reserve`)
         self._update: Any = None  # the newest published WeightUpdate
         self._stopping = False
         self.fatal: str | None = None
@@ -250,13 +251,19 @@ class EngineFront:
         shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows run).
         Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors) get their share of the
         rows: the static decode step computes every slot, so a cache sized for all rows on each of K engines
-        would cost K times the decode work (a larger batch than the share still grows the cache, as before)."""
+        would cost K times the decode work; and a batch such an engine takes is cut at its share, so that its
+        cache never grows in the middle of a run (4 x H200, 2026-11-29: batches of more than the share reached
+        the two actors of a 3-GPU run at steps 3 and 7, each growing its cache and capturing its decode graph
+        again, ~25 s while the other engine and the learner waited)."""
         whole = [s for s in self.slots if not self.continuous and getattr(s.engine, "reserves_whole_batches", False)]
-        for slot in self.slots:
+        for k, slot in enumerate(self.slots):
             if self.continuous:
                 slot.engine.reserve(rows, tokens, prefix_tokens)
             elif slot in whole:
-                slot.engine.reserve(-(-rows // len(whole)), tokens, prefix_tokens)
+                share = -(-rows // len(whole))
+                slot.engine.reserve(share, tokens, prefix_tokens)
+                with self._cv:
+                    self._row_cap[k] = max(1, min(self.max_batch_rows, share))
 
     def notify(self) -> None:
         """The rollout pool's expected row count changed: re-check whether a batch is ready."""
@@ -308,12 +315,12 @@ class EngineFront:
 
     # ------------------------------------------------------------------------ slot threads: whole calls
 
-    def _ready(self, now: float) -> tuple[bool, float]:
-        """(take a batch now?, seconds to wait otherwise)."""
+    def _ready(self, now: float, cap: int) -> tuple[bool, float]:
+        """(take a batch of at most `cap` rows now?, seconds to wait otherwise)."""
         if not self._pending:
             return False, 0.5
         rows = sum(len(r.prompts) for r in self._pending)
-        if rows >= self.max_batch_rows or rows >= max(1, self.expected_rows()):
+        if rows >= min(cap, self.max_batch_rows) or rows >= max(1, self.expected_rows()):
             return True, 0.0
         left = self.batch_wait_s - (now - min(r.t_submit for r in self._pending))
         return left <= 0, max(left, 1e-3)
@@ -325,8 +332,10 @@ class EngineFront:
     def _update_due(self, slot: EngineSlot, now: float) -> bool:
         return self._update is not None and self._update.version > slot.sync.version and now >= slot.retry_at
 
-    def _take(self, slot: EngineSlot) -> list[_Request] | None:
-        """Wait until this slot should run a batch; None when stopping."""
+    def _take(self, k: int) -> list[_Request] | None:
+        """Wait until slot k should run a batch (at most its row cap: whole requests, at least one); None when
+        stopping."""
+        slot = self.slots[k]
         with self._cv:
             while True:
                 if self._stopping or self.fatal:
@@ -337,10 +346,11 @@ class EngineFront:
                 if self._lagging(slot):
                     self._cv.wait(max(slot.retry_at - now, 1e-3))
                     continue
-                ready, wait = self._ready(now)
+                cap = self._row_cap[k]
+                ready, wait = self._ready(now, cap)
                 if ready:
                     taken, rows = [], 0
-                    while self._pending and (not taken or rows + len(self._pending[0].prompts) <= self.max_batch_rows):
+                    while self._pending and (not taken or rows + len(self._pending[0].prompts) <= cap):
                         r = self._pending.pop(0)
                         taken.append(r)
                         rows += len(r.prompts)
@@ -350,7 +360,7 @@ class EngineFront:
     def _run(self, k: int) -> None:
         slot = self.slots[k]
         while True:
-            taken = self._take(slot)
+            taken = self._take(k)
             if taken is None:
                 return
             if not taken:
