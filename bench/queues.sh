@@ -35,9 +35,6 @@
 #             `bash bench/queues.sh x4mb`): the learner's update in one pass (--micro-batch-size 0) - issue 21's
 #             weak scaling with Ray engine actors on all four GPUs, then issue 20's 2-GPU runs on GPUs 0,1 and 2,3
 #             (the dedicated placement over 16 steps with its sync row, one pass or four, eager or compiled; copies)
-#   x2staged  one machine of 2 GPUs (2026-11-29, seventh session): the dedicated placement over 16 steps with its
-#             sync row, the learner's weight update staged on the engine's GPU by the learner (one call: carry
-#             [".whl", ".ref/tc-cache"], the set, then collect)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -98,7 +95,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x2staged scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -183,10 +180,6 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 async_copies 560 $A --gpus 1 2 --placement copies --steps 16 --out bench/results/logs/async_copies.json"
       "@2,3 async_dedicated16_mb0 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --out bench/results/logs/async_dedicated16_mb0.json"
       "@2,3 async_dedicated16_mb0_compiled 560 $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --learner-compile --out bench/results/logs/async_dedicated16_mb0_compiled.json") ;;
-    x2staged) jobs=(  # one x2 machine (2026-11-29, seventh session): issue 20's dedicated placement over 16 steps
-                      # with its sync row, the learner's update staged on the engine's GPU in its dtype by the learner
-                      # (it was cast and copied by the engine, standing still, 0.07-0.16 s an update)
-      "@0,1 async_dedicated16_staged 400 python bench/async_llm_policy.py --tasks arith --cases base --gpus 2 --placement dedicated --steps 16 --out bench/results/logs/async_dedicated16_staged.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -252,9 +252,9 @@ class EngineFront:
         Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors) get their share of the
         rows: the static decode step computes every slot, so a cache sized for all rows on each of K engines
         would cost K times the decode work; and a batch such an engine takes is cut at its share, so that its
-        cache never grows in the middle of a run (4 x H200, 2026-11-29: batches of more than the share reached
-        the two actors of a 3-GPU run at steps 3 and 7, each growing its cache and capturing its decode graph
-        again, ~25 s while the other engine and the learner waited)."""
+        cache never grows in the middle of a run (4 x H200, 2026-11-29: the two actors of a 3-GPU run each
+        captured a decode graph again, at steps 3 and 7, ~25 s while the other engine and the learner waited -
+        read as a cache grown by a batch over the share, which the front then still allowed)."""
         whole = [s for s in self.slots if not self.continuous and getattr(s.engine, "reserves_whole_batches", False)]
         for k, slot in enumerate(self.slots):
             if self.continuous:

@@ -69,27 +69,6 @@ def apply_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | Iter
     return len(staged)
 
 
-def staged_like(items: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of `items` (name, tensor), each on the device and in the dtype `model` holds it in (e.g. a bf16
-    engine copy on another GPU), for `apply_state` into `model`: its staging is then a no-op and its copies
-    local. Why: staged by the engine at a decode-step boundary, the cast and the peer-to-peer copy ran on the
-    source GPU's stream, behind whatever the learner had queued there since, while the engine stood still
-    (0.07-0.16 s an update, 2 x H200 2026-11-29, `weights/update_s`); here the learner's thread makes them right
-    after its step, in its own stream's order. A name `model` lacks, or a shape it holds otherwise, is kept as a
-    plain copy (apply_state then refuses it with its message)."""
-    named = _named(model)
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, value in items:
-            target = _lookup(named, name)
-            v = value.detach()
-            if target is None or tuple(target.shape) != tuple(v.shape):
-                out[name] = v.clone()
-            else:
-                out[name] = v.to(device=target.device, dtype=target.dtype, copy=True)
-    return out
-
-
 def is_lora_name(name: str) -> bool:
     return "lora_A" in name or "lora_B" in name or "lora_embedding" in name
 
