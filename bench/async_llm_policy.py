@@ -234,6 +234,18 @@ def _config(a, task: str, mode: str, latency_ms: float, gpus: int, run_dir: Path
     )
 
 
+def _window_start(recs: list[dict]) -> int:
+    """Index of the first record after the first step and after the last step that captured a decode graph."""
+    captured = [i for i, r in enumerate(recs) if r.get("engine/graph_captures", 0.0) > 0]
+    return max(1, captured[-1] + 1 if captured else 1)
+
+
+def _is_steady(recs: list[dict], max_staleness: int) -> bool:
+    """Do the records hold at least one whole cycle (η + 1 steps) after the warm-up and the last capture? A row
+    without one (`steady: false`) counts compile time or a partial cycle: not a rate to compare."""
+    return len(recs) - _window_start(recs) >= max_staleness + 1
+
+
 def _steady(recs: list[dict], max_staleness: int) -> list[dict]:
     """The steady steps: all but the first (it compiles), cut from the front to a multiple of η + 1 steps.
     Why: on one GPU the async loop runs in cycles of η + 1 updates - one that generates the next batches
@@ -243,8 +255,7 @@ def _steady(recs: list[dict], max_staleness: int) -> list[dict]:
     A later step that compiled and captured a decode graph (`engine/graph_captures` > 0: a new width or prefix,
     ~40 s) ends the warm-up there too: 2026-11-28 (4 x H200) a Ray engine's third capture in step 3 (44 s) made
     a 6-step row read 4.43 samples/s where its capture-free steps ran 17.3."""
-    captured = [i for i, r in enumerate(recs) if r.get("engine/graph_captures", 0.0) > 0]
-    start = max(1, captured[-1] + 1 if captured else 1)
+    start = _window_start(recs)
     if start >= len(recs):
         print(f"warning: step {recs[-1]['step']} still compiled a decode graph: no capture-free steady step; the "
               "rows' rate counts compile time (run more --steps)", file=sys.stderr, flush=True)
@@ -295,6 +306,7 @@ def _summarise(recs: list[dict], mode: str, max_staleness: int, batch: int) -> d
         "curve": [(batch * r["step"], r["reward/mean"]) for r in recs],
         "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steady),
         "steady_steps": [int(r["step"]) for r in steady],
+        "steady": _is_steady(recs, max_staleness if mode == "async" else 0),
         "failed": recs[-1].get("rollout/failed", 0),
         # decode graphs compiled + captured over the whole run (first steps included) and their seconds
         "graph_captures": sum(r.get("engine/graph_captures", 0.0) for r in recs),

@@ -226,10 +226,16 @@ def llm_policy_rows(path: str | None) -> list[dict[str, Any]]:
     ref = next(r for r in recs if r["gpus"] == 2)
     rows = []
     for r in sorted(recs, key=lambda r: r["gpus"]):
+        if r.get("steady") is False:  # compile time in its window (the bench warned): not a rate to claim
+            print(f"{path}: the {r['gpus']}-GPU row has no capture-free whole cycle (steady steps "
+                  f"{r.get('steady_steps')}): left out", flush=True)
+            continue
         per_gpu = (r["samples_per_s"] / ref["samples_per_s"]) / (r["gpus"] - 1)
         rows.append({"job": "llm-policy", "gpus": r["gpus"], "skip_n": None, "samples_per_s": r["samples_per_s"],
                      "rollout_gpus": r["gpus"] - 1, "batch": r.get("batch"), "of_linear": per_gpu,
                      "pool_backend": r.get("pool_backend"), "weight_update_s": r.get("weight_update_s"),
+                     # the learner's rows a pass (the bench's rows without the column ran 16)
+                     "micro_batch_size": r.get("micro_batch_size", 16),
                      "source": str(path), "card": r.get("card"), "date": r.get("date"), "quick": False,
                      "goal": "of_linear >= 0.8" if r["gpus"] > 2 else None})
     return rows
@@ -300,7 +306,7 @@ def main() -> None:
         # (rows read from another run's file keep that run's card and date)
         write_records(out, [{**stamp, **r} for r in with_references(rows)],
                       merge_keys=("job", "gpus", "skip_n", "feature_backend", "pool_backend", "batch", "hidden_graphs",
-                                  "quantize"))
+                                  "quantize", "micro_batch_size"))
 
     with tempfile.TemporaryDirectory() as runs_dir:
         if "ppo" in args.jobs:

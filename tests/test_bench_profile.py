@@ -92,6 +92,27 @@ def test_async_bench_steady_window_starts_after_the_last_graph_capture(tmp_path,
     rows = bench.rederive(out)
     assert rows[0]["samples_per_s"] == pytest.approx(128 / (3.71 + 3.69)) and rows[0]["steady_steps"] == [5, 6]
     assert json.loads(out.read_text())[0]["samples_per_s"] == rows[0]["samples_per_s"]
+    assert rows[0]["steady"] is True and bench._is_steady(recs[:4], 1) is False  # step 4 alone: not a whole cycle
+    assert bench._is_steady(recs[:3], 0) is False and bench._is_steady(recs[:4], 0) is True
+
+
+def test_scale_llm_rows_leave_out_rows_without_a_steady_window(tmp_path, capsys) -> None:
+    """bench/scale.py --llm-rows: a row whose window still held a decode-graph capture (`steady: false`, 4 x H200
+    2026-11-29: a 3-rollout-GPU row capturing at step 10 of 10) is not a rate: left out, said; rows carry the
+    learner's rows a pass (16 where the bench's row has no column)."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "bench" / "scale.py")
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    row = {"mode": "async", "placement": "dedicated", "env_latency_ms": 0.0, "batch": 64}
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps([{**row, "gpus": 2, "samples_per_s": 30.0, "steady": True},
+                               {**row, "gpus": 3, "samples_per_s": 54.0, "micro_batch_size": 0},
+                               {**row, "gpus": 4, "samples_per_s": 20.0, "steady": False, "steady_steps": [3]}]))
+    rows = scale.llm_policy_rows(str(src))
+    assert [(r["gpus"], r["micro_batch_size"]) for r in rows] == [(2, 16), (3, 0)]
+    assert rows[1]["of_linear"] == pytest.approx(0.9) and "4-GPU row has no capture-free" in capsys.readouterr().out
 
 
 def test_async_bench_plan_keeps_the_sync_reference_unless_told() -> None:
