@@ -27,10 +27,8 @@
 #             and the queue with it)
 #   x2        one machine of 2 GPUs (2026-11-29): issue 20's two placements over 10 steps with their sync references,
 #             then llm1's four jobs, two lanes at once. Needs the tokenizer: carry .ref/tc-cache (and .ref/jax-cache).
-#             Next (not run yet): ONLY="async_2gpu_copies async_2gpu_dedicated16" - every engine a bf16 copy (on 1 and
-#             2 GPUs: no engine stops for the learner's update) and the dedicated placement over 16 steps with its
-#             sync row first, now that the learner is on cuda:0 by name (both 2026-11-29 runs of that command
-#             with a sync row had shared cuda:1)
+#             Its jobs async_2gpu_copies and async_2gpu_dedicated16 ran in the x4mb set (2026-11-29, seventh
+#             session: BENCHMARKS §10)
 #   x4mb      one machine of 4 GPUs (2026-11-29, seventh session), Ray carried (the scale set's two calls, with
 #             `bash bench/queues.sh x4mb`): the learner's update in one pass (--micro-batch-size 0) - issue 21's
 #             weak scaling with Ray engine actors on all four GPUs, then issue 20's 2-GPU runs on GPUs 0,1 and 2,3

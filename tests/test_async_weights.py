@@ -260,8 +260,13 @@ def test_copy_weights_through_a_versioned_engine_skips_stale_versions(tiny):
     engine = HFEngine.from_model(twin, tok)
     sync = CopyWeights(twin, 0, engine=engine)
     v2, v3 = _shifted(model, 0.01), _shifted(model, 0.02)
+    before = engine.decode_metrics()
     sync.apply(WeightUpdate(2, trainable_state(v2, lora=False)))
     assert sync.version == 2 and engine.weights_version == 2 and _close(twin.parameters(), v2.parameters())
+    from thinkcraft.train.llm_policy.rollout import decode_metrics_delta
+
+    took = decode_metrics_delta(before, engine.decode_metrics())  # the update's phases, timed (the engine stood still)
+    assert took["engine/weight_copy_s"] > 0 and took["engine/weight_switch_s"] >= 0 <= took["engine/weight_drain_s"]
     # the engine itself refuses an older version, with the typed error ...
     with pytest.raises(StaleWeightsError, match="stale"):
         engine.update_weights(trainable_state(model, lora=False), 1)

@@ -123,6 +123,11 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # waits for another engine's capture included: a first step's compile time, seen
             "engine/graph_captures": d.get("graph_captures", 0.0),
             "engine/graph_capture_s": d.get("graph_capture_s", 0.0),
+            # weight updates taken between decode steps, in three timed phases (host seconds; the copy's device
+            # time shows in the next step): draining the step in flight, copying the tensors in, switching the
+            # version (the shared prefix's KV recomputed, parked KV dropped)
+            "engine/weight_drain_s": d.get("weight_drain_s", 0.0), "engine/weight_copy_s": d.get("weight_copy_s", 0.0),
+            "engine/weight_switch_s": d.get("weight_switch_s", 0.0),
             # a state, not a count: the decode step's attention, 1 per engine on FlashAttention over the slots (the
             # async pools sum their engines' counters), 0 on the matmuls
             "engine/flash_decode": after.get("flash_decode", 0.0)}
