@@ -33,6 +33,9 @@
 #             `bash bench/queues.sh x4mb`): the learner's update in one pass (--micro-batch-size 0) - issue 21's
 #             weak scaling with Ray engine actors on all four GPUs, then issue 20's 2-GPU runs on GPUs 0,1 and 2,3
 #             (the dedicated placement over 16 steps with its sync row, one pass or four, eager or compiled; copies)
+#   x4next    one machine of 4 GPUs, Ray carried (the scale set's two calls, with `bash bench/queues.sh x4next`;
+#             queued 2026-11-29, not run): issue 21's weak scaling with the whole-batch share cap, then issue 20's
+#             dedicated run with the weight update's phases timed beside issue 19's allocator A/B
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -93,7 +96,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -178,6 +181,20 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 async_copies 560 $A --gpus 1 2 --placement copies --steps 16 --out bench/results/logs/async_copies.json"
       "@2,3 async_dedicated16_mb0 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --out bench/results/logs/async_dedicated16_mb0.json"
       "@2,3 async_dedicated16_mb0_compiled 560 $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --learner-compile --out bench/results/logs/async_dedicated16_mb0_compiled.json") ;;
+    x4next) # one x4 machine, Ray carried (queued 2026-11-29, seventh session; not run yet): issue 21's weak scaling
+            # again with the whole-batch share cap (no cache growth mid-run; the actors now log their allocations and
+            # captures), then issue 20's dedicated run with the engine's weight-update phases timed (GPUs 0,1) beside
+            # issue 19's allocator A/B (GPUs 2 and 3: expandable segments against the default)
+      local wait="while [ ! -e /tmp/tc-x4next-ray-done ]; do sleep 3; done;"
+      local A="python bench/async_llm_policy.py --tasks arith --cases base"
+      local C=$CRAFTAX
+      rm -f /tmp/tc-x4next-ray-done
+      jobs=(
+      "@0,1,2,3 scale_llm_ray_mb0 580 $A --steps 12 --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --micro-batch-size 0 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak_mb0.json"
+      "@0,1,2,3 ray_done 5 touch /tmp/tc-x4next-ray-done"
+      "@0,1 async_dedicated16 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --out bench/results/logs/async_dedicated16.json"
+      "@2 alloc_default 880 $wait $C --out bench/results/logs/craftax_alloc_default.json"
+      "@3 alloc_expandable 880 $wait env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --out bench/results/logs/craftax_alloc_expandable.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -512,3 +512,28 @@ def test_engine_actor_cache_is_sized_once_and_again_after_a_replacement(ray_clus
         engine.generate(Batch(items=[prompt] * n), sp)
     assert engine.decode_metrics()["cache_allocations"] == 2  # the replacement's one allocation added
     handle.kill()
+
+
+def test_an_engine_actor_reports_its_cache_allocations_and_captures(capfd) -> None:
+    """An engine actor's KV-cache allocations (and decode-graph captures) reach its stderr - which Ray forwards to the
+    driver - though its process configures no logging: 2026-11-29's late captures in two actors left no line in the
+    run's output. The actor class runs in-process here (no Ray needed)."""
+    import logging
+
+    from thinkcraft.llm.protocol import Batch, SamplingParams
+    from thinkcraft.pools.ray_backend import CACHE_LOGGER, _EngineActor
+
+    model, tok = _tiny_model()
+    lg = logging.getLogger(CACHE_LOGGER)
+    before = list(lg.handlers), lg.level
+    try:
+        actor = _EngineActor(model, _engine_builder(tok), lambda: None, 0, 1, False)
+        _EngineActor(model, _engine_builder(tok), lambda: None, 0, 1, False)  # a second one adds no second handler
+        assert len(lg.handlers) == len(before[0]) + 1
+        actor.reserve(4, 64)
+        out = actor.generate(Batch(items=[[5, 6, 7], [8, 9]]), SamplingParams(max_new_tokens=2))
+        assert len(out) == 2
+        assert "KV cache allocated: 8 slots" in capfd.readouterr().err
+    finally:
+        lg.handlers[:] = before[0]
+        lg.setLevel(before[1])

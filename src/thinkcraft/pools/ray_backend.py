@@ -208,6 +208,27 @@ class _EnvActor:
         return getattr(self.env, method)(*args)
 
 
+CACHE_LOGGER = "thinkcraft.llm.hf.cache"
+
+
+def log_cache_events() -> None:
+    """The engine's KV-cache allocations and decode-graph captures (a few INFO lines a run, logger
+    `thinkcraft.llm.hf.cache`) to this process's stderr, which Ray forwards to the driver's output with the actor's
+    name. Why: an actor's process has no handler for them, and a capture in the middle of a run costs ~25 s with
+    every other engine and the learner waiting (4 x H200, 2026-11-29: two actors captured again at steps 3 and 7,
+    and nothing in the run's output said why). Idempotent."""
+    import sys
+
+    lg = logging.getLogger(CACHE_LOGGER)
+    if any(getattr(h, "_tc_actor_events", False) for h in lg.handlers):
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h._tc_actor_events = True  # type: ignore[attr-defined]
+    h.setFormatter(logging.Formatter("%(asctime)s [%(threadName)s] %(message)s"))
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+
+
 class _EngineActor:
     """An in-process engine on its own copy of the policy (on the bundle's GPU, else the CPU).
 
@@ -221,6 +242,7 @@ class _EngineActor:
         from thinkcraft.pools.weights import CopyWeights
 
         torch.set_num_threads(max(1, threads))
+        log_cache_events()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.engine = make_engine(self.model)
