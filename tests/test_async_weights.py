@@ -380,3 +380,56 @@ def test_a_copy_engine_with_autocast_weights_samples_what_the_fp32_copy_samples(
     assert half.get_input_embeddings().weight.dtype == torch.bfloat16
     both()
 
+
+def test_a_state_staged_like_a_half_precision_copy_applies_as_the_plain_one(tiny):
+    """`trainable_state(..., like=twin)` (the dedicated placement: the learner's thread stages its update where
+    and as the engine's copy holds each tensor - bf16 Linear weights, fp32 norms) leaves the copy exactly as the
+    fp32 state staged by the engine itself does, and apply_state then makes one copy call per dtype, none per
+    tensor."""
+    from thinkcraft.llm.hf.weights import apply_state, autocast_weights
+
+    model, _ = tiny
+    learner = _shifted(model, 0.01)
+    twin_a = autocast_weights(copy.deepcopy(model).eval(), torch.bfloat16)
+    twin_b = autocast_weights(copy.deepcopy(model).eval(), torch.bfloat16)
+    plain = trainable_state(learner, lora=False, device=None)
+    staged = trainable_state(learner, lora=False, like=twin_b)
+    held = dict(twin_b.state_dict(keep_vars=True))
+    assert {n: t.dtype for n, t in staged.items()} == {n: held[n].dtype for n in staged}
+    assert {t.dtype for t in staged.values()} == {torch.bfloat16, torch.float32}  # Linear weights and norms
+    assert all(staged[n].data_ptr() != p.data_ptr() for n, p in learner.named_parameters())  # copies, not views
+    apply_state(twin_a, plain, 1)
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):  # the torch calls apply_state makes (each one a release of the GIL on a GPU)
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as calls:
+        apply_state(twin_b, staged, 1)
+    made = [n for n in calls.names if n not in ("__get__", "_set_grad_enabled")]
+    assert made == ["_foreach_copy_"] * 2, made  # one copy per dtype (bf16 weights, fp32 norms), nothing per tensor
+    assert all(torch.equal(a, b) for a, b in zip(twin_a.state_dict().values(), twin_b.state_dict().values()))
+    assert not all(torch.equal(a.float(), b) for a, b in zip(twin_b.parameters(), model.parameters()))  # it moved
+
+
+def test_the_async_weight_update_is_staged_like_copies_on_one_device(tiny):
+    """async_build.weight_update stages like the copy engines' model when they all sit on one device (the
+    dedicated placement); copies on several devices keep the learner-device snapshot."""
+    from types import SimpleNamespace
+
+    from thinkcraft.pools import CopyWeights
+    from thinkcraft.train.llm_policy.async_build import weight_update
+
+    model, _ = tiny
+    learner = SimpleNamespace(model=_shifted(model, 0.01), cfg=SimpleNamespace(finetune="full"))
+    twin = copy.deepcopy(model).eval().to(torch.bfloat16)
+    one = [EngineSlot(None, CopyWeights(twin, 0), "engine0-copy", "cpu")]
+    assert {t.dtype for t in weight_update(learner, 1, one).state.values()} == {torch.bfloat16}
+    two = one + [EngineSlot(None, CopyWeights(copy.deepcopy(twin), 0), "engine1-copy", "meta")]
+    assert {t.dtype for t in weight_update(learner, 1, two).state.values()} == {torch.float32}

@@ -57,12 +57,20 @@ class WeightSync(Protocol):
         ...
 
 
-def trainable_state(model: Any, lora: bool, device: str | None = "cpu") -> dict[str, Any]:
+def trainable_state(model: Any, lora: bool, device: str | None = "cpu", like: Any = None) -> dict[str, Any]:
     """Detached copies of what changes in training: LoRA adapter tensors, or every parameter. On the CPU by
     default (picklable: any backend can ship them); `device=None` keeps them on the learner's device, for
-    in-process engine copies on other GPUs (a device-to-device copy, peer-to-peer over NVLink where there is one)."""
-    return {n: (p.detach().clone() if device is None else p.detach().to(device, copy=True))
-            for n, p in model.named_parameters() if (p.requires_grad if lora else True)}
+    in-process engine copies on other GPUs (a device-to-device copy, peer-to-peer over NVLink where there is one).
+    `like` (an in-process engine's own model; overrides `device`): each tensor copied to the device and dtype that
+    model holds it in (llm.hf.weights.staged_like), by the learner's thread in its stream order - so the
+    engine's update at a decode-step boundary is one grouped local copy, not a cast and a peer-to-peer copy per
+    tensor made while it stands still."""
+    items = [(n, p) for n, p in model.named_parameters() if (p.requires_grad if lora else True)]
+    if like is not None:
+        from thinkcraft.llm.hf.weights import staged_like
+
+        return staged_like(items, like)
+    return {n: (p.detach().clone() if device is None else p.detach().to(device, copy=True)) for n, p in items}
 
 
 def versioned(engine: Any) -> bool:

@@ -140,7 +140,11 @@ def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> We
     # only in-process copies: the tensors stay on the learner's device (device to device); else via the CPU
     local = all(isinstance(s.sync, (SharedWeights, CopyWeights)) or getattr(s.sync, "device_tensors", False)
                 for s in slots)  # device_tensors: the Ray backend's NCCL broadcast (pools/ray_weights.py)
-    return WeightUpdate(version, trainable_state(learner.model, lora, device=None if local else "cpu"),
+    copies = [s for s in slots if isinstance(s.sync, CopyWeights)]
+    # in-process copies all on one device (the dedicated placement): staged there, in their dtype, by this thread
+    like = copies[0].sync.model if local and copies and len({s.device for s in copies}) == 1 \
+        and all(isinstance(s.sync, (SharedWeights, CopyWeights)) for s in slots) else None
+    return WeightUpdate(version, trainable_state(learner.model, lora, device=None if local else "cpu", like=like),
                         "lora" if lora else "full", meta=lora_meta(learner.model) if lora else None)
 
 
