@@ -35,7 +35,8 @@
 #             (the dedicated placement over 16 steps with its sync row, one pass or four, eager or compiled; copies)
 #   x4next    one machine of 4 GPUs, Ray carried (the scale set's two calls, with `bash bench/queues.sh x4next`;
 #             queued 2026-11-29, not run): issue 21's weak scaling with the whole-batch share cap, then issue 20's
-#             dedicated run with the weight update's phases timed beside issue 19's allocator A/B
+#             dedicated run with the weight update's phases timed beside issue 19's allocator A/B and its Craftax
+#             row with the compiled learner
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -184,7 +185,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     x4next) # one x4 machine, Ray carried (queued 2026-11-29, seventh session; not run yet): issue 21's weak scaling
             # again with the whole-batch share cap (no cache growth mid-run; the actors now log their allocations and
             # captures), then issue 20's dedicated run with the engine's weight-update phases timed (GPUs 0,1) beside
-            # issue 19's allocator A/B (GPUs 2 and 3: expandable segments against the default)
+            # issue 19's allocator A/B (GPUs 2 and 3: expandable segments against the default) and its Craftax row
+            # with the compiled learner
       local wait="while [ ! -e /tmp/tc-x4next-ray-done ]; do sleep 3; done;"
       local A="python bench/async_llm_policy.py --tasks arith --cases base"
       local C=$CRAFTAX
@@ -194,7 +196,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1,2,3 ray_done 5 touch /tmp/tc-x4next-ray-done"
       "@0,1 async_dedicated16 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --out bench/results/logs/async_dedicated16.json"
       "@2 alloc_default 880 $wait $C --out bench/results/logs/craftax_alloc_default.json"
-      "@3 alloc_expandable 880 $wait env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --out bench/results/logs/craftax_alloc_expandable.json") ;;
+      "@3 alloc_expandable 880 $wait env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --out bench/results/logs/craftax_alloc_expandable.json"
+      # the compiled learner cut the arith sync loop's update 0.40 -> 0.29 s (2026-11-29, seventh session; its first
+      # step compiled for 282 s): issue 19's end-to-end rate is bound by a ~2 s update (the goal's lever)
+      "@2 craftax_learner_compiled 600 ${C/--steps 3/--steps 5} --learner-compile --out bench/results/logs/craftax_learner_compiled.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
