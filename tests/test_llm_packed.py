@@ -267,6 +267,35 @@ def test_compiled_learner_forward_equals_the_padded_computation(caplog):
     _assert_same(_grads(model), want)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_layer_by_layer_forward_equals_the_padded_computation(arch, monkeypatch):
+    """--learner-compile on a plain decoder (Llama, Qwen2/3) compiles one decoder layer that every layer runs, the
+    embedding, rotary and final norm eager: that loop (`compat.call_decoder_layer`) is the decoder's own forward,
+    shown here with the compile left out (the slow test above compiles), packed micro-batches and a shared
+    prefix included: the padded whole-batch loss and gradients."""
+    from thinkcraft.llm import compat
+    from thinkcraft.utils import fallback
+
+    calls = []
+
+    def eager(fn, what, logger, dynamic=False):  # noqa: ANN001, ANN202 - torch.compile left out
+        calls.append(what)
+        return fn
+
+    monkeypatch.setattr(fallback, "compiled_or_eager", eager)
+    model = _model(arch, finetune="full")
+    assert compat.plain_decoder(compat.decoder_of(model))
+    cfg = _cfg(finetune="full", learner_compile=True, micro_batch_tokens=16, kl_coef=0.1)
+    rows = _rows(model, common=(3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,
+                                26, 27, 28, 29, 30, 31, 32, 33, 34))
+    want_loss, want = _reference(cfg, model, rows)
+    learner = _learner(cfg, model)
+    stats = learner.update(rows)
+    assert set(calls) == {"learner layer"} and stats["learner/micro_batches"] >= 2  # the policy and its reference
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    _assert_same(_grads(model), want)
+
+
 def test_apo_update_equals_the_padded_computation():
     model = _model("llama")
     cfg = _cfg(algo="apo", env="arith", micro_batch_tokens=15)

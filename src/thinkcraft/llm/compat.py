@@ -178,6 +178,28 @@ def call_layer(
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+PLAIN_DECODERS = ("llama", "qwen2", "qwen3", "mistral")
+"""Model types whose decoder forward is exactly embed_tokens -> rotary_emb -> each layer -> norm (transformers
+5.24.0's LlamaModel / Qwen2Model / Qwen3Model / MistralModel; SmolLM2 is a llama): `plain_decoder`."""
+
+
+def plain_decoder(decoder: torch.nn.Module) -> bool:
+    """Can the decoder's forward be run as embed_tokens, rotary_emb, its layers one by one (`call_decoder_layer`)
+    and norm, with nothing else in between? Judged by its model type (`PLAIN_DECODERS`: no embedding scale, no
+    per-layer extras) and its parts; anything else keeps its own forward."""
+    cfg = getattr(decoder, "config", None)
+    return (getattr(cfg, "model_type", None) in PLAIN_DECODERS
+            and all(hasattr(decoder, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")))
+
+
+def call_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, pos: torch.Tensor, pe: Any,
+                       kwargs: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer as the decoder's own loop calls it for a maskless attention function (no mask, no cache),
+    with the attention function's keyword arguments `kwargs` (e.g. `varlen_kwargs`)."""
+    o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, use_cache=False, **kwargs)
+    return o[0] if isinstance(o, tuple) else o
+
+
 def splits_at_mlp(layer: torch.nn.Module) -> bool:
     """Is this decoder layer the pre-norm `h + attn(norm(h))`, then `h + mlp(norm(h))` block (Llama, Qwen2/3,
     Mistral, SmolLM) that `call_layer(last=...)` re-implements? Judged by its exact set of sub-modules

@@ -266,7 +266,11 @@ class Learner:
     def _packed(self, dec):
         """dec's forward over one packed (1, T) row -> its last hidden states: eager, or through torch.compile
         (`learner_compile`; dynamic shapes, one graph for every micro-batch length, eager for good after a
-        failure)."""
+        failure). A plain decoder (`compat.plain_decoder`: Llama, Qwen2/3, Mistral) is compiled a layer at a
+        time - one graph that every layer runs, its weights graph inputs - the rest of its forward eager: the
+        whole Qwen2.5-0.5B forward and backward took 282 s to compile in the first update (H200, 2026-11-29,
+        bench/results/logs/s46_h200x4_async_dedicated16_mb0_compiled.log), 24 copies of one layer's graph.
+        Other decoders compile their whole forward."""
         from thinkcraft.llm import compat
 
         def forward(ids, positions, varlen):  # noqa: ANN001, ANN202
@@ -277,7 +281,20 @@ class Learner:
         if id(dec) not in self._packed_forward:
             from thinkcraft.utils.fallback import compiled_or_eager
 
-            self._packed_forward[id(dec)] = compiled_or_eager(forward, "learner forward", log, dynamic=True)
+            if not compat.plain_decoder(dec):
+                self._packed_forward[id(dec)] = compiled_or_eager(forward, "learner forward", log, dynamic=True)
+                return self._packed_forward[id(dec)]
+            layer_fn = compiled_or_eager(compat.call_decoder_layer, "learner layer", log, dynamic=True)
+            layers = dec.layers[: dec.config.num_hidden_layers]
+
+            def by_layer(ids, positions, varlen):  # noqa: ANN001, ANN202
+                h = dec.embed_tokens(ids)
+                pe = compat.rotary(dec, h, positions)
+                for layer in layers:
+                    h = layer_fn(layer, h, positions, pe, varlen)
+                return dec.norm(h)
+
+            self._packed_forward[id(dec)] = by_layer
         return self._packed_forward[id(dec)]
 
     def plan(self, rows: TrainRows, all_positions: bool = False) -> list:
