@@ -269,8 +269,8 @@ class Learner:
         failure). A plain decoder (`compat.plain_decoder`: Llama, Qwen2/3, Mistral) is compiled a layer at a
         time - one graph that every layer runs, its weights graph inputs - the rest of its forward eager: the
         whole Qwen2.5-0.5B forward and backward took 282 s to compile in the first update (H200, 2026-11-29,
-        bench/results/logs/s46_h200x4_async_dedicated16_mb0_compiled.log), 24 copies of one layer's graph.
-        Other decoders compile their whole forward."""
+        bench/results/logs/s46_h200x4_async_dedicated16_mb0_compiled.log) for 24 identical layers. Other
+        decoders compile their whole forward."""
         from thinkcraft.llm import compat
 
         def forward(ids, positions, varlen):  # noqa: ANN001, ANN202
