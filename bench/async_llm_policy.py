@@ -418,11 +418,9 @@ class _EagerFallbacks(logging.Handler):
         logging.getLogger("thinkcraft.llm.hf").addHandler(h)
         # each decode-graph capture as it happens (device, width, seconds): a first step that takes minutes
         # shows whether compiles are the time, even when the job is cut before any row
-        info = logging.StreamHandler(sys.stderr)
-        info.setFormatter(logging.Formatter("%(asctime)s [%(threadName)s] %(message)s"))
-        cache_log = logging.getLogger("thinkcraft.llm.hf.cache")
-        cache_log.addHandler(info)
-        cache_log.setLevel(logging.INFO)
+        from thinkcraft.llm.hf.cache import log_cache_events
+
+        log_cache_events()
         return h
 
 

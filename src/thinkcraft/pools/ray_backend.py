@@ -209,24 +209,8 @@ class _EnvActor:
 
 
 CACHE_LOGGER = "thinkcraft.llm.hf.cache"
-
-
-def log_cache_events() -> None:
-    """The engine's KV-cache allocations and decode-graph captures (a few INFO lines a run, logger
-    `thinkcraft.llm.hf.cache`) to this process's stderr, which Ray forwards to the driver's output with the actor's
-    name. Why: an actor's process has no handler for them, and a capture in the middle of a run costs ~25 s with
-    every other engine and the learner waiting (4 x H200, 2026-11-29: two actors captured again at steps 3 and 7,
-    and nothing in the run's output said why). Idempotent."""
-    import sys
-
-    lg = logging.getLogger(CACHE_LOGGER)
-    if any(getattr(h, "_tc_actor_events", False) for h in lg.handlers):
-        return
-    h = logging.StreamHandler(sys.stderr)
-    h._tc_actor_events = True  # type: ignore[attr-defined]
-    h.setFormatter(logging.Formatter("%(asctime)s [%(threadName)s] %(message)s"))
-    lg.addHandler(h)
-    lg.setLevel(logging.INFO)
+"""The logger of the engine's KV-cache allocations and decode-graph captures, which an engine actor sends to its
+stderr (llm.hf.cache.log_cache_events: Ray forwards it to the driver's output, prefixed with the actor)."""
 
 
 class _EngineActor:
@@ -240,6 +224,8 @@ class _EngineActor:
         import torch
 
         from thinkcraft.pools.weights import CopyWeights
+
+        from thinkcraft.llm.hf.cache import log_cache_events
 
         torch.set_num_threads(max(1, threads))
         log_cache_events()

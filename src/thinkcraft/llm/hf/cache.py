@@ -36,6 +36,25 @@ from thinkcraft.utils.errors import UserError, env_switch
 from thinkcraft.utils.fallback import OrEager, compiled_or_eager
 
 log = logging.getLogger(__name__)
+
+
+def log_cache_events() -> None:
+    """This module's INFO lines - each KV-cache allocation and decode-graph capture, a few a run - to the process's
+    stderr (with time and thread). Why: a capture in the middle of a run costs ~25-40 s with every other engine and
+    the learner waiting, and a process that configures no logging (a Ray engine actor: Ray forwards its stderr to the
+    driver's output; a benchmark) otherwise says nothing about it (4 x H200, 2026-11-29: two actors captured again
+    at steps 3 and 7, no line said why). Idempotent."""
+    import sys
+
+    if any(getattr(h, "_tc_cache_events", False) for h in log.handlers):
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h._tc_cache_events = True  # type: ignore[attr-defined]
+    h.setFormatter(logging.Formatter("%(asctime)s [%(threadName)s] %(message)s"))
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+
+
 _ROUND_TOKENS = 64
 """Slot lengths and prefix capacities are multiples of this (growing episodes rarely reallocate)."""
 _WIDTH_BUCKET = 128

@@ -141,9 +141,10 @@ def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> We
     local = all(isinstance(s.sync, (SharedWeights, CopyWeights)) or getattr(s.sync, "device_tensors", False)
                 for s in slots)  # device_tensors: the Ray backend's NCCL broadcast (pools/ray_weights.py)
     copies = [s for s in slots if isinstance(s.sync, CopyWeights)]
-    # in-process copies all on one device (the dedicated placement): staged there, in their dtype, by this thread
-    like = copies[0].sync.model if local and copies and len({s.device for s in copies}) == 1 \
-        and all(isinstance(s.sync, (SharedWeights, CopyWeights)) for s in slots) else None
+    # only in-process engines, the copies all on one device (the dedicated placement): staged there, in their
+    # dtype, by this thread
+    in_process = all(isinstance(s.sync, (SharedWeights, CopyWeights)) for s in slots)
+    like = copies[0].sync.model if in_process and copies and len({s.device for s in copies}) == 1 else None
     return WeightUpdate(version, trainable_state(learner.model, lora, device=None if local else "cpu", like=like),
                         "lora" if lora else "full", meta=lora_meta(learner.model) if lora else None)
 
