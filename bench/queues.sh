@@ -108,6 +108,15 @@ ARITH="python bench/async_llm_policy.py --tasks arith --cases base"
 DEDICATED16="$ARITH --gpus 2 --placement dedicated --steps 16 --out bench/results/logs/async_dedicated16.json"
 RAY_WEAK_MB0="$ARITH --gpus 2 3 4 --placement dedicated --pool-backend ray --prompts-per-engine 16 --micro-batch-size 0 --no-sync-reference --out bench/results/logs/async_dedicated_ray_weak_mb0.json"
 DECODE_PROFILE="python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
+ray_first() {  # sets x4mb / x4next ($1), $2 steps: issue 21's Ray weak scaling on all four GPUs first, a flag when it
+  # ends and `wait` (the caller's local) for the lanes that start after it, then issue 20's dedicated run on GPUs 0,1
+  wait="while [ ! -e /tmp/tc-$1-ray-done ]; do sleep 3; done;"
+  rm -f "/tmp/tc-$1-ray-done"
+  jobs=(
+  "@0,1,2,3 scale_llm_ray_mb0 580 ${RAY_WEAK_MB0/--gpus/--steps $2 --gpus}"
+  "@0,1,2,3 ray_done 5 touch /tmp/tc-$1-ray-done"
+  "@0,1 async_dedicated16 1160 $wait $DEDICATED16")
+}
 set_jobs() {  # the job specs of set $1, in the array `jobs`
   case "$1" in
     parity) jobs=(
@@ -177,13 +186,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
           # 2026-11-28's third GPU lost to a learner update growing 0.68 -> 1.8 s with the batch), then two lanes of
           # issue 20 at once: the queued dedicated run over 16 steps with its sync row and the copies placement on
           # GPUs 0,1; the dedicated run with one pass an update (eager, then compiled), each with its sync row, on 2,3
-      local wait="while [ ! -e /tmp/tc-x4mb-ray-done ]; do sleep 3; done;"
-      local A=$ARITH
-      rm -f /tmp/tc-x4mb-ray-done
-      jobs=(
-      "@0,1,2,3 scale_llm_ray_mb0 580 ${RAY_WEAK_MB0/--gpus/--steps 10 --gpus}"
-      "@0,1,2,3 ray_done 5 touch /tmp/tc-x4mb-ray-done"
-      "@0,1 async_dedicated16 1160 $wait $DEDICATED16"
+      local wait A=$ARITH
+      ray_first x4mb 10
+      jobs+=(
       "@0,1 async_copies 560 $A --gpus 1 2 --placement copies --steps 16 --out bench/results/logs/async_copies.json"
       "@2,3 async_dedicated16_mb0 1160 $wait $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --out bench/results/logs/async_dedicated16_mb0.json"
       "@2,3 async_dedicated16_mb0_compiled 560 $A --gpus 2 --placement dedicated --steps 16 --micro-batch-size 0 --learner-compile --out bench/results/logs/async_dedicated16_mb0_compiled.json") ;;
@@ -192,13 +197,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
             # captures), then issue 20's dedicated run with the engine's weight-update phases timed (GPUs 0,1) beside
             # issue 19's allocator A/B (GPUs 2 and 3: expandable segments against the default) and its Craftax row
             # with the compiled learner
-      local wait="while [ ! -e /tmp/tc-x4next-ray-done ]; do sleep 3; done;"
-      local C=$CRAFTAX
-      rm -f /tmp/tc-x4next-ray-done
-      jobs=(
-      "@0,1,2,3 scale_llm_ray_mb0 580 ${RAY_WEAK_MB0/--gpus/--steps 12 --gpus}"
-      "@0,1,2,3 ray_done 5 touch /tmp/tc-x4next-ray-done"
-      "@0,1 async_dedicated16 1160 $wait $DEDICATED16"
+      local wait C=$CRAFTAX
+      ray_first x4next 12
+      jobs+=(
       "@2 alloc_default 880 $wait $C --out bench/results/logs/craftax_alloc_default.json"
       "@3 alloc_expandable 880 $wait env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --out bench/results/logs/craftax_alloc_expandable.json"
       # the compiled learner cut the arith sync loop's update 0.40 -> 0.29 s (2026-11-29, seventh session; its first
