@@ -96,11 +96,16 @@ def test_eval_refuses_what_it_cannot_evaluate_in_under_a_second(tmp_path, capsys
         "no checkpoint": (_run_dir(tmp_path, "fresh", ppo), "has no checkpoint"),
     }
     for what, (d, message) in cases.items():
-        t0 = time.perf_counter()
-        assert main(["eval", str(d)]) == 2, what
-        assert time.perf_counter() - t0 < 1.0, what
-        err = capsys.readouterr().err
-        assert message in err and len(err.strip().splitlines()) == 1, (what, err)
+        # the best of three: a refusal takes ~2 ms; one call can still stall for a second on a loaded 2-core CI
+        # machine (a full garbage collection of the worker's heap, the other worker compiling) - that failed CI once
+        seconds = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            assert main(["eval", str(d)]) == 2, what
+            seconds.append(time.perf_counter() - t0)
+            err = capsys.readouterr().err
+            assert message in err and len(err.strip().splitlines()) == 1, (what, err)
+        assert min(seconds) < 1.0, (what, seconds)
 
 
 def test_eval_refusal_imports_nothing_heavy(tmp_path):
