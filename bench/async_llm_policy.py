@@ -315,6 +315,9 @@ def _summarise(recs: list[dict], mode: str, max_staleness: int, batch: int) -> d
         "gil_lag_max_s": round(max((r.get("perf/gil_lag_max_s", 0.0) for r in recs), default=0.0), 3),
         # seconds per weight update of an engine with its own copy (copy + load; None: every engine shared)
         "weight_update_s": _median_or_none(r.get("weights/update_s") for r in recs[1:]),
+        # the switch's prefix KV by a graph replay (prefix_graph.py; THINKCRAFT_PREFIX_GRAPH=0: eager), whole run
+        "prefix_graph_replays": sum(r.get("engine/prefix_graph_replays", 0.0) for r in recs),
+        "prefix_graph_failed": max((r.get("engine/prefix_graph_failed", 0.0) for r in recs), default=0.0),
         # ... and the engine's phases inside it, per step of the steady window (seconds the engine stood still)
         **{k.split("/")[1]: _median_or_none(r.get(k) for r in steady)
            for k in ("engine/weight_drain_s", "engine/weight_copy_s", "engine/weight_switch_s")},

@@ -31,3 +31,21 @@ def spread_lora_b(model):  # noqa: ANN001, ANN201
             if "lora_B" in n:
                 p.normal_(0.0, 0.05)
     return model
+
+
+class NoGate:
+    """A `CaptureGate` stand-in for the CPU (no other engine to hold back)."""
+
+    def shared(self):  # noqa: ANN201
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    exclusive = shared
+
+
+def replay_capture(run, device, pool=None):  # noqa: ANN001, ANN202
+    """A graph capture's stand-in on the CPU: `replay()` runs the captured function again into the same output
+    tensor, reading the same input buffers - what a CUDA graph's replay does."""
+    out = run()
+    return (lambda: out.copy_(run())), out

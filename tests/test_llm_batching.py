@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from llm_helpers import forward_logprobs
+from llm_helpers import NoGate, forward_logprobs, replay_capture
 from thinkcraft.llm.hf import HFEngine
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable, common_prefix_len, reuse_len
 from thinkcraft.llm.protocol import Batch, GenerationRequest, SamplingParams, WeightUpdateError
@@ -198,17 +198,28 @@ def _perturbed(model, scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tens
     return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-def test_weight_update_at_a_step_boundary_records_the_switch() -> None:
+@pytest.mark.parametrize("prefix", ["eager", "graph"])
+def test_weight_update_at_a_step_boundary_records_the_switch(prefix: str) -> None:
+    """The shared prefix's KV recomputed at the switch by the eager forward, or by the prefix graph's replay
+    (prefix_graph.py; its CPU stand-in replays the captured function) - the same tokens either way."""
+    from thinkcraft.llm.hf.prefix_graph import PrefixGraph
+
     model, tok = tiny_llama(seed=2)
     prompt = _ids(tok, "Count the trees and the stones:")
     sp = SamplingParams(max_new_tokens=12, temperature=0.0)
     before = HFEngine.from_model(*tiny_llama(seed=2)).generate(Batch(items=[prompt]), sp)[0].token_ids
     new_state = _perturbed(model)
     eng = HFEngine.from_model(model, tok)
+    if prefix == "graph":
+        eng._batcher._pgraph = graph = PrefixGraph(eng._prefix_forward, eng.device, capture=replay_capture,
+                                                   gate=NoGate())
     h = eng.submit(GenerationRequest(prompt, sp, prefix_len=4))  # installs the shared prefix (old weights)
     for _ in range(4):
         eng.step()
     eng.update_weights(new_state, version=1)  # between steps, on the stepping thread: applied now
+    if prefix == "graph":
+        assert (graph.captures, graph.replays, graph.failed) == (1, 1, False)
+        assert eng.decode_metrics()["prefix_graph_replays"] == 1
     r = _run(eng, [h])[h]
     (i0, v0), (switch, v1) = r.weight_versions
     assert (i0, v0, v1) == (0, 0, 1) and 1 <= switch < 12 and eng.weights_version == 1
@@ -223,6 +234,105 @@ def test_weight_update_at_a_step_boundary_records_the_switch() -> None:
     r2 = _run(eng, [h2])[h2]
     assert r2.reused_tokens == p and r2.weight_versions == [(0, 1)]
     assert r2.completion.token_ids == HFEngine.from_model(fresh, ftok).generate(Batch(items=[prompt]), sp)[0].token_ids
+
+
+def _prefix_state(kv) -> list[torch.Tensor]:  # noqa: ANN001
+    p = kv.prefix_len
+    return [b[:, :, :p].clone() for b in kv.prefix_keys + kv.prefix_values]
+
+
+def test_prefix_graph_replays_each_version_and_checks_itself() -> None:
+    """prefix_graph.py on the CPU (stand-in capture): one capture, then a replay a version, each leaving the
+    prefix buffers equal to the eager forward's KV of the new weights; a new cache or new parameter storage
+    captures again; a graph whose replay keeps what its capture computed (as one reading a host-side cached
+    tensor would) is caught by the bit-for-bit check at the first weight change, turned off for good, and the
+    right KV written; a capture that fails leaves the eager path too."""
+    from thinkcraft.llm.hf.prefix_graph import VERIFY, PrefixGraph
+
+    model, tok = tiny_llama(seed=3)
+    eng = HFEngine.from_model(model, tok)
+    system = _ids(tok, "You are a careful player. Think, then act.")
+    _run(eng, [eng.submit(GenerationRequest(system + _ids(tok, " go"), GREEDY, prefix_len=len(system)))])
+    b = eng._batcher
+    kv, pre = b.kv, b._prefix
+    assert kv is not None and pre is not None and len(pre) == len(system)
+    graph = PrefixGraph(eng._prefix_forward, eng.device, capture=replay_capture, gate=NoGate())
+    ids = torch.as_tensor(pre[None])
+
+    def eager_now() -> list[torch.Tensor]:
+        with torch.no_grad():
+            kvs = eng._prefix_forward(ids)
+        return [k for k, _ in kvs] + [v for _, v in kvs]
+
+    for version in range(1, 5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * version)
+            assert graph.write(kv, pre, b._weights_key())
+        got = _prefix_state(kv)
+        assert all(torch.equal(g, w) for g, w in zip(got, eager_now()))
+    assert (graph.captures, graph.replays, graph.failed, graph.checked) == (1, 4, False, VERIFY)
+    with torch.no_grad():  # new storage under a parameter: a new key, a new capture
+        model.model.norm.weight.data = model.model.norm.weight.data.clone()
+        assert graph.write(kv, pre, b._weights_key()) and graph.captures == 2
+
+    def frozen_capture(run, device, pool=None):  # noqa: ANN001, ANN202
+        """A graph that replays what its capture computed (as one reading a host-side cached tensor would)."""
+        out = run()
+        snap = _prefix_state(kv)
+        bufs = kv.prefix_keys + kv.prefix_values
+        return (lambda: [b[:, :, :s.shape[2]].copy_(s) for b, s in zip(bufs, snap)]), out
+
+    stale = PrefixGraph(eng._prefix_forward, eng.device, capture=frozen_capture, gate=NoGate())
+    with torch.no_grad():
+        assert stale.write(kv, pre, ())  # the capture's write: checked, equal (nothing changed yet)
+        for p in model.parameters():
+            p.add_(0.05)
+        assert not stale.write(kv, pre, ()) and stale.failed  # caught: the eager KV is written instead
+        assert all(torch.equal(g, w) for g, w in zip(_prefix_state(kv), eager_now()))
+        assert not stale.write(kv, pre, ())  # off for good
+
+    def broken(run, device, pool=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("capture failed")
+
+    bad = PrefixGraph(eng._prefix_forward, eng.device, capture=broken, gate=NoGate())
+    assert not bad.write(kv, pre, ()) and bad.failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none here)")
+def test_prefix_graph_on_gpu_equals_the_eager_prefix_across_updates(monkeypatch) -> None:
+    """On CUDA the batcher replays the prefix graph at each weight update (a bf16 copy engine): after every
+    update the prefix buffers equal the eager forward's KV, the graph passed its checks, and the greedy tokens
+    after the updates equal those of an engine with the graph off (THINKCRAFT_PREFIX_GRAPH=0)."""
+    dev = torch.device("cuda")
+
+    def run(graph: str) -> tuple[list[int], object]:
+        monkeypatch.setenv("THINKCRAFT_PREFIX_GRAPH", graph)
+        model, tok = tiny_llama(seed=5)
+        model = model.to(dev, torch.bfloat16)
+        eng = HFEngine.from_model(model, tok)
+        system = _ids(tok, "You are a careful player. Think, then act.")
+        prompt = system + _ids(tok, " go")
+        _run(eng, [eng.submit(GenerationRequest(prompt, GREEDY, prefix_len=len(system)))])
+        b = eng._batcher
+        for version in range(1, 5):
+            state = {n: (p.detach().float() + 0.01 * version).to(p.dtype) for n, p in model.named_parameters()}
+            eng.update_weights(state, version=version)
+            with b._contexts():
+                want = eng._prefix_forward(torch.as_tensor(b._prefix[None], device=dev))
+            got = _prefix_state(b.kv)
+            assert all(torch.equal(g, w) for g, w in zip(got, [k for k, _ in want] + [v for _, v in want]))
+        h = eng.submit(GenerationRequest(prompt, GREEDY, prefix_len=len(system)))
+        return _run(eng, [h])[h].completion.token_ids, eng
+
+    tokens, eng = run("1")
+    graph = eng._batcher._pgraph
+    assert graph is not None and not graph.failed and graph.replays >= 4
+    m = eng.decode_metrics()
+    assert m["prefix_graph_replays"] >= 4 and m["prefix_graph_failed"] == 0
+    eager_tokens, eager = run("0")
+    assert eager._batcher._pgraph is None and tokens == eager_tokens
 
 
 def test_stale_and_failed_updates_keep_the_old_weights_and_version() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from llm_helpers import forward_logprobs
+from llm_helpers import NoGate, forward_logprobs, replay_capture
 from thinkcraft.llm.attention import (
     attention_lse,
     attention_lse_reference,
@@ -786,24 +786,6 @@ def test_manual_decode_graph_logic_on_cpu(monkeypatch) -> None:
     assert len(captures) > n  # the moved parameter was seen
 
 
-class _NoGate:
-    """A `CaptureGate` stand-in for the CPU (no other engine to hold back)."""
-
-    def shared(self):  # noqa: ANN201
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    exclusive = shared
-
-
-def _replay_capture(run, device, pool=None):  # noqa: ANN001, ANN202
-    """A graph capture's stand-in on the CPU: `replay()` runs the captured function again into the same output
-    tensor, reading the same input buffers - what a CUDA graph's replay does."""
-    out = run()
-    return (lambda: out.copy_(run())), out
-
-
 @pytest.mark.parametrize("layer", [-1, 1])
 def test_hidden_graph_padding_buckets_equal_the_unpadded_rows(layer: int) -> None:
     """The graphed hidden states (hidden_graphs.py): rows padded to a multiple of 8 and tokens to a multiple of
@@ -817,7 +799,7 @@ def test_hidden_graph_padding_buckets_equal_the_unpadded_rows(layer: int) -> Non
     eng = HFEngine.from_model(*_ARCH_MODELS["llama"])
     kv = eng._prefix_kv(PREFIX)
     idx = eng._layer_index(layer)
-    graphs = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=_replay_capture, gate=_NoGate())
+    graphs = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=replay_capture, gate=NoGate())
     rng = np.random.default_rng(0)
     batches = [[list(rng.integers(5, 60, size=n)) for n in lens]
                for lens in ([3, 9, 5], [7, 2, 8], [31, 1, 12, 6, 6, 6, 6, 6, 6], [33])]
@@ -833,7 +815,7 @@ def test_hidden_graph_padding_buckets_equal_the_unpadded_rows(layer: int) -> Non
     def broken(run, device, pool=None):  # noqa: ANN001, ANN202
         raise RuntimeError("capture failed")
 
-    bad = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=broken, gate=_NoGate())
+    bad = HiddenGraphs(eng._layers_pooled, eng.device, eng.pad_id, capture=broken, gate=NoGate())
     assert bad.run(batches[0], len(PREFIX), kv, idx) is None and bad.failed
     assert bad.run(batches[0], len(PREFIX), kv, idx) is None  # stays off
 

@@ -35,6 +35,7 @@ from thinkcraft.llm.hf import autocast_shadow, fused_proj, lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
+from thinkcraft.llm.hf.prefix_graph import PrefixGraph, prefix_graph_on
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
 from thinkcraft.llm.hf.weights import apply_state
@@ -76,6 +77,7 @@ class Batcher(CacheMixin, IterationMixin):
         self.version = 0
         self._params_version: int | None = None
         self._prefix: np.ndarray | None = None
+        self._pgraph: PrefixGraph | None = None  # the shared prefix's forward as a CUDA graph (prefix_graph.py)
         self._reserve = (0, 0, 0)
         self._step_fn: Callable[..., torch.Tensor] | None = None
         self._fused_fn: Callable[..., Any] | None = None  # the whole iteration as one graph (cache.py)
@@ -85,7 +87,8 @@ class Batcher(CacheMixin, IterationMixin):
             ("prefill_tokens", "reused_tokens", "fallbacks", "evictions", "invalidated", "decode_steps",
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed",
              "host_length_ends", "decode_wait_s", "cache_allocations", "prefill_calls", "graph_captures",
-             "graph_capture_s", "weight_drain_s", "weight_copy_s", "weight_switch_s"), 0.0)
+             "graph_capture_s", "weight_drain_s", "weight_copy_s", "weight_switch_s", "prefix_recompute_s",
+             "prefix_graph_replays", "prefix_graph_failed"), 0.0)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         self._thread: threading.Thread | None = None
         self._stop_thread = False
@@ -156,11 +159,7 @@ class Batcher(CacheMixin, IterationMixin):
         with self._step_lock, self._contexts():
             try:
                 self._apply_updates()
-                if getattr(self.eng, "_lora_fast", None):  # a graphed step reads the adapters' copies: update them
-                    lora_fast.refresh(self.eng._lora_fast)
-                if getattr(self.eng, "_fused_proj", None):  # and the fused projections' (sources: the above)
-                    fused_proj.refresh(self.eng._fused_proj)
-                self._autocast_shadows()
+                self._refresh_copies()
                 # a synchronous `generate` times prefill apart from decode: the device is drained after a step
                 # that prefilled (its prefill time then holds up to one decode step's device time too), never at
                 # a plain decode step - that stopped host and device from overlapping at every step
@@ -180,6 +179,15 @@ class Batcher(CacheMixin, IterationMixin):
         with self._cv:
             self._cv.notify_all()
         return self.busy()
+
+    def _refresh_copies(self) -> None:
+        """Bring the weights' derived copies up to date (in place): a graphed step - or the prefix graph - reads
+        them, and cannot run the eager forward's own checks."""
+        if getattr(self.eng, "_lora_fast", None):  # the adapters' copies
+            lora_fast.refresh(self.eng._lora_fast)
+        if getattr(self.eng, "_fused_proj", None):  # and the fused projections' (sources: the above)
+            fused_proj.refresh(self.eng._fused_proj)
+        self._autocast_shadows()
 
     def _autocast_shadows(self) -> None:
         """fp32 weights served under half-precision autocast (full fine-tuning's master weights, shared with the
@@ -398,7 +406,37 @@ class Batcher(CacheMixin, IterationMixin):
             self.counters["invalidated"] += self.table.drop_parked()
         self.eng.invalidate_prefix_cache()
         if self.kv is not None and self._prefix is not None:
-            self.kv.set_prefix(self.eng._prefix_kv(self._prefix.tolist()))
+            t0 = time.perf_counter()
+            graph = self._prefix_graph()
+            if graph is None or not graph.write(self.kv, self._prefix, self._weights_key()):
+                self.kv.set_prefix(self.eng._prefix_kv(self._prefix.tolist()))
+            self.counters["prefix_recompute_s"] += time.perf_counter() - t0
+            if graph is not None:
+                self.counters["prefix_graph_replays"] = graph.replays
+                self.counters["prefix_graph_failed"] = float(graph.failed)
+
+    def _prefix_graph(self) -> PrefixGraph | None:
+        """The engine's prefix graph (prefix_graph.py) where it may serve: CUDA, no SM partition, the switch on;
+        its derived weight copies refreshed first (the replay reads them as they are)."""
+        eng = self.eng
+        if self._pgraph is None:
+            if eng.device.type != "cuda" or not prefix_graph_on():
+                return None
+            self._pgraph = PrefixGraph(eng._prefix_forward, eng.device)
+        if getattr(eng, "_sm", None) is not None:
+            return None
+        if not self._pgraph.failed:
+            self._refresh_copies()
+        return self._pgraph
+
+    def _weights_key(self) -> tuple:
+        """What a captured forward reads by address or decides by: every parameter's storage (a learner that
+        reassigns a tensor moves it), the autocast dtype, adapters on or off."""
+        lora = getattr(self.eng, "_lora_layers", None)
+        kind = self.eng.device.type
+        return (tuple(p.data_ptr() for p in self.eng._lm.parameters()),
+                torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind),
+                bool(lora and lora[0].disable_adapters))
 
     def _params_now(self) -> int | None:
         return compat.weights_version(self.eng._lm.parameters()) if self.eng._weight_update else None

@@ -225,6 +225,15 @@ class PrefillMixin:
             return 0
         return compat.weights_version(self._lm.parameters())
 
+    def _prefix_forward(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) of the (1, P) prefix `ids` under the current weights, uncached (what `_prefix_kv`
+        caches, and what the continuous batcher's prefix graph captures: prefix_graph.py)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self._lm.config)
+        self._dec(input_ids=ids, use_cache=True, **{self._cache_kw: cache})
+        return compat.cache_kv(cache)
+
     def _prefix_kv(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (k, v) of the prefix, (1, Hkv, P, d) each, RoPE'd at positions 0..P-1; cached (LRU of
         `prefix_cache_size`, keyed by the weights' version and the prefix ids). The decode reuses it too."""
@@ -232,12 +241,7 @@ class PrefillMixin:
         if key in self._prefix_cache:
             self._prefix_cache.move_to_end(key)
             return self._prefix_cache[key]
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self._lm.config)
-        ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
-        self._dec(input_ids=ids, use_cache=True, **{self._cache_kw: cache})
-        kv = compat.cache_kv(cache)
+        kv = self._prefix_forward(torch.tensor([prefix], dtype=torch.long, device=self.device))
         self._prefix_cache[key] = kv
         while len(self._prefix_cache) > self._prefix_cache_size:
             self._prefix_cache.popitem(last=False)

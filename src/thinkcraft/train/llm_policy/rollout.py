@@ -128,6 +128,10 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # version (the shared prefix's KV recomputed, parked KV dropped)
             "engine/weight_drain_s": d.get("weight_drain_s", 0.0), "engine/weight_copy_s": d.get("weight_copy_s", 0.0),
             "engine/weight_switch_s": d.get("weight_switch_s", 0.0),
+            # the switch's shared-prefix KV written by a CUDA-graph replay (prefix_graph.py) and, a state, whether
+            # an engine's graph turned itself off (its check or capture failed: the eager forward since)
+            "engine/prefix_graph_replays": d.get("prefix_graph_replays", 0.0),
+            "engine/prefix_graph_failed": after.get("prefix_graph_failed", 0.0),
             # a state, not a count: the decode step's attention, 1 per engine on FlashAttention over the slots (the
             # async pools sum their engines' counters), 0 on the matmuls
             "engine/flash_decode": after.get("flash_decode", 0.0)}
