@@ -198,10 +198,11 @@ def _perturbed(model, scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tens
     return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("prefix", ["eager", "graph"])
+@pytest.mark.parametrize("prefix", ["eager", "graph", "broken graph"])
 def test_weight_update_at_a_step_boundary_records_the_switch(prefix: str) -> None:
-    """The shared prefix's KV recomputed at the switch by the eager forward, or by the prefix graph's replay
-    (prefix_graph.py; its CPU stand-in replays the captured function) - the same tokens either way."""
+    """The shared prefix's KV recomputed at the switch by the eager forward, by the prefix graph's replay
+    (prefix_graph.py; its CPU stand-in replays the captured function), or eagerly after the graph's capture
+    failed - the same tokens every way."""
     from thinkcraft.llm.hf.prefix_graph import PrefixGraph
 
     model, tok = tiny_llama(seed=2)
@@ -210,9 +211,12 @@ def test_weight_update_at_a_step_boundary_records_the_switch(prefix: str) -> Non
     before = HFEngine.from_model(*tiny_llama(seed=2)).generate(Batch(items=[prompt]), sp)[0].token_ids
     new_state = _perturbed(model)
     eng = HFEngine.from_model(model, tok)
-    if prefix == "graph":
-        eng._batcher._pgraph = graph = PrefixGraph(eng._prefix_forward, eng.device, capture=replay_capture,
-                                                   gate=NoGate())
+    def broken(run, device, pool=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("capture failed")
+
+    if prefix != "eager":
+        eng._batcher._pgraph = graph = PrefixGraph(eng._prefix_forward, eng.device, gate=NoGate(),
+                                                   capture=replay_capture if prefix == "graph" else broken)
     h = eng.submit(GenerationRequest(prompt, sp, prefix_len=4))  # installs the shared prefix (old weights)
     for _ in range(4):
         eng.step()
@@ -220,6 +224,8 @@ def test_weight_update_at_a_step_boundary_records_the_switch(prefix: str) -> Non
     if prefix == "graph":
         assert (graph.captures, graph.replays, graph.failed) == (1, 1, False)
         assert eng.decode_metrics()["prefix_graph_replays"] == 1
+    elif prefix == "broken graph":
+        assert graph.failed and eng.decode_metrics()["prefix_graph_failed"] == 1
     r = _run(eng, [h])[h]
     (i0, v0), (switch, v1) = r.weight_versions
     assert (i0, v0, v1) == (0, 0, 1) and 1 <= switch < 12 and eng.weights_version == 1
@@ -245,8 +251,8 @@ def test_prefix_graph_replays_each_version_and_checks_itself() -> None:
     """prefix_graph.py on the CPU (stand-in capture): one capture, then a replay a version, each leaving the
     prefix buffers equal to the eager forward's KV of the new weights; a new cache or new parameter storage
     captures again; a graph whose replay keeps what its capture computed (as one reading a host-side cached
-    tensor would) is caught by the bit-for-bit check at the first weight change, turned off for good, and the
-    right KV written; a capture that fails leaves the eager path too."""
+    tensor would) is caught by the bit-for-bit check at the first weight change and turned off for good; a capture
+    that fails too."""
     from thinkcraft.llm.hf.prefix_graph import VERIFY, PrefixGraph
 
     model, tok = tiny_llama(seed=3)
@@ -288,8 +294,7 @@ def test_prefix_graph_replays_each_version_and_checks_itself() -> None:
         assert stale.write(kv, pre, ())  # the capture's write: checked, equal (nothing changed yet)
         for p in model.parameters():
             p.add_(0.05)
-        assert not stale.write(kv, pre, ()) and stale.failed  # caught: the eager KV is written instead
-        assert all(torch.equal(g, w) for g, w in zip(_prefix_state(kv), eager_now()))
+        assert not stale.write(kv, pre, ()) and stale.failed  # caught: the caller writes the eager KV instead
         assert not stale.write(kv, pre, ())  # off for good
 
     def broken(run, device, pool=None):  # noqa: ANN001, ANN202
