@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from thinkcraft.envs.textenvs import ArithTask, StepResult
-from thinkcraft.llm.hf.rows import sample_rows, top_p_filter
+from thinkcraft.llm.hf.rows import sample_rows, token_logprobs, top_p_filter
 from thinkcraft.llm.protocol import SamplingParams
 from thinkcraft.train import llm_policy as LP
 
@@ -132,6 +132,22 @@ def test_per_row_sampling_draws_the_tempered_top_p_distribution() -> None:
     want = torch.softmax(top_p_filter(base[:2] / temp[:2, None], torch.tensor([[2.0], [0.8]])), -1)
     torch.testing.assert_close(emp[:2], want, atol=0.01, rtol=0)
     assert (toks[2] == base[2].argmax()).all()  # temperature 0: greedy
+
+
+def test_token_logprobs_equal_the_log_softmax_at_the_token() -> None:
+    """The decode step's behaviour log-probs (logit less logsumexp, no (S, V) log-softmax written): equal to
+    log_softmax(...).gather(...) for large, small and masked (-inf) logits, in float32 and from bf16 logits."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 1000) * torch.tensor([1.0, 10.0, 50.0, 0.01, 3.0])[:, None]
+    logits[4, ::3] = float("-inf")  # a grammar's mask: the sampled token is never a masked one
+    tokens = torch.tensor([3, 999, 0, 500, 1])
+    want = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    got = token_logprobs(logits, tokens)
+    assert got.shape == (5,) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    half = logits.bfloat16().float()
+    torch.testing.assert_close(token_logprobs(half, tokens),
+                               torch.log_softmax(half, -1).gather(1, tokens[:, None]).squeeze(1), atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.slow

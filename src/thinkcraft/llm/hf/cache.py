@@ -26,7 +26,7 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.hf.guides import SlotGuides
 from thinkcraft.llm.hf.rows import (
-    RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows, unflatten_step,
+    RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows, token_logprobs, unflatten_step,
 )
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import (DecodeCtx, SlotKV, decode_kernel, flash_decode_meta, per_forward,
@@ -333,7 +333,7 @@ class CacheMixin:
         tok = sample_rows(self.logits, st.temperature, st.top_p, any_sampled, any_top_p, None)
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if want_lp:
-            lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+            lp = token_logprobs(self.logits, step.tokens)
         else:
             lp = self._no_lp
         ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,

@@ -11,7 +11,7 @@ import torch
 
 from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
-from thinkcraft.llm.hf.rows import sample_rows
+from thinkcraft.llm.hf.rows import sample_rows, token_logprobs
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, FlashPrefill, PrefillCtx, prefill_kernel
 from thinkcraft.llm.protocol import Completion, GenerationResult
@@ -234,11 +234,11 @@ class IterationMixin:
         tok = sample_rows(sample_from, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if want_lp:
-            lp = torch.log_softmax(self.logits, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+            lp = token_logprobs(self.logits, step.tokens)
             masked = sample_from is not self.logits  # (only rows still thinking: nothing masked this step)
             rows = self.h_run & (self.h_admit <= k)
             if masked and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
-                lpc = torch.log_softmax(sample_from, dim=-1).gather(1, step.tokens[:, None]).squeeze(1)
+                lpc = token_logprobs(sample_from, step.tokens)
                 lp = torch.where(to_device(self.guides.constrained_lp, lp.device), lpc, lp)
         else:
             lp = self._no_lp

@@ -94,6 +94,13 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     return torch.where(temperature > 0, sampled, greedy)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(S,) log-softmax of `logits` (S, V) at each row's token: the logit less the row's logsumexp. Why not
+    `log_softmax(...).gather(...)`: that writes and reads back an (S, V) float32 tensor every decode step - 78 MB
+    at 128 slots of a 151,936-token vocabulary - to keep S values; a logsumexp reads the logits once."""
+    return logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
 def advance_rows(
     st: RowState, tok: torch.Tensor, think: ThinkTokens
 ) -> tuple[RowState, torch.Tensor, torch.Tensor, torch.Tensor]:
