@@ -36,11 +36,11 @@
 #   x4next    one machine of 4 GPUs, Ray carried (the scale set's two calls, with `bash bench/queues.sh x4next`;
 #             queued 2026-11-29, not run): issue 21's weak scaling with the whole-batch share cap, then issue 20's
 #             dedicated run with the weight update's phases timed beside issue 19's allocator A/B and its Craftax
-#             row with the compiled learner; last, on GPUs 0,1, the prefix graph's GPU test and A/B (as x2next)
+#             row with the compiled learner and with torch's sampler; last, on GPUs 0,1, x2next's GPU tests and A/Bs
 #   x2next    one machine of 2 GPUs, one call then collect (queued 2026-11-29, not run): issue 20's dedicated run
-#             (the weight update's phases timed, the shared prefix replayed from a CUDA graph), the prefix graph's GPU
-#             test, and the dedicated run with the eager prefix (THINKCRAFT_PREFIX_GRAPH=0) for the A/B; carry
-#             [".whl", ".ref/tc-cache"]
+#             (the weight update's phases timed, the shared prefix replayed from a CUDA graph, the one-pass sampler),
+#             the two's GPU tests, and the dedicated run with the eager prefix (THINKCRAFT_PREFIX_GRAPH=0), then with
+#             torch's sampler (THINKCRAFT_FUSED_SAMPLER=0), for the A/Bs; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -114,9 +114,11 @@ RAY_WEAK_MB0="$ARITH --gpus 2 3 4 --placement dedicated --pool-backend ray --pro
 DECODE_PROFILE="python bench/probes/decode_step_probe.py --variants lora lora-merge --kv-cache static --rows 256 --prefix 300 --context 500 --profile --out bench/results/logs/decode_profile.json"
 # the shared prefix's graph (llm/hf/prefix_graph.py, 2026-11-29 eighth session): its GPU test, then the dedicated run
 # with the eager prefix for the A/B against the default row before it on GPUs 0,1 (no sync row: the async rate moves)
+# and the one-pass sampler (llm/hf/fused_sampler.py, the same session): its GPU test, the dedicated run with torch's
 PREFIX_AB=(
-  "@0,1 prefix_graph_gputest 240 python -m pytest -m gpu tests/test_llm_batching.py -k prefix_graph -x -q -p no:cacheprovider"
-  "@0,1 async_dedicated16_eager_prefix 400 env THINKCRAFT_PREFIX_GRAPH=0 ${DEDICATED16/.json/_eager_prefix.json} --no-sync-reference")
+  "@0,1 prefix_sampler_gputests 300 python -m pytest -m gpu tests/test_llm_batching.py tests/test_fused_sampler.py -k 'prefix_graph or kernel_on_gpu' -q -p no:cacheprovider"
+  "@0,1 async_dedicated16_eager_prefix 400 env THINKCRAFT_PREFIX_GRAPH=0 ${DEDICATED16/.json/_eager_prefix.json} --no-sync-reference"
+  "@0,1 async_dedicated16_torch_sampler 400 env THINKCRAFT_FUSED_SAMPLER=0 ${DEDICATED16/.json/_torch_sampler.json} --no-sync-reference")
 ray_first() {  # sets x4mb / x4next ($1), $2 steps: issue 21's Ray weak scaling on all four GPUs first, a flag when it
   # ends and `wait` (the caller's local) for the lanes that start after it, then issue 20's dedicated run on GPUs 0,1
   wait="while [ ! -e /tmp/tc-$1-ray-done ]; do sleep 3; done;"
@@ -211,13 +213,15 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs+=(
       "@2 alloc_default 880 $wait $C --out bench/results/logs/craftax_alloc_default.json"
       "@3 alloc_expandable 880 $wait env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --out bench/results/logs/craftax_alloc_expandable.json"
+      # the one-pass sampler at 256 slots: torch's sampler here against alloc_default (the default) on GPU 2
+      "@3 craftax_torch_sampler 600 env THINKCRAFT_FUSED_SAMPLER=0 $C --out bench/results/logs/craftax_torch_sampler.json"
       # the compiled learner cut the arith sync loop's update 0.40 -> 0.29 s (2026-11-29, seventh session; its first
       # step compiled for 282 s): issue 19's end-to-end rate is bound by a ~2 s update (the goal's lever)
       "@2 craftax_learner_compiled 600 ${C/--steps 3/--steps 5} --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "${PREFIX_AB[@]}") ;;
     x2next) # one x2 machine (queued 2026-11-29, eighth session; not run yet): issue 20's dedicated run with the
-            # weight-update phases timed and the shared prefix replayed from a CUDA graph at each version, then the
-            # same with the eager prefix (THINKCRAFT_PREFIX_GRAPH=0)
+            # weight-update phases timed, the shared prefix replayed from a CUDA graph at each version and the
+            # one-pass sampler, then the same with the eager prefix, and with torch's sampler
       jobs=("@0,1 async_dedicated16 580 $DEDICATED16" "${PREFIX_AB[@]}") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"

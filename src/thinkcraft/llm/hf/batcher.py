@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.hf import autocast_shadow, fused_proj, lora_fast
+from thinkcraft.llm.hf import autocast_shadow, fused_proj, fused_sampler, lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
@@ -78,6 +78,7 @@ class Batcher(CacheMixin, IterationMixin):
         self._params_version: int | None = None
         self._prefix: np.ndarray | None = None
         self._pgraph: PrefixGraph | None = None  # the shared prefix's forward as a CUDA graph (prefix_graph.py)
+        self._sample_seed: torch.Tensor | None = None  # the one-pass sampler's seed (set with the cache)
         self._reserve = (0, 0, 0)
         self._step_fn: Callable[..., torch.Tensor] | None = None
         self._fused_fn: Callable[..., Any] | None = None  # the whole iteration as one graph (cache.py)
@@ -322,6 +323,9 @@ class Batcher(CacheMixin, IterationMixin):
         c["fused_proj_folded"] = float(sum(g.fold for g in groups))
         # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
         c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
+        # the sampler: 1 where the one-pass kernel passed its check on this engine's device (fused_sampler.py; it
+        # then samples every step whose rows sample without top-p), 0 torch's
+        c["fused_sampler"] = float(fused_sampler.passed(self.eng.device))
         # the prefill's attention: 1 the keys read in place, 0 gathered per row (slots.py)
         c["flash_prefill"] = float(self.kv is not None and getattr(self, "_flash_prefill", None) is not None)
         return c

@@ -26,7 +26,7 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.hf.guides import SlotGuides
 from thinkcraft.llm.hf.rows import (
-    RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows, token_logprobs, unflatten_step,
+    RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows_lse, token_logprobs, unflatten_step,
 )
 from thinkcraft.llm.hf.slot_table import PARKED, SlotTable
 from thinkcraft.llm.hf.slots import (DecodeCtx, SlotKV, decode_kernel, flash_decode_meta, per_forward,
@@ -209,6 +209,10 @@ class CacheMixin:
         vocab = int(compat.lm_head(eng._lm).weight.shape[0])
         self.logits = torch.zeros((slots, vocab), dtype=torch.float32, device=dev)
         self._no_lp = torch.zeros(slots, dtype=torch.float32, device=dev)
+        # the one-pass sampler's noise seed (fused_sampler.py), read and advanced on the device at every step (a
+        # graph replays both); from the process's torch seed without drawing from its generator
+        first = torch.initial_seed() % (1 << 31) + int(self.counters["cache_allocations"])
+        self._sample_seed = torch.tensor([first], dtype=torch.long, device=dev)
         self._prefix = None
         self._slot_seq: list[Seq | None] = [None] * slots
         self.h_run = np.zeros(slots, dtype=bool)
@@ -330,10 +334,11 @@ class CacheMixin:
         buffer. Returns (record, log-probs) for the host. `_manual_graph_step` captures it whole in one CUDA
         graph: one replay a step instead of ~40 launches and a compiled call's guards."""
         kv, st = self.kv, self.state
-        tok = sample_rows(self.logits, st.temperature, st.top_p, any_sampled, any_top_p, None)
+        tok, lse = sample_rows_lse(self.logits, st.temperature, st.top_p, any_sampled, any_top_p, None,
+                                   self._sample_seed)
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if want_lp:
-            lp = token_logprobs(self.logits, step.tokens)
+            lp = token_logprobs(self.logits, step.tokens, lse)
         else:
             lp = self._no_lp
         ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,

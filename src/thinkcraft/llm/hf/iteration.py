@@ -11,7 +11,7 @@ import torch
 
 from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
-from thinkcraft.llm.hf.rows import sample_rows, token_logprobs
+from thinkcraft.llm.hf.rows import sample_rows_lse, token_logprobs
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, FlashPrefill, PrefillCtx, prefill_kernel
 from thinkcraft.llm.protocol import Completion, GenerationResult
@@ -231,14 +231,15 @@ class IterationMixin:
         """The iteration step by step: sampling and bookkeeping launched from here, then the forward."""
         kv, st = self.kv, self.state
         sample_from = self.guides.masked(self.logits) if guided else self.logits
-        tok = sample_rows(sample_from, st.temperature, st.top_p, any_sampled, any_top_p, self.gen)
+        tok, lse = sample_rows_lse(sample_from, st.temperature, st.top_p, any_sampled, any_top_p, self.gen,
+                                   self._sample_seed)
         step = self._advance(st, tok, self._think_tokens(), kv.tokens)
         if want_lp:
-            lp = token_logprobs(self.logits, step.tokens)
             masked = sample_from is not self.logits  # (only rows still thinking: nothing masked this step)
+            lp = token_logprobs(self.logits, step.tokens, None if masked else lse)
             rows = self.h_run & (self.h_admit <= k)
             if masked and self.guides.constrained_lp[rows].any():  # structured outputs: "constrained" log-probs
-                lpc = token_logprobs(sample_from, step.tokens)
+                lpc = token_logprobs(sample_from, step.tokens, lse)
                 lp = torch.where(to_device(self.guides.constrained_lp, lp.device), lpc, lp)
         else:
             lp = self._no_lp

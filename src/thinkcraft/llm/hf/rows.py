@@ -94,11 +94,28 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(S,) log-softmax of `logits` (S, V) at each row's token: the logit less the row's logsumexp. Why not
-    `log_softmax(...).gather(...)`: that writes and reads back an (S, V) float32 tensor every decode step - 78 MB
-    at 128 slots of a 151,936-token vocabulary - to keep S values; a logsumexp reads the logits once."""
-    return logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+def sample_rows_lse(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, any_sampled: bool,
+                    any_top_p: bool, gen: torch.Generator | None, seed: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample_rows`, in one pass over the logits where the one-pass kernel serves (fused_sampler.py: sampled
+    rows, no top-p, no per-call generator, a device `seed`), which also gives the rows' logsumexp for
+    `token_logprobs`; else the torch sampler and None."""
+    if any_sampled and not any_top_p and gen is None and seed is not None:
+        from thinkcraft.llm.hf.fused_sampler import fused_sampler_serves, sample_and_lse
+
+        if fused_sampler_serves(logits):
+            return sample_and_lse(logits, temperature, seed)
+    return sample_rows(logits, temperature, top_p, any_sampled, any_top_p, gen), None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """(S,) log-softmax of `logits` (S, V) at each row's token: the logit less the row's logsumexp (`lse` where
+    the sampler computed it). Why not `log_softmax(...).gather(...)`: that writes and reads back an (S, V) float32
+    tensor every decode step - 78 MB at 128 slots of a 151,936-token vocabulary - to keep S values; a logsumexp
+    reads the logits once."""
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, tokens[:, None]).squeeze(1) - lse
 
 
 def advance_rows(

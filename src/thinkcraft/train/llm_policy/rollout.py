@@ -134,7 +134,9 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             "engine/prefix_graph_failed": after.get("prefix_graph_failed", 0.0),
             # a state, not a count: the decode step's attention, 1 per engine on FlashAttention over the slots (the
             # async pools sum their engines' counters), 0 on the matmuls
-            "engine/flash_decode": after.get("flash_decode", 0.0)}
+            "engine/flash_decode": after.get("flash_decode", 0.0),
+            # a state too: the one-pass sampler served (fused_sampler.py), per engine
+            "engine/fused_sampler": after.get("fused_sampler", 0.0)}
 
 
 def answer_structure(env, sampling):
