@@ -117,6 +117,7 @@ DECODE_PROFILE="python bench/probes/decode_step_probe.py --variants lora lora-me
 # and the one-pass sampler (llm/hf/fused_sampler.py, the same session): its GPU test, the dedicated run with torch's
 PREFIX_AB=(
   "@0,1 prefix_sampler_gputests 300 python -m pytest -m gpu tests/test_llm_batching.py tests/test_fused_sampler.py -k 'prefix_graph or kernel_on_gpu' -q -p no:cacheprovider"
+  "@0,1 sampler_probe 120 python bench/probes/sampler_probe.py"
   "@0,1 async_dedicated16_eager_prefix 400 env THINKCRAFT_PREFIX_GRAPH=0 ${DEDICATED16/.json/_eager_prefix.json} --no-sync-reference"
   "@0,1 async_dedicated16_torch_sampler 400 env THINKCRAFT_FUSED_SAMPLER=0 ${DEDICATED16/.json/_torch_sampler.json} --no-sync-reference")
 ray_first() {  # sets x4mb / x4next ($1), $2 steps: issue 21's Ray weak scaling on all four GPUs first, a flag when it

@@ -144,3 +144,18 @@ def test_kernel_on_gpu_at_qwen_vocabulary() -> None:
     graph.replay()
     assert not torch.equal(first[1::4], out[1::4])  # new noise: the sampled rows moved
     assert torch.equal(first[::4], out[::4])  # the greedy rows did not
+
+
+def test_sampler_probe_quick_writes_its_rows(tmp_path) -> None:
+    """bench/probes/sampler_probe.py --quick (CPU: torch's sampler only) prints and writes its documented row."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("sampler_probe", ROOT / "bench" / "probes" / "sampler_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "rows.json"
+    assert mod.main(["--quick", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["slots"] == 8 and row["vocab"] == 4096 and row["torch_ms"] > 0
+    assert row["fused_ms"] is None and row["speedup"] is None and {"card", "date"} <= set(row)
