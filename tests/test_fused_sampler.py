@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent("""
     x = torch.randn(5, 2500) * 3
     x[:, ::5] = float("-inf")
     assert FS.fused_sampler_serves(x), "the interpreter's kernel did not pass its check"
+    assert FS._state[("cpu", None)] == "four"  # the four-numbers-a-call noise passed first
     temp = torch.tensor([0.0, 1.0, 0.7, 0.0, 3.0])
     seed = torch.tensor([11])
     tok, lse = FS.sample_and_lse(x, temp, seed)
@@ -34,6 +35,9 @@ SCRIPT = textwrap.dedent("""
     assert tok[0] == x[0].argmax() and tok[3] == x[3].argmax()
     torch.testing.assert_close(lse, torch.logsumexp(x, -1), atol=1e-4, rtol=1e-5)
     assert bool((tok % 5 != 0).all())  # never a masked token
+    tok1, lse1 = FS.sample_and_lse(x, temp, seed, "one")  # the other noise variant: the same greedy rows and sums
+    assert tok1[0] == tok[0] and tok1[3] == tok[3] and bool((tok1 % 5 != 0).all()) and int(seed) == 13
+    torch.testing.assert_close(lse1, lse)
 
     # the draws: 3 rows x 400 of a 6-token vocabulary against softmax(logits / T)
     base = torch.tensor([[2.0, 0.5, -1.0, 1.0, 0.0, -3.0], [1.0, 1.0, 0.0, -0.5, 2.0, 0.3],
@@ -126,7 +130,7 @@ def test_kernel_on_gpu_at_qwen_vocabulary() -> None:
     x = torch.randn(128, 151936, device=dev) * 4
     temp = torch.ones(128, device=dev)
     temp[::4] = 0
-    assert FS.fused_sampler_serves(x)
+    assert FS.fused_sampler_serves(x) and FS._state[("cuda", x.device.index)] in FS.VARIANTS
     seed = torch.zeros(1, dtype=torch.long, device=dev)
     tok, lse = FS.sample_and_lse(x, temp, seed)
     assert bool((tok[::4] == x[::4].argmax(-1)).all())

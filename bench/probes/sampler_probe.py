@@ -10,7 +10,7 @@ holds them) and timed by CUDA events over `--repeats` replays after a warm-up.
     python bench/probes/sampler_probe.py                       # 64, 128, 256 slots x 151,936 (a GPU)
     python bench/probes/sampler_probe.py --quick               # CPU: torch's sampler only, small shapes
 
-Rows: {slots, vocab, torch_ms, fused_ms (None where the kernel does not serve), speedup, card, date} in
+Rows: {slots, vocab, torch_ms, fused_ms (None where the kernel does not serve), speedup, variant, card, date} in
 bench/results/sampler_probe.json (`--out`).
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 from common import card, print_table, today, write_records  # noqa: E402
 
-COLS = ["slots", "vocab", "torch_ms", "fused_ms", "speedup"]
+COLS = ["slots", "vocab", "torch_ms", "fused_ms", "speedup", "variant"]
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"slots": s, "vocab": a.vocab, "torch_ms": round(t_torch, 4),
                      "fused_ms": None if t_fused is None else round(t_fused, 4),
                      "speedup": None if t_fused is None else round(t_torch / t_fused, 2),
+                     # the kernel's noise that passed the device's check (fused_sampler.VARIANTS), or None
+                     "variant": FS._state.get((logits.device.type, logits.device.index)) or None,
                      "card": card(), "date": today()})
         print_table(rows[-1:], COLS)
     write_records(a.out, rows, merge_keys=("slots", "vocab", "card"))
