@@ -77,7 +77,7 @@
 #             engine vs on a sharded / Ray engine of another GPU, ppo-hidden skip 25 with a Ray feature actor, and
 #             skip 5. Needs the tokenizer and Ray carried (the scale set's two calls).
 #
-# The llm and scale2 sets need no bundled model: one call, carry [".whl", ".ref/tc-cache"] (the tokenizer cache:
+# The llm, scale2 and x2next sets need no bundled model: one call, carry [".whl", ".ref/tc-cache"] (the tokenizer cache:
 #   THINKCRAFT_CACHE=.ref/tc-cache PYTHONPATH=src .venv/bin/python -c "from thinkcraft.llm.testing import
 #   bundled_tokenizer; bundled_tokenizer()"), command
 #   `source bench/gpu_env.sh >/dev/null 2>&1; bash bench/queues.sh llm > /tmp/q.log 2>&1; cat /tmp/q.log`,
