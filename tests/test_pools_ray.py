@@ -518,13 +518,11 @@ def test_an_engine_actor_reports_its_cache_allocations_and_captures(capfd) -> No
     """An engine actor's KV-cache allocations (and decode-graph captures) reach its stderr - which Ray forwards to the
     driver - though its process configures no logging: 2026-11-29's late captures in two actors left no line in the
     run's output. The actor class runs in-process here (no Ray needed)."""
-    import logging
-
+    from thinkcraft.llm.hf.cache import log as lg
     from thinkcraft.llm.protocol import Batch, SamplingParams
-    from thinkcraft.pools.ray_backend import CACHE_LOGGER, _EngineActor
+    from thinkcraft.pools.ray_backend import _EngineActor
 
     model, tok = _tiny_model()
-    lg = logging.getLogger(CACHE_LOGGER)
     before = list(lg.handlers), lg.level
     try:
         actor = _EngineActor(model, _engine_builder(tok), lambda: None, 0, 1, False)

@@ -208,11 +208,6 @@ class _EnvActor:
         return getattr(self.env, method)(*args)
 
 
-CACHE_LOGGER = "thinkcraft.llm.hf.cache"
-"""The logger of the engine's KV-cache allocations and decode-graph captures, which an engine actor sends to its
-stderr (llm.hf.cache.log_cache_events: Ray forwards it to the driver's output, prefixed with the actor)."""
-
-
 class _EngineActor:
     """An in-process engine on its own copy of the policy (on the bundle's GPU, else the CPU).
 

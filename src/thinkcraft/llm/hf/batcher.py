@@ -412,6 +412,8 @@ class Batcher(CacheMixin, IterationMixin):
         if self.kv is not None and self._prefix is not None:
             t0 = time.perf_counter()
             graph = self._prefix_graph()
+            if graph is not None and not graph.failed:
+                self._refresh_copies()  # the replay reads the derived weight copies as they are
             if graph is None or not graph.write(self.kv, self._prefix, self._weights_key()):
                 self.kv.set_prefix(self.eng._prefix_kv(self._prefix.tolist()))
             self.counters["prefix_recompute_s"] += time.perf_counter() - t0
@@ -420,18 +422,13 @@ class Batcher(CacheMixin, IterationMixin):
                 self.counters["prefix_graph_failed"] = float(graph.failed)
 
     def _prefix_graph(self) -> PrefixGraph | None:
-        """The engine's prefix graph (prefix_graph.py) where it may serve: CUDA, no SM partition, the switch on;
-        its derived weight copies refreshed first (the replay reads them as they are)."""
+        """The engine's prefix graph (prefix_graph.py) where it may serve: CUDA, no SM partition, the switch on."""
         eng = self.eng
         if self._pgraph is None:
             if eng.device.type != "cuda" or not prefix_graph_on():
                 return None
             self._pgraph = PrefixGraph(eng._prefix_forward, eng.device)
-        if getattr(eng, "_sm", None) is not None:
-            return None
-        if not self._pgraph.failed:
-            self._refresh_copies()
-        return self._pgraph
+        return None if getattr(eng, "_sm", None) is not None else self._pgraph
 
     def _weights_key(self) -> tuple:
         """What a captured forward reads by address or decides by: every parameter's storage (a learner that

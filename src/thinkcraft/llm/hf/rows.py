@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from thinkcraft.llm.hf.fused_sampler import fused_sampler_serves, sample_and_lse
+
 NO_BUDGET = 1 << 40
 """Budget of rows without a thinking budget (their thoughts are counted, never cut)."""
 
@@ -100,11 +102,8 @@ def sample_rows_lse(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
     """`sample_rows`, in one pass over the logits where the one-pass kernel serves (fused_sampler.py: sampled
     rows, no top-p, no per-call generator, a device `seed`), which also gives the rows' logsumexp for
     `token_logprobs`; else the torch sampler and None."""
-    if any_sampled and not any_top_p and gen is None and seed is not None:
-        from thinkcraft.llm.hf.fused_sampler import fused_sampler_serves, sample_and_lse
-
-        if fused_sampler_serves(logits):
-            return sample_and_lse(logits, temperature, seed)
+    if any_sampled and not any_top_p and gen is None and seed is not None and fused_sampler_serves(logits):
+        return sample_and_lse(logits, temperature, seed)
     return sample_rows(logits, temperature, top_p, any_sampled, any_top_p, gen), None
 
 
