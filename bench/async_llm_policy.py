@@ -320,6 +320,8 @@ def _summarise(recs: list[dict], mode: str, max_staleness: int, batch: int) -> d
         "prefix_graph_failed": max((r.get("engine/prefix_graph_failed", 0.0) for r in recs), default=0.0),
         # engines whose one-pass sampler served (fused_sampler.py; THINKCRAFT_FUSED_SAMPLER=0: none)
         "fused_sampler": max((r.get("engine/fused_sampler", 0.0) for r in recs), default=0.0),
+        # engines whose decode attention ran split-KV (split_decode.py; THINKCRAFT_SPLIT_DECODE=0: none)
+        "split_decode": max((r.get("engine/split_decode", 0.0) for r in recs), default=0.0),
         # ... and the engine's phases inside it, per step of the steady window (seconds the engine stood still)
         **{k.split("/")[1]: _median_or_none(r.get(k) for r in steady)
            for k in ("engine/weight_drain_s", "engine/weight_copy_s", "engine/weight_switch_s")},

@@ -88,6 +88,41 @@ def cuda_timed(fn: Any, n: int = 20, warmup: int = 3) -> float:
     return statistics.median(ts)
 
 
+def replay_ms(fn: Any, repeats: int, cuda: bool) -> float:
+    """Median ms of `fn`: on CUDA captured once in a CUDA graph (after three warm-up calls on a side stream) and
+    replayed `repeats` times, each timed by CUDA events - how an engine's decode step runs it; else wall time."""
+    import statistics
+
+    if not cuda:
+        fn()
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(out)
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return statistics.median(out)
+
+
 def random_action_window(env: Any, steps: int) -> Any:
     """A jitted scan (`thinkcraft.envs.scan`) of `steps` random-action steps of a thinkcraft `VecEnv`:
     EnvCarry(env_state, None, rng) -> carry. Observations are not carried (as before: an env-only window

@@ -247,6 +247,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         flash_prefill = bool(kv.get("flash_prefill", 0.0))
         # the sampler: the one-pass kernel (llm/hf/fused_sampler.py, THINKCRAFT_FUSED_SAMPLER) or torch's
         fused_sampler = bool(kv.get("fused_sampler", 0.0))
+        # the decode attention split-KV, own columns and prefix in one launch (llm/hf/split_decode.py,
+        # THINKCRAFT_SPLIT_DECODE), in place of FlashAttention's calls
+        split_decode = bool(kv.get("split_decode", 0.0))
         # q/k/v and gate/up groups run as one GEMM each (llm/hf/fused_proj.py, THINKCRAFT_FUSED_PROJ)
         fused_proj_groups = int(kv.get("fused_proj_groups", 0.0))
         # of them, the LoRA groups whose adapters' A rides in the base GEMM (fused_proj.py, THINKCRAFT_FOLD_LORA_A)
@@ -312,7 +315,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
-        "fused_sampler": fused_sampler, "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
+        "fused_sampler": fused_sampler, "split_decode": split_decode, "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
-                                                       "fast_prompts", "fused_sampler"))
+                                                       "fast_prompts", "fused_sampler", "split_decode"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

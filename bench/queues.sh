@@ -41,6 +41,9 @@
 #             (the weight update's phases timed, the shared prefix replayed from a CUDA graph, the one-pass sampler),
 #             the two's GPU tests, and the dedicated run with the eager prefix (THINKCRAFT_PREFIX_GRAPH=0), then with
 #             torch's sampler (THINKCRAFT_FUSED_SAMPLER=0), for the A/Bs; carry [".whl", ".ref/tc-cache"]
+#   x2split   one machine of 2 GPUs, one call then collect (2026-11-30): the split-KV decode attention's GPU test and
+#             probe, issue 20's dedicated run (with its sync row) with and without it, then issue 19's Craftax row with
+#             and without it, one GPU each; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -77,7 +80,7 @@
 #             engine vs on a sharded / Ray engine of another GPU, ppo-hidden skip 25 with a Ray feature actor, and
 #             skip 5. Needs the tokenizer and Ray carried (the scale set's two calls).
 #
-# The llm, scale2 and x2next sets need no bundled model: one call, carry [".whl", ".ref/tc-cache"] (the tokenizer cache:
+# The llm, scale2, x2next and x2split sets need no bundled model: one call, carry [".whl", ".ref/tc-cache"] (the tokenizer cache:
 #   THINKCRAFT_CACHE=.ref/tc-cache PYTHONPATH=src .venv/bin/python -c "from thinkcraft.llm.testing import
 #   bundled_tokenizer; bundled_tokenizer()"), command
 #   `source bench/gpu_env.sh >/dev/null 2>&1; bash bench/queues.sh llm > /tmp/q.log 2>&1; cat /tmp/q.log`,
@@ -101,7 +104,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -224,6 +227,21 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
             # weight-update phases timed, the shared prefix replayed from a CUDA graph at each version and the
             # one-pass sampler, then the same with the eager prefix, and with torch's sampler
       jobs=("@0,1 async_dedicated16 580 $DEDICATED16" "${PREFIX_AB[@]}") ;;
+    x2split) # one x2 machine (2026-11-30): the split-KV decode attention (llm/hf/split_decode.py) - its GPU test, the
+             # attention alone by rows (the arith shape, then issue 19's), issue 20's dedicated run with its sync row
+             # with it (the default) and without it (THINKCRAFT_SPLIT_DECODE=0); then issue 19's Craftax row with and
+             # without it at once, one GPU each
+      local flag="/tmp/tc-x2split-ab-done" split0="env THINKCRAFT_SPLIT_DECODE=0"
+      rm -f "$flag"
+      jobs=(
+      "@0,1 split_gputest 240 python -m pytest -m gpu tests/test_split_decode.py -q -p no:cacheprovider"
+      "@0,1 attention_probe 180 python bench/probes/decode_attention_probe.py"
+      "@0,1 attention_probe_craftax 180 python bench/probes/decode_attention_probe.py --rows 128 256 --width 2049 --mean-keys 1000 --prefix 300"
+      "@0,1 async_dedicated16_split 580 ${DEDICATED16/.json/_split.json}"
+      "@0,1 async_dedicated16_nosplit 580 $split0 ${DEDICATED16/.json/_nosplit.json}"
+      "@0,1 ab_done 5 touch $flag"
+      "@0 craftax_split 1480 while [ ! -e $flag ]; do sleep 3; done; $CRAFTAX --out bench/results/logs/craftax_split.json"
+      "@1 craftax_nosplit 1480 while [ ! -e $flag ]; do sleep 3; done; $split0 $CRAFTAX --out bench/results/logs/craftax_nosplit.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

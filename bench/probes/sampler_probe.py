@@ -17,16 +17,14 @@ bench/results/sampler_probe.json (`--out`).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
-from common import card, print_table, today, write_records  # noqa: E402
+from common import card, print_table, replay_ms, today, write_records  # noqa: E402
 
 COLS = ["slots", "vocab", "torch_ms", "fused_ms", "speedup", "variant"]
 
@@ -44,38 +42,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if any(s <= 0 for s in a.slots) or a.vocab <= 0 or a.repeats <= 0:
         p.error("--slots, --vocab and --repeats must be > 0")
     return a
-
-
-def _time(fn: Callable[[], Any], repeats: int, cuda: bool) -> float:
-    """Median ms of `fn` (on CUDA: replayed from a CUDA graph, timed by events)."""
-    import torch
-
-    if not cuda:
-        fn()
-        out = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            out.append(1000 * (time.perf_counter() - t0))
-        return statistics.median(out)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    out = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             tok, lse = FS.sample_and_lse(logits, temp, seed)
             return token_logprobs(logits, tok, lse)
 
-        t_torch = _time(torch_path, a.repeats, cuda)
-        t_fused = _time(fused_path, a.repeats, cuda) if cuda and FS.fused_sampler_serves(logits) else None
+        t_torch = replay_ms(torch_path, a.repeats, cuda)
+        t_fused = replay_ms(fused_path, a.repeats, cuda) if cuda and FS.fused_sampler_serves(logits) else None
         rows.append({"slots": s, "vocab": a.vocab, "torch_ms": round(t_torch, 4),
                      "fused_ms": None if t_fused is None else round(t_fused, 4),
                      "speedup": None if t_fused is None else round(t_torch / t_fused, 2),

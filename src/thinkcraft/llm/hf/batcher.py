@@ -323,6 +323,8 @@ class Batcher(CacheMixin, IterationMixin):
         c["fused_proj_folded"] = float(sum(g.fold for g in groups))
         # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
         c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
+        # 1 where the split-KV decode (split_decode.py) serves in its place
+        c["split_decode"] = float(self.kv is not None and getattr(self, "_split", None) is not None)
         # the sampler: 1 where the one-pass kernel passed its check on this engine's device (fused_sampler.py; it
         # then samples every step whose rows sample without top-p), 0 torch's
         c["fused_sampler"] = float(fused_sampler.passed(self.eng.device))

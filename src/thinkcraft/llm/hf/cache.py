@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
+from thinkcraft.llm.hf import split_decode
 from thinkcraft.llm.hf.guides import SlotGuides
 from thinkcraft.llm.hf.rows import (
     RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows_lse, token_logprobs, unflatten_step,
@@ -194,6 +195,8 @@ class CacheMixin:
                          static_addresses=self.compile_step)
         # FlashAttention over the slots on CUDA (slots.py `decode_kernel`): its fixed arguments, once per cache
         self._flash = flash_decode_meta(self.kv, int(cfg.num_attention_heads), decode_kernel(dev, dtype, head_dim))
+        # and the split-KV decode (split_decode.py), which serves in its place where its check passed
+        self._split = split_decode.meta(dev, dtype, head_dim, int(cfg.num_attention_heads), hkv)
         # and the prefill's (slots.py `prefill_inplace_kernel`): the keys read in place, no gather
         self._flash_prefill = prefill_inplace_kernel(dev, dtype, head_dim)
         # each allocation means new shapes and buffers: with a compiled step, a recompile and new CUDA graphs
@@ -201,6 +204,7 @@ class CacheMixin:
         log.info("KV cache allocated: %d slots x %d tokens (+ %d prefix), %.2f GiB (allocation %d); decode attention: "
                  "%s; prefill attention: %s", slots, tokens, prefix_cap, self.kv.nbytes / 2**30,
                  int(self.counters["cache_allocations"]),
+                 "split-KV over the slots and the prefix" if self._split is not None else
                  "FlashAttention over the slots" if self._flash is not None else "matmuls over the slot width",
                  "in place" if self._flash_prefill is not None else "gathered")
         self.table = SlotTable(slots, self.evict)  # type: ignore[arg-type]
@@ -343,7 +347,7 @@ class CacheMixin:
             lp = self._no_lp
         ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
                         kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
-                        kv.cols[:width], self.prefix_mask, self._flash)
+                        kv.cols[:width], self.prefix_mask, self._flash, self._split)
         out = forward(step.tokens[:, None], step.pos[:, None], ctx)
         for dst, src in zip(st, step.state):
             if src is not dst:

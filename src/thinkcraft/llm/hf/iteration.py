@@ -254,7 +254,7 @@ class IterationMixin:
             self.state = step.state
         ctx = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None,
                         kv.prefix_values if use_prefix else None, kv.rows, step.write_col, step.key_len,
-                        kv.cols[:width], self.prefix_mask, self._flash)
+                        kv.cols[:width], self.prefix_mask, self._flash, self._split)
         self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
 
     def _hand_record(self, k: int, record: torch.Tensor, lp: torch.Tensor) -> None:

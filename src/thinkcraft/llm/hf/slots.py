@@ -36,6 +36,7 @@ import torch
 from thinkcraft.llm import attention as A
 from thinkcraft.llm import compat
 from thinkcraft.llm.compat import PREFIX_KV_KWARG
+from thinkcraft.llm.hf.split_decode import SplitDecode, split_decode_attention
 from thinkcraft.utils.errors import env_switch
 
 SLOT_ATTN = "thinkcraft_slots"
@@ -82,6 +83,9 @@ class DecodeCtx(NamedTuple):
     flash: FlashDecode | None = None
     """FlashAttention reading each row's own columns in place (`decode_kernel`, `flash_decode_meta`), or None for
     the matmul path over the whole width."""
+    split: SplitDecode | None = None
+    """The split-KV decode attention (split_decode.py: own columns and shared prefix in one launch), which serves
+    in place of `flash` and the matmul path where set."""
 
 
 class FlashPrefill(NamedTuple):
@@ -172,6 +176,11 @@ def _decode_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     kc, vc = ctx.keys[i], ctx.values[i]
     kc[ctx.rows, :, ctx.write_col] = k[:, :, 0]
     vc[ctx.rows, :, ctx.write_col] = v[:, :, 0]
+    sp = ctx.split
+    if sp is not None:  # own columns and the shared prefix in one launch, merged inside (split_decode.py)
+        pk = ctx.prefix_keys[i] if ctx.prefix_keys is not None else None
+        pv = ctx.prefix_values[i] if ctx.prefix_values is not None else None
+        return split_decode_attention(q, kc, vc, sp.key_len, pk, pv, sp.prefix_n, scale, sp.chunk).transpose(1, 2)
     out, lse = _own_columns(q, kc, vc, ctx, scale)
     if ctx.prefix_keys is not None:
         o_p, lse_p = _shared_prefix(q, ctx.prefix_keys[i], ctx.prefix_values[i], ctx, scale)
@@ -302,8 +311,11 @@ def flash_decode_meta(kv: SlotKV, query_heads: int, kernel: Callable[..., Any] |
 
 
 def per_forward(ctx: Any) -> Any:
-    """A decode context's per-row FlashAttention counts, made once per forward (inside the captured step, from
-    the step's own key lengths and prefix mask); any other context as it is."""
+    """A decode context's per-row FlashAttention (or split decode) counts, made once per forward (inside the
+    captured step, from the step's own key lengths and prefix mask); any other context as it is."""
+    if isinstance(ctx, DecodeCtx) and ctx.split is not None:
+        n = ctx.prefix_mask.sum(1).to(torch.int32) if ctx.prefix_keys is not None else None
+        return ctx._replace(split=ctx.split._replace(key_len=ctx.key_len.to(torch.int32), prefix_n=n))
     if not isinstance(ctx, DecodeCtx) or ctx.flash is None:
         return ctx
     hkv = ctx.keys[0].shape[1]

@@ -136,7 +136,9 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # async pools sum their engines' counters), 0 on the matmuls
             "engine/flash_decode": after.get("flash_decode", 0.0),
             # a state too: the one-pass sampler served (fused_sampler.py), per engine
-            "engine/fused_sampler": after.get("fused_sampler", 0.0)}
+            "engine/fused_sampler": after.get("fused_sampler", 0.0),
+            # and the split-KV decode attention (split_decode.py) in place of FlashAttention's, per engine
+            "engine/split_decode": after.get("split_decode", 0.0)}
 
 
 def answer_structure(env, sampling):

@@ -1,0 +1,296 @@
+"""The decode step's attention as split-KV ("flash decoding"): each row's keys cut into chunks read in parallel,
+the shared prefix in the same launch, then one small combine.
+
+Why: FlashAttention's varlen forward (`attention.slot_decode_attention`) gives each (slot, KV head) sequence ONE
+thread block that walks all of that row's keys in turn, and the shared prefix is a second call whose result is
+merged by a third and fourth kernel (`attention.merge_attention`). A decode step has one query token a row, so
+the blocks are few and long: at 80 rows of a 2-KV-head model, 160 blocks on an H200's 132 SMs - two waves of
+~600 keys each - where the whole layer's keys are ~23 MB, ~7 us of the card's bandwidth. The 2-GPU async arith
+run (2 x H200, 2026-11-30) steps at ~80 rows and 1.8-1.95 ms, against ~1.5 ms at ~60 rows; and a decode step is a
+near-fixed cost in that loop, so the attention's wave count is one of the few costs that grows with the async
+loop's rows and not the synchronous loop's.
+
+What: program (row s, KV head j, chunk i) reads `CHUNK` keys of row s - chunk i of its own slot columns (< key_len)
+or, for the first `NSP` chunks, of the shared prefix (< the row's prefix length, 0 for rows without it) - for the
+G query heads of KV head j at once (the GQA group as the rows of one `tl.dot`, padded to 16), and writes its
+normalised partial output and log-sum-exp; a chunk past the row's keys writes only an empty log-sum-exp. The
+combine (one program per (row, KV head)) weights the chunks by their log-sum-exps. Both kernels' grids depend on
+the cache's shape only (slots, width, prefix capacity): one CUDA graph serves every step. Called through a torch
+custom op (`thinkcraft::split_decode`), so the compiled decode forward treats it as one opaque call.
+
+Safety: the first use on a device (per dtype, head dim and group) compares the kernel with a float64 reference
+(rows of 1 to full width, with and without the prefix); a mismatch, no Triton or a compile error turns it off for
+good with one warning and FlashAttention (or the matmul path) runs. On the CPU it serves only under Triton's
+interpreter (TRITON_INTERPRET=1, the tests). `THINKCRAFT_SPLIT_DECODE=0` turns it off (the A/B switch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from thinkcraft.utils.errors import env_switch
+
+log = logging.getLogger(__name__)
+
+CHUNK = 128
+"""Keys a program reads (one split). Smaller: more programs (parallelism at few rows) and more partial results
+to combine; 128 keeps the partial outputs a few percent of the keys' bytes at 64-dim heads."""
+BLOCK_N = 64
+"""Keys per `tl.dot` inside a program."""
+NUM_WARPS = 4
+
+_state: dict[Any, bool] = {}  # (device, dtype, head_dim, group) -> passed its check
+_kernels: Any = None
+launches = 0
+"""Calls in this process (host launches; a graph's replays are not counted): what a test reads."""
+
+
+class SplitDecode(NamedTuple):
+    """The split decode's per-cache constants (`meta`) and per-forward counts (`per_forward`)."""
+
+    chunk: int
+    """Keys per program."""
+    key_len: torch.Tensor | None = None
+    """(S,) int32: the columns each row reads of its own slot (per forward)."""
+    prefix_n: torch.Tensor | None = None
+    """(S,) int32: the shared-prefix columns each row reads, 0 for rows without it (per forward)."""
+
+
+def split_decode_on() -> bool:
+    """THINKCRAFT_SPLIT_DECODE: "1" (default) runs the decode attention as split-KV where it serves, "0" never."""
+    return env_switch("THINKCRAFT_SPLIT_DECODE", default=True)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def _pow2(n: int, least: int) -> int:
+    p = least
+    while p < n:
+        p *= 2
+    return p
+
+
+def _build() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial_kernel(q_ptr, sq_s, sq_h, k_ptr, v_ptr, pk_ptr, pv_ptr, klen_ptr, pn_ptr, o_ptr, lse_ptr, scale,
+                       C, PCAP, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, NSP: tl.constexpr, NST: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+        sj = tl.program_id(0)
+        i = tl.program_id(1)
+        s = sj // HKV
+        j = sj % HKV
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        gm = g < G
+        dm = d < D
+        q = tl.load(q_ptr + s.to(tl.int64) * sq_s + (j * G + g[:, None]) * sq_h + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+        if UPCAST:  # Triton's CPU interpreter multiplies half-precision tiles wrongly: float32 there
+            q = q.to(tl.float32)
+        if i < NSP:  # a chunk of the shared prefix (1, Hkv, PCAP, D)
+            n = tl.load(pn_ptr + s)
+            lo = i * CHUNK
+            kb = pk_ptr + j.to(tl.int64) * PCAP * D
+            vb = pv_ptr + j.to(tl.int64) * PCAP * D
+        else:  # a chunk of the row's own slot (S, Hkv, C, D)
+            n = tl.load(klen_ptr + s)
+            lo = (i - NSP) * CHUNK
+            kb = k_ptr + sj.to(tl.int64) * C * D
+            vb = v_ptr + sj.to(tl.int64) * C * D
+        hi = tl.minimum(lo + CHUNK, n)
+        m_i = tl.full([GP], -1e30, tl.float32)  # finite: a fully masked block gives exp(-inf) = 0, never nan
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            cm = cols < hi
+            kv_mask = cm[:, None] & dm[None, :]
+            k = tl.load(kb + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * scale
+            qk = tl.where(cm[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vb + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        part = (sj.to(tl.int64) * NST + i) * GP
+        tl.store(lse_ptr + part + g, lse)
+        if hi > lo:  # an empty chunk writes its log-sum-exp only (the combine never reads its output)
+            out = acc / tl.where(has, l_i, 1.0)[:, None]
+            tl.store(o_ptr + (part + g[:, None]) * DP + d[None, :], out)
+
+    @triton.jit
+    def combine_kernel(o_ptr, lse_ptr, out_ptr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                       D: tl.constexpr, DP: tl.constexpr, NST: tl.constexpr):
+        sj = tl.program_id(0)
+        s = sj // HKV
+        j = sj % HKV
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        base = sj.to(tl.int64) * NST * GP
+        mx = tl.full([GP], float("-inf"), tl.float32)
+        for i in range(NST):
+            mx = tl.maximum(mx, tl.load(lse_ptr + base + i * GP + g))
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        den = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        for i in range(NST):
+            lse = tl.load(lse_ptr + base + i * GP + g)
+            live = lse > float("-inf")
+            w = tl.where(live, tl.exp(lse - mx), 0.0)
+            o = tl.load(o_ptr + (base + i * GP + g[:, None]) * DP + d[None, :], mask=live[:, None], other=0.0)
+            den += w
+            acc += w[:, None] * o
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        h = j * G + g
+        tl.store(out_ptr + (s.to(tl.int64) * HKV * G + h[:, None]) * D + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+
+    return partial_kernel, combine_kernel
+
+
+def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Tensor, pk: torch.Tensor,
+         pv: torch.Tensor, prefix_n: torch.Tensor, scale: float, chunk: int, use_prefix: bool) -> torch.Tensor:
+    global _kernels, launches
+    launches += 1
+    if _kernels is None:
+        _kernels = _build()
+    partial, combine = _kernels
+    s, h, _, d = q.shape
+    hkv, cols = kc.shape[1], kc.shape[2]
+    g = h // hkv
+    gp, dp = _pow2(g, 16), _pow2(d, 16)
+    pcap = pk.shape[2] if use_prefix else 0
+    nsp = -(-pcap // chunk) if use_prefix else 0
+    nst = nsp + -(-cols // chunk)
+    q3 = q.reshape(s, h, d)
+    if q3.stride(2) != 1:
+        q3 = q3.contiguous()
+    o_part = torch.empty((s * hkv, nst, gp, dp), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((s * hkv, nst, gp), dtype=torch.float32, device=q.device)
+    out = torch.empty((s, h, 1, d), dtype=q.dtype, device=q.device)
+    partial[(s * hkv, nst)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part, lse_part,
+                            scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp, NST=nst, CHUNK=chunk,
+                            BLOCK_N=BLOCK_N, UPCAST=_interpreted(), num_warps=NUM_WARPS)
+    combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, num_warps=NUM_WARPS)
+    return out
+
+
+@torch.library.custom_op("thinkcraft::split_decode", mutates_args=())
+def _split_decode_op(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Tensor, pk: torch.Tensor,
+                     pv: torch.Tensor, prefix_n: torch.Tensor, scale: float, chunk: int, use_prefix: bool
+                     ) -> torch.Tensor:
+    return _run(q, kc, vc, key_len, pk, pv, prefix_n, scale, chunk, use_prefix)
+
+
+@_split_decode_op.register_fake
+def _(q, kc, vc, key_len, pk, pv, prefix_n, scale, chunk, use_prefix):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape)
+
+
+def split_decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Tensor,
+                           pk: torch.Tensor | None, pv: torch.Tensor | None, prefix_n: torch.Tensor | None,
+                           scale: float, chunk: int = CHUNK) -> torch.Tensor:
+    """Attention of one query token a row over [its shared prefix | its slot's columns]: q (S, H, 1, d); kc / vc
+    (S, Hkv, C, d) contiguous, row s reads columns < key_len[s] (int32, >= 1); pk / pv (1, Hkv, Pcap, d) the one
+    prefix copy, row s reads its columns < prefix_n[s] (int32, 0: none), or None. Returns (S, H, 1, d) in q's
+    dtype (`gqa_decode_attention` over the same keys)."""
+    use_prefix = pk is not None
+    if not use_prefix:
+        pk, pv, prefix_n = kc, vc, key_len  # unread (no prefix chunks): the op's signature takes tensors
+    dtype = q.dtype  # the keys' dtype inside (one tl.dot type), the query's out
+    out = _split_decode_op(q.to(kc.dtype), kc, vc, key_len, pk, pv, prefix_n, float(scale), int(chunk), use_prefix)
+    return out.to(dtype)
+
+
+def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Tensor, pk: torch.Tensor | None,
+              pv: torch.Tensor | None, prefix_n: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`split_decode_attention` row by row in float64 (the check's and the tests' reference)."""
+    s, h, _, d = q.shape
+    hkv = kc.shape[1]
+    g = h // hkv
+    out = torch.empty(s, h, 1, d, dtype=torch.float64)
+    for r in range(s):
+        n = int(key_len[r])
+        k, v = kc[r, :, :n].double(), vc[r, :, :n].double()
+        if pk is not None and int(prefix_n[r]) > 0:
+            p = int(prefix_n[r])
+            k = torch.cat([pk[0, :, :p].double().cpu(), k.cpu()], 1)
+            v = torch.cat([pv[0, :, :p].double().cpu(), v.cpu()], 1)
+        k, v = k.cpu().repeat_interleave(g, 0), v.cpu().repeat_interleave(g, 0)  # (H, n, d)
+        w = torch.softmax((q[r, :, 0].double().cpu()[:, None, :] * k).sum(-1) * scale, -1)  # (H, n)
+        out[r, :, 0] = (w[:, :, None] * v).sum(1)
+    return out
+
+
+def serves(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether the split decode may serve this cache: the switch on, CUDA (or Triton's interpreter on the CPU),
+    and its one-time check passed for (device, dtype, head dim, group)."""
+    if not split_decode_on():
+        return False
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+        return False
+    key = (device.type, device.index, dtype, head_dim, group)
+    if key not in _state:
+        _state[key] = _check(device, dtype, head_dim, group)
+    return _state[key]
+
+
+def passed(device: torch.device) -> bool:
+    """Whether the kernel passed a check on `device` in this process."""
+    return any(ok for (kind, index, *_), ok in _state.items() if (kind, index) == (device.type, device.index))
+
+
+def _check(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """The kernel against `reference` on a small cache: rows reading 1 key to the full width, with and without
+    the shared prefix (and a launch without a prefix at all)."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        hkv, s, cols, pcap = 2, 5, 2 * CHUNK + 9, CHUNK + 3
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+        q, kc, vc = rnd(s, hkv * group, 1, head_dim), rnd(s, hkv, cols, head_dim), rnd(s, hkv, cols, head_dim)
+        pk, pv = rnd(1, hkv, pcap, head_dim), rnd(1, hkv, pcap, head_dim)
+        key_len = torch.tensor([1, cols, CHUNK, CHUNK + 1, 37], dtype=torch.int32, device=device)
+        prefix_n = torch.tensor([pcap, 0, 5, pcap, 0], dtype=torch.int32, device=device)
+        scale = head_dim ** -0.5
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        for args in ((pk, pv, prefix_n), (None, None, None)):
+            got = split_decode_attention(q, kc, vc, key_len, *args, scale).double().cpu()
+            want = reference(q, kc, vc, key_len, *args, scale)
+            err = float((got - want).abs().max())
+            if not err <= tol:
+                raise RuntimeError(f"differs from the reference by {err:.3g} (tolerance {tol:g})")
+        return True
+    except Exception as e:  # noqa: BLE001 - no Triton, a compile error, a mismatch: the other attention
+        log.warning("the split decode attention is off on %s for %s, head dim %d, group %d (%s: %s); decoding with "
+                    "the other attention path", device, dtype, head_dim, group, type(e).__name__, e)
+        return False
+
+
+def meta(device: torch.device, dtype: torch.dtype, head_dim: int, query_heads: int, kv_heads: int
+         ) -> SplitDecode | None:
+    """The per-cache constants where the split decode serves this cache's device, dtype and shape; else None."""
+    if query_heads % kv_heads or not serves(device, dtype, head_dim, query_heads // kv_heads):
+        return None
+    return SplitDecode(CHUNK)
