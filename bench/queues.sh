@@ -37,7 +37,7 @@
 #             queued 2026-11-29, not run): issue 21's weak scaling with the whole-batch share cap, then issue 20's
 #             dedicated run with the weight update's phases timed beside issue 19's allocator A/B and its Craftax
 #             row with the compiled learner and with torch's sampler; last, on GPUs 0,1, x2next's GPU tests and A/Bs
-#   x2next    one machine of 2 GPUs, one call then collect (queued 2026-11-29, not run): issue 20's dedicated run
+#   x2next    one machine of 2 GPUs, one call then collect (queued 2026-11-29, run 2026-11-30: bench/HISTORY.md): issue 20's dedicated run
 #             (the weight update's phases timed, the shared prefix replayed from a CUDA graph, the one-pass sampler),
 #             the two's GPU tests, and the dedicated run with the eager prefix (THINKCRAFT_PREFIX_GRAPH=0), then with
 #             torch's sampler (THINKCRAFT_FUSED_SAMPLER=0), for the A/Bs; carry [".whl", ".ref/tc-cache"]
@@ -223,7 +223,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       # step compiled for 282 s): issue 19's end-to-end rate is bound by a ~2 s update (the goal's lever)
       "@2 craftax_learner_compiled 600 ${C/--steps 3/--steps 5} --learner-compile --out bench/results/logs/craftax_learner_compiled.json"
       "${PREFIX_AB[@]}") ;;
-    x2next) # one x2 machine (queued 2026-11-29, eighth session; not run yet): issue 20's dedicated run with the
+    x2next) # one x2 machine (queued 2026-11-29, eighth session; run 2026-11-30): issue 20's dedicated run with the
             # weight-update phases timed, the shared prefix replayed from a CUDA graph at each version and the
             # one-pass sampler, then the same with the eager prefix, and with torch's sampler
       jobs=("@0,1 async_dedicated16 580 $DEDICATED16" "${PREFIX_AB[@]}") ;;
