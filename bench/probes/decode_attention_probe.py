@@ -13,15 +13,18 @@ a CUDA graph and timed by CUDA events:
 
     python bench/probes/decode_attention_probe.py                   # Qwen2.5-0.5B's shape: 24 layers, 2 x 7 heads
     python bench/probes/decode_attention_probe.py --rows 256 --width 2049 --mean-keys 1000   # issue 19's shape
+    python bench/probes/decode_attention_probe.py --chunks 32 64 128 256   # the split kernel's keys per program
     python bench/probes/decode_attention_probe.py --quick           # CPU: plumbing only (no kernel times)
 
-Rows: {rows, width, mean_keys, prefix, layers, kv_heads, group, head_dim, flash_ms, split_ms, speedup, card, date}
+Rows: {rows, width, mean_keys, prefix, layers, kv_heads, group, head_dim, chunk, flash_ms, split_ms, speedup, card,
+date}, one per chunk size,
 in bench/results/decode_attention_probe.json (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 from common import card, print_table, replay_ms, today, write_records  # noqa: E402
 
-COLS = ["rows", "width", "mean_keys", "prefix", "flash_ms", "split_ms", "speedup"]
+COLS = ["rows", "width", "mean_keys", "prefix", "chunk", "flash_ms", "split_ms", "speedup"]
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,12 +47,16 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--group", type=int, default=7, help="query heads per KV head")
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--chunks", type=int, nargs="+", default=None,
+                   help="keys per program of the split kernel (default: split_decode.CHUNK, the engine's)")
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="CPU plumbing: 4 rows, 2 layers, no kernel timed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_attention_probe.json"))
     a = p.parse_args(argv)
     if a.quick:
         a.rows, a.width, a.mean_keys, a.prefix, a.layers, a.repeats = [4], 64, 20, 8, 2, 3
+    if a.chunks is not None and min(a.chunks) <= 0:
+        p.error("--chunks must be > 0")
     if min(a.rows + [a.width, a.mean_keys, a.layers, a.kv_heads, a.group, a.head_dim, a.repeats]) <= 0 or a.prefix < 0:
         p.error("every size must be > 0 (--prefix >= 0)")
     if 2 * a.mean_keys - 1 > a.width:
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     hkv, g, d = a.kv_heads, a.group, a.head_dim
     scale = d ** -0.5
     split_on = cuda and SD.serves(dev, dt, d, g)
+    chunks = a.chunks or [SD.CHUNK]
     rows = []
     for s in a.rows:
         gen = torch.Generator(device="cpu").manual_seed(s)
@@ -100,28 +108,29 @@ def main(argv: list[str] | None = None) -> int:
                 out = o
             return out
 
-        def split_path() -> Any:
+        def split_path(chunk: int = SD.CHUNK) -> Any:
             out = None
             for (kc, vc), (pk, pv) in zip(caches, prefixes):
                 out = SD.split_decode_attention(q, kc, vc, key_len, pk if a.prefix else None, pv if a.prefix else None,
-                                                prefix_n if a.prefix else None, scale)
+                                                prefix_n if a.prefix else None, scale, chunk)
             return out
 
         t_flash = replay_ms(flash_path, a.repeats, cuda) if cuda else None
-        t_split = replay_ms(split_path, a.repeats, cuda) if split_on else None
-        if t_flash is not None and t_split is not None:  # the same attention, before the times mean anything
-            err = float((flash_path().float() - split_path().float()).abs().max())
-            assert err < 3e-2, f"the two paths differ by {err:.3g}"
-        rows.append({"rows": s, "width": a.width, "mean_keys": a.mean_keys, "prefix": a.prefix, "layers": a.layers,
-                     "kv_heads": hkv, "group": g, "head_dim": d,
-                     "flash_ms": None if t_flash is None else round(t_flash, 4),
-                     "split_ms": None if t_split is None else round(t_split, 4),
-                     "speedup": None if t_flash is None or t_split is None else round(t_flash / t_split, 2),
-                     "card": card(), "date": today()})
-        print_table(rows[-1:], COLS)
+        for chunk in chunks:
+            t_split = replay_ms(functools.partial(split_path, chunk), a.repeats, cuda) if split_on else None
+            if t_flash is not None and t_split is not None:  # the same attention, before the times mean anything
+                err = float((flash_path().float() - split_path(chunk).float()).abs().max())
+                assert err < 3e-2, f"the two paths differ by {err:.3g} (chunk {chunk})"
+            rows.append({"rows": s, "width": a.width, "mean_keys": a.mean_keys, "prefix": a.prefix, "layers": a.layers,
+                         "kv_heads": hkv, "group": g, "head_dim": d, "chunk": chunk,
+                         "flash_ms": None if t_flash is None else round(t_flash, 4),
+                         "split_ms": None if t_split is None else round(t_split, 4),
+                         "speedup": None if t_flash is None or t_split is None else round(t_flash / t_split, 2),
+                         "card": card(), "date": today()})
+        print_table(rows[-len(chunks):], COLS)
         del caches, prefixes
     write_records(a.out, rows, merge_keys=("rows", "width", "mean_keys", "prefix", "layers", "kv_heads", "group",
-                                           "head_dim", "card"))
+                                           "head_dim", "chunk", "card"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0
