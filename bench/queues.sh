@@ -44,6 +44,11 @@
 #   x2split   one machine of 2 GPUs, one call then collect (2026-11-30): the split-KV decode attention's GPU test and
 #             probe, issue 20's dedicated run (with its sync row) with and without it, then issue 19's Craftax row with
 #             and without it, one GPU each; carry [".whl", ".ref/tc-cache"]
+#   x2ray     one machine of 2 GPUs, Ray carried (queued 2026-11-30): issue 20's dedicated run with the engine as a
+#             Ray actor batching continuously, then in-process, then the actor with whole batches; two calls back to
+#             back: carry [".ray-whl/part-00"] `true`; then carry [".ray-whl/part-01", ".ray-whl/deps", ".whl",
+#             ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null 2>&1; source bench/carry_ray.sh install; bash
+#             bench/queues.sh x2ray > /tmp/q.log 2>&1; cat /tmp/q.log; bash bench/queues.sh collect 520 -- then collect
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -104,7 +109,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -242,6 +247,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 ab_done 5 touch $flag"
       "@0 craftax_split 1480 while [ ! -e $flag ]; do sleep 3; done; $CRAFTAX --out bench/results/logs/craftax_split.json"
       "@1 craftax_nosplit 1480 while [ ! -e $flag ]; do sleep 3; done; $split0 $CRAFTAX --out bench/results/logs/craftax_nosplit.json") ;;
+    x2ray) # one x2 machine, Ray carried (2026-11-30, not run yet): issue 20's dedicated placement with the engine in
+           # a Ray actor batching continuously (its own process: the learner's interpreter lock is its own), with its
+           # sync row; the in-process dedicated run with its sync row (the split decode at 256 keys a program); the
+           # Ray actor with whole batches for the A/B
+      jobs=(
+      "@0,1 async_dedicated16_ray 580 ${DEDICATED16/.json/_ray.json} --pool-backend ray"
+      "@0,1 async_dedicated16_local 580 ${DEDICATED16/.json/_local.json}"
+      "@0,1 async_dedicated16_ray_whole 400 ${DEDICATED16/.json/_ray_whole.json} --pool-backend ray --gen-batching whole --no-sync-reference") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

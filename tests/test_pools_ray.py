@@ -7,6 +7,7 @@ the placement-timeout line) and the missing-Ray error run without Ray."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -76,16 +77,18 @@ def test_ray_backend_reproduces_the_local_backend(ray_cluster, tmp_path, monkeyp
     local = _cfg(tmp_path / "local", steps=2, mode="async", max_staleness=0, rollout_workers=2, gen_batching="whole",
                  gen_batch_wait_ms=60_000)
     LP.run(local)
-    ray_run = _ray_cfg(tmp_path / "ray", steps=2, max_staleness=0, rollout_workers=2, gen_batch_wait_ms=60_000)
+    ray_run = _ray_cfg(tmp_path / "ray", steps=2, max_staleness=0, rollout_workers=2, gen_batching="whole",
+                       gen_batch_wait_ms=60_000)
     last = LP.run(ray_run)
     assert last["policy_version"] == 2 and last["staleness/max"] == 0
     _same_runs(local, ray_run, 2 * 2 * 3)
 
 
-def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp_path, monkeypatch):
+def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp_path, monkeypatch, caplog):
     """ray.kill of the engine actor and of an env actor after the first update: both are replaced (counted
     in rollout/restarts), their groups fail and are played again, the run completes, and the journal trains
-    every group exactly once; the new engine catches up with the learner's weights."""
+    every group exactly once; the new engine catches up with the learner's weights. The engine actor batches
+    continuously (the default): the kill lands on requests it holds."""
     from test_async_loop import journal, patch_reward
 
     from thinkcraft.train import llm_policy as LP
@@ -93,7 +96,9 @@ def test_killed_actors_are_replaced_and_every_group_trains_once(ray_cluster, tmp
     patch_reward(monkeypatch)
     cfg = _ray_cfg(tmp_path, steps=4, max_staleness=1, rollout_workers=2)
     killed = _kill_after_first_update(ray_cluster, cfg.run_dir, ("-engine0-r0", "-env0-r0"))
+    caplog.set_level(logging.INFO)
     last = LP.run(cfg)
+    assert "generation: continuous batching" in caplog.messages  # auto: the actors batch continuously
     assert killed() == 2
     assert last["policy_version"] == 4 and last["rollout/restarts"] >= 2
     assert last["rollout/failed"] >= 1  # at least the killed env's next group failed, and was played again
@@ -195,14 +200,87 @@ def _engine_builder(tok):
     return functools.partial(make_engine, tokenizer=tok, cfg=LLMPolicyConfig(model="random:tiny"))
 
 
-def _engine_actor(ray, model, tok, name, timeout_s, options, cuda=False):
+def _engine_actor(ray, model, tok, name, timeout_s, options, cuda=False, continuous=False):
     """(ActorHandle, RayEngine) of an engine actor over `model` (its replacements built the same way)."""
     from thinkcraft.pools.ray_backend import ActorHandle, RayEngine, _EngineActor
 
     remote = ray.remote(_EngineActor)
     handle = ActorHandle(name, lambda n: remote.options(**options).remote(
         model, _engine_builder(tok), lambda: None, 0, 1, cuda))
-    return handle, RayEngine(handle, timeout_s)
+    return handle, RayEngine(handle, timeout_s, continuous=continuous)
+
+
+def _serve(engine, requests, timeout_s=120.0):
+    """Submit, then step and poll a continuous engine until every request finished: the results, in order."""
+    handles = [engine.submit(r) for r in requests]
+    out = {}
+    end = time.time() + timeout_s
+    while len(out) < len(handles):
+        assert time.time() < end, f"{len(out)} of {len(handles)} results after {timeout_s:g}s"
+        engine.step()
+        out.update({r.handle: r for r in engine.poll()})
+    return [out[h] for h in handles]
+
+
+def test_continuous_engine_actor_serves_updates_and_fails_what_a_dead_actor_held(ray_cluster):
+    """Continuous batching in the actor (its engine steps on its own thread; the driver sends requests in one
+    call and polls results): greedy tokens and log-probs equal to an in-process engine's over the same weights;
+    a weight update lands between two decode steps (the version moves; a request running across it finishes);
+    an actor killed while it holds requests fails every one of them (error results, nothing hangs) and the
+    next step starts its replacement, which serves again."""
+    from thinkcraft.llm.protocol import GenerationRequest, SamplingParams
+    from thinkcraft.pools.engine import supports_continuous
+    from thinkcraft.pools.ray_backend import RayEngine
+    from thinkcraft.pools.weights import WeightUpdate
+
+    ray = ray_cluster
+    model, tok = _tiny_model()
+    handle, engine = _engine_actor(ray, model, tok, "engine-c", 120.0, dict(num_cpus=0.5, max_concurrency=4),
+                                   continuous=True)
+    assert supports_continuous(engine) and not supports_continuous(RayEngine(handle, 60.0))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=True)
+    prompts = [tok.encode("2 + 3 ="), tok.encode("7 + 1 = 8, and 9 + 9 ="), tok.encode("1 + 1 =")]
+    got = _serve(engine, [GenerationRequest(p, greedy, tag=i) for i, p in enumerate(prompts)])
+    want = _serve(_engine_builder(tok)(model), [GenerationRequest(p, greedy) for p in prompts])
+    for g, w, i in zip(got, want, range(3)):
+        assert g.error is None and g.tag == i
+        assert g.completion.token_ids == w.completion.token_ids
+        assert max(abs(a - b) for a, b in zip(g.completion.logprobs, w.completion.logprobs)) < 1e-4
+
+    # a weight update between decode steps, a long request running across it
+    sync = RW.ObjectStoreWeights(engine, RW._StoreCache(), version=0)
+    handle.on_replace.append(sync.reset)
+    long = SamplingParams(max_new_tokens=60, temperature=1.0, logprobs=True)
+    h = engine.submit(GenerationRequest(prompts[0], long))
+    engine.step()  # sent: it runs on the actor's thread
+    state = {n: p.detach().clone() + torch.randn_like(p) * 0.01 for n, p in model.named_parameters()}
+    sync.apply(WeightUpdate(1, state))
+    assert engine.call("checksum", sorted(state)) == (1, RW.state_checksum(state))
+    done = {}
+    end = time.time() + 120
+    while h not in done:
+        assert time.time() < end
+        engine.step()
+        done.update({r.handle: r for r in engine.poll()})
+    assert done[h].error is None and len(done[h].completion.token_ids) >= 1
+    assert {v for _, v in done[h].weight_versions} <= {0, 1}  # versions as the engine labels them
+    assert _serve(engine, [GenerationRequest(prompts[2], greedy)])[0].weight_versions == [(0, 1)]
+
+    # the actor dies holding requests: each fails, then a replacement serves
+    hs = [engine.submit(GenerationRequest(p, SamplingParams(max_new_tokens=400, temperature=1.0))) for p in prompts]
+    engine.step()
+    _kill_and_wait_dead(ray, handle.actor)
+    failed = {}
+    end = time.time() + 60
+    while len(failed) < len(hs):
+        assert time.time() < end
+        engine.step()
+        failed.update({r.handle: r for r in engine.poll()})
+    assert all(failed[x].error and failed[x].completion.finish_reason == "error" for x in hs)
+    assert handle.restarts == 1
+    again = _serve(engine, [GenerationRequest(prompts[1], greedy)])
+    assert again[0].error is None and again[0].completion.token_ids == want[1].completion.token_ids
+    handle.kill()
 
 
 def test_object_store_weights_deliver_the_learners_exact_tensors(ray_cluster):

@@ -80,6 +80,7 @@ class AsyncRun:
         log.info("placement: learner on %s; engines: %s", p.learner.device,
                  ", ".join(f"{s.name} on {s.device}" if s.device else s.name for s in self.slots))
         self.front = build_front(cfg, self.slots, self.rollout)
+        log.info("generation: %s batching", self.front.batching)  # auto resolves here: say what it chose
         self.rollout.attach(self.front)
         self._closers.append(self.stop_pools)
         if not all(isinstance(s.sync, SharedWeights) for s in self.slots):

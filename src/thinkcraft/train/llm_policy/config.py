@@ -232,7 +232,8 @@ class LLMPolicyConfig(RunOptions):
     """Async: how the engines serve the workers' turns. continuous: each turn joins the running decode batch at
     once and comes back as soon as it ends, a group's episodes keep their KV between turns, weights are taken
     between decode steps; whole: one generate call over the turns waiting (the synchronous loop's batches at
-    max_staleness 0); auto: continuous where every engine can (in-process hf engines), else whole."""
+    max_staleness 0); auto: continuous where every engine can (in-process hf engines, and Ray engine actors, whose
+    engines then step on their own thread in the actor's process), else whole."""
     gen_batch_wait_ms: float = 20.0
     """Async, whole-call batching: longest a waiting generate request is held for a fuller batch while other
     episodes are still in their env step (a straggler never holds the engine)."""

@@ -147,7 +147,8 @@ def _build(cfg: Any, p: Any, version: int, layout: Any, out: RayPools) -> None:
                   lambda n, k=k: (model_ref, functools.partial(make_engine, tokenizer=p.tokenizer, cfg=cfg),
                                   functools.partial(_seed_everything, cfg.seed + 1_000_003 * k + 7919 * n), version,
                                   int(max(1, layout.engine_cpus)), cfg.bf16))
-        engines.append(RB.RayEngine(h, cfg.rollout_timeout_s))
+        # continuous batching on the actor's own thread unless whole calls are asked for (--gen-batching whole)
+        engines.append(RB.RayEngine(h, cfg.rollout_timeout_s, continuous=cfg.gen_batching != "whole"))
     starting = [e.actor_handle for e in engines]  # awaited last: they start while the env actors do
     if out.transport == "nccl":
         syncs: list[Any] = RW.nccl_syncs(engines, p.learner.device, cfg.ray_bucket_mb, cfg.rollout_timeout_s,
