@@ -569,7 +569,8 @@ def test_env_handles_report_the_built_envs_turns_and_the_cache_is_sized_by_them(
         handle.close()
     pool, front, _ = _rollout_pool(spec)
     calls = []
-    pool.front = type("F", (), {"reserve": lambda self, rows, tokens, prefix=0: calls.append((rows, tokens, prefix))})()
+    pool.front = type("F", (), {"reserve": lambda self, rows, tokens, prefix=0, group_rows=0:
+                                calls.append((rows, tokens, prefix))})()
     per_turn = 10 - 2 + SP.max_new_tokens + 16
     pool._reserve([1] * 10, 2, keep_kv=True, env_turns=1)
     pool._reserve([1] * 10, 2, keep_kv=True, env_turns=1)  # once per pool
@@ -604,6 +605,41 @@ def test_front_sizes_whole_batch_engines_that_ask_with_their_share() -> None:
     assert [e.calls for e in actors] == [[(34, 64, 8)]] * 3 and plain.calls == []
     alone = EngineFront([EngineSlot(Eng(False), SharedWeights())], batch_wait_s=0.0)
     assert not alone.sizes_caches
+
+
+def test_front_sizes_continuous_engines_with_their_share_and_a_group_over() -> None:
+    """Continuous batching: one engine is sized for every row; K engines each for ceil(rows / K) + one group
+    (the static decode step computes every slot: K engines sized for all rows did K times the work), never more
+    than every row."""
+    from thinkcraft.pools.engine import EngineFront, EngineSlot
+    from thinkcraft.pools.weights import SharedWeights
+
+    class Cont:
+        capabilities = type("C", (), {"continuous_batching": True})()
+
+        def __init__(self) -> None:
+            self.calls = []
+
+        def submit(self, request):  # noqa: ANN001, ANN201 - never called here
+            raise AssertionError
+
+        def reserve(self, rows: int, tokens: int, prefix: int = 0) -> None:
+            self.calls.append((rows, tokens, prefix))
+
+    def sized(k: int, rows: int, group: int) -> list:
+        engines = [Cont() for _ in range(k)]
+        front = EngineFront([EngineSlot(e, SharedWeights()) for e in engines], batching="continuous",
+                            batch_wait_s=0.0)
+        try:
+            assert front.sizes_caches
+            front.reserve(rows, 64, 8, group_rows=group)
+        finally:
+            front.stop()
+        return [e.calls for e in engines]
+
+    assert sized(1, 128, 4) == [[(128, 64, 8)]]
+    assert sized(3, 384, 4) == [[(132, 64, 8)]] * 3
+    assert sized(2, 10, 8) == [[(10, 64, 8)]] * 2  # never over every row
 
 
 def test_whole_batch_engines_that_reserved_take_at_most_their_share() -> None:

@@ -246,19 +246,26 @@ class EngineFront:
         """Does `reserve` size any engine (continuous batching, or a Ray engine actor)?"""
         return self.continuous or any(getattr(s.engine, "reserves_whole_batches", False) for s in self.slots)
 
-    def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
-        """Continuous batching: size every engine's KV cache for `rows` sequences of `tokens` columns after a
-        shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows run).
-        Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors) get their share of the
-        rows: the static decode step computes every slot, so a cache sized for all rows on each of K engines
-        would cost K times the decode work; and a batch such an engine takes is cut at its share, so that its
-        cache never grows in the middle of a run (4 x H200, 2026-11-29: the two actors of a 3-GPU run each
+    def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0, group_rows: int = 0) -> None:
+        """Continuous batching: size every engine's KV cache for its share of `rows` sequences of `tokens` columns
+        after a shared prefix of `prefix_tokens` (call before the first request: a cache is not grown while rows
+        run) - all of them with one engine; with K engines ceil(rows / K) + `group_rows` (one group over the share:
+        groups go to the least loaded engine, so the loads differ by about a group). The static decode step
+        computes every slot of its cache, so K engines each sized for every row did K times the decode work (not
+        yet measured on a GPU; until 2026-11-30 each continuous engine was sized for all rows); a request over an
+        engine's slots waits for one to free.
+        Whole-batch engines that ask for it (`reserves_whole_batches`: Ray engine actors batching whole calls) get
+        their share of the rows: the static decode step computes every slot, so a cache sized for all rows on each
+        of K engines would cost K times the decode work; and a batch such an engine takes is cut at its share, so
+        that its cache never grows in the middle of a run (4 x H200, 2026-11-29: the two actors of a 3-GPU run each
         captured a decode graph again, at steps 3 and 7, ~25 s while the other engine and the learner waited -
         read as a cache grown by a batch over the share, which the front then still allowed)."""
         whole = [s for s in self.slots if not self.continuous and getattr(s.engine, "reserves_whole_batches", False)]
+        k_all = len(self.slots)
         for k, slot in enumerate(self.slots):
             if self.continuous:
-                slot.engine.reserve(rows, tokens, prefix_tokens)
+                share = rows if k_all == 1 else min(rows, -(-rows // k_all) + max(int(group_rows), 0))
+                slot.engine.reserve(share, tokens, prefix_tokens)
             elif slot in whole:
                 share = -(-rows // len(whole))
                 slot.engine.reserve(share, tokens, prefix_tokens)

@@ -135,7 +135,7 @@ class RolloutPool:
             per_turn = len(first_prompt) - prefix + s.sampling.max_new_tokens + 16
             turns = env_turns if env_turns is not None else s.env.max_turns
             tokens = per_turn * (max(int(turns), 1) if keep_kv else 1)
-            self.front.reserve(self.num_workers * self.group_size, tokens, prefix)
+            self.front.reserve(self.num_workers * self.group_size, tokens, prefix, group_rows=self.group_size)
             self._reserved = True
 
     # ---------------------------------------------------------------------------------------- worker
