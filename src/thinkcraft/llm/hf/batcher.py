@@ -321,10 +321,11 @@ class Batcher(CacheMixin, IterationMixin):
         groups = getattr(self.eng, "_fused_proj", None) or []
         c["fused_proj_groups"] = float(len(groups))
         c["fused_proj_folded"] = float(sum(g.fold for g in groups))
-        # the decode step's slot attention: 1 FlashAttention over the slots in place, 0 matmuls (slots.py)
-        c["flash_decode"] = float(self.kv is not None and getattr(self, "_flash", None) is not None)
-        # 1 where the split-KV decode (split_decode.py) serves in its place
-        c["split_decode"] = float(self.kv is not None and getattr(self, "_split", None) is not None)
+        # the decode step's slot attention: split_decode 1 for the split-KV kernels (split_decode.py), else
+        # flash_decode 1 for FlashAttention over the slots in place, both 0 for the matmuls (slots.py)
+        split = self.kv is not None and getattr(self, "_split", None) is not None
+        c["split_decode"] = float(split)
+        c["flash_decode"] = float(not split and self.kv is not None and getattr(self, "_flash", None) is not None)
         # the sampler: 1 where the one-pass kernel passed its check on this engine's device (fused_sampler.py; it
         # then samples every step whose rows sample without top-p), 0 torch's
         c["fused_sampler"] = float(fused_sampler.passed(self.eng.device))
