@@ -49,6 +49,9 @@
 #             back: carry [".ray-whl/part-00"] `true`; then carry [".ray-whl/part-01", ".ray-whl/deps", ".whl",
 #             ".ref/tc-cache"]: source bench/gpu_env.sh >/dev/null 2>&1; source bench/carry_ray.sh install; bash
 #             bench/queues.sh x2ray > /tmp/q.log 2>&1; cat /tmp/q.log; bash bench/queues.sh collect 520 -- then collect
+#   craftax1  one GPU (queued 2026-11-30): issue 19's Craftax rollout under py-spy (where the host's 0.76 s of engine
+#             idle a rollout goes), the decode step profiled with the split kernels and without; carry [".whl",
+#             ".ref/tc-cache"], as the llm set
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -109,7 +112,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -255,6 +258,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0,1 async_dedicated16_ray 580 ${DEDICATED16/.json/_ray.json} --pool-backend ray"
       "@0,1 async_dedicated16_local 580 ${DEDICATED16/.json/_local.json}"
       "@0,1 async_dedicated16_ray_whole 400 ${DEDICATED16/.json/_ray_whole.json} --pool-backend ray --gen-batching whole --no-sync-reference") ;;
+    craftax1) # one GPU (2026-11-30, not run yet): issue 19's rollout after the split decode - its decode step gained
+              # 0.2-0.4 ms where the attention alone gained ~1.4 ms, and the engine stood idle 0.76 s of a 2.5 s
+              # rollout (host work between decode steps): where the host's time goes (py-spy over 20 steady seconds),
+              # then the decode step alone under torch.profiler with the split kernels and without
+      jobs=(
+      "@0 craftax_pyspy 600 ${CRAFTAX/--steps 3/--steps 4} --profile-steady 20 --out bench/results/logs/craftax_pyspy.json"
+      "@0 decode_profile_split 300 ${DECODE_PROFILE/decode_profile.json/decode_profile_split.json}"
+      "@0 decode_profile_nosplit 300 env THINKCRAFT_SPLIT_DECODE=0 ${DECODE_PROFILE/decode_profile.json/decode_profile_nosplit.json}") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
