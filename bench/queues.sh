@@ -265,7 +265,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@0 craftax_pyspy 600 ${CRAFTAX/--steps 3/--steps 4} --profile-steady 20 --out bench/results/logs/craftax_pyspy.json"
       "@0 decode_profile_split 300 ${DECODE_PROFILE/decode_profile.json/decode_profile_split.json}"
-      "@0 decode_profile_nosplit 300 env THINKCRAFT_SPLIT_DECODE=0 ${DECODE_PROFILE/decode_profile.json/decode_profile_nosplit.json}") ;;
+      "@0 decode_profile_nosplit 300 env THINKCRAFT_SPLIT_DECODE=0 ${DECODE_PROFILE/decode_profile.json/decode_profile_nosplit.json}"
+      # the learner's update is 2.0-2.2 s of a ~4.9 s step: the per-layer compiled learner (25 s to compile on the
+      # arith runs of 2026-11-30, where the whole-model compile took 293 s) on this job
+      "@0 craftax_learner_compile 600 $CRAFTAX --learner-compile --out bench/results/logs/craftax_learner_compile.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
