@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     from thinkcraft.llm.hf import split_decode as SD
 
     cuda = torch.cuda.is_available() and not a.quick
+    if not cuda and not a.quick:  # both paths are CUDA kernels: a CPU run would time nothing
+        print("decode_attention_probe: the two attentions are CUDA kernels and no GPU is visible; --quick checks "
+              "the plumbing on the CPU", file=sys.stderr)
+        return 2
     dev = torch.device("cuda" if cuda else "cpu")
     dt = torch.bfloat16 if cuda else torch.float32
     hkv, g, d = a.kv_heads, a.group, a.head_dim
