@@ -613,3 +613,23 @@ def test_an_engine_actor_reports_its_cache_allocations_and_captures(capfd) -> No
     finally:
         lg.handlers[:] = before[0]
         lg.setLevel(before[1])
+
+
+def test_two_continuous_engine_actors_share_the_groups_and_train_each_once(ray_cluster, tmp_path, monkeypatch, caplog):
+    """Two engine actors batching continuously (η = 1), each cache sized for its share of the rows plus a group
+    (the front's routing sends a new group to the least loaded engine): the run completes, every group is trained
+    exactly once, and no trained token is staler than η."""
+    from test_async_loop import journal, patch_reward
+
+    from thinkcraft.train import llm_policy as LP
+
+    patch_reward(monkeypatch)
+    cfg = _ray_cfg(tmp_path, steps=3, max_staleness=1, rollout_workers=4, ray_engines=2, ray_engine_cpus=0.5,
+                   ray_env_cpus=0.2)
+    caplog.set_level(logging.INFO)
+    last = LP.run(cfg)
+    assert "generation: continuous batching" in caplog.messages
+    assert last["policy_version"] == 3
+    groups = [g for line in journal(cfg.run_dir) for g in line["groups"]]
+    assert len(groups) == len(set(groups)) == 3 * cfg.prompts_per_step
+    assert all(s <= 1 for line in journal(cfg.run_dir) for s in line["staleness"])
