@@ -436,11 +436,7 @@ class Batcher(CacheMixin, IterationMixin):
     def _weights_key(self) -> tuple:
         """What a captured forward reads by address or decides by: every parameter's storage (a learner that
         reassigns a tensor moves it), the autocast dtype, adapters on or off."""
-        lora = getattr(self.eng, "_lora_layers", None)
-        kind = self.eng.device.type
-        return (tuple(p.data_ptr() for p in self.eng._lm.parameters()),
-                torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind),
-                bool(lora and lora[0].disable_adapters))
+        return (tuple(p.data_ptr() for p in self.eng._lm.parameters()),) + self._graph_mode()
 
     def _params_now(self) -> int | None:
         return compat.weights_version(self.eng._lm.parameters()) if self.eng._weight_update else None

@@ -385,6 +385,14 @@ class CacheMixin:
         """Whether the packed prefill runs traced (its attention kernel must then be loop-free on the CPU)."""
         return isinstance(self._prefill_forward(), OrEager)
 
+    def _graph_mode(self) -> tuple:
+        """What a captured forward decided on the host and every replay keeps: the autocast dtype (False: none) and
+        whether the LoRA adapters are off (a graph per combination; the prefix graph's key too)."""
+        kind = self.eng.device.type
+        lora = getattr(self.eng, "_lora_layers", None)
+        return (torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind),
+                bool(lora and lora[0].disable_adapters))
+
     def _compiled_step(self) -> Callable[..., torch.Tensor]:
         """The decode forward through torch.compile (CUDA graphs: "reduce-overhead"); eager, with one warning,
         if compiling fails. Its output is copied into the batcher's own logits buffer (graph outputs are
@@ -450,9 +458,7 @@ class CacheMixin:
             return replay, ids_s, pos_s, ctx_s, out, addresses(ctx)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
-            lora = getattr(self.eng, "_lora_layers", None)
-            key = (ctx.prefix_keys is not None, ctx.cols.shape[0], torch.is_autocast_enabled("cuda")
-                   and torch.get_autocast_dtype("cuda"), bool(lora and lora[0].disable_adapters))
+            key = (ctx.prefix_keys is not None, ctx.cols.shape[0]) + self._graph_mode()
             entry = graphs.get(key)
             if entry is None or entry[5] != addresses(ctx):
                 entry = graphs[key] = capture(ids, pos, ctx)
@@ -468,9 +474,7 @@ class CacheMixin:
         def fused(width: int, use_prefix: bool, any_sampled: bool, any_top_p: bool, want_lp: bool) -> Any:
             """`_fused_iteration` through one hand-captured graph per (shape, flags); (record, log-probs)."""
             kv, think = self.kv, self._think_tokens()
-            lora = getattr(self.eng, "_lora_layers", None)
-            key = ("fused", use_prefix, width, torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
-                   bool(lora and lora[0].disable_adapters), any_sampled, any_top_p, want_lp)
+            key = ("fused", use_prefix, width) + self._graph_mode() + (any_sampled, any_top_p, want_lp)
             probe = DecodeCtx(kv.keys, kv.values, kv.prefix_keys if use_prefix else None, None, kv.rows, kv.rows,
                               kv.rows, kv.cols[:width], self.prefix_mask)
             addr = addresses(probe) + tuple(t.data_ptr() for t in self.state) + (self.logits.data_ptr(), id(think))

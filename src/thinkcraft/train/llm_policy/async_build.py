@@ -137,21 +137,24 @@ def weight_update(learner: Learner, version: int, slots: list[EngineSlot]) -> We
     lora = learner.cfg.finetune == "lora"
     if all(isinstance(s.sync, SharedWeights) for s in slots):
         return WeightUpdate(version)
-    # only in-process copies: the tensors stay on the learner's device (device to device); else via the CPU
-    local = all(isinstance(s.sync, (SharedWeights, CopyWeights)) or getattr(s.sync, "device_tensors", False)
-                for s in slots)  # device_tensors: the Ray backend's NCCL broadcast (pools/ray_weights.py)
+    def in_process(s: EngineSlot) -> bool:
+        return isinstance(s.sync, (SharedWeights, CopyWeights))
+
+    # in-process engines and the Ray backend's NCCL broadcast (`device_tensors`, pools/ray_weights.py) take the
+    # tensors on the learner's device (device to device); anything else gets them on the CPU
+    local = all(in_process(s) or getattr(s.sync, "device_tensors", False) for s in slots)
     copies = [s for s in slots if isinstance(s.sync, CopyWeights)]
     # only in-process engines, the copies all on one device (the dedicated placement): staged there, in their
     # dtype, by this thread
-    in_process = all(isinstance(s.sync, (SharedWeights, CopyWeights)) for s in slots)
-    like = copies[0].sync.model if in_process and copies and len({s.device for s in copies}) == 1 else None
+    like = (copies[0].sync.model if all(in_process(s) for s in slots) and copies
+            and len({s.device for s in copies}) == 1 else None)
     return WeightUpdate(version, trainable_state(learner.model, lora, device=None if local else "cpu", like=like),
                         "lora" if lora else "full", meta=lora_meta(learner.model) if lora else None)
 
 
 def front_batching(cfg: LLMPolicyConfig, slots: list[EngineSlot]) -> str:
-    """--gen-batching auto: continuous where every engine batches continuously (in-process hf engines), else
-    whole calls; an explicit continuous with engines that cannot is a clear error."""
+    """--gen-batching auto: continuous where every engine batches continuously (in-process hf engines, Ray engine
+    actors), else whole calls; an explicit continuous with engines that cannot is a clear error."""
     from thinkcraft.pools.engine import supports_continuous
     from thinkcraft.utils.errors import ConfigError
 
@@ -159,7 +162,7 @@ def front_batching(cfg: LLMPolicyConfig, slots: list[EngineSlot]) -> str:
     if cfg.gen_batching == "continuous" and not able:
         plain = ", ".join(s.name for s in slots if not supports_continuous(s.engine))
         raise ConfigError("gen_batching", f"continuous needs engines that batch continuously (in-process hf "
-                                          f"engines); {plain} do not: use auto or whole")
+                                          f"engines, Ray engine actors); {plain} do not: use auto or whole")
     if cfg.gen_batching == "auto":
         return "continuous" if able else "whole"
     return cfg.gen_batching
