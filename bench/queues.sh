@@ -257,7 +257,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@0,1 async_dedicated16_ray 580 ${DEDICATED16/.json/_ray.json} --pool-backend ray"
       "@0,1 async_dedicated16_local 580 ${DEDICATED16/.json/_local.json}"
-      "@0,1 async_dedicated16_ray_whole 400 ${DEDICATED16/.json/_ray_whole.json} --pool-backend ray --gen-batching whole --no-sync-reference") ;;
+      "@0,1 async_dedicated16_ray_whole 400 ${DEDICATED16/.json/_ray_whole.json} --pool-backend ray --gen-batching whole --no-sync-reference"
+      # the in-process engine launching 4 iterations a step (THINKCRAFT_DECODE_AHEAD, opt-in): a quarter of its fixed
+      # host work a token, so less of the learner's interpreter lock; both loops, with its sync row
+      "@0,1 async_dedicated16_ahead4 580 env THINKCRAFT_DECODE_AHEAD=4 ${DEDICATED16/.json/_ahead4.json}") ;;
     craftax1) # one GPU (2026-11-30, not run yet): issue 19's rollout after the split decode - its decode step gained
               # 0.2-0.4 ms where the attention alone gained ~1.4 ms, and the engine stood idle 0.76 s of a 2.5 s
               # rollout (host work between decode steps): where the host's time goes (py-spy over 20 steady seconds),
@@ -268,7 +271,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 decode_profile_nosplit 300 env THINKCRAFT_SPLIT_DECODE=0 ${DECODE_PROFILE/decode_profile.json/decode_profile_nosplit.json}"
       # the learner's update is 2.0-2.2 s of a ~4.9 s step: the per-layer compiled learner (25 s to compile on the
       # arith runs of 2026-11-30, where the whole-model compile took 293 s) on this job
-      "@0 craftax_learner_compile 600 $CRAFTAX --learner-compile --out bench/results/logs/craftax_learner_compile.json") ;;
+      "@0 craftax_learner_compile 600 $CRAFTAX --learner-compile --out bench/results/logs/craftax_learner_compile.json"
+      "@0 craftax_ahead4 480 env THINKCRAFT_DECODE_AHEAD=4 $CRAFTAX --out bench/results/logs/craftax_ahead4.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -47,6 +47,21 @@ from thinkcraft.utils.errors import UserError
 log = logging.getLogger(__name__)
 
 
+AHEAD_MAX = 8
+
+
+def decode_ahead() -> int:
+    """THINKCRAFT_DECODE_AHEAD: decode iterations a step launches before the host reads a record (1, the default:
+    one; up to `AHEAD_MAX`). More divides the engine's fixed host work per token - and, in a process whose learner
+    runs beside the engine's thread, its share of the interpreter lock - by that much; not measured on a GPU yet."""
+    import os
+
+    v = os.environ.get("THINKCRAFT_DECODE_AHEAD", "").strip() or "1"
+    if not v.isdigit() or not 1 <= int(v) <= AHEAD_MAX:
+        raise UserError(f"THINKCRAFT_DECODE_AHEAD must be an integer from 1 to {AHEAD_MAX}, got {v!r}")
+    return int(v)
+
+
 @dataclass
 class _Update:
     state: Any
@@ -89,7 +104,8 @@ class Batcher(CacheMixin, IterationMixin):
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed",
              "host_length_ends", "decode_wait_s", "cache_allocations", "prefill_calls", "graph_captures",
              "graph_capture_s", "weight_drain_s", "weight_copy_s", "weight_switch_s", "prefix_recompute_s",
-             "prefix_graph_replays", "prefix_graph_failed"), 0.0)
+             "prefix_graph_replays", "prefix_graph_failed", "ahead_launches"), 0.0)
+        self._ahead = decode_ahead()  # iterations launched per step before the host reads a record (opt-in)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         self._thread: threading.Thread | None = None
         self._stop_thread = False
@@ -170,6 +186,8 @@ class Batcher(CacheMixin, IterationMixin):
                 t1 = self._clock(self.counters["prefill_calls"] != calls)
                 w1 = self._device_wait_s
                 launched = self._launch()
+                if launched and self._ahead > 1:
+                    self._launch_ahead()
                 self._collect(drain=not launched)
                 self.counters["decode_wait_s"] += self._device_wait_s - w1
             except BaseException as e:

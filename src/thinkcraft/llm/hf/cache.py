@@ -234,9 +234,10 @@ class CacheMixin:
         self.guides = SlotGuides(eng, slots, dev)
         self._grow_host(1)
         pin = dev.type == "cuda"
-        self._rec_host = [torch.zeros((slots, 5), dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._lp_host = [torch.zeros(slots, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
-        self._events: list[Any] = [None, None]
+        ring = max(2, self._ahead + 1)  # records not read yet: the one in flight + a block ahead (`_launch_ahead`)
+        self._rec_host = [torch.zeros((slots, 5), dtype=torch.long, pin_memory=pin) for _ in range(ring)]
+        self._lp_host = [torch.zeros(slots, dtype=torch.float32, pin_memory=pin) for _ in range(ring)]
+        self._events: list[Any] = [None] * ring
         self._iter = self._collected = 0
         self._think_key: Any = None
         self._fused_fn = None

@@ -257,10 +257,29 @@ class IterationMixin:
                         kv.cols[:width], self.prefix_mask, self._flash, self._split)
         self.logits = self._step_fn(step.tokens[:, None], step.pos[:, None], ctx)
 
+    def _launch_ahead(self) -> int:
+        """After a step's iteration, up to `decode_ahead() - 1` more before the host reads any record (opt-in,
+        THINKCRAFT_DECODE_AHEAD): the rows' ends, the thinking budget and the tokens are all decided on the device,
+        so the host only has to read the records later - in order, as `_collect` does - and the step's fixed host
+        work (contexts, update and admission checks, the copies' refresh) is paid once per block. Not where the
+        host must act between two iterations: queued requests or weight updates (they wait for the next step),
+        rows with stop strings (the host cuts them), grammar-constrained rows (host-side masks). Rows that end inside
+        a block idle on the device until the host reads their end (a few iterations). Returns the extra launches."""
+        extra = 0
+        for _ in range(self._ahead - 1):
+            run = self.h_run
+            if self._queue or self._updates or bool(self.h_stop[run].any()) or self.guides.any_open(run):
+                break
+            if not self._launch():
+                break
+            extra += 1
+        self.counters["ahead_launches"] += extra
+        return extra
+
     def _hand_record(self, k: int, record: torch.Tensor, lp: torch.Tensor) -> None:
-        """Iteration k's record and log-probs to the host (non-blocking, into pinned buffer k % 2), and an event
-        `_collect` waits on."""
-        buf = k % 2
+        """Iteration k's record and log-probs to the host (non-blocking, into pinned buffer k % ring), and an event
+        `_collect` waits on (the ring holds every iteration not read yet: two, or one more than a block ahead)."""
+        buf = k % len(self._rec_host)
         self._rec_host[buf].copy_(record, non_blocking=True)
         self._lp_host[buf].copy_(lp, non_blocking=True)
         if self.eng.device.type == "cuda":
@@ -277,7 +296,7 @@ class IterationMixin:
             return
         while self._collected < self._iter - (0 if drain else 1):
             k = self._collected
-            buf = k % 2
+            buf = k % len(self._rec_host)
             if self._events[buf] is not None:
                 t_wait = time.perf_counter()
                 self._events[buf].synchronize()
