@@ -315,7 +315,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
-        "fused_sampler": fused_sampler, "split_decode": split_decode, "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
+        "fused_sampler": fused_sampler, "split_decode": split_decode,
+        "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,

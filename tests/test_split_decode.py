@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent("""
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         for hkv, g, d in ((2, 7, 64), (3, 1, 32), (1, 4, 80)):
             s, cols, pcap = 6, 300, 40
-            q, kc, vc = rnd(s, hkv * g, 1, d, dtype=dtype), rnd(s, hkv, cols, d, dtype=dtype), rnd(s, hkv, cols, d, dtype=dtype)
+            q = rnd(s, hkv * g, 1, d, dtype=dtype)
+            kc, vc = rnd(s, hkv, cols, d, dtype=dtype), rnd(s, hkv, cols, d, dtype=dtype)
             pk, pv = rnd(1, hkv, pcap, d, dtype=dtype), rnd(1, hkv, pcap, d, dtype=dtype)
             key_len = torch.tensor([1, cols, 32, 33, 150, 64], dtype=torch.int32)
             prefix_n = torch.tensor([pcap, 0, 7, pcap, 0, 1], dtype=torch.int32)

@@ -183,6 +183,12 @@ class GenerationResult:
     """Set when the engine failed while the request was queued or running (its completion is then empty,
     finish_reason "error"); the step that failed also raised."""
 
+    @classmethod
+    def failed(cls, handle: int, request: GenerationRequest, error: str) -> GenerationResult:
+        """The result of a request the engine lost (`error` set, an empty completion, finish_reason "error")."""
+        return cls(handle=handle, tag=request.tag, episode=request.episode, error=error, completion=Completion(
+            token_ids=[], text="", logprobs=None, finish_reason="error", prompt_token_ids=[int(t) for t in request.prompt]))
+
 
 class ModelInfo(TypedDict):
     """A served model's facts (`thinkcraft serve`'s and SGLang's `GET /get_model_info`, the size probed

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from thinkcraft.llm.protocol import Capabilities, Completion, GenerationRequest, GenerationResult
+from thinkcraft.llm.protocol import Capabilities, GenerationRequest, GenerationResult
 from thinkcraft.pools.envproc import EnvFault, EnvSpec
 from thinkcraft.pools.rollout import RolloutPool
 from thinkcraft.utils.errors import UserError
@@ -247,15 +247,12 @@ class _EngineActor:
         autocast where generate would; from now on a weight update goes through the engine's versioned
         `update_weights` (applied between two decode steps; running rows go on under the new version). Returns
         the version held. Idempotent."""
-        import torch
-
-        from thinkcraft.llm import compat
         from thinkcraft.pools.weights import CopyWeights
 
         with self.lock:
             if not self.continuous:
                 self.sync = CopyWeights(self.model, self.sync.version, engine=self.engine)  # labels the version
-                self.engine.start((lambda: compat.autocast(torch.bfloat16)) if self.autocast else None)
+                self.engine.start(self._gen_context)  # entered on the engine's thread (autocast is per thread)
                 self.continuous = True
         return self.sync.version
 
@@ -283,15 +280,18 @@ class _EngineActor:
     def release(self, episode: Any) -> None:
         self.engine.release(episode)
 
-    def generate(self, batch: Any, sampling: Any) -> Any:
+    def _gen_context(self) -> Any:
+        """The context a generation runs in: bf16 autocast on a GPU actor serving bf16, else nothing."""
         import contextlib
 
         import torch
 
         from thinkcraft.llm import compat
 
-        ctx = compat.autocast(torch.bfloat16) if self.autocast else contextlib.nullcontext()
-        with self.lock, ctx:
+        return compat.autocast(torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def generate(self, batch: Any, sampling: Any) -> Any:
+        with self.lock, self._gen_context():
             return self.engine.generate(batch, sampling)
 
     def reserve(self, rows: int, tokens: int, prefix_tokens: int = 0) -> None:
@@ -597,9 +597,7 @@ class RayEngine:
         self._fail(lost, why)
 
     def _fail(self, requests: list[tuple[int, GenerationRequest]], why: str) -> None:
-        for h, r in requests:
-            self._done.append(GenerationResult(handle=h, tag=r.tag, episode=r.episode, error=why, completion=Completion(
-                token_ids=[], text="", logprobs=None, finish_reason="error", prompt_token_ids=list(r.prompt))))
+        self._done += [GenerationResult.failed(h, r, why) for h, r in requests]
 
     def decode_metrics(self) -> dict[str, float]:
         """The actor engine's decode counters, summed over the actors this slot has had (a replacement starts

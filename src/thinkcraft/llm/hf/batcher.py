@@ -40,7 +40,7 @@ from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
 from thinkcraft.llm.hf.weights import apply_state
 from thinkcraft.llm.protocol import (
-    Completion, EngineError, GenerationRequest, GenerationResult, StaleWeightsError, WeightUpdateError,
+    EngineError, GenerationRequest, GenerationResult, StaleWeightsError, WeightUpdateError,
 )
 from thinkcraft.utils.errors import UserError
 
@@ -230,10 +230,7 @@ class Batcher(CacheMixin, IterationMixin):
             seqs = list(self._queue) + [s for s in (self._slot_seq if self.kv is not None else []) if s is not None]
             self._queue.clear()
             for seq in seqs:
-                self._done[seq.handle] = GenerationResult(
-                    handle=seq.handle, tag=seq.req.tag, episode=seq.req.episode, error=msg,
-                    completion=Completion(token_ids=[], text="", logprobs=None, finish_reason="error",
-                                          prompt_token_ids=seq.prompt.tolist()))
+                self._done[seq.handle] = GenerationResult.failed(seq.handle, seq.req, msg)
             self.counters["failed"] += len(seqs)
             self.kv, self._step_fn, self._fused_fn, self._prefix = None, None, None, None
             self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
