@@ -52,6 +52,8 @@
 #   craftax1  one GPU (queued 2026-11-30): issue 19's Craftax rollout under py-spy (where the host's 0.76 s of engine
 #             idle a rollout goes), the decode step profiled with the split kernels and without; carry [".whl",
 #             ".ref/tc-cache"], as the llm set
+#   craftax2  one GPU (2026-12-01): issue 19's row after the host fixes, with and without the compiled learner and
+#             decode-ahead 4, and the heap freeze's A/B (THINKCRAFT_GC_FREEZE=0); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -112,7 +114,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -266,13 +268,23 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
               # rollout (host work between decode steps): where the host's time goes (py-spy over 20 steady seconds),
               # then the decode step alone under torch.profiler with the split kernels and without
       jobs=(
+      # decode-ahead 4 first (the likeliest gain; 2026-12-01: run first so that a short lease still measures it)
+      "@0 craftax_ahead4 480 env THINKCRAFT_DECODE_AHEAD=4 $CRAFTAX --out bench/results/logs/craftax_ahead4.json"
       "@0 craftax_pyspy 600 ${CRAFTAX/--steps 3/--steps 4} --profile-steady 20 --out bench/results/logs/craftax_pyspy.json"
       "@0 decode_profile_split 300 ${DECODE_PROFILE/decode_profile.json/decode_profile_split.json}"
       "@0 decode_profile_nosplit 300 env THINKCRAFT_SPLIT_DECODE=0 ${DECODE_PROFILE/decode_profile.json/decode_profile_nosplit.json}"
       # the learner's update is 2.0-2.2 s of a ~4.9 s step: the per-layer compiled learner (25 s to compile on the
       # arith runs of 2026-11-30, where the whole-model compile took 293 s) on this job
-      "@0 craftax_learner_compile 600 $CRAFTAX --learner-compile --out bench/results/logs/craftax_learner_compile.json"
-      "@0 craftax_ahead4 480 env THINKCRAFT_DECODE_AHEAD=4 $CRAFTAX --out bench/results/logs/craftax_ahead4.json") ;;
+      "@0 craftax_learner_compile 600 $CRAFTAX --learner-compile --out bench/results/logs/craftax_learner_compile.json") ;;
+    craftax2) local C4="${CRAFTAX/--steps 3/--steps 4}"
+      jobs=(  # one GPU (2026-12-01, second call): issue 19's row after the host fixes (no stream sync when rows end,
+              # the prompts' lists handed over, not copied; the heap frozen after step 0), with the compiled learner
+              # (craftax1: the update 1.74-1.85 s against 2.02-2.23 s), both with decode-ahead 4, and the freeze's A/B
+      "@0 host_gputest 300 python -m pytest -m gpu tests/test_host_overheads.py tests/test_llm_batching.py -q -p no:cacheprovider"
+      "@0 craftax_compile 420 $C4 --learner-compile --out bench/results/logs/craftax2_compile.json"
+      "@0 craftax_default 360 $C4 --out bench/results/logs/craftax2_default.json"
+      "@0 craftax_compile_ahead4 420 env THINKCRAFT_DECODE_AHEAD=4 $C4 --learner-compile --out bench/results/logs/craftax2_compile_ahead4.json"
+      "@0 craftax_nofreeze 360 env THINKCRAFT_GC_FREEZE=0 $C4 --out bench/results/logs/craftax2_nofreeze.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

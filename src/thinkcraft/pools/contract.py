@@ -92,8 +92,9 @@ class TurnRecord:
         versions = list(extra.pop("weight_versions", None) or [])
         if version is None:
             version = versions[0][1] if versions else 0
-        return cls(
-            obs=obs, prompt_ids=list(c.prompt_token_ids or prompt), completion_ids=list(c.token_ids),
+        ids = c.prompt_token_ids or prompt
+        return cls(  # a list the engine handed over is kept, not copied (prompts are never changed in place)
+            obs=obs, prompt_ids=ids if type(ids) is list else list(ids), completion_ids=list(c.token_ids),
             logprobs=list(c.logprobs) if c.logprobs is not None else [],
             train_mask=[int(k not in forced) for k in range(len(c.token_ids))], text=c.text,
             finish_reason=str(c.finish_reason), reward=float(reward), invalid=bool(invalid), info=info,

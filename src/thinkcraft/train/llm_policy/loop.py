@@ -171,7 +171,11 @@ def _step_seeds(cfg: LLMPolicyConfig, step: int, v_star: dict[int, float] | None
 
 def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer: Any, timer: Any
                ) -> tuple[dict[str, Any], Carry]:
-    """One learner step (phases 1-4); returns its metrics and the new carry."""
+    """One learner step (phases 1-4); returns its metrics and the new carry. The first step of a process also
+    freezes the heap it built (`gc_clock.freeze_once`: later collections walk only what the loop keeps)."""
+    from thinkcraft.utils.gc_clock import GC_CLOCK, freeze_once
+
+    gc_before = GC_CLOCK.install().snapshot()
     t_step = time.perf_counter()
     # 1-2. rollout (generate + env)
     roll_metrics: dict[str, float] = {}
@@ -188,7 +192,9 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
     with timer.phase("train"):
         loss_stats, carry = update_on(cfg, p.learner, p.tokenizer, episodes, carry)
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
-    rec.update({"policy_version": step + 1, **loss_stats, **roll_metrics, **timer.metrics()})
+    rec.update({"policy_version": step + 1, **loss_stats, **roll_metrics, **timer.metrics(),
+                **GC_CLOCK.metrics_since(gc_before)})
+    freeze_once()
     return rec, carry
 
 

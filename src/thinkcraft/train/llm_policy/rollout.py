@@ -240,6 +240,7 @@ class ChatPrompts:
         self.specials = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids}
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self._prefix: np.ndarray | None = None
+        self._prefix_list: list[int] | None = None
         self.fast = self.append_only and env_switch("THINKCRAFT_FAST_PROMPTS", default=True)
         self._wrap: tuple[str, str] | None | bool = False  # (after a reply, after an observation); False: not yet
         self.fast_pieces = 0
@@ -259,7 +260,13 @@ class ChatPrompts:
     def prefix_len(self, ids: Sequence[int]) -> int:
         """How many leading tokens of prompt `ids` are the shared prefix (0 when it does not start with it)."""
         p = len(self.prefix)
-        return p if 0 < p < len(ids) and np.array_equal(np.asarray(ids[:p]), self.prefix) else 0
+        if not 0 < p < len(ids):
+            return 0
+        if type(ids) is list:  # the prompts' lists: compared as lists (no array made of each prompt's head)
+            if self._prefix_list is None:
+                self._prefix_list = self.prefix.tolist()
+            return p if ids[:p] == self._prefix_list else 0
+        return p if np.array_equal(np.asarray(ids[:p]), self.prefix) else 0
 
     def next(self, idx: Sequence[int], obs: Sequence[str], comps: Sequence[Any]) -> list[list[int]]:
         """The next prompts' ids of episodes `idx`, given their new observations and their last completions

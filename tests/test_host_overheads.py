@@ -1,0 +1,129 @@
+"""Host work the Craftax rollout paid per turn (py-spy and torch.profiler on an H200, 2026-12-01) and what replaced it:
+a finished row's completion hands back the request's own prompt list (no array -> list per turn), its record keeps
+it (no copy), the shared-prefix check compares lists; ending rows never synchronises the host with the decode step in
+flight (GPU test); Python's garbage collector is timed per step and the heap frozen after the first
+(`utils/gc_clock.py`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from thinkcraft.llm.protocol import Completion, GenerationRequest, SamplingParams
+from thinkcraft.pools.contract import TurnRecord
+
+
+def _engine(device: str = "cpu"):
+    from thinkcraft.llm.hf import HFEngine
+    from thinkcraft.llm.testing import tiny_llama
+
+    model, tok = tiny_llama(seed=3)
+    return HFEngine.from_model(model.to(device), tok, max_slots=4), tok
+
+
+def _run(eng, reqs):
+    handles = [eng.submit(r) for r in reqs]
+    out = {}
+    for _ in range(200):
+        eng.step()
+        out.update({r.handle: r for r in eng.poll()})
+        if len(out) == len(handles):
+            return [out[h] for h in handles]
+    raise AssertionError("generation did not finish")
+
+
+def test_a_completion_hands_back_the_requests_own_prompt_list():
+    eng, tok = _engine()
+    ids = list(tok("count the trees near the river", add_special_tokens=False)["input_ids"])
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
+    as_list, as_array = _run(eng, [GenerationRequest(ids, sp), GenerationRequest(np.asarray(ids), sp)])
+    assert as_list.error is None and as_array.error is None
+    assert as_list.completion.prompt_token_ids is ids  # the list given, not a copy
+    got = as_array.completion.prompt_token_ids  # an array given: a list of plain ints equal to it
+    assert type(got) is list and got == ids and all(type(x) is int for x in got)
+    assert as_list.completion.token_ids == as_array.completion.token_ids
+
+
+def test_a_turn_record_keeps_a_list_and_copies_anything_else():
+    prompt = [5, 6, 7]
+    c = Completion(token_ids=[1, 2], text="ab", logprobs=[-0.1, -0.2], finish_reason="length", prompt_token_ids=prompt)
+    rec = TurnRecord.of_completion("obs", [], c, 1.0, False, {})
+    assert rec.prompt_ids is prompt and rec.train_mask == [1, 1]
+    c2 = Completion(token_ids=[1], text="a", logprobs=None, finish_reason="stop", prompt_token_ids=[])
+    rec2 = TurnRecord.of_completion("obs", (8, 9), c2, 0.0, False, {})  # no ids from the engine: the caller's, listed
+    assert rec2.prompt_ids == [8, 9] and type(rec2.prompt_ids) is list
+
+
+def test_the_shared_prefix_check_agrees_for_lists_and_arrays():
+    from thinkcraft.llm.testing import bundled_tokenizer
+    from thinkcraft.train.llm_policy.rollout import ChatPrompts
+
+    prompts = ChatPrompts(bundled_tokenizer(), "You play a game. Answer with one action.", 2, -1)
+    first = prompts.next([0, 1], ["tree to the east", "water to the north"], [None, None])
+    p = len(prompts.prefix)
+    assert p > 0
+    for ids in first:
+        assert prompts.prefix_len(ids) == prompts.prefix_len(np.asarray(ids)) == p
+    other = list(first[0])
+    other[p - 1] += 1  # the prefix's last token changed
+    assert prompts.prefix_len(other) == prompts.prefix_len(np.asarray(other)) == 0
+    assert prompts.prefix_len(first[0][:p]) == 0  # a prompt that is the prefix alone (nothing after it)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ending_rows_never_synchronises_with_the_step_in_flight():
+    from thinkcraft.llm.hf.iteration import IterationMixin
+
+    eng, tok = _engine("cuda")
+    b = eng._batcher
+    finish = IterationMixin._finish
+    calls = []
+
+    def strict_finish(self, ended):  # noqa: ANN001, ANN202 - a synchronising call inside it raises
+        calls.append(len(ended))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return finish(self, ended)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    b._finish = strict_finish.__get__(b)
+    ids = list(tok("mine the stone, then craft a pickaxe", add_special_tokens=False)["input_ids"])
+    reqs = [GenerationRequest(ids, SamplingParams(max_new_tokens=n, temperature=0.0, logprobs=True)) for n in (3, 5, 8)]
+    res = _run(eng, reqs)
+    assert [len(r.completion.token_ids) for r in res] == [3, 5, 8] and all(r.error is None for r in res)
+    assert sum(calls) == 3
+
+
+def test_the_garbage_collector_is_timed_and_the_heap_frozen_once():
+    code = textwrap.dedent("""
+        import gc, os
+        from thinkcraft.utils.gc_clock import GC_CLOCK, freeze_once
+        before = GC_CLOCK.install().snapshot()
+        junk = []
+        for i in range(20000):  # cycles: only the collector frees them
+            a = []; a.append(a); junk.append(a)
+        del junk
+        gc.collect()
+        m = GC_CLOCK.metrics_since(before)
+        assert m["host/gc_full"] >= 1 and m["host/gc_s"] > 0, m
+        off = os.environ.get("THINKCRAFT_GC_FREEZE") == "0"
+        assert freeze_once() is (not off)
+        assert freeze_once() is False  # once a process
+        assert (gc.get_freeze_count() > 0) is (not off)
+        print("ok", m["host/gc_full"])
+    """)
+    for value in ("1", "0"):
+        env = {**__import__("os").environ, "THINKCRAFT_GC_FREEZE": value}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith("ok"), (value, out.stdout, out.stderr)
+    env = {**__import__("os").environ, "THINKCRAFT_GC_FREEZE": "yes"}
+    out = subprocess.run([sys.executable, "-c", "from thinkcraft.utils.gc_clock import freeze_once; freeze_once()"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "THINKCRAFT_GC_FREEZE must be 0 or 1" in out.stderr
