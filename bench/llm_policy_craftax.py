@@ -293,8 +293,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # decode graphs compiled + captured in the steady steps (a new width there costs its compile) and seconds
         "graph_captures_steady": sum(r.get("engine/graph_captures", 0.0) for r in steady),
         "graph_capture_s_steady": round(sum(r.get("engine/graph_capture_s", 0.0) for r in steady), 1),
-        # Python's garbage collector inside the step (utils/gc_clock.py; the heap frozen after step 0 unless
-        # THINKCRAFT_GC_FREEZE=0)
+        # Python's garbage collector inside the step (utils/gc_clock.py)
         "host_gc_s": round(med([r.get("host/gc_s", 0.0) for r in steady]), 3),
         "host_gc_full": round(med([r.get("host/gc_full", 0.0) for r in steady])),
         "engine_idle_s": round(med([r.get("timing/generate", 0.0) - r.get("engine/prefill_s", 0.0)
@@ -324,10 +323,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
-        # decode iterations launched before the host reads a record (THINKCRAFT_DECODE_AHEAD) and the heap frozen
-        # after step 0 (THINKCRAFT_GC_FREEZE)
+        # decode iterations launched before the host reads a record (THINKCRAFT_DECODE_AHEAD)
         "decode_ahead": int(os.environ.get("THINKCRAFT_DECODE_AHEAD", "").strip() or 1),
-        "gc_freeze": os.environ.get("THINKCRAFT_GC_FREEZE", "1").strip() != "0",
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
@@ -365,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
-                                                       "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
-                                                       "gc_freeze"))
+                                                       "fast_prompts", "fused_sampler", "split_decode", "decode_ahead"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -53,7 +53,8 @@
 #             idle a rollout goes), the decode step profiled with the split kernels and without; carry [".whl",
 #             ".ref/tc-cache"], as the llm set
 #   craftax2  one GPU (2026-12-01): issue 19's row after the host fixes, with and without the compiled learner and
-#             decode-ahead 4, and the heap freeze's A/B (THINKCRAFT_GC_FREEZE=0); carry [".whl", ".ref/tc-cache"]
+#             decode-ahead 4, and the heap freeze's A/B (THINKCRAFT_GC_FREEZE=0: no gain, the freeze was removed
+#             after this run); carry [".whl", ".ref/tc-cache"] (run 2026-12-01: BENCHMARKS §7b)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a

@@ -8,9 +8,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# one test process runs many training loops: the heap frozen after the first one's first step (utils/gc_clock.py)
-# would keep every later test's cyclic garbage from objects alive then; the freeze itself is tested in a subprocess
-os.environ.setdefault("THINKCRAFT_GC_FREEZE", "0")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # The suite's Craftax programs are compile-bound (tiny shapes, a few steps): XLA's CPU backend without its
     # expensive LLVM passes compiles them ~30-40% faster (a Classic PPO-RNN run 127 -> 77 s on the 2-core CI

@@ -1,14 +1,9 @@
 """Host work the Craftax rollout paid per turn (py-spy and torch.profiler on an H200, 2026-12-01) and what replaced it:
 a finished row's completion hands back the request's own prompt list (no array -> list per turn), its record keeps
 it (no copy), the shared-prefix check compares lists; ending rows never synchronises the host with the decode step in
-flight (GPU test); Python's garbage collector is timed per step and the heap frozen after the first
-(`utils/gc_clock.py`)."""
+flight (GPU test); Python's garbage collector is timed (`utils/gc_clock.py`, a step's `host/gc_s`)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -101,29 +96,19 @@ def test_ending_rows_never_synchronises_with_the_step_in_flight():
     assert sum(calls) == 3
 
 
-def test_the_garbage_collector_is_timed_and_the_heap_frozen_once():
-    code = textwrap.dedent("""
-        import gc, os
-        from thinkcraft.utils.gc_clock import GC_CLOCK, freeze_once
-        before = GC_CLOCK.install().snapshot()
-        junk = []
-        for i in range(20000):  # cycles: only the collector frees them
-            a = []; a.append(a); junk.append(a)
-        del junk
-        gc.collect()
-        m = GC_CLOCK.metrics_since(before)
-        assert m["host/gc_full"] >= 1 and m["host/gc_s"] > 0, m
-        off = os.environ.get("THINKCRAFT_GC_FREEZE") == "0"
-        assert freeze_once() is (not off)
-        assert freeze_once() is False  # once a process
-        assert (gc.get_freeze_count() > 0) is (not off)
-        print("ok", m["host/gc_full"])
-    """)
-    for value in ("1", "0"):
-        env = {**__import__("os").environ, "THINKCRAFT_GC_FREEZE": value}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-        assert out.returncode == 0 and out.stdout.startswith("ok"), (value, out.stdout, out.stderr)
-    env = {**__import__("os").environ, "THINKCRAFT_GC_FREEZE": "yes"}
-    out = subprocess.run([sys.executable, "-c", "from thinkcraft.utils.gc_clock import freeze_once; freeze_once()"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode != 0 and "THINKCRAFT_GC_FREEZE must be 0 or 1" in out.stderr
+def test_the_garbage_collectors_time_is_counted():
+    import gc
+
+    from thinkcraft.utils.gc_clock import GC_CLOCK
+
+    before = GC_CLOCK.install().snapshot()
+    assert GC_CLOCK.install() is GC_CLOCK and gc.callbacks.count(GC_CLOCK._callback) == 1  # installed once
+    junk = []
+    for _ in range(20000):  # cycles: only the collector frees them
+        a: list = []
+        a.append(a)
+        junk.append(a)
+    del junk
+    gc.collect()
+    m = GC_CLOCK.metrics_since(before)
+    assert m["host/gc_full"] >= 1 and m["host/gc_s"] > 0, m

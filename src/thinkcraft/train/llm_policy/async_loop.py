@@ -305,8 +305,6 @@ def run_async(cfg: Any) -> dict[str, Any]:
 
 
 def _loop(run: Any, session: Any, watchdog: Any = None) -> None:
-    from thinkcraft.utils.gc_clock import freeze_once
-
     cfg, coord = run.cfg, run.coord
     while session.running(coord.version, cfg.steps):
         if run.front.fatal:
@@ -316,7 +314,6 @@ def _loop(run: Any, session: Any, watchdog: Any = None) -> None:
         coord.maybe_train()
         for res in run.train_pool.poll(4, 0.0):
             run.on_trained(res)
-            freeze_once()  # after the first update: the heap built so far out of later collections (gc_clock.py)
             if watchdog is not None:
                 watchdog.beat()
     while coord.training is not None:  # a stop: the update in flight finishes first (its groups are consumed)

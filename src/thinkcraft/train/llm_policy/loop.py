@@ -171,9 +171,9 @@ def _step_seeds(cfg: LLMPolicyConfig, step: int, v_star: dict[int, float] | None
 
 def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer: Any, timer: Any
                ) -> tuple[dict[str, Any], Carry]:
-    """One learner step (phases 1-4); returns its metrics and the new carry. The first step of a process also
-    freezes the heap it built (`gc_clock.freeze_once`: later collections walk only what the loop keeps)."""
-    from thinkcraft.utils.gc_clock import GC_CLOCK, freeze_once
+    """One learner step (phases 1-4); returns its metrics and the new carry (with the garbage collector's
+    seconds inside it, `host/gc_s`: utils/gc_clock.py)."""
+    from thinkcraft.utils.gc_clock import GC_CLOCK
 
     gc_before = GC_CLOCK.install().snapshot()
     t_step = time.perf_counter()
@@ -194,7 +194,6 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
     rec.update({"policy_version": step + 1, **loss_stats, **roll_metrics, **timer.metrics(),
                 **GC_CLOCK.metrics_since(gc_before)})
-    freeze_once()
     return rec, carry
 
 
