@@ -121,8 +121,9 @@ class LLMPolicyConfig(RunOptions):
     """torch.compile the learner's packed decoder forward (and so its backward): fewer, fused kernels and less
     Python per micro-batch, for a learner bound by its host (a LoRA model of 24 layers launches ~25k operators
     per micro-batch). Llama / Qwen2 / Qwen3 / Mistral decoders compile one layer's graph that every layer runs
-    (the whole Qwen2.5-0.5B forward took 282 s to compile; its update then ran 0.29 s instead of 0.40 s, H200);
-    others their whole forward. Experimental: the first update pays the compile; a compile failure falls back to
+    (the whole Qwen2.5-0.5B forward took 282 s to compile; its update then ran 0.29 s instead of 0.40 s, H200; the
+    per-layer graph of the Craftax row's LoRA update: 55-90 s, then 1.70-1.82 s instead of 2.08 s); others their
+    whole forward. Experimental: the first update pays the compile; a compile failure falls back to
     eager once, with a warning. Packed micro-batches only."""
     pack: bool = True
     """Pack a micro-batch's turns into one dense sequence (varlen attention kept within each turn) instead of
