@@ -235,6 +235,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
         from thinkcraft.llm.hf import fused_norm, lora_fast
+        from thinkcraft.llm.hf.batcher import decode_ahead
 
         # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": THINKCRAFT_LORA_MERGE=1's merged weights
         # (0 also when they did not fit); "train": the learner's cast-free gradient path (THINKCRAFT_LORA_FAST_TRAIN)
@@ -324,7 +325,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
         # decode iterations launched before the host reads a record (THINKCRAFT_DECODE_AHEAD)
-        "decode_ahead": int(os.environ.get("THINKCRAFT_DECODE_AHEAD", "").strip() or 1),
+        "decode_ahead": decode_ahead(),
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
         "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,

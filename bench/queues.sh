@@ -53,8 +53,8 @@
 #             idle a rollout goes), the decode step profiled with the split kernels and without; carry [".whl",
 #             ".ref/tc-cache"], as the llm set
 #   craftax2  one GPU (2026-12-01): issue 19's row after the host fixes, with and without the compiled learner and
-#             decode-ahead 4, and the heap freeze's A/B (THINKCRAFT_GC_FREEZE=0: no gain, the freeze was removed
-#             after this run); carry [".whl", ".ref/tc-cache"] (run 2026-12-01: BENCHMARKS §7b)
+#             decode-ahead 4; carry [".whl", ".ref/tc-cache"] (run 2026-12-01 with the heap freeze's A/B too, since
+#             removed with the freeze: BENCHMARKS §7b)
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -279,13 +279,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_learner_compile 600 $CRAFTAX --learner-compile --out bench/results/logs/craftax_learner_compile.json") ;;
     craftax2) local C4="${CRAFTAX/--steps 3/--steps 4}"
       jobs=(  # one GPU (2026-12-01, second call): issue 19's row after the host fixes (no stream sync when rows end,
-              # the prompts' lists handed over, not copied; the heap frozen after step 0), with the compiled learner
-              # (craftax1: the update 1.74-1.85 s against 2.02-2.23 s), both with decode-ahead 4, and the freeze's A/B
+              # the prompts' lists handed over, not copied), with the compiled learner (craftax1: the update 1.74-1.85 s
+              # against 2.02-2.23 s), both with decode-ahead 4 (the 2026-12-01 run also had the heap freeze's A/B,
+              # craftax_nofreeze: no gain, the freeze removed since)
       "@0 host_gputest 300 python -m pytest -m gpu tests/test_host_overheads.py tests/test_llm_batching.py -q -p no:cacheprovider"
       "@0 craftax_compile 420 $C4 --learner-compile --out bench/results/logs/craftax2_compile.json"
       "@0 craftax_default 360 $C4 --out bench/results/logs/craftax2_default.json"
-      "@0 craftax_compile_ahead4 420 env THINKCRAFT_DECODE_AHEAD=4 $C4 --learner-compile --out bench/results/logs/craftax2_compile_ahead4.json"
-      "@0 craftax_nofreeze 360 env THINKCRAFT_GC_FREEZE=0 $C4 --out bench/results/logs/craftax2_nofreeze.json") ;;
+      "@0 craftax_compile_ahead4 420 env THINKCRAFT_DECODE_AHEAD=4 $C4 --learner-compile --out bench/results/logs/craftax2_compile_ahead4.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -21,11 +21,11 @@ import time
 
 
 class GCClock:
-    """Seconds the collector ran and collections made, per generation, since the process installed it."""
+    """Seconds the collector ran (every generation) and full collections made, since the process installed it."""
 
     def __init__(self) -> None:
-        self.seconds = [0.0, 0.0, 0.0]
-        self.collections = [0, 0, 0]
+        self.seconds = 0.0
+        self.full = 0
         self._t0: dict[int, float] = {}  # per thread: a collection runs on the thread that allocated
         self._installed = False
 
@@ -41,14 +41,13 @@ class GCClock:
             self._t0[tid] = time.perf_counter()
             return
         t0 = self._t0.pop(tid, None)
-        gen = min(int(info.get("generation", 0)), 2)
         if t0 is not None:
-            self.seconds[gen] += time.perf_counter() - t0
-        self.collections[gen] += 1
+            self.seconds += time.perf_counter() - t0
+        self.full += int(info.get("generation", 0)) >= 2
 
     def snapshot(self) -> tuple[float, int]:
-        """(seconds over every generation, full collections) so far."""
-        return sum(self.seconds), self.collections[2]
+        """(seconds, full collections) so far."""
+        return self.seconds, self.full
 
     def metrics_since(self, before: tuple[float, int]) -> dict[str, float]:
         """`host/gc_s` (collector seconds) and `host/gc_full` (full collections) since `before` (a snapshot)."""

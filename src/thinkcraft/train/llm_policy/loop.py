@@ -23,6 +23,7 @@ from thinkcraft.train.llm_policy.rollout import (
     _prompt_corpus, _seed_of, episode_record, make_env_and_reward, rollout,
 )
 from thinkcraft.utils.errors import ConfigError
+from thinkcraft.utils.gc_clock import GC_CLOCK
 
 PLOT_KEYS = ("reward/mean", "reward/correct_rate", "format/invalid_rate", "completion/mean_tokens",
              "perf/samples_per_s")
@@ -173,8 +174,6 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
                ) -> tuple[dict[str, Any], Carry]:
     """One learner step (phases 1-4); returns its metrics and the new carry (with the garbage collector's
     seconds inside it, `host/gc_s`: utils/gc_clock.py)."""
-    from thinkcraft.utils.gc_clock import GC_CLOCK
-
     gc_before = GC_CLOCK.install().snapshot()
     t_step = time.perf_counter()
     # 1-2. rollout (generate + env)

@@ -240,7 +240,7 @@ class ChatPrompts:
         self.specials = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids}
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self._prefix: np.ndarray | None = None
-        self._prefix_list: list[int] | None = None
+        self._prefix_list: list[int] = []  # the same ids as a list, made with `_prefix`
         self.fast = self.append_only and env_switch("THINKCRAFT_FAST_PROMPTS", default=True)
         self._wrap: tuple[str, str] | None | bool = False  # (after a reply, after an observation); False: not yet
         self.fast_pieces = 0
@@ -254,7 +254,7 @@ class ChatPrompts:
         if self._prefix is None:
             with self.lock:
                 ids = _encode_texts(self.tok, [_render(self.tok, self.system, False)])[0] if self.system else []
-            self._prefix = np.asarray(ids, dtype=np.int64)
+            self._prefix, self._prefix_list = np.asarray(ids, dtype=np.int64), list(ids)
         return self._prefix
 
     def prefix_len(self, ids: Sequence[int]) -> int:
@@ -263,8 +263,6 @@ class ChatPrompts:
         if not 0 < p < len(ids):
             return 0
         if type(ids) is list:  # the prompts' lists: compared as lists (no array made of each prompt's head)
-            if self._prefix_list is None:
-                self._prefix_list = self.prefix.tolist()
             return p if ids[:p] == self._prefix_list else 0
         return p if np.array_equal(np.asarray(ids[:p]), self.prefix) else 0
 
