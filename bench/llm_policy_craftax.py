@@ -235,6 +235,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
         from thinkcraft.llm.hf import fused_norm, lora_fast
+        from thinkcraft.llm.hf.split_decode import prefix_rows as split_decode_rows
+        from thinkcraft.utils.errors import env_switch
         from thinkcraft.llm.hf.batcher import decode_ahead
 
         # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": THINKCRAFT_LORA_MERGE=1's merged weights
@@ -321,6 +323,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
         "fused_sampler": fused_sampler, "split_decode": split_decode,
+        # the split decode's shared prefix read for blocks of this many rows (THINKCRAFT_SPLIT_PREFIX_ROWS; 0: a row a
+        # program) and the compiled LoRA groups' low-rank add as the in-place op (THINKCRAFT_LORA_ADD_OP)
+        "split_prefix_rows": split_decode_rows() if split_decode else None,
+        "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
@@ -363,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
-                                                       "fast_prompts", "fused_sampler", "split_decode", "decode_ahead"))
+                                                       "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
+                                                       "split_prefix_rows", "lora_add_op"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -55,6 +55,8 @@
 #   craftax2  one GPU (2026-12-01): issue 19's row after the host fixes, with and without the compiled learner and
 #             decode-ahead 4; carry [".whl", ".ref/tc-cache"] (run 2026-12-01 with the heap freeze's A/B too, since
 #             removed with the freeze: BENCHMARKS §7b)
+#   craftax3  one GPU (2026-12-01, second session): issue 19's decode step with the shared prefix read once a block of
+#             rows and the compiled LoRA add in place, A/B against both off; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -115,7 +117,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -286,6 +288,19 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_compile 420 $C4 --learner-compile --out bench/results/logs/craftax2_compile.json"
       "@0 craftax_default 360 $C4 --out bench/results/logs/craftax2_default.json"
       "@0 craftax_compile_ahead4 420 env THINKCRAFT_DECODE_AHEAD=4 $C4 --learner-compile --out bench/results/logs/craftax2_compile_ahead4.json") ;;
+    craftax3) local C4="${CRAFTAX/--steps 3/--steps 4}" OLD="env THINKCRAFT_SPLIT_PREFIX_ROWS=0 THINKCRAFT_LORA_ADD_OP=0"
+      local SHAPE="--rows 248 --prefix 680"  # the Craftax rollout's decode: 248 rows, a 680-token system prompt
+      jobs=(  # one GPU (2026-12-01, second session): issue 19's decode step - the shared prefix's keys read once for
+              # 16 rows (split_decode.py prefix_kernel) and the compiled LoRA add in place (fused_proj.py
+              # _lowrank_add_, no strided bf16 copies): their GPU tests, the attention alone at the rollout's shape,
+              # the decode step profiled with both and without, the Craftax row with both and without
+      "@0 decode_gputest 300 python -m pytest -m gpu tests/test_split_decode.py tests/test_fused_proj.py tests/test_host_overheads.py -q -p no:cacheprovider"
+      "@0 attn_probe 200 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --prefix-rows 0 8 16 32 --chunks 128 256 --out bench/results/logs/s50_attn_probe.json"
+      "@0 decode_profile_new 300 python bench/probes/decode_step_probe.py --variants lora --kv-cache static $SHAPE --context 540 --profile --out bench/results/logs/s50_decode_profile_new.json"
+      "@0 decode_profile_old 300 $OLD python bench/probes/decode_step_probe.py --variants lora --kv-cache static $SHAPE --context 540 --profile --out bench/results/logs/s50_decode_profile_old.json"
+      "@0 craftax_compile_new 420 $C4 --learner-compile --out bench/results/logs/s50_craftax_compile_new.json"
+      "@0 craftax_compile_old 420 $OLD $C4 --learner-compile --out bench/results/logs/s50_craftax_compile_old.json"
+      "@0 craftax_default_new 360 $C4 --out bench/results/logs/s50_craftax_default_new.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -117,6 +117,30 @@ def test_folded_adapters_are_two_products_and_equal_unfolded(fold: str, monkeypa
     assert attn.q_proj._tc_group.fold == (fold != "1")
 
 
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_compiled_low_rank_add_is_in_place_and_equal(fold: str, monkeypatch) -> None:
+    """Compiled (the decode step's forward), a LoRA group adds its low-rank part through the mutating op, which
+    inductor re-inplaces over the GEMM's output: no out-of-place `addmm` (whose strided `self` was copied first, the
+    decode step's bf16 copies), and the same values as the eager group (one rounding either way)."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("THINKCRAFT_FOLD_LORA_A", fold)
+    model, _ = _model(lora=True, seed=5)
+    lora_fast.install(model)
+    fused_proj.install(model)
+    attn = model.base_model.model.model.layers[1].self_attn
+    group = attn.q_proj._tc_group
+    assert group.fold == (fold == "1")
+    x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = group.compute(x)
+        got, (code, *_) = run_and_get_code(torch.compile(group.compute, fullgraph=True), x)
+    assert torch.equal(got, want)
+    assert "thinkcraft.lowrank_add_" in code and "extern_kernels.addmm" not in code, code
+    assert "slice_scatter" not in code and "clone" not in code, code
+
+
 def test_fused_groups_follow_updates_and_step_aside(monkeypatch) -> None:
     """An optimizer-style in-place adapter update reaches the fused copies (eagerly at the next forward; by
     `refresh` for graphed steps); gradients, adapters switched off and a sibling called with another input take

@@ -27,21 +27,26 @@ SCRIPT = textwrap.dedent("""
     def rnd(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-        for hkv, g, d in ((2, 7, 64), (3, 1, 32), (1, 4, 80)):
-            s, cols, pcap = 6, 300, 40
-            q = rnd(s, hkv * g, 1, d, dtype=dtype)
-            kc, vc = rnd(s, hkv, cols, d, dtype=dtype), rnd(s, hkv, cols, d, dtype=dtype)
-            pk, pv = rnd(1, hkv, pcap, d, dtype=dtype), rnd(1, hkv, pcap, d, dtype=dtype)
-            key_len = torch.tensor([1, cols, 32, 33, 150, 64], dtype=torch.int32)
-            prefix_n = torch.tensor([pcap, 0, 7, pcap, 0, 1], dtype=torch.int32)
-            for chunk in (SD.CHUNK, 32):  # one chunk a row, and many (the combine across chunks)
-                for args in ((pk, pv, prefix_n), (None, None, None)):
-                    got = SD.split_decode_attention(q, kc, vc, key_len, *args, d ** -0.5, chunk)
-                    assert got.shape == q.shape and got.dtype == dtype
-                    want = SD.reference(q, kc, vc, key_len, *args, d ** -0.5)
-                    err = float((got.double() - want).abs().max())
-                    assert err < tol, (dtype, hkv, g, d, chunk, args[0] is None, err)
+    # the shared prefix read for blocks of rows (the default, and blocks of 4: several blocks, the last in part;
+    # GQA groups of 1 padded to a 16-row tile) and one row a program (THINKCRAFT_SPLIT_PREFIX_ROWS=0)
+    for rows in ("", "4", "0"):
+        os.environ["THINKCRAFT_SPLIT_PREFIX_ROWS"] = rows
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            for hkv, g, d in ((2, 7, 64), (3, 1, 32), (1, 4, 80)):
+                s, cols, pcap = 6 if rows != "4" else 11, 300, 40
+                q = rnd(s, hkv * g, 1, d, dtype=dtype)
+                kc, vc = rnd(s, hkv, cols, d, dtype=dtype), rnd(s, hkv, cols, d, dtype=dtype)
+                pk, pv = rnd(1, hkv, pcap, d, dtype=dtype), rnd(1, hkv, pcap, d, dtype=dtype)
+                key_len = torch.tensor([1, cols, 32, 33, 150, 64, 2, 299, 31, 40, 41][:s], dtype=torch.int32)
+                prefix_n = torch.tensor([pcap, 0, 7, pcap, 0, 1, pcap, pcap, 0, 39, pcap][:s], dtype=torch.int32)
+                for chunk in (SD.CHUNK, 32):  # one chunk a row, and many (the combine across chunks)
+                    for args in ((pk, pv, prefix_n), (None, None, None)):
+                        got = SD.split_decode_attention(q, kc, vc, key_len, *args, d ** -0.5, chunk)
+                        assert got.shape == q.shape and got.dtype == dtype
+                        want = SD.reference(q, kc, vc, key_len, *args, d ** -0.5)
+                        err = float((got.double() - want).abs().max())
+                        assert err < tol, (rows, dtype, hkv, g, d, chunk, args[0] is None, err)
+    os.environ.pop("THINKCRAFT_SPLIT_PREFIX_ROWS")
 
     # a float32 query over half-precision keys (no autocast): computed in the keys' dtype, returned in the query's
     q, kc, vc = rnd(2, 4, 1, 64), rnd(2, 2, 50, 64, dtype=torch.bfloat16), rnd(2, 2, 50, 64, dtype=torch.bfloat16)
@@ -119,6 +124,14 @@ def test_does_not_serve_without_a_gpu_or_with_the_switch_off(monkeypatch) -> Non
     monkeypatch.setenv("THINKCRAFT_SPLIT_DECODE", "on")
     with pytest.raises(UserError, match="THINKCRAFT_SPLIT_DECODE must be 0 or 1"):
         SD.meta(cpu, torch.float32, 64, 14, 2)
+    for bad in ("3", "-1", "256", "many"):
+        monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_ROWS", bad)
+        with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PREFIX_ROWS must be 0 or a power of two"):
+            SD.prefix_rows()
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_ROWS", "0")
+    assert SD.prefix_rows() == 0
+    monkeypatch.delenv("THINKCRAFT_SPLIT_PREFIX_ROWS")
+    assert SD.prefix_rows() == SD.PREFIX_ROWS
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 from common import card, print_table, replay_ms, today, write_records  # noqa: E402
 
-COLS = ["rows", "width", "mean_keys", "prefix", "chunk", "flash_ms", "split_ms", "speedup"]
+COLS = ["rows", "width", "mean_keys", "prefix", "chunk", "prefix_rows", "flash_ms", "split_ms", "speedup"]
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,6 +50,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunks", type=int, nargs="+", default=None,
                    help="keys per program of the split kernel (default: split_decode.CHUNK, the engine's)")
+    p.add_argument("--prefix-rows", type=int, nargs="+", default=None,
+                   help="rows a shared-prefix program of the split kernel serves (THINKCRAFT_SPLIT_PREFIX_ROWS; 0: one "
+                        "row a program, the code before 2026-12-01; default: split_decode.PREFIX_ROWS)")
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="CPU plumbing: 4 rows, 2 layers, no kernel timed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_attention_probe.json"))
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = d ** -0.5
     split_on = cuda and SD.serves(dev, dt, d, g)
     chunks = a.chunks or [SD.CHUNK]
+    settings = [(c, r) for c in chunks for r in (a.prefix_rows or [SD.prefix_rows()])]
     rows = []
     for s in a.rows:
         gen = torch.Generator(device="cpu").manual_seed(s)
@@ -120,21 +125,22 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         t_flash = replay_ms(flash_path, a.repeats, cuda) if cuda else None
-        for chunk in chunks:
+        for chunk, prefix_rows in settings:
+            os.environ["THINKCRAFT_SPLIT_PREFIX_ROWS"] = str(prefix_rows)  # read when the kernels launch (captured)
             t_split = replay_ms(functools.partial(split_path, chunk), a.repeats, cuda) if split_on else None
             if t_flash is not None and t_split is not None:  # the same attention, before the times mean anything
                 err = float((flash_path().float() - split_path(chunk).float()).abs().max())
-                assert err < 3e-2, f"the two paths differ by {err:.3g} (chunk {chunk})"
+                assert err < 3e-2, f"the two paths differ by {err:.3g} (chunk {chunk}, prefix rows {prefix_rows})"
             rows.append({"rows": s, "width": a.width, "mean_keys": a.mean_keys, "prefix": a.prefix, "layers": a.layers,
-                         "kv_heads": hkv, "group": g, "head_dim": d, "chunk": chunk,
+                         "kv_heads": hkv, "group": g, "head_dim": d, "chunk": chunk, "prefix_rows": prefix_rows,
                          "flash_ms": None if t_flash is None else round(t_flash, 4),
                          "split_ms": None if t_split is None else round(t_split, 4),
                          "speedup": None if t_flash is None or t_split is None else round(t_flash / t_split, 2),
                          "card": card(), "date": today()})
-        print_table(rows[-len(chunks):], COLS)
+        print_table(rows[-len(settings):], COLS)
         del caches, prefixes
     write_records(a.out, rows, merge_keys=("rows", "width", "mean_keys", "prefix", "layers", "kv_heads", "group",
-                                           "head_dim", "chunk", "card"))
+                                           "head_dim", "chunk", "prefix_rows", "card"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from thinkcraft.utils.errors import env_switch
+from thinkcraft.utils.errors import UserError, env_switch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,13 @@ of Qwen2.5-0.5B's attention, ~560 keys a row + a 128-key prefix): 256 keys the f
 43, 80, 128 and 256 rows (0.28 / 0.36 / 0.44 / 0.78 ms a step; 128 keys: 0.30 / 0.39 / 0.51 / 0.93)."""
 BLOCK_N = 64
 """Keys per `tl.dot` inside a program."""
+PREFIX_ROWS = 16
+"""Rows whose queries one program of the shared prefix reads its keys for (`prefix_kernel`): every row reads the
+same prefix, so a program takes a block of rows' query heads as the rows of one `tl.dot` (16 rows x 7 heads of
+Qwen2.5's group, padded to 8: 128) and the prefix's keys are read once a block, not once a row. Why: issue 19's
+Craftax rollout shares a ~800-token system prompt among 256 rows; read per row, that is 256 x 2 KV heads x ~800
+keys x 256 bytes = ~100 MB a layer of L2 traffic beside the rows' own ~65 MB (2026-12-01). 0 (or
+THINKCRAFT_SPLIT_PREFIX_ROWS=0, the A/B switch): the prefix chunks per row, as before."""
 NUM_WARPS = 4
 
 _state: dict[Any, bool] = {}  # (device, dtype, head_dim, group) -> passed its check
@@ -71,6 +78,21 @@ def split_decode_on() -> bool:
     return env_switch("THINKCRAFT_SPLIT_DECODE", default=True)
 
 
+def prefix_rows() -> int:
+    """THINKCRAFT_SPLIT_PREFIX_ROWS: rows a shared-prefix program serves (`PREFIX_ROWS`, the default), 0: one row a
+    program (the code before, the A/B switch)."""
+    raw = os.environ.get("THINKCRAFT_SPLIT_PREFIX_ROWS", "").strip()
+    if not raw:
+        return PREFIX_ROWS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 128 or (n and n & (n - 1)):
+        raise UserError(f"THINKCRAFT_SPLIT_PREFIX_ROWS must be 0 or a power of two up to 128, not {raw!r}")
+    return n
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
@@ -90,9 +112,9 @@ def _build() -> tuple[Any, Any]:
     def partial_kernel(q_ptr, sq_s, sq_h, k_ptr, v_ptr, pk_ptr, pv_ptr, klen_ptr, pn_ptr, o_ptr, lse_ptr, scale,
                        C, PCAP, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, NSP: tl.constexpr, NST: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FIRST: tl.constexpr):
         sj = tl.program_id(0)
-        i = tl.program_id(1)
+        i = tl.program_id(1) + FIRST  # FIRST = NSP: the prefix's chunks are `prefix_kernel`'s
         s = sj // HKV
         j = sj % HKV
         g = tl.arange(0, GP)
@@ -144,6 +166,61 @@ def _build() -> tuple[Any, Any]:
             tl.store(o_ptr + (part + g[:, None]) * DP + d[None, :], out)
 
     @triton.jit
+    def prefix_kernel(q_ptr, sq_s, sq_h, pk_ptr, pv_ptr, pn_ptr, o_ptr, lse_ptr, scale, S, PCAP,
+                      HKV: tl.constexpr, G: tl.constexpr, GQ: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                      DP: tl.constexpr, NST: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                      R: tl.constexpr, UPCAST: tl.constexpr):
+        # program (block of R rows, KV head j, prefix chunk i): the R rows' G query heads as the rows of one tile
+        # (m = row-in-block * GQ + head), each masked to its own row's prefix length; the same partial output and
+        # log-sum-exp per (row, head, chunk) as `partial_kernel` writes, so the combine is the same
+        bj = tl.program_id(0)
+        i = tl.program_id(1)
+        j = bj % HKV
+        m = tl.arange(0, R * GQ)
+        r = (bj // HKV) * R + m // GQ
+        g = m % GQ
+        d = tl.arange(0, DP)
+        live_r = r < S
+        qm = live_r & (g < G)
+        dm = d < D
+        q = tl.load(q_ptr + r.to(tl.int64)[:, None] * sq_s + (j * G + g[:, None]) * sq_h + d[None, :],
+                    mask=qm[:, None] & dm[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        n = tl.load(pn_ptr + r, mask=live_r, other=0)
+        lo = i * CHUNK
+        hi = tl.minimum(lo + CHUNK, tl.max(n, 0))
+        kb = pk_ptr + j.to(tl.int64) * PCAP * D
+        vb = pv_ptr + j.to(tl.int64) * PCAP * D
+        m_i = tl.full([R * GQ], -1e30, tl.float32)
+        l_i = tl.zeros([R * GQ], tl.float32)
+        acc = tl.zeros([R * GQ, DP], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            cm = cols < hi
+            kv_mask = cm[:, None] & dm[None, :]
+            k = tl.load(kb + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * scale
+            qk = tl.where(cm[None, :] & (cols[None, :] < n[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vb + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        part = ((r.to(tl.int64) * HKV + j) * NST + i) * GP + g
+        tl.store(lse_ptr + part, lse, mask=live_r)
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(o_ptr + part[:, None] * DP + d[None, :], out, mask=(live_r & has)[:, None])
+
+    @triton.jit
     def combine_kernel(o_ptr, lse_ptr, out_ptr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, NST: tl.constexpr):
         sj = tl.program_id(0)
@@ -170,7 +247,7 @@ def _build() -> tuple[Any, Any]:
         tl.store(out_ptr + (s.to(tl.int64) * HKV * G + h[:, None]) * D + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
 
-    return partial_kernel, combine_kernel
+    return partial_kernel, prefix_kernel, combine_kernel
 
 
 def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Tensor, pk: torch.Tensor,
@@ -179,7 +256,7 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     launches += 1
     if _kernels is None:
         _kernels = _build()
-    partial, combine = _kernels
+    partial, prefix, combine = _kernels
     s, h, _, d = q.shape
     hkv, cols = kc.shape[1], kc.shape[2]
     g = h // hkv
@@ -193,9 +270,18 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     o_part = torch.empty((s * hkv, nst, gp, dp), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((s * hkv, nst, gp), dtype=torch.float32, device=q.device)
     out = torch.empty((s, h, 1, d), dtype=q.dtype, device=q.device)
-    partial[(s * hkv, nst)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part, lse_part,
-                            scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp, NST=nst, CHUNK=chunk,
-                            BLOCK_N=BLOCK_N, UPCAST=_interpreted(), num_warps=NUM_WARPS)
+    rows = prefix_rows() if nsp else 0
+    if rows:  # the prefix's chunks for blocks of rows, then the own columns' from chunk nsp on
+        gq = _pow2(g, 1)
+        rows = max(rows, -(-16 // gq))  # a tile of at least 16 query rows (tl.dot's least)
+        prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,
+                                          s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst, CHUNK=chunk,
+                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=_interpreted(), num_warps=NUM_WARPS)
+    first = nsp if rows else 0
+    partial[(s * hkv, nst - first)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part,
+                                    lse_part, scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp,
+                                    NST=nst, CHUNK=chunk, BLOCK_N=BLOCK_N, UPCAST=_interpreted(), FIRST=first,
+                                    num_warps=NUM_WARPS)
     combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, num_warps=NUM_WARPS)
     return out
 
@@ -270,15 +356,16 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) 
     the shared prefix (and a launch without a prefix at all)."""
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
-        hkv, s, cols, pcap = 2, 5, 2 * CHUNK + 9, CHUNK + 3
+        hkv, cols, pcap = 2, 2 * CHUNK + 9, CHUNK + 3
+        s = 2 * max(prefix_rows(), 1) + 5  # the prefix's row blocks: two full ones and a part
 
         def rnd(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
         q, kc, vc = rnd(s, hkv * group, 1, head_dim), rnd(s, hkv, cols, head_dim), rnd(s, hkv, cols, head_dim)
         pk, pv = rnd(1, hkv, pcap, head_dim), rnd(1, hkv, pcap, head_dim)
-        key_len = torch.tensor([1, cols, CHUNK, CHUNK + 1, 37], dtype=torch.int32, device=device)
-        prefix_n = torch.tensor([pcap, 0, 5, pcap, 0], dtype=torch.int32, device=device)
+        key_len = torch.tensor(([1, cols, CHUNK, CHUNK + 1, 37] * s)[:s], dtype=torch.int32, device=device)
+        prefix_n = torch.tensor(([pcap, 0, 5, pcap, 0, pcap, pcap] * s)[:s], dtype=torch.int32, device=device)
         scale = head_dim ** -0.5
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         for args in ((pk, pv, prefix_n), (None, None, None)):
