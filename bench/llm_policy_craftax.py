@@ -327,6 +327,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # program) and the compiled LoRA groups' low-rank add as the in-place op (THINKCRAFT_LORA_ADD_OP)
         "split_prefix_rows": split_decode_rows() if split_decode else None,
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
+        # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
+        "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"),
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
-                                                       "split_prefix_rows", "lora_add_op"))
+                                                       "split_prefix_rows", "lora_add_op", "decode_autotune"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

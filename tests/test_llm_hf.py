@@ -716,6 +716,24 @@ def test_decode_dynamic_setting_and_the_bench_column(monkeypatch) -> None:
         decode_dynamic()
 
 
+def test_decode_autotune_setting(monkeypatch) -> None:
+    """THINKCRAFT_DECODE_AUTOTUNE: off by default (no options: torch.compile's defaults), on it asks inductor to
+    tune the step's GEMMs against cuBLAS; anything but 0 / 1 is refused before a compile."""
+    from thinkcraft.llm.hf.cache import decode_autotune
+
+    monkeypatch.delenv("THINKCRAFT_DECODE_AUTOTUNE", raising=False)
+    assert decode_autotune() is None
+    monkeypatch.setenv("THINKCRAFT_DECODE_AUTOTUNE", "1")
+    opts = decode_autotune()
+    assert opts["max_autotune_gemm"] is True and "ATEN" in opts["max_autotune_gemm_backends"]
+    from torch._inductor import config as inductor_config
+
+    assert all(hasattr(inductor_config, k) for k in opts)  # options torch.compile accepts
+    monkeypatch.setenv("THINKCRAFT_DECODE_AUTOTUNE", "max")
+    with pytest.raises(UserError, match="0 or 1"):
+        decode_autotune()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a hand-captured CUDA graph needs a GPU (none here)")
 def test_manual_decode_graph_equals_eager_and_recaptures_when_weights_move(monkeypatch) -> None:

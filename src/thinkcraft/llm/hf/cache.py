@@ -421,7 +421,7 @@ class CacheMixin:
         A capture holds `CAPTURE_GATE` alone: one capture at a time in the process (torch allows one; two engines'
         slot threads, one engine per GPU, would otherwise capture at once) and no other engine's decode step
         meanwhile (see `CaptureGate`); each capture runs on a stream of its engine's device."""
-        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic(self.width))
+        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic(self.width), options=decode_autotune())
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
         owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]
@@ -639,6 +639,17 @@ def decode_dynamic(width: str = "static") -> bool | None:
     if os.environ.get("THINKCRAFT_DECODE_DYNAMIC", "").strip() == "":
         return None if width == "dynamic" else False
     return None if env_switch("THINKCRAFT_DECODE_DYNAMIC") else False
+
+
+def decode_autotune() -> dict[str, Any] | None:
+    """THINKCRAFT_DECODE_AUTOTUNE ("0", the default; "1" on): the hand-captured decode step compiled with inductor's
+    GEMM autotuning (Triton templates timed against cuBLAS for each of the step's shapes, the fastest kept). Why
+    (opt-in, to be measured): at 248 rows of the Qwen2.5-0.5B shape the step's GEMMs are ~1.05 of its ~2.2 ms of
+    kernels, cuBLAS's picks for the skinny q/k/v one moving 2 MB of weights in ~10 us (H200, 2026-12-01,
+    bench/results/logs/s50_decode_profile_new_*); the tuning adds minutes to the first compile."""
+    if not env_switch("THINKCRAFT_DECODE_AUTOTUNE"):
+        return None
+    return {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
 
 
 def prefill_compiled() -> bool:

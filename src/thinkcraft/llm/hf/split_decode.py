@@ -47,13 +47,16 @@ of Qwen2.5-0.5B's attention, ~560 keys a row + a 128-key prefix): 256 keys the f
 43, 80, 128 and 256 rows (0.28 / 0.36 / 0.44 / 0.78 ms a step; 128 keys: 0.30 / 0.39 / 0.51 / 0.93)."""
 BLOCK_N = 64
 """Keys per `tl.dot` inside a program."""
-PREFIX_ROWS = 16
+PREFIX_ROWS = 8
 """Rows whose queries one program of the shared prefix reads its keys for (`prefix_kernel`): every row reads the
-same prefix, so a program takes a block of rows' query heads as the rows of one `tl.dot` (16 rows x 7 heads of
-Qwen2.5's group, padded to 8: 128) and the prefix's keys are read once a block, not once a row. Why: issue 19's
-Craftax rollout shares a ~800-token system prompt among 256 rows; read per row, that is 256 x 2 KV heads x ~800
-keys x 256 bytes = ~100 MB a layer of L2 traffic beside the rows' own ~65 MB (2026-12-01). 0 (or
-THINKCRAFT_SPLIT_PREFIX_ROWS=0, the A/B switch): the prefix chunks per row, as before."""
+same prefix, so a program takes a block of rows' query heads as the rows of one `tl.dot` (8 rows x 7 heads of
+Qwen2.5's group, padded to 8: 64) and the prefix's keys are read once a block, not once a row. Why: issue 19's
+Craftax rollout shares a 680-token system prompt among 248 rows; read per row, that is 248 x 2 KV heads x 680
+keys x 256 bytes = ~86 MB a layer of L2 traffic beside the rows' own ~69 MB. Measured on an H200 (2026-12-01,
+`bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --prefix-rows 0 8 16
+32`, 24 layers, 256-key chunks): a step's attention 1.12 ms one row a program, 0.92 ms at 8 rows, 0.99 at 16,
+1.45 at 32 (too few programs); the decode step alone 2.94 -> 2.48 ms with this at 16 rows and `fused_proj`'s
+in-place LoRA add. 0 (or THINKCRAFT_SPLIT_PREFIX_ROWS=0, the A/B switch): the prefix chunks per row, as before."""
 NUM_WARPS = 4
 
 _state: dict[Any, bool] = {}  # (device, dtype, head_dim, group) -> passed its check
