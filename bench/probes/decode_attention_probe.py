@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 from common import card, print_table, replay_ms, today, write_records  # noqa: E402
 
-COLS = ["rows", "width", "mean_keys", "prefix", "chunk", "prefix_rows", "flash_ms", "split_ms", "speedup"]
+COLS = ["rows", "width", "mean_keys", "prefix", "chunk", "prefix_rows", "tile", "flash_ms", "split_ms", "speedup"]
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,12 +53,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-rows", type=int, nargs="+", default=None,
                    help="rows a shared-prefix program of the split kernel serves (THINKCRAFT_SPLIT_PREFIX_ROWS; 0: one "
                         "row a program, the code before 2026-12-01; default: split_decode.PREFIX_ROWS)")
+    p.add_argument("--tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS:STAGES",
+                   help="the split kernels' tilings to time (keys per tl.dot, warps, pipelining stages or - for "
+                        "Triton's default), e.g. 64:4:- 128:4:2 (default: split_decode's own)")
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="CPU plumbing: 4 rows, 2 layers, no kernel timed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_attention_probe.json"))
     a = p.parse_args(argv)
     if a.quick:
         a.rows, a.width, a.mean_keys, a.prefix, a.layers, a.repeats = [4], 64, 20, 8, 2, 3
+    for t in a.tiles or []:
+        parts = t.split(":")
+        if len(parts) != 3 or not all(x.isdigit() for x in parts[:2]) or not (parts[2] == "-" or parts[2].isdigit()):
+            p.error(f"--tiles takes BLOCK_N:WARPS:STAGES (STAGES a number or -), not {t!r}")
     if a.chunks is not None and min(a.chunks) <= 0:
         p.error("--chunks must be > 0")
     if min(a.rows + [a.width, a.mean_keys, a.layers, a.kv_heads, a.group, a.head_dim, a.repeats]) <= 0 or a.prefix < 0:
@@ -87,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     scale = d ** -0.5
     split_on = cuda and SD.serves(dev, dt, d, g)
     chunks = a.chunks or [SD.CHUNK]
-    settings = [(c, r) for c in chunks for r in (a.prefix_rows or [SD.prefix_rows()])]
+    own_tile = f"{SD.BLOCK_N}:{SD.NUM_WARPS}:{'-' if SD.NUM_STAGES is None else SD.NUM_STAGES}"
+    settings = [(c, r, t) for c in chunks for r in (a.prefix_rows or [SD.prefix_rows()])
+                for t in (a.tiles or [own_tile])]
     rows = []
     for s in a.rows:
         gen = torch.Generator(device="cpu").manual_seed(s)
@@ -125,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         t_flash = replay_ms(flash_path, a.repeats, cuda) if cuda else None
-        for chunk, prefix_rows in settings:
+        for chunk, prefix_rows, tile in settings:
             os.environ["THINKCRAFT_SPLIT_PREFIX_ROWS"] = str(prefix_rows)  # read when the kernels launch (captured)
+            bn, warps, stages = tile.split(":")
+            SD.BLOCK_N, SD.NUM_WARPS, SD.NUM_STAGES = int(bn), int(warps), None if stages == "-" else int(stages)
             t_split = replay_ms(functools.partial(split_path, chunk), a.repeats, cuda) if split_on else None
             if t_flash is not None and t_split is not None:  # the same attention, before the times mean anything
                 err = float((flash_path().float() - split_path(chunk).float()).abs().max())
                 assert err < 3e-2, f"the two paths differ by {err:.3g} (chunk {chunk}, prefix rows {prefix_rows})"
             rows.append({"rows": s, "width": a.width, "mean_keys": a.mean_keys, "prefix": a.prefix, "layers": a.layers,
                          "kv_heads": hkv, "group": g, "head_dim": d, "chunk": chunk, "prefix_rows": prefix_rows,
+                         "tile": tile,
                          "flash_ms": None if t_flash is None else round(t_flash, 4),
                          "split_ms": None if t_split is None else round(t_split, 4),
                          "speedup": None if t_flash is None or t_split is None else round(t_flash / t_split, 2),
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows[-len(settings):], COLS)
         del caches, prefixes
     write_records(a.out, rows, merge_keys=("rows", "width", "mean_keys", "prefix", "layers", "kv_heads", "group",
-                                           "head_dim", "chunk", "prefix_rows", "card"))
+                                           "head_dim", "chunk", "prefix_rows", "tile", "card"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0

@@ -58,6 +58,9 @@ keys x 256 bytes = ~86 MB a layer of L2 traffic beside the rows' own ~69 MB. Mea
 1.45 at 32 (too few programs); the decode step alone 2.94 -> 2.48 ms with this at 16 rows and `fused_proj`'s
 in-place LoRA add. 0 (or THINKCRAFT_SPLIT_PREFIX_ROWS=0, the A/B switch): the prefix chunks per row, as before."""
 NUM_WARPS = 4
+NUM_STAGES: int | None = None
+"""Software-pipelining stages of the key loops (None: Triton's default). With `BLOCK_N` and `NUM_WARPS` the tiling
+`bench/probes/decode_attention_probe.py --tiles` sweeps (module attributes, read at each launch)."""
 
 _state: dict[Any, bool] = {}  # (device, dtype, head_dim, group) -> passed its check
 _kernels: Any = None
@@ -274,17 +277,19 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     lse_part = torch.empty((s * hkv, nst, gp), dtype=torch.float32, device=q.device)
     out = torch.empty((s, h, 1, d), dtype=q.dtype, device=q.device)
     rows = prefix_rows() if nsp else 0
+    stages = {} if NUM_STAGES is None else {"num_stages": NUM_STAGES}
     if rows:  # the prefix's chunks for blocks of rows, then the own columns' from chunk nsp on
         gq = _pow2(g, 1)
         rows = max(rows, -(-16 // gq))  # a tile of at least 16 query rows (tl.dot's least)
         prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,
                                           s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst, CHUNK=chunk,
-                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=_interpreted(), num_warps=NUM_WARPS)
+                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=_interpreted(), num_warps=NUM_WARPS,
+                                          **stages)
     first = nsp if rows else 0
     partial[(s * hkv, nst - first)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part,
                                     lse_part, scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp,
                                     NST=nst, CHUNK=chunk, BLOCK_N=BLOCK_N, UPCAST=_interpreted(), FIRST=first,
-                                    num_warps=NUM_WARPS)
+                                    num_warps=NUM_WARPS, **stages)
     combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, num_warps=NUM_WARPS)
     return out
 
