@@ -1,7 +1,10 @@
 """Host work the Craftax rollout paid per turn (py-spy and torch.profiler on an H200, 2026-12-01) and what replaced it:
 a finished row's completion hands back the request's own prompt list (no array -> list per turn), its record keeps
 it (no copy), the shared-prefix check compares lists; ending rows never synchronises the host with the decode step in
-flight (GPU test); Python's garbage collector is timed (`utils/gc_clock.py`, a step's `host/gc_s`)."""
+flight (GPU test); Python's garbage collector is timed (`utils/gc_clock.py`, a step's `host/gc_s`). Then (CPU profile
+of the rollout, 2026-12-01): a first turn's prompts tokenized after the shared prefix (checked against one whole
+tokenization a call, off after a mismatch), equal texts tokenized once, the tokenizer's Rust backend called directly
+(`compat.rust_encoder` / `rust_decoder`), the replies decoded in one call - every prompt's ids as before."""
 
 from __future__ import annotations
 
@@ -112,3 +115,85 @@ def test_the_garbage_collectors_time_is_counted():
     gc.collect()
     m = GC_CLOCK.metrics_since(before)
     assert m["host/gc_full"] >= 1 and m["host/gc_s"] > 0, m
+
+
+SYSTEM = "You play Craftax. Each turn you see the observation; answer with one action.\nActions: 0 noop, 1 left"
+
+
+def _whole_ids(tok, obs: str) -> list[int]:
+    """A first turn's prompt tokenized whole, as the rollout did before the prefix split."""
+    from thinkcraft.train.llm_policy.rollout import _render, build_messages
+
+    return list(tok(_render(tok, build_messages(SYSTEM, [], obs, -1)), add_special_tokens=False)["input_ids"])
+
+
+def _chatml_bpe():
+    from thinkcraft.train.llm_policy.model import train_bpe_tokenizer
+
+    return train_bpe_tokenizer([SYSTEM, "tree (-1,0) x7\nwater (2,3)\nhealth 9, food 9"] * 20, vocab_size=400)
+
+
+@pytest.mark.parametrize("which", ["bundled", "chatml-bpe"])
+def test_first_prompts_tokenized_after_the_prefix_equal_whole_ones_turn_after_turn(which: str):
+    """A group's samples share their first observation (tokenized once, each prompt still a list of its own); the
+    ids equal the whole prompt's; the next turn's prompts extend them and leave the earlier lists as they were."""
+    from types import SimpleNamespace
+
+    from thinkcraft.llm.testing import bundled_tokenizer
+    from thinkcraft.train.llm_policy.rollout import ChatPrompts
+
+    tok = bundled_tokenizer() if which == "bundled" else _chatml_bpe()
+    obs = ["tree (-1,0) x7\nwater (2,3)", "tree (-1,0) x7\nwater (2,3)", "  stone x3 \n", "héllo 🙂 (0,1)"]
+    prompts = ChatPrompts(tok, SYSTEM, 4, -1)
+    first = prompts.next([0, 1, 2, 3], obs, [None] * 4)
+    assert first == [_whole_ids(tok, o) for o in obs] and prompts.split_prefix
+    assert first[0] is not first[1] and all(prompts.prefix_len(ids) == len(prompts.prefix) for ids in first)
+    kept = [list(x) for x in first]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    comps = [SimpleNamespace(token_ids=list(tok(f" move {e}", add_special_tokens=False)["input_ids"]) + [end],
+                             text=f" move {e}", finish_reason="stop") for e in range(4)]
+    second = prompts.next([0, 1, 2, 3], [f"turn 1 of {e}" for e in range(4)], comps)
+    assert first == kept  # the first turn's lists (a turn record holds them) unchanged
+    for a, b, c in zip(first, second, comps):
+        assert b[: len(a) + len(c.token_ids)] == a + c.token_ids and len(b) > len(a) + len(c.token_ids)
+
+
+def test_a_tokenizer_that_merges_across_the_prefixs_end_gets_whole_prompts(caplog):
+    """A special token that takes in the whitespace before it (`lstrip`) tokenizes the prompt otherwise than the
+    prefix + the rest: the call's whole tokenization shows it, the ids are the whole prompt's, a warning, whole
+    from then on."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    from thinkcraft.llm.testing import bundled_tokenizer
+    from thinkcraft.train.llm_policy.rollout import ChatPrompts
+
+    tok = copy.deepcopy(bundled_tokenizer())
+    tok.backend_tokenizer.add_special_tokens([AddedToken("<|im_start|>", lstrip=True, special=True, normalized=False)])
+    obs = ["tree (-1,0)", "water (2,3)"]
+    prompts = ChatPrompts(tok, SYSTEM, 2, -1)
+    with caplog.at_level("WARNING"):
+        got = prompts.next([0, 1], obs, [None, None])
+    assert got == [_whole_ids(tok, o) for o in obs]
+    assert not prompts.split_prefix and "tokenized whole from now on" in caplog.text
+    assert prompts.prefix_len(got[0]) == 0  # (and, as before, no shared prefix for the engine)
+
+
+def test_replies_decoded_in_one_call_equal_one_decode_each():
+    from types import SimpleNamespace
+
+    from thinkcraft.llm.testing import bundled_tokenizer
+    from thinkcraft.train.llm_policy.rollout import ChatPrompts, _reply_texts
+
+    tok = bundled_tokenizer(thinking=True)
+    specials = ChatPrompts(tok, SYSTEM, 1, -1).specials
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    body = list(tok("<think>left?</think> Action: héllo", add_special_tokens=False)["input_ids"])
+    comps = [None, SimpleNamespace(token_ids=body + [end], finish_reason="stop"),
+             SimpleNamespace(token_ids=body + [end], finish_reason="length"),  # cut: its last token is content
+             SimpleNamespace(token_ids=[], finish_reason="length"),
+             SimpleNamespace(token_ids=tuple(body), finish_reason="budget")]  # no special token at its end
+    want = [None, (tok.decode(body), tok.decode([end])), (tok.decode(body + [end]), ""), ("", ""),
+            (tok.decode(body), "")]
+    assert _reply_texts(tok, comps, specials) == want

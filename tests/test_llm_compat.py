@@ -431,3 +431,60 @@ def test_cudagraph_thread_state_lets_a_new_thread_reach_its_tree_manager() -> No
     assert got["plain"] == "assert"
     assert isinstance(got["ensured"], dict) and got["ensured"] is not _old_get_obj(trees.local, "tree_manager_containers")
     assert "locks" in got
+
+
+# --- transformers: a fast tokenizer's Rust backend ------------------------------------------------------------
+
+TEXTS = ["<|im_start|>system\nYou play Craftax.<|im_end|>\n<|im_start|>user\ntree (-1,0) x7\n", "  two  spaces\n\n",
+         "", "héllo → wörld 🙂", "Action: 5<|im_end|>\n<|im_start|>assistant\n", "<think>left</think> noop"]
+
+
+def _tokenizers() -> list:
+    from thinkcraft.llm.testing import bundled_tokenizer
+    from thinkcraft.train.llm_policy.model import train_bpe_tokenizer
+
+    corpus = [t * 3 for t in TEXTS] * 5
+    return [bundled_tokenizer(), bundled_tokenizer(thinking=True), train_bpe_tokenizer(corpus, vocab_size=400),
+            train_bpe_tokenizer(corpus, vocab_size=400, thinking=True)]
+
+
+@pytest.mark.parametrize("k", range(4), ids=["bundled", "bundled-thinking", "bpe-chatml", "bpe-thinking"])
+def test_rust_encoder_and_decoder_give_the_tokenizers_own_ids_and_texts(k: int) -> None:
+    tok = _tokenizers()[k]
+    enc, dec = compat.rust_encoder(tok), compat.rust_decoder(tok)
+    assert enc is not None and dec is not None, \
+        compat.broken("rust_encoder", "a plain fast tokenizer is not recognised")
+    want = tok(TEXTS, add_special_tokens=False)["input_ids"]
+    assert [e.ids for e in enc.encode_batch_fast(TEXTS, add_special_tokens=False)] == want, \
+        compat.broken("rust_encoder", "encode_batch_fast gives other ids than the tokenizer's call")
+    for skip in (False, True):
+        each = [tok.decode(x, skip_special_tokens=skip) for x in want]
+        assert dec.decode_batch(want, skip_special_tokens=skip) == each, \
+            compat.broken("rust_decoder", "decode_batch gives other texts than the tokenizer's decode")
+
+
+def test_rust_encoder_and_decoder_refuse_what_the_tokenizers_call_would_change() -> None:
+    import copy
+
+    base = _tokenizers()[0]
+
+    class Custom(type(base)):  # a subclass with its own encoding or decoding
+        def _encode_plus(self, *a, **k):  # noqa: ANN002, ANN003, ANN202
+            return super()._encode_plus(*a, **k)
+
+        def _decode(self, *a, **k):  # noqa: ANN002, ANN003, ANN202
+            return super()._decode(*a, **k)
+
+    custom = copy.deepcopy(base)
+    custom.__class__ = Custom
+    assert compat.rust_encoder(custom) is None and compat.rust_decoder(custom) is None
+    truncating = copy.deepcopy(base)
+    truncating.backend_tokenizer.enable_truncation(8)  # a call turns it off before it encodes
+    assert compat.rust_encoder(truncating) is None
+    splitting = copy.deepcopy(base)
+    splitting.split_special_tokens = True  # a call sets it on the backend before it encodes
+    assert compat.rust_encoder(splitting) is None
+    cleaning = copy.deepcopy(base)
+    cleaning.clean_up_tokenization_spaces = True  # decode may clean the text up after the backend's
+    assert compat.rust_decoder(cleaning) is None
+    assert compat.rust_encoder(object()) is None and compat.rust_decoder(None) is None

@@ -276,6 +276,49 @@ def register_maskless_attention(name: str, fn: Any) -> str:
     return name
 
 
+# --- transformers: a fast tokenizer's Rust backend ----------------------------------------------------------
+
+
+def _plain_fast_tokenizer(tokenizer: Any, *methods: str) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers 5.24.0 fast tokenizer (`TokenizersBackend`) whose `methods`
+    are the library's own (no subclass overrides them), else None (transformers 4, slow or custom tokenizers)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    if any(getattr(type(tokenizer), name) is not getattr(TokenizersBackend, name) for name in methods):
+        return None
+    return tokenizer.backend_tokenizer
+
+
+def rust_encoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer whose `encode_batch_fast(texts, add_special_tokens=False)` gives the ids of
+    `tokenizer(texts, add_special_tokens=False)["input_ids"]`, or None. transformers 5.24.0's call of a batch of
+    texts (no padding, truncation or special tokens asked for) sets no truncation or padding and the special
+    tokens' splitting on the backend, then is its `encode_batch` (`TokenizersBackend._encode_plus`); the fast
+    variant skips the character offsets, which the ids do not depend on. So: the library's own `__call__` and
+    `_encode_plus`, no source/target modes (`_switch_to_input_mode`, transformers' own test), and none of those
+    settings left on the backend (a call would change them first). Per call of a batch, never per token."""
+    rust = _plain_fast_tokenizer(tokenizer, "__call__", "_encode_plus")
+    if rust is None or hasattr(tokenizer, "_switch_to_input_mode"):
+        return None
+    if (rust.truncation is not None or rust.padding is not None
+            or rust.encode_special_tokens != tokenizer.split_special_tokens):
+        return None
+    return rust
+
+
+def rust_decoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer whose `decode_batch(lists, skip_special_tokens=s)` gives `[tokenizer.decode(ids,
+    skip_special_tokens=s) for ids in lists]` for lists of ints, or None. transformers 5.24.0's `decode` of one
+    list is `_decode`: the backend's `decode`, then `clean_up_tokenization` only where
+    `clean_up_tokenization_spaces` is set (None then). Per call of a batch, never per token."""
+    rust = _plain_fast_tokenizer(tokenizer, "decode", "_decode")
+    return None if rust is None or tokenizer.clean_up_tokenization_spaces else rust
+
+
 # --- torch: private attributes and ops -----------------------------------------------------------------------
 
 

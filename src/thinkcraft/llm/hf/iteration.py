@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from thinkcraft.llm import compat
 from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
 from thinkcraft.llm.hf.rows import sample_rows_lse, token_logprobs
@@ -370,7 +371,11 @@ class IterationMixin:
         eng = self.eng
         slots = [s for s, _ in ended]
         toks = [self.h_tok[s, : self.h_n[s]].tolist() for s in slots]
-        texts = [eng.tokenizer.decode(t, skip_special_tokens=True) for t in toks]
+        # one Rust call for every ended row where it gives `decode`'s texts (compat.rust_decoder): ~5 us a 32-token
+        # row on the CPU against ~12 through `decode` (the Craftax rollout: 2,048 rows a step)
+        rust = compat.rust_decoder(eng.tokenizer)
+        texts = (rust.decode_batch(toks, skip_special_tokens=True) if rust is not None
+                 else [eng.tokenizer.decode(t, skip_special_tokens=True) for t in toks])
         idx = to_device(np.asarray(slots, dtype=np.int64), eng.device)  # no sync with the step in flight
         # index_fill_, not `active[idx] = False`: indexed assignment of a Python scalar copies the scalar to the
         # device from pageable memory, which synchronises the stream - the host waited for the decode step in
