@@ -57,6 +57,8 @@
 #             removed with the freeze: BENCHMARKS §7b)
 #   craftax3  one GPU (2026-12-01, second session): issue 19's decode step with the shared prefix read once a block of
 #             rows and the compiled LoRA add in place, A/B against both off; carry [".whl", ".ref/tc-cache"]
+#   craftax4  one GPU (2026-12-01, second session): issue 19's row after the rollout's host work, with decode-ahead 4,
+#             the split kernels' tilings and the decode step autotuned; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -117,7 +119,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -301,6 +303,19 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_compile_new 420 $C4 --learner-compile --out bench/results/logs/s50_craftax_compile_new.json"
       "@0 craftax_compile_old 420 $OLD $C4 --learner-compile --out bench/results/logs/s50_craftax_compile_old.json"
       "@0 craftax_default_new 360 $C4 --out bench/results/logs/s50_craftax_default_new.json") ;;
+    craftax4) local C4="${CRAFTAX/--steps 3/--steps 4}"
+      local SHAPE="--rows 248 --width 1200 --mean-keys 540 --prefix 680"
+      jobs=(  # one GPU (2026-12-01, second session, second lease): issue 19's row after the rollout's host work
+              # (prompts tokenized after the shared prefix, the Rust tokenizer, batched decodes) with the prefix 8
+              # rows a program; with decode-ahead 4 (the decode step now ~2.9 ms, host ~1.1 ms of it); the split
+              # kernels' tilings; the decode step with inductor's GEMM autotuning (THINKCRAFT_DECODE_AUTOTUNE)
+      "@0 gputest 300 python -m pytest -m gpu tests/test_split_decode.py tests/test_host_overheads.py -q -p no:cacheprovider"
+      "@0 autotune_gputest 300 env THINKCRAFT_DECODE_AUTOTUNE=1 python -m pytest -m gpu tests/test_llm_hf.py -k manual_decode_graph -q -p no:cacheprovider"
+      "@0 craftax_compile 420 $C4 --learner-compile --out bench/results/logs/s50_craftax4_compile.json"
+      "@0 attn_tiles 200 python bench/probes/decode_attention_probe.py $SHAPE --prefix-rows 8 --tiles 64:4:- 64:4:2 64:4:3 128:4:2 128:8:2 32:4:- 64:8:- --out bench/results/logs/s50_attn_tiles.json"
+      "@0 craftax_compile_ahead4 420 env THINKCRAFT_DECODE_AHEAD=4 $C4 --learner-compile --out bench/results/logs/s50_craftax4_compile_ahead4.json"
+      "@0 decode_profile_autotune 400 env THINKCRAFT_DECODE_AUTOTUNE=1 python bench/probes/decode_step_probe.py --variants lora --kv-cache static --rows 248 --prefix 680 --context 540 --profile --out bench/results/logs/s50_decode_profile_autotune.json"
+      "@0 craftax_default 360 $C4 --out bench/results/logs/s50_craftax4_default.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
