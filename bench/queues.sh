@@ -55,9 +55,9 @@
 #   craftax2  one GPU (2026-12-01): issue 19's row after the host fixes, with and without the compiled learner and
 #             decode-ahead 4; carry [".whl", ".ref/tc-cache"] (run 2026-12-01 with the heap freeze's A/B too, since
 #             removed with the freeze: BENCHMARKS §7b)
-#   craftax3  one GPU (2026-12-01, second session): issue 19's decode step with the shared prefix read once a block of
+#   craftax3  one GPU (run 2026-12-01, second session, s50-1): issue 19's decode step with the shared prefix read once a block of
 #             rows and the compiled LoRA add in place, A/B against both off; carry [".whl", ".ref/tc-cache"]
-#   craftax4  one GPU (2026-12-01, second session): issue 19's row after the rollout's host work, with decode-ahead 4,
+#   craftax4  one GPU (run 2026-12-02, s50-2): issue 19's row after the rollout's host work, with decode-ahead 4,
 #             the split kernels' tilings and the decode step autotuned; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)

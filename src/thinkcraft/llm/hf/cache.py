@@ -644,9 +644,11 @@ def decode_dynamic(width: str = "static") -> bool | None:
 def decode_autotune() -> dict[str, Any] | None:
     """THINKCRAFT_DECODE_AUTOTUNE ("0", the default; "1" on): the hand-captured decode step compiled with inductor's
     GEMM autotuning (Triton templates timed against cuBLAS for each of the step's shapes, the fastest kept). Why
-    (opt-in, to be measured): at 248 rows of the Qwen2.5-0.5B shape the step's GEMMs are ~1.05 of its ~2.2 ms of
-    kernels, cuBLAS's picks for the skinny q/k/v one moving 2 MB of weights in ~10 us (H200, 2026-12-01,
-    bench/results/logs/s50_decode_profile_new_*); the tuning adds minutes to the first compile."""
+    it exists: at 248 rows of the Qwen2.5-0.5B shape the step's GEMMs are ~1.05 of its ~2.2 ms of kernels, cuBLAS's
+    picks for the skinny q/k/v one moving 2 MB of weights in ~10 us (H200, 2026-12-01,
+    bench/results/logs/s50_decode_profile_new_*). Why opt-in: measured there, no gain (the decode probe's step 2.60
+    ms against 2.48 untuned, Triton templates picked for some GEMMs; s50_decode_profile_autotune_*), and the tuning
+    adds seconds to minutes to the first compile. Other shapes may differ."""
     if not env_switch("THINKCRAFT_DECODE_AUTOTUNE"):
         return None
     return {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
