@@ -28,11 +28,11 @@ SCRIPT = textwrap.dedent("""
         return torch.randn(*shape, generator=gen).to(dtype)
 
     # the shared prefix read for blocks of rows (the default, and blocks of 4: several blocks, the last in part;
-    # GQA groups of 1 padded to a 16-row tile) and one row a program (THINKCRAFT_SPLIT_PREFIX_ROWS=0)
+    # GQA groups of 1 padded to a 16-row tile, a group of 32 at 4 rows a program) and one row a program (=0)
     for rows in ("", "4", "0"):
         os.environ["THINKCRAFT_SPLIT_PREFIX_ROWS"] = rows
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-            for hkv, g, d in ((2, 7, 64), (3, 1, 32), (1, 4, 80)):
+            for hkv, g, d in ((2, 7, 64), (3, 1, 32), (1, 4, 80), (1, 32, 16)):
                 s, cols, pcap = 6 if rows != "4" else 11, 300, 40
                 q = rnd(s, hkv * g, 1, d, dtype=dtype)
                 kc, vc = rnd(s, hkv, cols, d, dtype=dtype), rnd(s, hkv, cols, d, dtype=dtype)

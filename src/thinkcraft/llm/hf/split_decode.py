@@ -280,7 +280,8 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     stages = {} if NUM_STAGES is None else {"num_stages": NUM_STAGES}
     if rows:  # the prefix's chunks for blocks of rows, then the own columns' from chunk nsp on
         gq = _pow2(g, 1)
-        rows = max(rows, -(-16 // gq))  # a tile of at least 16 query rows (tl.dot's least)
+        # a tile of 16 (tl.dot's least) to 128 query rows: a large GQA group takes fewer rows a program
+        rows = max(min(rows, max(128 // gq, 1)), -(-16 // gq))
         prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,
                                           s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst, CHUNK=chunk,
                                           BLOCK_N=BLOCK_N, R=rows, UPCAST=_interpreted(), num_warps=NUM_WARPS,
