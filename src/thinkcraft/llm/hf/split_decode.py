@@ -178,7 +178,10 @@ def _build() -> tuple[Any, Any]:
                       R: tl.constexpr, UPCAST: tl.constexpr):
         # program (block of R rows, KV head j, prefix chunk i): the R rows' G query heads as the rows of one tile
         # (m = row-in-block * GQ + head), each masked to its own row's prefix length; the same partial output and
-        # log-sum-exp per (row, head, chunk) as `partial_kernel` writes, so the combine is the same
+        # log-sum-exp per (row, head, chunk) as `partial_kernel` writes, so the combine is the same. Its key loop is
+        # `partial_kernel`'s with a per-row mask: written out twice, not shared through a jitted helper, because
+        # a helper captured from `_build`'s scope compiles only where Triton resolves closures, untried on the GPU
+        # image (2026-12-01: no device time left to check it; a failed compile turns the split decode off for good)
         bj = tl.program_id(0)
         i = tl.program_id(1)
         j = bj % HKV
