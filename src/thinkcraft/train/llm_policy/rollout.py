@@ -81,19 +81,6 @@ def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     return [list(first[t]) for t in texts]  # a list of its own each
 
 
-def _decode_texts(tokenizer, seqs: list[list[int]]) -> list[str]:
-    """`tokenizer.decode(ids, skip_special_tokens=False)` of every list: one Rust `decode_batch` where it gives the
-    same texts (`compat.rust_decoder`; ~5 us a 32-token reply on the CPU against ~12 through `decode`)."""
-    if not seqs:
-        return []
-    from thinkcraft.llm import compat
-
-    rust = compat.rust_decoder(tokenizer)
-    if rust is not None:
-        return rust.decode_batch(seqs, skip_special_tokens=False)
-    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in seqs]
-
-
 def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int, sampling, history_turns: int,
             timer=None, gen_context=None, metrics: dict | None = None, env_batch_frac: float = 0.25) -> list[Trajectory]:
     """Play one episode per (seed, sample): the G samples of a seed form group `index of the seed`.
@@ -519,7 +506,9 @@ overlap lost cost less than the per-call host time saved."""
 def _reply_texts(tok, comps: Sequence[Any], specials: dict[int, str]) -> list[tuple[str, str] | None]:
     """Per completion (None: a first turn, None back): (the reply's text as sampled, special tokens included,
     without the special token that ended it; that token's text): the template writes its own end of turn after the
-    content. All the replies decoded in one batched call (`_decode_texts`)."""
+    content. All the replies decoded in one batched call (`compat.decode_batch`)."""
+    from thinkcraft.llm import compat
+
     at, bodies, ends = [], [], []
     for k, c in enumerate(comps):
         if c is None:
@@ -530,7 +519,7 @@ def _reply_texts(tok, comps: Sequence[Any], specials: dict[int, str]) -> list[tu
         bodies.append(list(ids[:-1] if ended else ids))
         ends.append(specials[ids[-1]] if ended else "")
     out: list[tuple[str, str] | None] = [None] * len(comps)
-    for k, text, end in zip(at, _decode_texts(tok, bodies), ends):
+    for k, text, end in zip(at, compat.decode_batch(tok, bodies, skip_special_tokens=False), ends):
         out[k] = (text, end)
     return out
 
