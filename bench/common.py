@@ -183,14 +183,52 @@ def decode_graphs_column(width: str = "static") -> str | None:
 
 
 
-def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, show_table: bool = False
-                  ) -> tuple[Any, dict[str, Any]]:
+def _kernel_timeline(prof: Any, base: Path) -> dict[str, Any]:
+    """The profiled kernels in time order: `<base>_kernels.tsv.gz` (start_us, dur_us, name) and the device's idle
+    gaps between them, summed by size (a gap is from one kernel's end to the next one's start, kernels on any
+    stream merged: overlapping kernels leave no gap)."""
+    import gzip
+
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not ks:
+        return {}
+    t0 = ks[0][0]
+    with gzip.open(f"{base}_kernels.tsv.gz", "wt") as f:
+        f.write("start_us\tdur_us\tname\n")
+        for a, b, name in ks:
+            f.write(f"{a - t0:.1f}\t{b - a:.1f}\t{name[:120]}\n")
+    edges = (0.0, 10.0, 100.0, 1000.0, 10000.0, float("inf"))
+    by_size = {f"{lo:g}-{hi:g}us": [0, 0.0] for lo, hi in zip(edges, edges[1:])}
+    gaps, end = [], ks[0][1]
+    for a, b, _ in ks[1:]:
+        if a > end:
+            g = a - end
+            gaps.append((g, end - t0))
+            for lo, hi in zip(edges, edges[1:]):
+                if lo <= g < hi:
+                    by_size[f"{lo:g}-{hi:g}us"][0] += 1
+                    by_size[f"{lo:g}-{hi:g}us"][1] += g
+        end = max(end, b)
+    span = end - t0
+    idle = sum(g for g, _ in gaps)
+    return {"device_timeline": {"span_s": round(span / 1e6, 4), "idle_s": round(idle / 1e6, 4),
+                                "kernels": len(ks), "kernels_file": f"{Path(base).name}_kernels.tsv.gz"},
+            "device_gaps": {k: {"count": c, "s": round(t / 1e6, 4)} for k, (c, t) in by_size.items()},
+            "device_gaps_largest": [{"at_s": round(at / 1e6, 4), "ms": round(g / 1e3, 3)}
+                                    for g, at in sorted(gaps, reverse=True)[:40]]}
+
+
+def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, show_table: bool = False,
+                  timeline: bool = False) -> tuple[Any, dict[str, Any]]:
     """(fn(), summary): fn run once under torch.profiler, wall-timed inside the profiler (its start and stop
     left out; the device synchronised). Writes `<base>.txt` (the top operators by the device's self time -
     CUDA's, or the CPU's on a CPU - then by host time) and `<base>.json` (the summary: wall_s, device_busy_s =
     summed self time of the device, device_busy_frac, device_kernels, top_device_ops, top_host_ops as
     (operator, ms, calls)) and `<base>_all.tsv` (every operator and kernel). Near-1 busy fraction:
-    compute-bound; well below: the host's launches and Python leave the device idle."""
+    compute-bound; well below: the host's launches and Python leave the device idle. `timeline` (CUDA): also
+    `<base>_kernels.tsv.gz` (every kernel's start and duration in us from the first, and its name) and, in the
+    summary, the device's idle gaps (`device_gaps`, `device_timeline`): where a loop leaves the GPU waiting."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -220,6 +258,9 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
     Path(f"{base}_all.tsv").write_text("name\tcalls\tself_device_ms\tself_host_ms\n" + "".join(
         f"{e.key}\t{e.count}\t{getattr(e, key, 0.0) / 1e3:.3f}\t{e.self_cpu_time_total / 1e3:.3f}\n"
         for e in sorted(ev, key=lambda e: -getattr(e, key, 0.0))))
+    if timeline and cuda:
+        summary.update(_kernel_timeline(prof, base))
+        Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")
     if show_table:
         print(table, flush=True)
     print(f"  profile ({label}): wall {wall:.2f} s, device busy {busy:.2f} s, {kernels} kernels -> {base}.{{txt,json}}",

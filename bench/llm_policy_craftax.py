@@ -216,7 +216,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
                     return plain_rollout(*args, **kw)
                 label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
                 out, _ = torch_profile(lambda: plain_rollout(*args, **kw), cuda,
-                                       Path(a.out).with_name(f"{Path(a.out).stem}_rollout_profile-{label}"), label)
+                                       Path(a.out).with_name(f"{Path(a.out).stem}_rollout_profile-{label}"), label,
+                                       timeline=True)
                 return out
 
             return measured_rollout

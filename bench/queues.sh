@@ -59,6 +59,8 @@
 #             rows and the compiled LoRA add in place, A/B against both off; carry [".whl", ".ref/tc-cache"]
 #   craftax4  one GPU (run 2026-12-02, s50-2): issue 19's row after the rollout's host work, with decode-ahead 4,
 #             the split kernels' tilings and the decode step autotuned; carry [".whl", ".ref/tc-cache"]
+#   craftax5  one GPU (2026-12-02): issue 19's rollout under torch.profiler with the device timeline (idle gaps, each
+#             prefill call), then under py-spy; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -316,6 +318,12 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_compile_ahead4 420 env THINKCRAFT_DECODE_AHEAD=4 $C4 --learner-compile --out bench/results/logs/s50_craftax4_compile_ahead4.json"
       "@0 decode_profile_autotune 400 env THINKCRAFT_DECODE_AUTOTUNE=1 python bench/probes/decode_step_probe.py --variants lora --kv-cache static --rows 248 --prefix 680 --context 540 --profile --out bench/results/logs/s50_decode_profile_autotune.json"
       "@0 craftax_default 360 $C4 --out bench/results/logs/s50_craftax4_default.json") ;;
+    craftax5) local C4="${CRAFTAX/--steps 3/--steps 4}"
+      jobs=(  # one GPU (2026-12-02): where issue 19's rollout goes at the current code - torch.profiler over step 2's
+              # rollout with the device timeline (its idle gaps: the host between turns; each prefill call), then the
+              # host under py-spy over 20 steady seconds
+      "@0 craftax_rollout_profile 420 $C4 --profile-rollout 2 --out bench/results/logs/s51_craftax_rollout_profile.json"
+      "@0 craftax_pyspy 480 ${CRAFTAX/--steps 3/--steps 7} --profile-steady 20 --out bench/results/logs/s51_craftax_pyspy.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
