@@ -501,23 +501,21 @@ def test_auto_micro_batch_budget_fills_the_measured_memory():
     assert auto_micro_batch_tokens(2 * mib, 40 * gib) == 17408
     assert auto_micro_batch_tokens(0.01 * mib, 80 * gib) == 65536  # capped
     assert auto_micro_batch_tokens(4 * mib, 8 * gib) == AUTO_FIRST_TOKENS  # never below what just fit
+    assert auto_micro_batch_tokens(4 * mib, 8 * gib, headroom=0.5, floor=1024) == 1024  # the host's first budget
 
 
 def test_micro_batch_tokens_0_measures_once_then_keeps_the_size(monkeypatch, caplog):
-    """`micro_batch_tokens=0` (the default): 8,192 tokens off CUDA; on CUDA the first update's first micro-batch
-    is measured (peak over the memory before it, per token) and the next updates get the size that fills 85% of
-    what is left - measured once; an out-of-memory afterwards halves it and it is never grown again."""
+    """`micro_batch_tokens=0` (the default): on CUDA the first update's first micro-batch is measured (peak over
+    the memory before it, per token) and the next updates get the size that fills 85% of what is left - measured
+    once; an out-of-memory afterwards halves it and it is never grown again."""
     import logging
-
-    from thinkcraft.train.llm_policy.learner import AUTO_FIRST_TOKENS
 
     model = _model("qwen2")
     rows = _rows(model)
     assert LP.LLMPolicyConfig().micro_batch_tokens == 0
     learner = _learner(_cfg(micro_batch_tokens=0), model)
-    assert learner.micro_batch_tokens == AUTO_FIRST_TOKENS and not learner._auto_pending  # CPU: fixed
     # the CUDA path, its memory counters simulated: 1 MiB per token over the base, 40 GiB spare
-    learner._auto_pending = True
+    learner._memory, learner._auto_pending = "device", True
     probes = []
     monkeypatch.setattr(learner, "_memory_probe_start", lambda: probes.append(1) or 1000)
     tokens = {}
@@ -551,6 +549,67 @@ def test_micro_batch_tokens_0_measures_once_then_keeps_the_size(monkeypatch, cap
     monkeypatch.setattr(learner, "_accumulate", oom_once)
     learner.update(rows)
     assert learner.micro_batch_tokens == 17408 and not learner._auto_pending and len(probes) == 1
+
+
+def test_micro_batch_tokens_0_off_cuda_sizes_to_the_host(monkeypatch, caplog):
+    """Off CUDA the default budget is measured on the host: 2,048 tokens first (8,192 got the bundled model's
+    Craftax run OOM-killed on a 24 GiB CPU), the resident set's peak over that micro-batch per token, then what
+    fills half of the memory available - once. Where the peak cannot be reset, the first budget stays."""
+    import logging
+
+    from thinkcraft.train.llm_policy import learner as LM
+    from thinkcraft.utils import host_memory
+
+    model = _model("qwen2")
+    rows = _rows(model)
+    monkeypatch.setattr(host_memory, "reset_peak", lambda: False)
+    fixed = _learner(_cfg(micro_batch_tokens=0), model)
+    assert fixed.micro_batch_tokens == LM.AUTO_FIRST_TOKENS_HOST and not fixed._auto_pending
+    fixed.update(rows)
+    assert fixed.micro_batch_tokens == LM.AUTO_FIRST_TOKENS_HOST
+    # simulated readings: 3 GiB resident before, 1 MiB a token at the peak, 20 GiB available, 1 GiB kept after
+    tokens, resets = {}, []
+    monkeypatch.setattr(host_memory, "reset_peak", lambda: resets.append(1) or True)
+    monkeypatch.setattr(host_memory, "rss_bytes", lambda: (4 if tokens else 3) * 2**30)
+    monkeypatch.setattr(host_memory, "peak_rss_bytes", lambda: 3 * 2**30 + tokens["n"] * 2**20)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 20 * 2**30)
+    learner = _learner(_cfg(micro_batch_tokens=0), model)
+    assert learner.micro_batch_tokens == LM.AUTO_FIRST_TOKENS_HOST and learner._auto_pending
+    real_micro_loss = learner._micro_loss
+
+    def micro_loss(rows_, mb, v_star):
+        tokens["n"] = mb.tokens
+        return real_micro_loss(rows_, mb, v_star)
+
+    monkeypatch.setattr(learner, "_micro_loss", micro_loss)
+    with caplog.at_level(logging.INFO):
+        learner.update(rows)
+    want = int(LM.HOST_HEADROOM * 21 * 1024) // 1024 * 1024  # half of (20 available + 1 the process holds) GiB
+    assert learner.micro_batch_tokens == want == 10240 and not learner._auto_pending
+    assert any("of host memory per token" in r.getMessage() for r in caplog.records)
+    learner.update(rows)
+    assert learner.micro_batch_tokens == want and len(resets) == 2  # the check at start + one measurement
+    # a reading that fails (a sandbox hiding /proc) keeps the first budget
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
+    blind = _learner(_cfg(micro_batch_tokens=0), model)
+    monkeypatch.setattr(blind, "_micro_loss", micro_loss)
+    blind.update(rows)
+    assert blind.micro_batch_tokens == LM.AUTO_FIRST_TOKENS_HOST and not blind._auto_pending
+
+
+def test_host_memory_readings_follow_an_allocation():
+    """The host's readings on this machine (Linux): the peak reset to the present, then raised by a touched
+    allocation of 256 MiB; the available memory a positive number."""
+    from thinkcraft.utils import host_memory
+
+    if not host_memory.reset_peak():
+        pytest.skip("/proc/self/clear_refs not writable here: the learner keeps its first budget off CUDA")
+    base = host_memory.peak_rss_bytes()
+    assert base is not None and abs(base - host_memory.rss_bytes()) < 64 * 2**20
+    block = np.ones(256 * 2**20, dtype=np.uint8)  # written: resident
+    assert host_memory.peak_rss_bytes() >= base + 200 * 2**20
+    del block
+    assert host_memory.available_bytes() > 0
 
 
 # ------------------------------------------------------------------------------------------ a shared prefix

@@ -108,7 +108,10 @@ class LLMPolicyConfig(RunOptions):
     sized to the device - the first update runs micro-batches of 8,192 tokens and measures the device memory a
     token costs; later updates take as many tokens as 85% of the memory left allows (a multiple of 1,024, at
     most 65,536): fewer, larger micro-batches for a learner bound by its host (a LoRA model of 24 layers
-    launches ~25k operators per micro-batch, whatever its size). Off CUDA: 8,192."""
+    launches ~25k operators per micro-batch, whatever its size). Off CUDA the same on the host's memory: a
+    first budget of 2,048 tokens, its resident-set peak measured (Linux), then what fills half the memory the
+    machine (or its cgroup) has available - a CPU has no out-of-memory error to recover from, only the kernel's
+    OOM killer; where the peak cannot be measured, 2,048 stays."""
     micro_batch_size: int = 0
     """At most this many rows (a turn, or an episode's turns: --pack-episodes) per micro-batch as well; 0 = the
     token budget alone decides."""

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from thinkcraft.utils import host_memory
 from thinkcraft.utils.errors import UserError
 from thinkcraft.train.llm_policy.config import LLMPolicyConfig
 from thinkcraft.pools.contract import Trajectory, TurnRecord
@@ -163,17 +164,25 @@ def _continues(flat: np.ndarray, off: np.ndarray, plen: np.ndarray, tlen: np.nda
 # =========================================================================================== learner
 
 AUTO_FIRST_TOKENS = 8192
-"""`micro_batch_tokens` 0: the first update's budget, and the one off CUDA."""
+"""`micro_batch_tokens` 0 on CUDA: the first update's budget (its first micro-batch measured)."""
+AUTO_FIRST_TOKENS_HOST = 2048
+"""`micro_batch_tokens` 0 off CUDA: the first update's budget, measured the same way on the host's resident set.
+Not CUDA's 8,192: on the CPU a budget too large is no exception to catch and halve but the kernel's OOM killer -
+the Craftax run with the bundled model (rows of ~1,700 tokens, padded attention) was killed at 24.4 GB in its first
+update on a 24 GiB machine with 8,192, and peaked at 13.9 GB with 2,048 (2026-12-02)."""
+HOST_HEADROOM = 0.5
+"""Share of the host's available memory the measured budget may fill: the rest of the process (engine KV, the
+env, Python) grows beside the learner, and a miss is fatal."""
 
 
 def auto_micro_batch_tokens(bytes_per_token: float, spare_bytes: float, headroom: float = 0.85,
-                            cap: int = 65536, multiple: int = 1024) -> int:
+                            cap: int = 65536, multiple: int = 1024, floor: int = AUTO_FIRST_TOKENS) -> int:
     """The token budget that fills `headroom` of `spare_bytes` at `bytes_per_token` (a micro-batch's peak over
-    what was allocated before it), rounded down to `multiple`, within [AUTO_FIRST_TOKENS, cap]: never below
-    the size just measured to fit (a smaller one would only add micro-batches; running out of memory later
-    halves it, `Learner.update`)."""
+    what was allocated before it), rounded down to `multiple`, within [floor, cap]: never below the size just
+    measured to fit, `floor` (a smaller one would only add micro-batches; running out of memory later halves it,
+    `Learner.update`)."""
     fit = int(headroom * spare_bytes / max(bytes_per_token, 1.0)) // multiple * multiple
-    return max(AUTO_FIRST_TOKENS, min(cap, fit))
+    return max(floor, min(cap, fit))
 
 
 class Learner:
@@ -237,11 +246,15 @@ class Learner:
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
         self._packed_forward: dict[int, Any] = {}
-        self.micro_batch_tokens = cfg.micro_batch_tokens or AUTO_FIRST_TOKENS
-        """The token budget in use: `micro_batch_tokens` (or, at 0, the first update's 8,192 and then the measured
-        size: `_size_to_device`), halved after a micro-batch ran out of device memory."""
-        self._auto_pending = cfg.micro_batch_tokens == 0 and device.type == "cuda"
-        """Sizing still to do: the next update's first micro-batch measures its memory per token."""
+        on_cuda = device.type == "cuda"
+        self.micro_batch_tokens = cfg.micro_batch_tokens or (AUTO_FIRST_TOKENS if on_cuda else AUTO_FIRST_TOKENS_HOST)
+        """The token budget in use: `micro_batch_tokens` (or, at 0, the first update's 8,192 - 2,048 off CUDA - and
+        then the measured size: `_size_to_device`), halved after a micro-batch ran out of device memory."""
+        self._memory = "device" if on_cuda else "host"
+        """What `_size_to_device` measures: CUDA's allocator counters, or the host's resident set."""
+        self._auto_pending = cfg.micro_batch_tokens == 0 and (on_cuda or host_memory.reset_peak())
+        """Sizing still to do: the next update's first micro-batch measures its memory per token (off CUDA: the
+        resident set's peak, where Linux lets it be reset; elsewhere the first budget stays)."""
         self.oom_retries = 0
 
     def autocast(self):
@@ -480,9 +493,13 @@ class Learner:
         return stats
 
     def _memory_probe_start(self) -> int:
-        """Device memory allocated before a micro-batch, its peak counter reset (`_size_to_device` reads it)."""
+        """Device memory allocated before a micro-batch, its peak counter reset (`_size_to_device` reads it); off
+        CUDA the host's resident set and its peak."""
         import torch
 
+        if self._memory == "host":
+            host_memory.reset_peak()
+            return host_memory.rss_bytes() or 0
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
@@ -493,14 +510,24 @@ class Learner:
         unused). This update keeps the plan it started with."""
         import torch
 
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        spare = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        per_token = max(peak - base_bytes, 1) / max(tokens, 1)
-        self.micro_batch_tokens = auto_micro_batch_tokens(per_token, spare)
         self._auto_pending = False
-        log.info("learner: micro-batches of %d tokens from now on (%.2f MiB of device memory per token measured "
-                 "on %d tokens, %.1f GiB left)", self.micro_batch_tokens, per_token / 2**20, tokens, spare / 2**30)
+        if self._memory == "host":
+            # the host: the resident set's peak over the micro-batch, and what the machine has left plus what the
+            # process took since (freed tensors the allocator keeps are reused, not asked for again)
+            peak, now, avail = host_memory.peak_rss_bytes(), host_memory.rss_bytes(), host_memory.available_bytes()
+            if peak is None or now is None or avail is None:
+                return
+            spare, headroom = avail + max(now - base_bytes, 0), HOST_HEADROOM
+        else:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            spare = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            headroom = 0.85
+        per_token = max(peak - base_bytes, 1) / max(tokens, 1)
+        self.micro_batch_tokens = auto_micro_batch_tokens(per_token, spare, headroom=headroom,
+                                                          floor=self.micro_batch_tokens)
+        log.info("learner: micro-batches of %d tokens from now on (%.2f MiB of %s memory per token measured on %d "
+                 "tokens, %.1f GiB left)", self.micro_batch_tokens, per_token / 2**20, self._memory, tokens, spare / 2**30)
 
     def _micro_loss(self, rows: TrainRows, mb, v_star):
         """(loss, {metric: value}) of one micro-batch, on the (rows, width - 1) layout of `build_rows`. Its
