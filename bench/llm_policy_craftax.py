@@ -259,6 +259,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         fused_proj_groups = int(kv.get("fused_proj_groups", 0.0))
         # of them, the LoRA groups whose adapters' A rides in the base GEMM (fused_proj.py, THINKCRAFT_FOLD_LORA_A)
         fused_proj_folded = int(kv.get("fused_proj_folded", 0.0))
+        # the MLPs' silu(gate) * up as one kernel in the eager prefill (llm/hf/fused_mlp.py, THINKCRAFT_FUSED_MLP)
+        fused_mlp = bool(kv.get("fused_mlp", 0.0))
         del policy
     gc.collect()
     if cuda:
@@ -329,7 +331,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "split_prefix_rows": split_decode_rows() if split_decode else None,
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
-        "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"),
+        "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp,
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
@@ -373,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
-                                                       "split_prefix_rows", "lora_add_op", "decode_autotune"))
+                                                       "split_prefix_rows", "lora_add_op", "decode_autotune",
+                                                       "fused_mlp"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -13,7 +13,7 @@ import torch
 
 from thinkcraft.llm import compat
 from thinkcraft.llm.batching import encode_text, pad_rows, tokenize_batch
-from thinkcraft.llm.hf import fused_proj, lora_fast
+from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
 from thinkcraft.llm.hf.decode import DecodeMixin
 from thinkcraft.llm.hf.prefill import PrefillMixin
 from thinkcraft.llm.protocol import Batch, Capabilities
@@ -179,6 +179,10 @@ class HFEngine(PrefillMixin, DecodeMixin):
         # q/k/v and gate/up as one GEMM each in no-grad forwards, LoRA's A inside it, the other adapted linears as
         # groups of one (fused_proj says why); after any quantisation
         self._fused_proj = fused_proj.install(model)
+        # and each MLP's silu(gate) * up as one kernel over that group's output in eager forwards (the prefill)
+        self._fused_mlps = fused_mlp.install(model) if self._fused_proj else 0
+        if self._fused_mlps:  # its first-use check now, never inside a CUDA-graph capture (the check synchronises)
+            fused_mlp.serves(self.device, self.dtype)
 
     # --- protocol -------------------------------------------------------------------------------------
 

@@ -131,16 +131,10 @@ class Group:
         """Member i's output (None: it computes its own). The leader (i = 0) computes the group and stashes the
         siblings' slices under its input; a sibling takes its slice only for that same input tensor."""
         if i == 0:
-            if not self.usable(x):
-                return None
-            if not torch.compiler.is_compiling():  # an eager forward: the adapters' copies, then the group's
-                for m, lo in zip(self.members, self.lora):
-                    if lo:
-                        lora_fast._refresh_layer(m)
-                self.refresh()
-            if len(self.members) == 1:
-                return self.compute(x)  # a group of one: nothing to keep for a sibling
-            outs = list(self.compute(x).split(self.splits, dim=-1))
+            y = self.output(x)
+            if y is None or len(self.members) == 1:
+                return y  # a group of one: nothing to keep for a sibling
+            outs = list(y.split(self.splits, dim=-1))
             self.stash = (x, outs)
             return outs[0]
         st = self.stash
@@ -150,6 +144,18 @@ class Group:
         if i == len(self.members) - 1:
             self.stash = None  # the last sibling: nothing of this forward is kept alive
         return out
+
+    def output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole group's output for `x` (its members' side by side), or None where the fused path may not serve
+        this call (`usable`); an eager forward first brings the copies up to date. `fused_mlp` reads gate/up whole."""
+        if not self.usable(x):
+            return None
+        if not torch.compiler.is_compiling():  # an eager forward: the adapters' copies, then the group's
+            for m, lo in zip(self.members, self.lora):
+                if lo:
+                    lora_fast._refresh_layer(m)
+            self.refresh()
+        return self.compute(x)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
@@ -327,7 +333,11 @@ def counts(groups: list[Group]) -> dict[str, int]:
 
 
 def strip(model: torch.nn.Module) -> None:
-    """Take the groups out of `model` (a copy for another engine or process, which fuses its own)."""
+    """Take the groups out of `model` (a copy for another engine or process, which fuses its own), and the MLPs'
+    fused forward that reads them."""
+    from thinkcraft.llm.hf import fused_mlp
+
+    fused_mlp.strip(model)
     unmix(model, _FusedLinearMixin, ())
     for m in model.modules():
         m.__dict__.pop("_tc_group", None)

@@ -1,0 +1,208 @@
+"""The MLP's `silu(gate) * up` as one kernel over the fused gate/up GEMM's output, in the engine's eager forwards.
+
+With `fused_proj`, a Llama / Qwen MLP's gate and up projections are one GEMM whose output `[gate | up]` (with LoRA's
+A folded, `[gate | up | x Aᵀ]`) the two members return as column slices: strided views. Eager PyTorch runs
+`silu(gate)` and `silu(gate) * up` over strided bf16 tensors with its generic (non-vectorised) elementwise kernel:
+in the Craftax rollout's prefills (~23k tokens a call, Qwen2.5-0.5B shape, H200, 2026-12-02,
+`bench/llm_policy_craftax.py --profile-rollout`: `s51_craftax_rollout_profile_*`) the SiLU took 58.5 ms and the
+strided multiplies ~67 ms of a rollout's ~600 ms of prefill kernels - more than the MLP's GEMMs. One Triton program
+per (row, block of columns) reads the two halves where they lie and writes the product contiguous: one pass.
+(The compiled decode step never gets here: inductor fuses the same ops itself, `torch.compiler.is_compiling()`.)
+
+Values: the eager ops' roundings, in their order - `silu(gate)` computed in fp32 and rounded to the half dtype, then
+the product with `up` in fp32 rounded again; the exponential is Triton's, so a result may differ from torch's by one
+step of the half dtype where the fp32 SiLU lies on a rounding boundary (the first-use check allows that, and
+requires almost every element to be equal).
+
+Where: no-grad forwards (the learner's gradient path is untouched), outside compilation, on CUDA (or Triton's
+interpreter on the CPU: the tests), for MLPs of a known kind (`KINDS`, whose forward is
+`down_proj(act_fn(gate_proj(x)) * up_proj(x))`) with a SiLU and a fused gate/up group. The first call on a device
+checks the kernel against torch; a failure (a Triton that cannot compile it) logs a warning and keeps torch's ops.
+THINKCRAFT_FUSED_MLP=0 keeps them everywhere (the A/B switch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
+from thinkcraft.utils.errors import env_switch
+
+log = logging.getLogger(__name__)
+
+KINDS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+"""HF MLP classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`."""
+
+BLOCK = 1024
+"""Columns a program writes (a multiple of every GPU's vector width; the Qwen2.5-0.5B MLP's 4,864 in 5 blocks)."""
+
+_HALF = (torch.bfloat16, torch.float16)
+_state: dict[tuple[str, int | None, torch.dtype], bool] = {}
+_kernel: Any = None
+
+
+def fused_mlp_on() -> bool:
+    return env_switch("THINKCRAFT_FUSED_MLP", default=True)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def _build() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_mul_kernel(y_ptr, out_ptr, stride_y, up_col, n_cols, BLOCK: tl.constexpr, BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < n_cols
+        src = y_ptr + row * stride_y + col
+        g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(src + up_col, mask=mask, other=0.0)
+        act = g / (1.0 + tl.exp(-g))  # silu(gate) in fp32, rounded to the half dtype as torch's SiLU rounds it
+        if BF16:
+            # rounded to the nearest bf16 (ties to even) by hand, kept in fp32: Triton's CPU interpreter casts by
+            # truncating (on a GPU these are its own cast's values). Written out twice: a jitted helper defined in
+            # this scope is not found by the interpreter (a closure)
+            b = act.to(tl.uint32, bitcast=True)
+            act = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            prod = act * u.to(tl.float32)
+            b = prod.to(tl.uint32, bitcast=True)
+            out = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            out = act.to(u.dtype).to(tl.float32) * u.to(tl.float32)
+        tl.store(out_ptr + row * n_cols + col, out.to(u.dtype), mask=mask)
+
+    return silu_mul_kernel
+
+
+def silu_mul(y: torch.Tensor, n: int) -> torch.Tensor:
+    """`silu(y[:, :n]) * y[:, n:2n]` of a 2-D `y` whose columns are contiguous (any row stride), as a contiguous
+    (rows, n) tensor, by the kernel (CUDA or the interpreter; no check here: `serves` checks once)."""
+    global _kernel
+    if y.dim() != 2 or y.stride(1) != 1 or y.shape[1] < 2 * n:
+        raise ValueError(f"silu_mul needs a 2-D tensor with contiguous columns and at least {2 * n} of them, "
+                         f"got shape {tuple(y.shape)} strides {y.stride()}")
+    if _kernel is None:
+        _kernel = _build()
+    out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
+    if y.shape[0]:
+        _kernel[(y.shape[0], -(-n // BLOCK))](y, out, y.stride(0), n, n, BLOCK=BLOCK, BF16=y.dtype == torch.bfloat16)
+    return out
+
+
+def reference(y: torch.Tensor, n: int) -> torch.Tensor:
+    """What the eager MLP computes from the same slices."""
+    return F.silu(y[:, :n]) * y[:, n:2 * n]
+
+
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """The switch on, CUDA (or the interpreter on the CPU), a half dtype, and the one-time check passed."""
+    if not fused_mlp_on() or dtype not in _HALF:
+        return False
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+        return False
+    key = (device.type, device.index, dtype)
+    if key not in _state:
+        _state[key] = _check(device, dtype)
+    return _state[key]
+
+
+def _check(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel against torch's ops on strided halves of a (rows, 2n + extra) tensor, n not a multiple of BLOCK:
+    at most one step of the dtype apart, and almost every element equal."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        n = BLOCK + 37
+        y = (3 * torch.randn(13, 2 * n + 24, generator=gen)).to(device=device, dtype=dtype)
+        got, want = silu_mul(y, n).float(), reference(y, n).float()
+        step = want.abs().clamp_min(1e-3) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
+        if bool(((got - want).abs() > step * 1.01).any()):
+            raise RuntimeError(f"differs from torch by {float((got - want).abs().max()):.3g}")
+        equal = float((got == want).float().mean())
+        if equal < 0.99:
+            raise RuntimeError(f"only {equal:.1%} of the elements equal torch's")
+        return True
+    except Exception as e:  # noqa: BLE001 - the MLP keeps torch's ops, said once
+        log.warning("the fused SiLU-and-multiply kernel failed its first-use check on %s (%s: %s): the MLPs keep "
+                    "torch's elementwise ops", device, type(e).__name__, e)
+        return False
+
+
+def passed(device: torch.device) -> bool:
+    """Whether the kernel passed a check on `device` in this process."""
+    return any(ok for (kind, index, _), ok in _state.items() if (kind, index) == (device.type, device.index))
+
+
+class _FusedMLPMixin:
+    """Mixed into an MLP of `KINDS` by `install` (the instance's class is swapped)."""
+
+    gate_proj: Any
+    up_proj: Any
+    down_proj: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _fused_hidden(self, x)
+        if h is None:
+            return super().forward(x)  # type: ignore[misc]
+        return self.down_proj(h)
+
+
+def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """`act_fn(gate_proj(x)) * up_proj(x)` through the gate/up group and the kernel, or None (torch's path)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    group = mlp.gate_proj.__dict__.get("_tc_group")
+    if group is None or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
+            or group.members[1] is not mlp.up_proj or group.splits[0] != group.splits[1]:
+        return None
+    if not serves(x.device, group.weight.dtype):
+        return None
+    y = group.output(x)  # [gate | up] (…, 2n), a view whose rows may be longer (A's columns after them)
+    if y is None:
+        return None
+    n = group.splits[0]
+    y2 = y.reshape(-1, y.shape[-1])
+    if y2.stride(1) != 1:
+        return None
+    return silu_mul(y2, n).view(*y.shape[:-1], n)
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def install(model: torch.nn.Module) -> int:
+    """Swap every MLP of a kind in `KINDS` with a SiLU to the fused forward (it serves only where its gate/up are a
+    `fused_proj` group); how many (idempotent; 0 with THINKCRAFT_FUSED_MLP=0)."""
+    if not fused_mlp_on():
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, _FusedMLPMixin):
+            n += 1
+        elif type(m).__name__ in KINDS and _is_silu(getattr(m, "act_fn", None)) \
+                and all(hasattr(m, k) for k in ("gate_proj", "up_proj", "down_proj")):
+            m.__class__ = mixin_class(_FusedMLPMixin, type(m), "FusedMLP", globals())
+            n += 1
+    return n
+
+
+def strip(model: torch.nn.Module) -> None:
+    """HF's forward back on every MLP `install` swapped."""
+    unmix(model, _FusedMLPMixin, ())
+
+
+def installed(model: Any) -> int:
+    return sum(isinstance(m, _FusedMLPMixin) for m in model.modules())
+
+
+# a swapped class unpickled before this process made it
+__getattr__ = mixin_getattr(_FusedMLPMixin, "FusedMLP", globals())

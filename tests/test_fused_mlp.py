@@ -1,0 +1,134 @@
+"""The MLP's silu(gate) * up as one kernel over the fused gate/up output (llm/hf/fused_mlp.py): its Triton kernel runs
+on the CPU under Triton's interpreter in a fresh process (TRITON_INTERPRET is read when Triton loads), equal to
+torch's ops on strided bf16 halves (a step of bf16 at most, almost all equal) and inside a tiny LoRA model's no-grad
+forward, where every MLP takes it; elsewhere (no interpreter, gradients, the switch off, no fused group) the MLP
+keeps torch's ops, and the swap strips and pickles."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
+from thinkcraft.llm.testing import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+peft = pytest.importorskip("peft")
+from test_lora_fast import _logits, _lora  # noqa: E402 - after the skip: it needs PEFT too
+
+SCRIPT = r"""
+import torch
+from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
+from test_lora_fast import _logits, _lora
+
+cpu = torch.device("cpu")
+assert fused_mlp.serves(cpu, torch.bfloat16), "the first-use check failed under the interpreter"
+gen = torch.Generator().manual_seed(3)
+for rows, n, extra in ((1, 7, 0), (5, 1024, 8), (9, 1100, 40)):  # one block, exactly one, a part block + A's columns
+    y = (3 * torch.randn(rows, 2 * n + extra, generator=gen)).to(torch.bfloat16)
+    got, want = fused_mlp.silu_mul(y, n).float(), fused_mlp.reference(y, n).float()
+    assert got.shape == (rows, n) and fused_mlp.silu_mul(y, n).is_contiguous()
+    assert ((got - want).abs() <= want.abs().clamp_min(1e-3) * 2 ** -7 * 1.01).all(), (got - want).abs().max()
+    assert (got == want).float().mean() >= 0.99
+assert fused_mlp.silu_mul(torch.zeros(0, 6, dtype=torch.bfloat16), 3).shape == (0, 3)
+
+model, _ = _lora()
+lora_fast.install(model)
+ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+groups = fused_proj.install(model)
+want = _logits(model, ids)  # fused projections, torch's MLP ops
+assert fused_mlp.install(model) == model.config.num_hidden_layers
+calls = []
+real = fused_mlp.silu_mul
+fused_mlp.silu_mul = lambda y, n: calls.append(tuple(y.shape)) or real(y, n)
+got = _logits(model, ids)
+assert len(calls) == model.config.num_hidden_layers, calls
+assert all(r == 18 for r, _ in calls)  # the batch's 2 x 9 tokens, one call a layer
+torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+print("ok")
+"""
+
+
+def test_kernel_and_model_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel may come without it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    env.pop("THINKCRAFT_FUSED_MLP", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-4000:])
+
+
+def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
+    """On the CPU without the interpreter, with gradients, without a fused group, or with the switch off, the MLP's
+    own forward runs (the kernel is never called) and the logits are HF's."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fused_mlp.serves(torch.device("cpu"), torch.bfloat16)
+    model, _ = _lora()
+    lora_fast.install(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    fused_proj.install(model)
+    want = _logits(model, ids)
+    assert fused_mlp.install(model) == model.config.num_hidden_layers
+    assert fused_mlp.install(model) == model.config.num_hidden_layers  # idempotent
+    called = []
+    monkeypatch.setattr(fused_mlp, "silu_mul", lambda y, n: called.append(1))
+    assert torch.equal(_logits(model, ids), want)  # no interpreter: torch's ops
+    real_serves = fused_mlp.serves
+    monkeypatch.setattr(fused_mlp, "serves", lambda device, dtype: True)  # as if on a GPU
+    with torch.enable_grad():  # the learner's path: untouched
+        model(ids).logits.sum().backward()
+    plain, _ = tiny_llama()
+    plain = plain.to(torch.bfloat16)
+    assert fused_mlp.install(plain) == plain.config.num_hidden_layers  # swapped, but no fused group to read
+    _logits(plain, ids)
+    assert not called
+    fused_mlp.strip(model)
+    assert fused_mlp.installed(model) == 0 and torch.equal(_logits(model, ids), want)
+    monkeypatch.setenv("THINKCRAFT_FUSED_MLP", "0")
+    assert fused_mlp.install(model) == 0 and not real_serves(torch.device("cuda"), torch.bfloat16)
+
+
+def test_swapped_mlps_pickle_and_strip_with_the_groups() -> None:
+    model, _ = tiny_llama()
+    model = model.to(torch.bfloat16)
+    fused_proj.install(model)
+    n = fused_mlp.install(model)
+    assert n == model.config.num_hidden_layers
+    back = pickle.loads(pickle.dumps(model))
+    assert fused_mlp.installed(back) == n
+    fused_proj.strip(back)  # a copy for another engine: the groups and the MLPs' forward that reads them
+    assert fused_mlp.installed(back) == 0
+    assert all(type(m).__name__ == "LlamaMLP" for m in back.modules() if "MLP" in type(m).__name__)
+
+
+def test_bad_input_is_refused() -> None:
+    y = torch.zeros(4, 10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at least 12"):
+        fused_mlp.silu_mul(y, 6)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        fused_mlp.silu_mul(y.t(), 2)
+
+
+@pytest.mark.gpu
+def test_engine_prefill_with_the_kernel_on_a_gpu(monkeypatch) -> None:
+    """On CUDA: the check passes, and a bf16 LoRA model's no-grad forward of 300 tokens through the kernel is close to
+    the one through torch's ops."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    assert fused_mlp.serves(dev, torch.bfloat16)
+    model, _ = _lora()
+    model = model.to(dev)
+    lora_fast.install(model)
+    fused_proj.install(model)
+    ids = torch.randint(0, 64, (3, 100), generator=torch.Generator().manual_seed(1)).to(dev)
+    want = _logits(model, ids)
+    fused_mlp.install(model)
+    got = _logits(model, ids)
+    assert fused_mlp.passed(dev)
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
