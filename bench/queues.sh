@@ -61,8 +61,8 @@
 #             the split kernels' tilings and the decode step autotuned; carry [".whl", ".ref/tc-cache"]
 #   craftax5  one GPU (2026-12-02): issue 19's rollout under torch.profiler with the device timeline (idle gaps, each
 #             prefill call), then under py-spy; carry [".whl", ".ref/tc-cache"] (2026-12-02: the profile alone ran)
-#   craftax6  one GPU (2026-12-02): issue 19's row with the fused MLP (llm/hf/fused_mlp.py) and without, on one
-#             machine; carry [".whl", ".ref/tc-cache"]
+#   craftax6  one GPU (run 2026-12-02, s51-2): issue 19's row with the fused MLP (llm/hf/fused_mlp.py, opt-in since:
+#             no gain) and without, on one machine; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -329,9 +329,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     craftax6) local C4="${CRAFTAX/--steps 3/--steps 4}"
       jobs=(  # one GPU (2026-12-02): issue 19's row with the MLPs' silu(gate) * up as one kernel in the eager prefill
               # (llm/hf/fused_mlp.py), A/B against THINKCRAFT_FUSED_MLP=0 on the same machine
-      "@0 gputest 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
-      "@0 craftax_fused_mlp 360 $C4 --out bench/results/logs/s51_craftax_fused_mlp.json"
-      "@0 craftax_no_fused_mlp 360 env THINKCRAFT_FUSED_MLP=0 $C4 --out bench/results/logs/s51_craftax_no_fused_mlp.json") ;;
+      "@0 gputest 240 env THINKCRAFT_FUSED_MLP=1 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 craftax_fused_mlp 360 env THINKCRAFT_FUSED_MLP=1 $C4 --out bench/results/logs/s51_craftax_fused_mlp.json"
+      "@0 craftax_no_fused_mlp 360 $C4 --out bench/results/logs/s51_craftax_no_fused_mlp.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -1,7 +1,7 @@
 """The MLP's silu(gate) * up as one kernel over the fused gate/up output (llm/hf/fused_mlp.py): its Triton kernel runs
 on the CPU under Triton's interpreter in a fresh process (TRITON_INTERPRET is read when Triton loads), equal to
 torch's ops on strided bf16 halves (a step of bf16 at most, almost all equal) and inside a tiny LoRA model's no-grad
-forward, where every MLP takes it; elsewhere (no interpreter, gradients, the switch off, no fused group) the MLP
+forward, where every MLP takes it (THINKCRAFT_FUSED_MLP=1: opt-in); elsewhere (no interpreter, gradients, the switch off, no fused group) the MLP
 keeps torch's ops, and the swap strips and pickles."""
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
 from thinkcraft.llm.testing import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _switch_on(monkeypatch):  # noqa: ANN001, ANN202 - the kernel is opt-in
+    monkeypatch.setenv("THINKCRAFT_FUSED_MLP", "1")
 peft = pytest.importorskip("peft")
 from test_lora_fast import _logits, _lora  # noqa: E402 - after the skip: it needs PEFT too
 
@@ -58,7 +63,7 @@ print("ok")
 def test_kernel_and_model_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel may come without it)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
-    env.pop("THINKCRAFT_FUSED_MLP", None)
+    env["THINKCRAFT_FUSED_MLP"] = "1"
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-4000:])
 
@@ -89,7 +94,7 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
     assert not called
     fused_mlp.strip(model)
     assert fused_mlp.installed(model) == 0 and torch.equal(_logits(model, ids), want)
-    monkeypatch.setenv("THINKCRAFT_FUSED_MLP", "0")
+    monkeypatch.delenv("THINKCRAFT_FUSED_MLP")  # the default: off
     assert fused_mlp.install(model) == 0 and not real_serves(torch.device("cuda"), torch.bfloat16)
 
 

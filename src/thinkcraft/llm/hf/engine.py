@@ -179,7 +179,8 @@ class HFEngine(PrefillMixin, DecodeMixin):
         # q/k/v and gate/up as one GEMM each in no-grad forwards, LoRA's A inside it, the other adapted linears as
         # groups of one (fused_proj says why); after any quantisation
         self._fused_proj = fused_proj.install(model)
-        # and each MLP's silu(gate) * up as one kernel over that group's output in eager forwards (the prefill)
+        # and, opt-in (THINKCRAFT_FUSED_MLP=1), each MLP's silu(gate) * up as one kernel over that group's output in
+        # eager forwards (the prefill; fused_mlp says why it is not the default)
         self._fused_mlps = fused_mlp.install(model) if self._fused_proj else 0
         if self._fused_mlps:  # its first-use check now, never inside a CUDA-graph capture (the check synchronises)
             fused_mlp.serves(self.device, self.dtype)

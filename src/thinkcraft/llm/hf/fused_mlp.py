@@ -18,7 +18,12 @@ Where: no-grad forwards (the learner's gradient path is untouched), outside comp
 interpreter on the CPU: the tests), for MLPs of a known kind (`KINDS`, whose forward is
 `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) with a SiLU and a fused gate/up group. The first call on a device
 checks the kernel against torch; a failure (a Triton that cannot compile it) logs a warning and keeps torch's ops.
-THINKCRAFT_FUSED_MLP=0 keeps them everywhere (the A/B switch).
+
+Opt-in (THINKCRAFT_FUSED_MLP=1): on the Craftax row (1 x H200, 2026-12-02, BENCHMARKS §7b) it passed its GPU test
+and check, but the rollout did not follow - 1,115 and 1,075 decisions/s with it against 1,076 and 1,094 without,
+alternating on one machine: that prefill is bound by its host (~60 ms of launches a call for ~75 ms of kernels), so
+kernel time saved there is not yet time saved. Worth trying where the prefill is bound by the device (larger models,
+a graph-captured prefill).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ _kernel: Any = None
 
 
 def fused_mlp_on() -> bool:
-    return env_switch("THINKCRAFT_FUSED_MLP", default=True)
+    """THINKCRAFT_FUSED_MLP (off: the module docstring says why)."""
+    return env_switch("THINKCRAFT_FUSED_MLP", default=False)
 
 
 def _interpreted() -> bool:
@@ -181,7 +187,7 @@ def _is_silu(act: Any) -> bool:
 
 def install(model: torch.nn.Module) -> int:
     """Swap every MLP of a kind in `KINDS` with a SiLU to the fused forward (it serves only where its gate/up are a
-    `fused_proj` group); how many (idempotent; 0 with THINKCRAFT_FUSED_MLP=0)."""
+    `fused_proj` group); how many (idempotent; 0 unless THINKCRAFT_FUSED_MLP=1)."""
     if not fused_mlp_on():
         return 0
     n = 0
