@@ -395,13 +395,17 @@ if [ "${1:-}" = peek ]; then  # where every started set is, at once: each job's 
 fi
 if [ "${1:-}" = collect ]; then  # wait (up to $2 s in all) for the started sets, then bring each one's archive back
   t_end=$(( $(date +%s) + ${2:-540} ))
-  for s in $SETS; do
-    [ -d "/tmp/tc-devq-$s" ] || continue
+  found=0
+  for q in /tmp/tc-devq-*; do  # every started queue, whether or not its set is listed (2026-12-02: one was not)
+    [ -d "$q" ] || continue
+    found=1
     left=$(( t_end - $(date +%s) )); (( left < 1 )) && left=1
-    GPU_QUEUE_NAME=$s bash bench/gpu_batch.sh collect "$left"
+    GPU_QUEUE_NAME=${q#/tmp/tc-devq-} bash bench/gpu_batch.sh collect "$left"
   done
+  (( found )) || echo "collect: no started set on this machine (/tmp/tc-devq-* absent: a fresh machine, or none started)"
   exit 0
 fi
+[[ " $SETS " == *" ${1:-} "* ]] || { echo "unknown set ${1:-<none>}: add it to SETS (the sets: $SETS)"; exit 2; }
 set_jobs "${1:-}"
 if [ -n "${ONLY:-}" ]; then  # ONLY="name ...": just those jobs of the set (e.g. the two-GPU part of llm)
   kept=(); for j in "${jobs[@]}"; do read -r _ name _ <<<"$j"; [[ " $ONLY " == *" $name "* ]] && kept+=("$j"); done
