@@ -96,7 +96,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(the rollout's SUBMIT_CHUNK; default: the library's)")
     p.add_argument("--profile-rollout", type=int, default=None, metavar="STEP",
                    help="torch.profiler over the rollout (generation + env) of step STEP (-1: the last): where the "
-                        "decode steps' and prefills' device time goes, in <out>_rollout_profile-<case>.{txt,json}; "
+                        "decode steps' and prefills' device time goes, in <out>_rollout_profile-<case>.{txt,json}, with the "
+                        "device timeline (every kernel's start and length, <case>_kernels.tsv.gz, and the idle gaps "
+                        "by size in the .json); "
                         "that step is left out of the rates, as --profile-update's")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
