@@ -250,6 +250,8 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
                "device_busy_frac": round(busy / wall, 3) if wall > 0 else None, "device_kernels": kernels,
                "top_device_ops": ranked(key), "top_host_ops": ranked("self_cpu_time_total")}
     base.parent.mkdir(parents=True, exist_ok=True)
+    if timeline and cuda:
+        summary.update(_kernel_timeline(prof, base))
     table = ev.table(sort_by=key, row_limit=top)
     Path(f"{base}.txt").write_text(f"{label}: wall {wall:.3f} s, summed {key} {busy:.3f} s\n{table}\n"
                                    + ev.table(sort_by="self_cpu_time_total", row_limit=top) + "\n")
@@ -258,9 +260,6 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
     Path(f"{base}_all.tsv").write_text("name\tcalls\tself_device_ms\tself_host_ms\n" + "".join(
         f"{e.key}\t{e.count}\t{getattr(e, key, 0.0) / 1e3:.3f}\t{e.self_cpu_time_total / 1e3:.3f}\n"
         for e in sorted(ev, key=lambda e: -getattr(e, key, 0.0))))
-    if timeline and cuda:
-        summary.update(_kernel_timeline(prof, base))
-        Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")
     if show_table:
         print(table, flush=True)
     print(f"  profile ({label}): wall {wall:.2f} s, device busy {busy:.2f} s, {kernels} kernels -> {base}.{{txt,json}}",

@@ -29,7 +29,6 @@ a graph-captured prefill).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
+from thinkcraft.llm.hf.triton_device import runs_on
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,6 @@ def fused_mlp_on() -> bool:
     """THINKCRAFT_FUSED_MLP (off: the module docstring says why)."""
     return env_switch("THINKCRAFT_FUSED_MLP", default=False)
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def _build() -> Any:
@@ -113,7 +110,7 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
     """The switch on, CUDA (or the interpreter on the CPU), a half dtype, and the one-time check passed."""
     if not fused_mlp_on() or dtype not in _HALF:
         return False
-    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+    if not runs_on(device):
         return False
     key = (device.type, device.index, dtype)
     if key not in _state:

@@ -26,12 +26,12 @@ tests). `THINKCRAFT_FUSED_SAMPLER=0` turns it off (the A/B switch; on by default
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 
 from thinkcraft.utils.errors import env_switch
+from thinkcraft.llm.hf.triton_device import interpreted, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,6 @@ def fused_sampler_on() -> bool:
     """THINKCRAFT_FUSED_SAMPLER: "1" (default) samples with the one-pass kernel where it serves, "0" never."""
     return env_switch("THINKCRAFT_FUSED_SAMPLER", default=True)
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def _build() -> Any:
@@ -144,7 +141,7 @@ def fused_sampler_serves(logits: torch.Tensor) -> bool:
     dev = logits.device
     if not fused_sampler_on() or logits.dim() != 2 or logits.stride(1) != 1:
         return False
-    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreted()):
+    if not runs_on(dev):
         return False
     key = (dev.type, dev.index)
     if key not in _state:
@@ -178,7 +175,7 @@ def _check(dev: torch.device) -> str | bool:
                 raise RuntimeError("the logsumexp differs from torch's")
             if not (bool(((tok >= 0) & (tok < 3000)).all()) and bool((tok % 7 != 0).all()) and int(seed.item()) == 1):
                 raise RuntimeError("a token out of range or masked, or the seed not advanced")
-            n = 256 if _interpreted() else 4096
+            n = 256 if interpreted() else 4096
             row = torch.tensor([1.0, 0.2, -0.5, 0.8, -2.0, 0.0])
             t = 1.3
             draws = sample_and_lse(row.repeat(n, 1).to(dev), torch.full((n,), t, device=dev), seed, variant)[0]

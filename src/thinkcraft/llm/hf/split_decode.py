@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from thinkcraft.utils.errors import UserError, env_switch
+from thinkcraft.llm.hf.triton_device import interpreted, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,6 @@ def prefix_rows() -> int:
         raise UserError(f"THINKCRAFT_SPLIT_PREFIX_ROWS must be 0 or a power of two up to 128, not {raw!r}")
     return n
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def _pow2(n: int, least: int) -> int:
@@ -287,12 +285,12 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
         rows = max(min(rows, max(128 // gq, 1)), -(-16 // gq))
         prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,
                                           s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst, CHUNK=chunk,
-                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=_interpreted(), num_warps=NUM_WARPS,
+                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=interpreted(), num_warps=NUM_WARPS,
                                           **stages)
     first = nsp if rows else 0
     partial[(s * hkv, nst - first)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part,
                                     lse_part, scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp,
-                                    NST=nst, CHUNK=chunk, BLOCK_N=BLOCK_N, UPCAST=_interpreted(), FIRST=first,
+                                    NST=nst, CHUNK=chunk, BLOCK_N=BLOCK_N, UPCAST=interpreted(), FIRST=first,
                                     num_warps=NUM_WARPS, **stages)
     combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, num_warps=NUM_WARPS)
     return out
@@ -350,7 +348,7 @@ def serves(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) 
     and its one-time check passed for (device, dtype, head dim, group)."""
     if not split_decode_on():
         return False
-    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+    if not runs_on(device):
         return False
     key = (device.type, device.index, dtype, head_dim, group)
     if key not in _state:
