@@ -16,7 +16,9 @@ Learner as it is). The first step pays the compiles (Craftax, the decode step's 
 the numbers are over the following steps:
 
     decisions_per_s           turns / (rollout + train) - end to end, synchronous
-    rollout_decisions_per_s   turns / (generate + env)
+    rollout_decisions_per_s   turns / rollout wall time (`timing/rollout`: generate, env and the host's work
+                              between them, the turn records included; rows before 2026-12-02's third session
+                              divided by generate + env alone, which left ~0.06 s a step of host work out)
     *_last                    the same for the last step alone (run --steps 4 or more for a steady one)
     generate_tok_per_s        generated tokens / generate time (prefill, decode and prompt building)
     generate_share            generate time / step time
@@ -74,7 +76,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="learner tokens per forward/backward (0 = sized to the device after the first update, as "
                         "`train llm-policy`'s default)")
-    p.add_argument("--learner-compile", action="store_true", help="torch.compile the learner's packed forward")
+    p.add_argument("--learner-compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the learner's packed forward (LLMPolicyConfig.learner_compile): auto (the "
+                        "library's default: on for a CUDA learner with a plain decoder), on (the bare flag), off")
     p.add_argument("--prefill-compile", action="store_true",
                    help="the engine's packed prefill through torch.compile (THINKCRAFT_PREFILL_COMPILE=1)")
     p.add_argument("--micro-batch-size", type=int, default=0, help="learner rows per micro-batch at most (0 = no cap)")
@@ -121,7 +125,7 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         group_size=a.group_size, max_new_tokens=a.max_new_tokens + (budget + close if budget else 0),
         thinking_budget=budget or None, max_turns=a.max_turns, history_turns=-1, finetune=a.finetune,
         micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size, kv_cache=a.kv_cache,
-        learner_compile=a.learner_compile,
+        learner_compile={"auto": None, "on": True, "off": False}[a.learner_compile],
         pack_episodes=a.pack_episodes == "on",
         compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
         device=a.device, store=False,
@@ -168,7 +172,8 @@ def _run_steps(a: argparse.Namespace, cfg: Any, policy: Any, recs: list[Any], pr
             rec["wall_s"] = time.perf_counter() - t0
             recs.append(rec)
             print(f"  {shape} envs={num_envs} budget={budget} step {step}: {rec['timing/step']:.2f} s "
-                  f"(generate {rec.get('timing/generate', 0):.2f}, env {rec.get('timing/env', 0):.2f}, "
+                  f"(rollout {rec.get('timing/rollout', 0):.2f}: generate {rec.get('timing/generate', 0):.2f}, env "
+                  f"{rec.get('timing/env', 0):.2f}, records {rec.get('timing/records', 0):.3f}; "
                   f"train {rec.get('timing/train', 0):.2f} in micro-batches of {rec.get('learner/micro_batch_tokens', 0):.0f} "
                   f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
                   f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
@@ -272,16 +277,18 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
     step_s = [r["timing/step"] for r in steady]
     gen_s = [r.get("timing/generate", 0.0) for r in steady]
     env_s = [r.get("timing/env", 0.0) for r in steady]
+    # the rollout's wall time (a record without it: generate + env, as rows before 2026-12-02 were computed)
+    roll_s = [r.get("timing/rollout", g + e) for r, g, e in zip(steady, gen_s, env_s)]
     tokens = [r["completion/mean_tokens"] * n for r, n in zip(steady, turns)]
     med = statistics.median
     return {
         "model_shape": shape, "num_envs": num_envs, "max_new_tokens": a.max_new_tokens, "thinking_budget": budget,
         "decisions_per_s": round(sum(turns) / sum(step_s), 1),
-        "rollout_decisions_per_s": round(sum(turns) / (sum(gen_s) + sum(env_s)), 1),
+        "rollout_decisions_per_s": round(sum(turns) / sum(roll_s), 1),
         # the last step alone: on a GPU the step after the first weight update has recompiled the decode
         # step (H100, 2026-11-26: 118 s vs 20.7 s), which the averages above include with --steps 3
         "decisions_per_s_last": round(turns[-1] / step_s[-1], 1),
-        "rollout_decisions_per_s_last": round(turns[-1] / (gen_s[-1] + env_s[-1]), 1),
+        "rollout_decisions_per_s_last": round(turns[-1] / roll_s[-1], 1),
         "generate_tok_per_s": round(sum(tokens) / max(sum(gen_s), 1e-9), 1),
         "generate_share": round(sum(gen_s) / sum(step_s), 3),
         "prefill_tokens_saved_frac": round(med([r.get("kv/prefill_saved_frac", 0.0) for r in steady]), 3),
@@ -289,6 +296,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "peak_learner_gb": round(max(peaks), 2) if peaks else None,
         "kv_cache_gb": round(kv_gb, 2),
         "s_per_step": round(med(step_s), 3), "env_s": round(med(env_s), 3), "generate_s": round(med(gen_s), 3),
+        "rollout_s": round(med(roll_s), 3),
+        # the rollout's host work outside generate and env (the records' chunks are timed as `timing/records`)
+        "rollout_host_s": round(med([r - g - e for r, g, e in zip(roll_s, gen_s, env_s)]), 3),
+        "records_s": round(med([r.get("timing/records", 0.0) for r in steady]), 3),
         "train_s": round(med([r.get("timing/train", 0.0) for r in steady]), 3),
         "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)
                                       / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),
@@ -340,7 +351,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # decode iterations launched before the host reads a record (THINKCRAFT_DECODE_AHEAD)
         "decode_ahead": decode_ahead(),
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
-        "micro_batch_tokens": a.micro_batch_tokens, "learner_compile": a.learner_compile or None,
+        "micro_batch_tokens": a.micro_batch_tokens, # whether the learner's forward ran compiled (the flag resolved; None = eager, as rows before the default
+        # compiled it were keyed)
+        "learner_compile": bool(steady[-1].get("learner/compiled", 0.0)) or None,
+        "learner_compile_flag": a.learner_compile,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,
         # the budget the steady steps ran with (0 above: measured after the first update) and out-of-memory redos
         "micro_batch_tokens_used": int(steady[-1].get("learner/micro_batch_tokens", a.micro_batch_tokens)),

@@ -63,6 +63,9 @@
 #             prefill call), then under py-spy; carry [".whl", ".ref/tc-cache"] (2026-12-02: the profile alone ran)
 #   craftax6  one GPU (run 2026-12-02, s51-2): issue 19's row with the fused MLP (llm/hf/fused_mlp.py, opt-in since:
 #             no gain) and without, on one machine; carry [".whl", ".ref/tc-cache"]
+#   craftax7  one GPU (2026-12-02, third session): issue 19's row with the learner compiled by default and the turn
+#             records built between decode steps, then the eager learner, then the default with inductor's cache warm;
+#             carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -123,7 +126,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -332,6 +335,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 gputest 240 env THINKCRAFT_FUSED_MLP=1 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 craftax_fused_mlp 360 env THINKCRAFT_FUSED_MLP=1 $C4 --out bench/results/logs/s51_craftax_fused_mlp.json"
       "@0 craftax_no_fused_mlp 360 $C4 --out bench/results/logs/s51_craftax_no_fused_mlp.json") ;;
+    craftax7) local C4="${CRAFTAX/--steps 3/--steps 4}"
+      jobs=(  # one GPU (2026-12-02, third session): issue 19's row with the learner compiled by default
+              # (LLMPolicyConfig.learner_compile None = auto) and the turn records built between decode steps; then
+              # the eager learner (--learner-compile off) on the same machine; then the default again, inductor's
+              # on-disk cache warm (what the compile costs a second run's first update)
+      "@0 craftax_default 420 $C4 --out bench/results/logs/s52_craftax_default.json"
+      "@0 craftax_eager 360 $C4 --learner-compile off --out bench/results/logs/s52_craftax_eager.json"
+      "@0 craftax_default_warm 360 $C4 --out bench/results/logs/s52_craftax_default_warm.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -55,22 +55,35 @@ def policy():
     return cfg, model, tok
 
 
-@pytest.mark.parametrize("submit_chunk", [64, 2])
-def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk: int, monkeypatch) -> None:
-    """(submit_chunk 2: next prompts are submitted two at a time, the engine stepped in between.)"""
+@pytest.mark.parametrize("submit_chunk,record_chunk", [(64, 16), (2, 1)])
+def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk: int, record_chunk: int,
+                                                           monkeypatch) -> None:
+    """(submit_chunk 2: next prompts are submitted two at a time, the engine stepped in between; record_chunk 1:
+    one turn record built after each engine step, so records are still waiting when the next env step comes.)"""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("thinkcraft.train.llm_policy.rollout"), "SUBMIT_CHUNK", submit_chunk)
+    from thinkcraft.utils.timing import PhaseTimer
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    monkeypatch.setattr(module, "SUBMIT_CHUNK", submit_chunk)
+    monkeypatch.setattr(module, "RECORD_CHUNK", record_chunk)
     cfg, model, tok = policy
     engine = LP.make_engine(model, tok, cfg)
     assert engine.capabilities.continuous_batching and engine.compile_decode is False  # CPU: the eager step
     # many "end of sequence" tokens: completions of very different lengths, so turns finish at different steps
     engine.eos_ids = set(range(0, len(tok), 5))
-    env, metrics = TurnsEnv(), {}
+    env, metrics, timer = TurnsEnv(), {}, PhaseTimer()
     torch.manual_seed(0)
     eps = LP.rollout(env, engine, tok, seeds=[3, 4, 5], samples_per_seed=2, sampling=SamplingParams(max_new_tokens=12),
-                     history_turns=-1, metrics=metrics, env_batch_frac=0.0)
+                     history_turns=-1, metrics=metrics, env_batch_frac=0.0, timer=timer)
     assert all(len(e.turns) == 3 and e.terminated for e in eps)
+    for e in eps:  # each turn's record holds that turn's observation and env verdict, in the order played
+        assert [t.obs for t in e.turns] == [f"turn 0 of seed {e.seed}"] + [
+            f"turn {k}" + " more" * eps.index(e) for k in (1, 2)]
+        assert [t.reward for t in e.turns] == [1.0, 1.0, 1.0]
+    t = timer.metrics()  # the rollout's wall time holds its phases; the records were built between engine steps
+    assert t["timing/records"] > 0
+    assert t["timing/rollout"] >= t["timing/generate"] + t["timing/env"] + t["timing/records"]
     assert any(c is not None for c in env.calls), "no episode stepped on its own"
     for e in eps:
         for a, b in zip(e.turns, e.turns[1:]):  # append-only: the next prompt extends prompt + reply tokens

@@ -292,8 +292,33 @@ def test_the_layer_by_layer_forward_equals_the_padded_computation(arch, monkeypa
     learner = _learner(cfg, model)
     stats = learner.update(rows)
     assert set(calls) == {"learner layer"} and stats["learner/micro_batches"] >= 2  # the policy and its reference
+    assert stats["learner/compiled"] == 1.0
     assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
     _assert_same(_grads(model), want)
+
+
+def test_the_learner_compiles_by_default_on_cuda_only(monkeypatch):
+    """learner_compile None (the default) = auto: a packed CUDA learner with a plain decoder compiles, a CPU one runs
+    eager (and says so in `learner/compiled`); True forces it anywhere, False never."""
+    from thinkcraft.llm import compat
+    from thinkcraft.utils import fallback
+
+    monkeypatch.setattr(fallback, "compiled_or_eager", lambda fn, what, logger, dynamic=False: fn)
+    model = _model("qwen2", finetune="full")
+    dec = compat.decoder_of(model)
+    assert _cfg().learner_compile is None
+    learner = _learner(_cfg(micro_batch_tokens=16), model)
+    assert learner.packed and not learner.compiles(dec)  # CPU
+    assert learner.update(_rows(model))["learner/compiled"] == 0.0
+    monkeypatch.setattr(learner, "device", torch.device("cuda"))  # what auto sees on a GPU (nothing runs there)
+    assert learner.compiles(dec)
+    learner.packed = False  # no varlen kernel with a backward: the padded path, nothing to compile
+    assert not learner.compiles(dec)
+    assert _learner(_cfg(learner_compile=True), model).compiles(dec)
+    monkeypatch.setattr(compat, "plain_decoder", lambda d: False)  # a decoder compiled whole: only when asked
+    cuda = _learner(_cfg(), model)
+    monkeypatch.setattr(cuda, "device", torch.device("cuda"))
+    assert not cuda.compiles(dec) and not _learner(_cfg(learner_compile=False), model).compiles(dec)
 
 
 def test_apo_update_equals_the_padded_computation():

@@ -120,14 +120,16 @@ class LLMPolicyConfig(RunOptions):
     tokens) once, their keys and values copied in front of each row's own (varlen attention, keys and queries
     laid out apart): the same loss and gradients, fewer tokens through the model (Craftax: the 595-token system
     prompt of ~1,566-token episode rows). Off: every row computes its whole sequence."""
-    learner_compile: bool = False
+    learner_compile: bool | None = None
     """torch.compile the learner's packed decoder forward (and so its backward): fewer, fused kernels and less
     Python per micro-batch, for a learner bound by its host (a LoRA model of 24 layers launches ~25k operators
     per micro-batch). Llama / Qwen2 / Qwen3 / Mistral decoders compile one layer's graph that every layer runs
     (the whole Qwen2.5-0.5B forward took 282 s to compile; its update then ran 0.29 s instead of 0.40 s, H200; the
-    per-layer graph of the Craftax row's LoRA update: 55-90 s, then 1.70-1.82 s instead of 2.08 s); others their
-    whole forward. Experimental: the first update pays the compile; a compile failure falls back to
-    eager once, with a warning. Packed micro-batches only."""
+    per-layer graph of the Craftax row's LoRA update: 55-90 s, then 1.70-1.82 s instead of 2.08-2.14 s); others their
+    whole forward. The first update pays the compile (inductor's on-disk cache shortens it in later runs); a
+    compile failure falls back to eager once, with a warning. Packed micro-batches only. None = auto: on where
+    the learner runs on CUDA, packs its micro-batches and has a plain decoder (the one-layer graph), else off;
+    True forces it (any decoder), False keeps the eager forward."""
     pack: bool = True
     """Pack a micro-batch's turns into one dense sequence (varlen attention kept within each turn) instead of
     padding them to the longest; where no varlen kernel with a backward runs, the learner pads (and warns)."""
@@ -291,8 +293,8 @@ class LLMPolicyConfig(RunOptions):
         check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        check(self.pack or not self.learner_compile, "learner_compile",
-              "compiles the packed forward: it needs --pack (drop --no-pack or --learner-compile)")
+        check(self.pack or self.learner_compile is not True, "learner_compile",
+              "compiles the packed forward: it needs --pack (drop --no-pack or --learner-compile True)")
         if self.algo in ("grpo", "rloo"):
             check(self.group_size >= 2, "group_size", f"{self.algo} compares samples of one prompt: use >= 2")
         if self.algo == "apo":

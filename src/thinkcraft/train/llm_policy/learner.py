@@ -246,6 +246,7 @@ class Learner:
         self.compute_dtype = autocast_dtype if (autocast_dtype is not None and device.type == "cuda") else None
         self._parts: dict[int, Any] = {}
         self._packed_forward: dict[int, Any] = {}
+        self._compiled: list[Any] = []  # the OrEager wrappers of the compiled forwards (`learner/compiled`)
         on_cuda = device.type == "cuda"
         self.micro_batch_tokens = cfg.micro_batch_tokens or (AUTO_FIRST_TOKENS if on_cuda else AUTO_FIRST_TOKENS_HOST)
         """The token budget in use: `micro_batch_tokens` (or, at 0, the first update's 8,192 - 2,048 off CUDA - and
@@ -289,15 +290,20 @@ class Learner:
         def forward(ids, positions, varlen):  # noqa: ANN001, ANN202
             return dec(input_ids=ids, position_ids=positions, use_cache=False, **varlen).last_hidden_state
 
-        if not self.cfg.learner_compile:
+        if not self.compiles(dec):
             return forward
         if id(dec) not in self._packed_forward:
             from thinkcraft.utils.fallback import compiled_or_eager
 
+            log.info("the learner's packed forward goes through torch.compile (--learner-compile; the first update "
+                     "pays the compile, about a minute for a plain decoder's layer on an H200; --learner-compile False "
+                     "runs it eager)")
             if not compat.plain_decoder(dec):
                 self._packed_forward[id(dec)] = compiled_or_eager(forward, "learner forward", log, dynamic=True)
+                self._compiled.append(self._packed_forward[id(dec)])
                 return self._packed_forward[id(dec)]
             layer_fn = compiled_or_eager(compat.call_decoder_layer, "learner layer", log, dynamic=True)
+            self._compiled.append(layer_fn)
             layers = dec.layers[: dec.config.num_hidden_layers]
 
             def by_layer(ids, positions, varlen):  # noqa: ANN001, ANN202
@@ -309,6 +315,16 @@ class Learner:
 
             self._packed_forward[id(dec)] = by_layer
         return self._packed_forward[id(dec)]
+
+    def compiles(self, dec) -> bool:
+        """Does dec's packed forward go through torch.compile (`learner_compile`; None = auto: a CUDA learner
+        packing its micro-batches, with a plain decoder)?"""
+        from thinkcraft.llm import compat
+
+        want = self.cfg.learner_compile
+        if want is None:
+            return self.packed and self.device.type == "cuda" and compat.plain_decoder(dec)
+        return bool(want)
 
     def plan(self, rows: TrainRows, all_positions: bool = False) -> list:
         """The micro-batches of `rows` (`packing.plan`); `all_positions`: every position with a next token is
@@ -440,7 +456,9 @@ class Learner:
         layout = packing.layout_summary(mbs)
         return {**dict(zip(names, values)), **layout, **rows.turns.metrics(layout["learner/tokens"]),
                 "learner/oom_retries": float(self.oom_retries),
-                "learner/micro_batch_tokens": float(self.micro_batch_tokens)}
+                "learner/micro_batch_tokens": float(self.micro_batch_tokens),
+                # 1 while the packed forward runs compiled (`learner_compile`), 0 when eager or after a failure
+                "learner/compiled": float(bool(self._compiled) and not any(getattr(f, "failed", False) for f in self._compiled))}
 
     def _accumulate_fitting(self, rows: TrainRows, v_star) -> tuple[list, dict[str, Any]]:
         """(micro-batches, statistics) of the batch's gradients, accumulated from zero; on running out of device

@@ -20,11 +20,13 @@ where the chat template's generation prompt does not, `<think>\n` is appended (a
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -98,7 +100,7 @@ def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int,
         from thinkcraft.utils.errors import UserError
 
         raise UserError("--action-format json needs the in-process hf engine (constrained decoding)")
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # the rollout's wall time, `timing/rollout`: every phase below and the host between
     before = engine.decode_metrics() if engine.capabilities.continuous_batching else {}
     with phase("env"):
         obs = env.reset(all_seeds)
@@ -114,6 +116,8 @@ def rollout(env, engine, tokenizer, seeds: Sequence[int], samples_per_seed: int,
         metrics.update(rollout_metrics(episodes))
         if before:
             metrics.update(decode_metrics_delta(before, engine.decode_metrics()))
+    if timer is not None:
+        timer.add("rollout", time.perf_counter() - t0)
     return episodes
 
 
@@ -433,6 +437,9 @@ class _Continuous:
         self.in_flight: set[int] = set()
         self.pending: list[Any] = []
         """Turns back from the engine whose env step has not happened yet."""
+        self.deferred: deque[Callable[[], None]] = deque()
+        """Host work that waits for the device's shadow: the turn records of the last env step, in chunks, one
+        chunk after each engine step (`run`)."""
 
     def run(self) -> None:
         n = len(self.episodes)
@@ -447,25 +454,28 @@ class _Continuous:
                 with self.phase("generate"), self.gen_ctx():
                     self.engine.step()
                     self.pending += self.engine.poll()
+                if self.deferred:  # the step just launched the next iteration: the device is busy for a while
+                    with self.phase("records"):
+                        self.deferred.popleft()()
             self.in_flight.difference_update(r.tag for r in self.pending)
             waiting = len(self.pending)
             if waiting and (not self.in_flight or waiting >= self.env_batch_frac * (waiting + len(self.in_flight))):
                 results, self.pending = self.pending, []
                 self._env_step(results)
+        self._flush()
 
     def _env_step(self, results: list) -> None:
+        self._flush()  # the previous env step's records first: an episode's turns stay in order
         idx = [r.tag for r in results]
         with self.phase("env"):
             texts = [r.completion.text for r in results]
             # all active episodes in their own order: the plain protocol call; a subset: `indices`
             res = self.env.step(texts) if idx == self.env.active_indices() else self.env.step(texts, indices=idx)
         nxt, comps = [], []
+        # what each turn's record needs, taken before the next prompts are built (`ChatPrompts.next` gives a chat
+        # a new ids list and fallback flag; the list taken here is never changed)
+        turns = [(i, self.obs[i], self.chats[i].ids, self.chats[i].fallback, r) for i, r in zip(idx, results)]
         for j, (i, r) in enumerate(zip(idx, results)):
-            c, chat = r.completion, self.chats[i]
-            self.episodes[i].turns.append(_turn(
-                self.obs[i], chat.ids, c, res, j, thinking_budget=r.thinking_budget, prefill_tokens=r.prefill_tokens,
-                reused_tokens=r.reused_tokens, shared_prefix_tokens=r.shared_prefix_tokens,
-                template_fallback=chat.fallback, weight_versions=r.weight_versions, structured=self.sampling.structured))
             self.obs[i] = res.observations[j]
             if res.terminated[j] or res.truncated[j]:
                 ep = self.episodes[i]
@@ -473,7 +483,11 @@ class _Continuous:
                 self.engine.release((self.rid, i))
             else:
                 nxt.append(i)
-                comps.append(c)
+                comps.append(r.completion)
+        # The records wait for the engine's decode steps (`run`: one chunk after each): built here, they held up
+        # the next prefill by a few ms a turn of host work the device would have idled through
+        for a in range(0, len(turns), RECORD_CHUNK):
+            self.deferred.append(functools.partial(self._records, res, a, turns[a : a + RECORD_CHUNK]))
         # Prompts are built and submitted in chunks, the engine stepped after each: the GPU prefills and decodes
         # the first chunk while the host renders and tokenizes the next (one thread; the step only queues work)
         for a in range(0, len(nxt), SUBMIT_CHUNK):
@@ -483,6 +497,20 @@ class _Continuous:
                     with self.gen_ctx():
                         self.engine.step()
                     self.pending += self.engine.poll()
+
+    def _records(self, res: Any, first: int, turns: list[tuple[int, str, list[int], bool, Any]]) -> None:
+        """The turn records of `turns` (rows `first`, `first + 1`, ... of env result `res`)."""
+        structured = self.sampling.structured
+        for j, (i, obs, ids, fallback, r) in enumerate(turns, first):
+            self.episodes[i].turns.append(_turn(
+                obs, ids, r.completion, res, j, thinking_budget=r.thinking_budget, prefill_tokens=r.prefill_tokens,
+                reused_tokens=r.reused_tokens, shared_prefix_tokens=r.shared_prefix_tokens,
+                template_fallback=fallback, weight_versions=r.weight_versions, structured=structured))
+
+    def _flush(self) -> None:
+        """Every deferred piece of host work, now."""
+        while self.deferred:
+            self.deferred.popleft()()
 
     def _submit(self, idx: list[int], comps: list) -> None:
         """Next prompts of episodes `idx` (their last completions `comps`, None on the first turn), tokenized
@@ -494,6 +522,10 @@ class _Continuous:
                                                  episode=(self.rid, i) if self.append_only else None))
             self.in_flight.add(i)
 
+
+RECORD_CHUNK = 16
+"""Turn records built after one engine step (`_Continuous.deferred`): ~20 us each on a 2-core CPU, so a chunk
+stays well inside one decode step's device time (~3 ms for the 0.5B shape at 256 rows, H200)."""
 
 SUBMIT_CHUNK = 256
 """Episodes whose next prompt is built and submitted before the engine is stepped again (see `_env_step`).
