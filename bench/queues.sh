@@ -66,6 +66,8 @@
 #   craftax7  one GPU (2026-12-02, third session): issue 19's row with the learner compiled by default and the turn
 #             records built between decode steps, then the eager learner, then the default with inductor's cache warm;
 #             carry [".whl", ".ref/tc-cache"]
+#   craftax8  one GPU (2026-12-02, third session): craftax7's default and eager rows in turns, twice each, on one
+#             machine; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -126,7 +128,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -343,6 +345,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_default 420 $C4 --out bench/results/logs/s52_craftax_default.json"
       "@0 craftax_eager 360 $C4 --learner-compile off --out bench/results/logs/s52_craftax_eager.json"
       "@0 craftax_default_warm 360 $C4 --out bench/results/logs/s52_craftax_default_warm.json") ;;
+    craftax8) local C4="${CRAFTAX/--steps 3/--steps 4}"
+      jobs=(  # one GPU (2026-12-02, third session, second lease): craftax7's A/B again on another machine, in turns -
+              # is the rollout slower beside a compiled learner (craftax7: 1.90-2.09 s against 1.78)?
+      "@0 craftax_default 420 $C4 --out bench/results/logs/s52_craftax8_default.json"
+      "@0 craftax_eager 300 $C4 --learner-compile off --out bench/results/logs/s52_craftax8_eager.json"
+      "@0 craftax_default_warm 300 $C4 --out bench/results/logs/s52_craftax8_default_warm.json"
+      "@0 craftax_eager2 300 $C4 --learner-compile off --out bench/results/logs/s52_craftax8_eager2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
