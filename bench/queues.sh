@@ -68,6 +68,8 @@
 #             carry [".whl", ".ref/tc-cache"]
 #   craftax8  one GPU (2026-12-02, third session): craftax7's default and eager rows in turns, twice each, on one
 #             machine; carry [".whl", ".ref/tc-cache"]
+#   craftax9  one GPU (2026-12-02, third session): issue 19's grid rows beside the goal row (0.5B / 64 envs, 0.5B / 256
+#             with a thinking budget, the 4B shape / 256), the learner eager; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -128,7 +130,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -352,6 +354,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_eager 300 $C4 --learner-compile off --out bench/results/logs/s52_craftax8_eager.json"
       "@0 craftax_default_warm 300 $C4 --out bench/results/logs/s52_craftax8_default_warm.json"
       "@0 craftax_eager2 300 $C4 --learner-compile off --out bench/results/logs/s52_craftax8_eager2.json") ;;
+    craftax9) local C="python bench/llm_policy_craftax.py --steps 3 --learner-compile off"
+      jobs=(  # one GPU (2026-12-02, third session, third lease): issue 19's other grid rows at the current code, the
+              # learner eager (the device time left does not pay each shape's first-update compile): 0.5B / 64 envs,
+              # 0.5B / 256 envs with a 256-token thinking budget, the Qwen3-4B shape / 256 envs
+      "@0 grid_05b_64 150 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 0 --out bench/results/logs/s52_grid_05b_64.json"
+      "@0 grid_05b_256_think 200 $C --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/s52_grid_05b_256_think.json"
+      "@0 grid_4b_256 240 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 0 --out bench/results/logs/s52_grid_4b_256.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
