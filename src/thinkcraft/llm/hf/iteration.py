@@ -380,14 +380,16 @@ class IterationMixin:
         # ~2 ms per `_finish`; py-spy: 0.12 s a Craftax rollout step on this line)
         self.state.active.index_fill_(0, idx, False)
         results = []
-        for (s, how), tokens, text in zip(ended, toks, texts):
+        # the rows with a forced token (a thinking budget's close), found for all at once: most rows have none
+        any_forced = self.h_forced[slots].any(axis=1).tolist()
+        for (s, how), tokens, text, has_forced in zip(ended, toks, texts, any_forced):
             seq = self._slot_seq[s]
             sp = seq.req.sampling
             n = len(tokens)
             cut = [text.find(x) for x in sp.stop if x and x in text]
             if cut:
                 text = text[: min(cut)]
-            forced = np.flatnonzero(self.h_forced[s, :n]).tolist()
+            forced = np.flatnonzero(self.h_forced[s, :n]).tolist() if has_forced else []
             if how == "stop" or (tokens[-1] in eng.eos_ids and (n - 1) not in forced):
                 finish = "stop"
             else:
