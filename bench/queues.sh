@@ -358,9 +358,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(  # one GPU (2026-12-02, third session, third lease): issue 19's other grid rows at the current code, the
               # learner eager (the device time left does not pay each shape's first-update compile): 0.5B / 64 envs,
               # 0.5B / 256 envs with a 256-token thinking budget, the Qwen3-4B shape / 256 envs
-      "@0 grid_05b_64 150 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 0 --out bench/results/logs/s52_grid_05b_64.json"
-      "@0 grid_05b_256_think 200 $C --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/s52_grid_05b_256_think.json"
-      "@0 grid_4b_256 240 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 0 --out bench/results/logs/s52_grid_4b_256.json") ;;
+      "@0 grid_05b_256_think 170 $C --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/s52_grid_05b_256_think.json"
+      "@0 grid_4b_256 220 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 0 --out bench/results/logs/s52_grid_4b_256.json"
+      "@0 grid_05b_64 90 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 0 --out bench/results/logs/s52_grid_05b_64.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
