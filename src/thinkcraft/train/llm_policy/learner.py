@@ -295,9 +295,12 @@ class Learner:
         if id(dec) not in self._packed_forward:
             from thinkcraft.utils.fallback import compiled_or_eager
 
-            log.info("the learner's packed forward goes through torch.compile (--learner-compile; the first update "
-                     "pays the compile, about a minute for a plain decoder's layer on an H200; --learner-compile False "
-                     "runs it eager)")
+            from thinkcraft.utils.progress import console
+
+            # said where the run's progress is (the logger's INFO is not shown): the first update is ~1-2 min longer
+            console.print("learner: the packed forward goes through torch.compile (--learner-compile; the first update "
+                          "compiles it, ~1-2 min for a plain decoder's layer on an H200, less with inductor's cache warm; "
+                          "--learner-compile False keeps it eager)", soft_wrap=True)
             if not compat.plain_decoder(dec):
                 self._packed_forward[id(dec)] = compiled_or_eager(forward, "learner forward", log, dynamic=True)
                 self._compiled.append(self._packed_forward[id(dec)])
