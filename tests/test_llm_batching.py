@@ -122,6 +122,37 @@ def test_prefill_logits_after_reused_kv_equal_a_full_forward(tiny) -> None:
     assert b._slot_seq[slot].reused_tokens == len(p1) + len(r.completion.token_ids) - 1
 
 
+def test_a_next_turns_prompt_array_is_its_episodes_parked_ids_and_the_new_tail(tiny, monkeypatch) -> None:
+    """`Batcher.submit` builds a list prompt that extends its episode's parked ids from the parked array + the new
+    tail (no conversion of the whole list); the array equals np.asarray of the prompt in every case: extending,
+    not extending (a rewritten turn), an array prompt, no parked slot."""
+    model, tok = tiny
+    eng = HFEngine.from_model(model, tok)
+    b = eng._batcher
+    p1 = _ids(tok, "Turn one: the first observation")
+    r1 = _run(eng, [eng.submit(GenerationRequest(p1, GREEDY, episode="e"))])
+    reply = next(iter(r1.values())).completion.token_ids
+    s = b.table.parked("e")
+    assert s is not None and b.table.token_lists[s] == p1 + reply[:-1] == b.table.tokens[s].tolist()
+    seen = []
+    real = np.asarray
+    monkeypatch.setattr(np, "asarray", lambda a, *args, **kw: (seen.append(len(a)), real(a, *args, **kw))[1])
+    p2 = p1 + reply + _ids(tok, " turn two")
+    for prompt, whole in ((p2, False), (p1[:3] + _ids(tok, " rewritten") + reply, True),
+                          (real(p2, dtype=np.int64), True)):
+        seen.clear()
+        got = b._prompt_array(GenerationRequest(prompt, GREEDY, episode="e"))
+        assert got.dtype == np.int64 and got.tolist() == list(map(int, prompt))
+        assert (max(seen) == len(prompt)) == whole  # the fast path converts only the tail
+    seen.clear()
+    assert b._prompt_array(GenerationRequest(p2, GREEDY, episode="other")).tolist() == p2 and max(seen) == len(p2)
+    monkeypatch.setattr(np, "asarray", real)
+    h = eng.submit(GenerationRequest(p2, GREEDY, episode="e"))  # the turn runs from that array, its KV kept
+    r2 = _run(eng, [h])[h]
+    assert r2.reused_tokens == len(p1) + len(reply) - 1 and not r2.kv_fallback
+    assert r2.completion.token_ids == HFEngine.from_model(model, tok).generate(Batch(items=[p2]), GREEDY)[0].token_ids
+
+
 def test_non_append_prompt_falls_back_and_is_counted(tiny) -> None:
     """A template that rewrites an earlier turn (Qwen3 drops earlier thoughts): the engine keeps only the
     common token prefix, recomputes the rest, counts a fallback - and the tokens are still exact."""

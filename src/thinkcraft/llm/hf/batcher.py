@@ -116,7 +116,7 @@ class Batcher(CacheMixin, IterationMixin):
 
     def submit(self, req: GenerationRequest) -> int:
         sp = self.eng._check_sampling(req.sampling)
-        prompt = np.asarray(req.prompt, dtype=np.int64)
+        prompt = self._prompt_array(req)
         if prompt.ndim != 1 or len(prompt) == 0:
             raise UserError("a generation request needs at least one prompt token")
         if not 0 <= req.prefix_len < len(prompt):
@@ -136,6 +136,22 @@ class Batcher(CacheMixin, IterationMixin):
             self.counters["requests"] += 1
             self._cv.notify_all()
         return seq.handle
+
+    def _prompt_array(self, req: GenerationRequest) -> np.ndarray:
+        """The request's prompt as an int64 array. A list that extends what its episode's parked slot holds
+        (a multi-turn episode's next turn: previous prompt + reply + new observation) is the parked array + the
+        new tail, after the lists compare equal: `np.asarray` of a whole ~1,500-token list was ~34 us a turn on a
+        2-core CPU (~9 ms for 256 episodes, on the rollout's path between the env and the next prefill), the list
+        comparison ~4 us. The result equals `np.asarray(req.prompt)` either way."""
+        p = req.prompt
+        if type(p) is list and req.episode is not None:
+            with self._cv:
+                s = self.table.parked(req.episode)
+                head = self.table.token_lists[s] if s is not None else None
+                arr = self.table.tokens[s] if s is not None else None
+            if head is not None and arr is not None and len(head) < len(p) and p[: len(head)] == head:
+                return np.concatenate([arr, np.asarray(p[len(head):], dtype=np.int64)])
+        return np.asarray(p, dtype=np.int64)
 
     def poll(self) -> list[GenerationResult]:
         with self._cv:

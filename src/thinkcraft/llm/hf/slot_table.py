@@ -34,6 +34,8 @@ class SlotTable:
         self.status = np.full(slots, FREE, dtype=np.int8)
         self.episode: list[Hashable | None] = [None] * slots
         self.tokens: list[np.ndarray | None] = [None] * slots
+        self.token_lists: list[list[int] | None] = [None] * slots
+        """The same ids as `tokens` as a list, where `park` was given one (`Batcher.submit`'s fast path)."""
         self.offset = np.zeros(slots, dtype=np.int64)
         self.version = np.zeros(slots, dtype=np.int64)
         self.parked_at = np.zeros(slots, dtype=np.int64)
@@ -77,15 +79,18 @@ class SlotTable:
         self._unlink(slot)
         self.status[slot] = RUNNING
         self.episode[slot] = episode
-        self.tokens[slot] = None
+        self.tokens[slot] = self.token_lists[slot] = None
         self.offset[slot] = offset
         if episode is not None:
             self._by_episode[episode] = slot
 
-    def park(self, slot: int, tokens: np.ndarray, offset: int, version: int) -> None:
-        """Keep the slot's KV for its episode: it covers `tokens` (prefix included) from column 0 at `offset`."""
+    def park(self, slot: int, tokens: np.ndarray, offset: int, version: int, token_list: list[int] | None = None
+             ) -> None:
+        """Keep the slot's KV for its episode: it covers `tokens` (prefix included) from column 0 at `offset`
+        (`token_list`: the same ids as a list, if the caller has them)."""
         self.status[slot] = PARKED
         self.tokens[slot] = tokens
+        self.token_lists[slot] = token_list
         self.offset[slot] = offset
         self.version[slot] = version
         self._clock += 1
@@ -95,7 +100,7 @@ class SlotTable:
         self._unlink(slot)
         self.status[slot] = FREE
         self.episode[slot] = None
-        self.tokens[slot] = None
+        self.tokens[slot] = self.token_lists[slot] = None
 
     def release(self, episode: Hashable) -> bool:
         """Drop a parked episode's KV (its episode ended); True if it held one."""
@@ -123,6 +128,7 @@ class SlotTable:
         for s in np.flatnonzero(old.status[:n] == PARKED):
             s = int(s)
             self.status[s], self.episode[s], self.tokens[s] = PARKED, old.episode[s], old.tokens[s]
+            self.token_lists[s] = old.token_lists[s]
             self._by_episode[old.episode[s]] = s
         self.offset[:n], self.version[:n], self.parked_at[:n] = old.offset[:n], old.version[:n], old.parked_at[:n]
         self._clock, self.evictions = old._clock, old.evictions
