@@ -298,9 +298,9 @@ class Learner:
             from thinkcraft.utils.progress import console
 
             # said where the run's progress is (the logger's INFO is not shown): the first update is ~1-2 min longer
-            console.print("learner: the packed forward goes through torch.compile (--learner-compile; the first update "
-                          "compiles it, ~1-2 min for a plain decoder's layer on an H200, less with inductor's cache warm; "
-                          "--learner-compile False keeps it eager)", soft_wrap=True)
+            console.print("learner: the packed forward goes through torch.compile (--learner-compile; the first "
+                          "update compiles it, ~1-2 min for a plain decoder's layer on an H200, less with inductor's "
+                          "cache warm; --learner-compile False keeps it eager)", soft_wrap=True)
             if not compat.plain_decoder(dec):
                 self._packed_forward[id(dec)] = compiled_or_eager(forward, "learner forward", log, dynamic=True)
                 self._compiled.append(self._packed_forward[id(dec)])
@@ -461,7 +461,8 @@ class Learner:
                 "learner/oom_retries": float(self.oom_retries),
                 "learner/micro_batch_tokens": float(self.micro_batch_tokens),
                 # 1 while the packed forward runs compiled (`learner_compile`), 0 when eager or after a failure
-                "learner/compiled": float(bool(self._compiled) and not any(getattr(f, "failed", False) for f in self._compiled))}
+                "learner/compiled": float(bool(self._compiled)
+                                          and not any(getattr(f, "failed", False) for f in self._compiled))}
 
     def _accumulate_fitting(self, rows: TrainRows, v_star) -> tuple[list, dict[str, Any]]:
         """(micro-batches, statistics) of the batch's gradients, accumulated from zero; on running out of device

@@ -509,8 +509,10 @@ class _Continuous:
 
     def _flush(self) -> None:
         """Every deferred piece of host work, now."""
-        while self.deferred:
-            self.deferred.popleft()()
+        if self.deferred:
+            with self.phase("records"):
+                while self.deferred:
+                    self.deferred.popleft()()
 
     def _submit(self, idx: list[int], comps: list) -> None:
         """Next prompts of episodes `idx` (their last completions `comps`, None on the first turn), tokenized
