@@ -351,8 +351,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # decode iterations launched before the host reads a record (THINKCRAFT_DECODE_AHEAD)
         "decode_ahead": decode_ahead(),
         "max_turns": a.max_turns, "finetune": a.finetune, "card": card(), "date": today(), "quick": a.quick,
-        "micro_batch_tokens": a.micro_batch_tokens, # whether the learner's forward ran compiled (the flag resolved; None = eager, as rows before the default
-        # compiled it were keyed)
+        "micro_batch_tokens": a.micro_batch_tokens,
+        # whether the learner's forward ran compiled (the flag resolved; None = eager, as rows were keyed before the
+        # default compiled it)
         "learner_compile": bool(steady[-1].get("learner/compiled", 0.0)) or None,
         "learner_compile_flag": a.learner_compile,
         "prefill_compile": os.environ.get("THINKCRAFT_PREFILL_COMPILE") == "1" or None,

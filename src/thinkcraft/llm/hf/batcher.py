@@ -147,9 +147,8 @@ class Batcher(CacheMixin, IterationMixin):
         if type(p) is list and req.episode is not None:
             with self._cv:
                 s = self.table.parked(req.episode)
-                head = self.table.token_lists[s] if s is not None else None
-                arr = self.table.tokens[s] if s is not None else None
-            if head is not None and arr is not None and len(head) < len(p) and p[: len(head)] == head:
+                head, arr = (self.table.token_lists[s], self.table.tokens[s]) if s is not None else (None, None)
+            if head is not None and len(head) < len(p) and p[: len(head)] == head:  # (park sets both or only arr)
                 return np.concatenate([arr, np.asarray(p[len(head):], dtype=np.int64)])
         return np.asarray(p, dtype=np.int64)
 

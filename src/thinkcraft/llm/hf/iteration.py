@@ -412,9 +412,8 @@ class IterationMixin:
                     and seq.versions[0][1] == self.version)
             with self._cv:
                 if keep:
-                    ids = comp.prompt_token_ids
                     self.table.park(s, np.concatenate([seq.prompt, np.asarray(tokens[:-1], dtype=np.int64)]),
-                                    seq.offset, self.version, ids + tokens[:-1] if type(ids) is list else None)
+                                    seq.offset, self.version, comp.prompt_token_ids + tokens[:-1])
                 else:
                     self.table.free(s)
         with self._cv:
