@@ -178,8 +178,10 @@ def _run_steps(a: argparse.Namespace, cfg: Any, policy: Any, recs: list[Any], pr
                   f"tokens; decode step {rec.get('engine/decode_step_ms', 0):.2f} ms, "
                   f"{rec.get('engine/decode_wait_ms', 0):.2f} of it waiting for the device, "
                   f"{rec.get('engine/rows_per_decode_step', 0):.0f} rows; prefill {rec.get('engine/prefill_s', 0):.2f} s in "
-                  f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens; "
-                  f"decode graphs captured {rec.get('engine/graph_captures', 0):.0f} in "
+                  f"{rec.get('engine/prefill_calls', 0):.0f} calls, {rec.get('engine/prefill_tokens', 0):.0f} tokens, "
+                  f"{rec.get('engine/prefill_graph_replays', 0):.0f} replayed from graphs "
+                  f"({rec.get('engine/prefill_graph_captures', 0):.0f} captured in "
+                  f"{rec.get('engine/prefill_graph_capture_s', 0):.1f} s); decode graphs captured {rec.get('engine/graph_captures', 0):.0f} in "
                   f"{rec.get('engine/graph_capture_s', 0):.1f} s; garbage collector {rec.get('host/gc_s', 0):.3f} s, "
                   f"{rec.get('host/gc_full', 0):.0f} full)",
                   flush=True)
@@ -308,6 +310,11 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "prefill_s": round(med([r.get("engine/prefill_s", 0.0) for r in steady]), 3),
         "prefill_calls": round(med([r.get("engine/prefill_calls", 0.0) for r in steady])),
         "prefill_tokens": round(med([r.get("engine/prefill_tokens", 0.0) for r in steady])),
+        # of the prefill calls, those replayed from CUDA graphs (llm/hf/prefill_graphs.py, THINKCRAFT_PREFILL_GRAPHS),
+        # and the graphs captured in the steady steps (0 once the rollout's buckets are all seen)
+        "prefill_graph_replays": round(med([r.get("engine/prefill_graph_replays", 0.0) for r in steady])),
+        "prefill_graph_captures_steady": sum(r.get("engine/prefill_graph_captures", 0.0) for r in steady),
+        "prefill_graph_failed": bool(steady[-1].get("engine/prefill_graph_failed", 0.0)),
         "decode_s": round(med([r.get("engine/decode_s", 0.0) for r in steady]), 3),
         # decode graphs compiled + captured in the steady steps (a new width there costs its compile) and seconds
         "graph_captures_steady": sum(r.get("engine/graph_captures", 0.0) for r in steady),
@@ -345,6 +352,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
         "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp,
+        # the packed prefill from CUDA graphs where it may (llm/hf/prefill_graphs.py): the switch
+        "prefill_graphs": env_switch("THINKCRAFT_PREFILL_GRAPHS", default=True),
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
         # later turns' prompts built around the observation (train/llm_policy/rollout.py ChatPrompts)
         "fast_prompts": os.environ.get("THINKCRAFT_FAST_PROMPTS", "1").strip() != "0",
@@ -393,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
-                                                       "fused_mlp"))
+                                                       "fused_mlp", "prefill_graphs"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

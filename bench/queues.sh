@@ -70,6 +70,10 @@
 #             machine; carry [".whl", ".ref/tc-cache"]
 #   craftax9  one GPU (2026-12-02, third session): issue 19's grid rows beside the goal row (0.5B / 64 envs, 0.5B / 256
 #             with a thinking budget, the 4B shape / 256), the learner eager; carry [".whl", ".ref/tc-cache"]
+#   craftax10 one GPU (2026-12-02, fourth session): issue 19's prefill from CUDA graphs (llm/hf/prefill_graphs.py) - its
+#             GPU tests, then the row with and without (THINKCRAFT_PREFILL_GRAPHS=0) in turns, the learner eager (its
+#             compile is not what is measured), with the fused MLP and with prompts 128 at a time beside them, last the
+#             every-default row; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -130,7 +134,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -361,6 +365,17 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 grid_05b_256_think 170 $C --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/s52_grid_05b_256_think.json"
       "@0 grid_4b_256 220 $C --shapes qwen3-4b --num-envs 256 --thinking-budgets 0 --out bench/results/logs/s52_grid_4b_256.json"
       "@0 grid_05b_64 90 $C --shapes qwen2.5-0.5b --num-envs 64 --thinking-budgets 0 --out bench/results/logs/s52_grid_05b_64.json") ;;
+    craftax10) local C4="${CRAFTAX/--steps 3/--steps 4}" E="--learner-compile off"
+      jobs=(  # one GPU (2026-12-02, fourth session): the packed prefill replayed from CUDA graphs (a call's host launches
+              # cost more than its kernels: ~90 against ~75 ms a turn, s51), A/B in turns on one machine
+      "@0 gputest 240 python -m pytest -m gpu tests/test_prefill_graphs.py tests/test_flash_prefill.py -q -p no:cacheprovider"
+      "@0 craftax_graphs 300 $C4 $E --out bench/results/logs/s53_craftax_graphs.json"
+      "@0 craftax_no_graphs 300 env THINKCRAFT_PREFILL_GRAPHS=0 $C4 $E --out bench/results/logs/s53_craftax_no_graphs.json"
+      "@0 craftax_graphs_fmlp 300 env THINKCRAFT_FUSED_MLP=1 $C4 $E --out bench/results/logs/s53_craftax_graphs_fmlp.json"
+      "@0 craftax_graphs_chunk128 300 $C4 $E --submit-chunk 128 --out bench/results/logs/s53_craftax_graphs_chunk128.json"
+      "@0 craftax_no_graphs2 300 env THINKCRAFT_PREFILL_GRAPHS=0 $C4 $E --out bench/results/logs/s53_craftax_no_graphs2.json"
+      "@0 craftax_graphs2 300 $C4 $E --out bench/results/logs/s53_craftax_graphs2.json"
+      "@0 craftax_default 420 $C4 --out bench/results/logs/s53_craftax_default.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -35,6 +35,7 @@ from thinkcraft.llm.hf import autocast_shadow, fused_mlp, fused_proj, fused_samp
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
+from thinkcraft.llm.hf.prefill_graphs import PrefillGraphs, prefill_graphs_on
 from thinkcraft.llm.hf.prefix_graph import PrefixGraph, prefix_graph_on
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
@@ -93,6 +94,7 @@ class Batcher(CacheMixin, IterationMixin):
         self._params_version: int | None = None
         self._prefix: np.ndarray | None = None
         self._pgraph: PrefixGraph | None = None  # the shared prefix's forward as a CUDA graph (prefix_graph.py)
+        self._fgraphs: PrefillGraphs | None = None  # the packed prefill from CUDA graphs (prefill_graphs.py)
         self._sample_seed: torch.Tensor | None = None  # the one-pass sampler's seed (set with the cache)
         self._reserve = (0, 0, 0)
         self._step_fn: Callable[..., torch.Tensor] | None = None
@@ -104,7 +106,9 @@ class Batcher(CacheMixin, IterationMixin):
              "generated_tokens", "requests", "prefill_s", "decode_s", "weight_updates", "failed",
              "host_length_ends", "decode_wait_s", "cache_allocations", "prefill_calls", "graph_captures",
              "graph_capture_s", "weight_drain_s", "weight_copy_s", "weight_switch_s", "prefix_recompute_s",
-             "prefix_graph_replays", "prefix_graph_failed", "ahead_launches"), 0.0)
+             "prefix_graph_replays", "prefix_graph_failed", "ahead_launches", "prefill_graph_captures",
+             "prefill_graph_capture_s", "prefill_graph_replays", "prefill_graph_declined", "prefill_graph_failed"),
+            0.0)
         self._ahead = decode_ahead()  # iterations launched per step before the host reads a record (opt-in)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         self._thread: threading.Thread | None = None
@@ -334,6 +338,8 @@ class Batcher(CacheMixin, IterationMixin):
         """Drop the cache (and anything queued, running or unpolled): the engine is closing."""
         with self._step_lock, self._cv:
             self.kv, self._step_fn, self._fused_fn, self._prefix = None, None, None, None
+            if self._fgraphs is not None:
+                self._fgraphs.clear()  # their memory pool and buffers with the cache
             self._free_budget = None  # memory given back: the next cache measures the free memory again
             self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
             self._queue.clear()
@@ -464,6 +470,16 @@ class Batcher(CacheMixin, IterationMixin):
                 return None
             self._pgraph = PrefixGraph(eng._prefix_forward, eng.device)
         return None if getattr(eng, "_sm", None) is not None else self._pgraph
+
+    def _prefill_graphs(self) -> PrefillGraphs | None:
+        """The engine's prefill graphs (prefill_graphs.py) where they may serve: CUDA, no SM partition, the switch
+        on (tests install a CPU stand-in in `_fgraphs`)."""
+        eng = self.eng
+        if self._fgraphs is None:
+            if eng.device.type != "cuda" or not prefill_graphs_on():
+                return None
+            self._fgraphs = PrefillGraphs(self._forward_last, eng.device, eng.pad_id, int(self.logits.shape[1]))
+        return None if getattr(eng, "_sm", None) is not None else self._fgraphs
 
     def _weights_key(self) -> tuple:
         """What a captured forward reads by address or decides by: every parameter's storage (a learner that

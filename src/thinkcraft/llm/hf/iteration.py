@@ -12,6 +12,7 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
+from thinkcraft.llm.hf.prefill_graphs import PrefillCall, PrefillGraphs
 from thinkcraft.llm.hf.rows import sample_rows_lse, token_logprobs
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, FlashPrefill, PrefillCtx, prefill_kernel
@@ -96,14 +97,35 @@ class IterationMixin:
         total = keep + n_new
         tok_slot = np.repeat(slots, n_new)
         tok_col = np.concatenate([np.arange(k, t) for k, t in zip(keep, total)])
-        # every host array goes over without a stream sync (utils/transfer.py): a blocking copy here waited for
-        # the decode step in flight
-        ids = to_device(np.concatenate(news), dev)[None]
-        pos = to_device(tok_col + np.repeat(offs, n_new), dev)[None]
+        ids_h, pos_h = np.concatenate(news), tok_col + np.repeat(offs, n_new)
         p = kv.prefix_len if (offs > 0).any() else 0
         cu_q = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         t = lambda a: to_device(a, dev)  # noqa: E731
         traced = self._prefill_traced()
+        logits = None
+        graphs = self._prefill_graphs() if self._flash_prefill is not None and not traced else None
+        if graphs is not None:  # a replay (prefill_graphs.py), or None: too large, or the graphs are off
+            call = PrefillCall(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, (offs > 0) if p else None)
+            logits = graphs.run(call, kv, p, self._flash_prefill, self._weights_key())
+            self._graph_counters(graphs)
+        if logits is None:
+            logits = self._prefill_eager(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, n_new, offs, p, traced)
+        idx = t(slots)
+        self.logits[idx] = logits
+        self._start_rows(chunk, slots, total, offs)
+        self.counters["prefill_tokens"] += float(n_new.sum())
+        self.counters["prefill_calls"] += 1.0
+        self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
+        self.counters["fallbacks"] += float(sum(q.fallback for q, _, _ in chunk))
+
+    def _prefill_eager(self, ids_h: np.ndarray, pos_h: np.ndarray, tok_slot: np.ndarray, tok_col: np.ndarray,
+                       cu_q: np.ndarray, slots: np.ndarray, total: np.ndarray, n_new: np.ndarray, offs: np.ndarray,
+                       p: int, traced: bool) -> torch.Tensor:
+        """`_prefill`'s forward launched op by op (or traced): the rows' (B, V) logits."""
+        kv, dev = self.kv, self.eng.device
+        # every host array goes over without a stream sync (utils/transfer.py): a blocking copy here waited for
+        # the decode step in flight
+        t = lambda a: to_device(a, dev)  # noqa: E731
         flash = None
         if self._flash_prefill is not None and not traced:
             flash = self._flash_prefill_args(slots, total, n_new, offs, p)
@@ -114,14 +136,13 @@ class IterationMixin:
         ctx = PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
                          t(tok_slot), t(tok_col), gather_slot, gather_col, key_index, t(cu_q), cu_k, int(n_new.max()),
                          max_k, kernel, flash)
-        logits = self._prefill_forward()(ids, pos, ctx, t(cu_q[1:].astype(np.int64) - 1))
-        idx = t(slots)
-        self.logits[idx] = logits
-        self._start_rows(chunk, slots, total, offs)
-        self.counters["prefill_tokens"] += float(n_new.sum())
-        self.counters["prefill_calls"] += 1.0
-        self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
-        self.counters["fallbacks"] += float(sum(q.fallback for q, _, _ in chunk))
+        return self._prefill_forward()(t(ids_h)[None], t(pos_h)[None], ctx, t(cu_q[1:].astype(np.int64) - 1))
+
+    def _graph_counters(self, graphs: PrefillGraphs) -> None:
+        c = self.counters
+        c["prefill_graph_captures"], c["prefill_graph_capture_s"] = float(graphs.captures), graphs.capture_s
+        c["prefill_graph_replays"], c["prefill_graph_declined"] = float(graphs.replays), float(graphs.declined)
+        c["prefill_graph_failed"] = float(graphs.failed)
 
     def _gather_args(self, slots: np.ndarray, total: np.ndarray, offs: np.ndarray, p: int, traced: bool) -> tuple:
         """The gathered prefill's (gather_slot, gather_col, key_index, cu_k, max_k, kernel): every row's columns

@@ -103,6 +103,9 @@ class FlashPrefill(NamedTuple):
     """`attention.prefix_prefill_attention`'s (cu_q, cu_k, used), or None when no row reads the prefix."""
     reads_prefix: torch.Tensor | None
     """(N,) bool: the packed tokens whose row reads the shared prefix."""
+    valid: torch.Tensor | None = None
+    """(N,) bool: the packed tokens of some row; the others (a graph's padding, prefill_graphs.py) belong to none,
+    and their attention output - never written by the kernel - is set to 0. None: every token is a row's."""
 
 
 class PrefillCtx(NamedTuple):
@@ -230,8 +233,11 @@ def _prefill_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.T
         prefix = None
         if f.prefix_meta is not None:
             prefix = (ctx.prefix_keys[i], ctx.prefix_values[i], f.prefix_meta, ctx.prefix_len, f.reads_prefix)
-        return A.prefill_in_place(q[0].transpose(0, 1).contiguous(), kc, vc, ctx.cu_q, f.starts, f.used, ctx.max_q,
-                                  f.max_k, scale, f.kernel, prefix)[None]
+        out = A.prefill_in_place(q[0].transpose(0, 1).contiguous(), kc, vc, ctx.cu_q, f.starts, f.used, ctx.max_q,
+                                 f.max_k, scale, f.kernel, prefix)
+        if f.valid is not None:  # a select, not a product: what the kernel left in a pad's output may be NaN
+            out = torch.where(f.valid[:, None, None], out, out.new_zeros(()))
+        return out[None]
     ks = kc[ctx.gather_slot, :, ctx.gather_col]  # (K, Hkv, d)
     vs = vc[ctx.gather_slot, :, ctx.gather_col]
     if ctx.key_index is not None:

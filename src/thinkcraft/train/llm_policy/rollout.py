@@ -154,6 +154,13 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # an engine's graph turned itself off (its check or capture failed: the eager forward since)
             "engine/prefix_graph_replays": d.get("prefix_graph_replays", 0.0),
             "engine/prefix_graph_failed": after.get("prefix_graph_failed", 0.0),
+            # the packed prefill's calls replayed from CUDA graphs (prefill_graphs.py), the graphs captured and
+            # their seconds, calls too large for one (eager); a state: whether an engine's graphs turned off
+            "engine/prefill_graph_replays": d.get("prefill_graph_replays", 0.0),
+            "engine/prefill_graph_captures": d.get("prefill_graph_captures", 0.0),
+            "engine/prefill_graph_capture_s": d.get("prefill_graph_capture_s", 0.0),
+            "engine/prefill_graph_declined": d.get("prefill_graph_declined", 0.0),
+            "engine/prefill_graph_failed": after.get("prefill_graph_failed", 0.0),
             # a state, not a count: the decode step's attention, 1 per engine on FlashAttention over the slots (the
             # async pools sum their engines' counters), 0 on the matmuls
             "engine/flash_decode": after.get("flash_decode", 0.0),

@@ -1,0 +1,166 @@
+"""The packed prefill replayed from CUDA graphs (`llm/hf/prefill_graphs.py`): the buckets, the padded layout, and
+the batcher through graphs - on the CPU with a capture stand-in that replays the captured function over the same
+input buffers, and the in-place prefill through its kernel's plain contract - giving the eager prefill's greedy
+tokens and log-probs; a failing capture or a replay that differs from the eager forward turns the graphs off
+with one warning, the tokens unchanged. On a GPU: the real capture, against the eager engine."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from thinkcraft.llm import attention as A
+from thinkcraft.llm.hf import HFEngine
+from thinkcraft.llm.hf import prefill_graphs as PG
+from thinkcraft.llm.testing import tiny_llama
+from thinkcraft.utils.errors import UserError
+
+from llm_helpers import NoGate, replay_capture
+from test_flash_decode import _episodes
+
+
+def test_buckets_bound_the_padding_and_are_few() -> None:
+    """At least n, at most 1/16 more above the floor; the later turns' token counts of a rollout (a few hundred
+    apart) share a handful of buckets."""
+    for n in range(1, 70000, 37):
+        b = PG.bucket(n, 16, 64)
+        assert b >= n and (n <= 64 or b <= n + n / 16), n
+        assert PG.bucket(b, 16, 64) == b  # a bucket is its own
+    assert PG.bucket(5, 16, 64) == 64
+    assert len({PG.bucket(n, 16, 64) for n in range(22000, 24000)}) <= 3
+
+
+def _call(prefix: bool) -> PG.PrefillCall:
+    # rows: slot 3 (2 kept + 3 new), slot 0 (1 new), slot 5 (4 new)
+    slots, kept, new = np.array([3, 0, 5]), np.array([2, 0, 0]), np.array([3, 1, 4])
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    col = np.concatenate([np.arange(k, k + n) for k, n in zip(kept, new)])
+    return PG.PrefillCall(np.arange(10, 18), col + 7, np.repeat(slots, new), col, cu, slots, kept + new,
+                          np.array([True, False, True]) if prefix else None)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_the_padded_layout(prefix: bool) -> None:
+    """Pads at the end: the pad id at position 0 into slot 0's scratch column, marked invalid, reading no prefix;
+    empty rows after the real ones (no new token, no key, their last token 0); the prefix call over every token."""
+    call = _call(prefix)
+    shape = PG.shape_of(call, 7)
+    assert shape == PG.Shape(64, 8, 16, 64, 7 if prefix else 0)
+    i64, i32 = PG.padded(call, shape, pad_id=99, scratch_col=40, slot_stride=100, view_rows=650, prefix_cols=12)
+    inp = PG.Inputs(shape, torch.device("cpu"))
+    inp.load(i64, i32)
+    assert inp.ids[0, :8].tolist() == list(range(10, 18)) and set(inp.ids[0, 8:].tolist()) == {99}
+    assert inp.pos[0, :8].tolist() == (call.pos).tolist() and set(inp.pos[0, 8:].tolist()) == {0}
+    assert inp.tok_slot[:8].tolist() == call.tok_slot.tolist() and set(inp.tok_slot[8:].tolist()) == {0}
+    assert inp.tok_col[:8].tolist() == call.tok_col.tolist() and set(inp.tok_col[8:].tolist()) == {40}
+    assert inp.last.tolist() == [2, 3, 7, 0, 0, 0, 0, 0]
+    assert inp.cu_q.tolist() == [0, 3, 4, 8, 8, 8, 8, 8, 8]
+    assert inp.starts.tolist() == [300, 0, 500, 0, 0, 0, 0, 0, 650]
+    assert inp.used.tolist() == [5, 1, 4, 0, 0, 0, 0, 0]
+    assert inp.valid.tolist() == [1] * 8 + [0] * 56
+    assert inp.reads.tolist() == ([1, 1, 1, 0, 1, 1, 1, 1] if prefix else [0] * 8) + [0] * 56
+    assert [m.tolist() for m in inp.meta] == [[0, 64], [0, 12], [7 if prefix else 1]]
+
+
+def _graphed(model, tok, monkeypatch, capture=replay_capture, **kw):  # noqa: ANN001, ANN003, ANN202
+    """An engine whose prefill runs in place (the kernel's plain contract) and through CPU stand-in graphs."""
+    import thinkcraft.llm.hf.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "prefill_inplace_kernel", lambda device, dtype, head_dim: A.varlen_decode_reference)
+    eng = HFEngine.from_model(model, tok, max_slots=4)
+    graphs = PG.PrefillGraphs(eng._batcher._forward_last, eng.device, eng.pad_id, int(model.config.vocab_size),
+                              capture=capture, gate=NoGate(), **kw)
+    eng._batcher._fgraphs = graphs
+    return eng, graphs
+
+
+def test_the_batcher_through_prefill_graphs_equals_the_eager_prefill(monkeypatch) -> None:
+    """Growing episodes that keep their KV between turns and share a prefix (one joining late): the same greedy
+    tokens and log-probs as the eager prefill; every call replayed (a capture per new bucket, the first replays
+    checked against the eager forward), counted in the metrics."""
+    model, tok = tiny_llama()
+    want = _episodes(HFEngine.from_model(model, tok, max_slots=4), tok, turns=5)
+    eng, graphs = _graphed(model, tok, monkeypatch)
+    got = _episodes(eng, tok, turns=5)
+    m = eng.decode_metrics()
+    assert not graphs.failed and graphs.captures >= 1 and graphs.replays == m["prefill_calls"] == 5
+    assert graphs.replays > graphs.captures  # later calls fell in a bucket captured before
+    assert m["prefill_graph_replays"] == 5 and m["prefill_graph_captures"] == graphs.captures
+    assert m["reused_tokens"] > 0
+    for (k, e, tw, lw), (_, _, tg, lg) in zip(want, got):
+        assert tg == tw, (k, e)
+        np.testing.assert_allclose(lg, lw, atol=1e-5)
+
+
+def test_prefill_graphs_fall_back_with_one_warning(monkeypatch, caplog) -> None:
+    """A capture that fails, and a graph whose replays keep what its capture computed (a host-side decision frozen
+    in the graph): both caught - the first at once, the second by the check of the next call in its bucket - the
+    graphs off for good with one warning, and the tokens those of the eager prefill."""
+    model, tok = tiny_llama()
+    want = [o[2] for o in _episodes(HFEngine.from_model(model, tok, max_slots=4), tok, turns=4)]
+
+    def broken(run, device, pool=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("capture failed")
+
+    def frozen(run, device, pool=None):  # noqa: ANN001, ANN202
+        out = run()
+        return (lambda: out), out  # the replay recomputes nothing
+
+    for capture in (broken, frozen):
+        caplog.clear()
+        eng, graphs = _graphed(model, tok, monkeypatch, capture=capture, max_tokens=10**6)
+        with caplog.at_level(logging.WARNING, logger="thinkcraft.llm.hf.prefill_graphs"):
+            got = [o[2] for o in _episodes(eng, tok, turns=4)]
+        assert graphs.failed and eng.decode_metrics()["prefill_graph_failed"] == 1.0
+        assert sum("CUDA graphs are off" in r.message for r in caplog.records) == 1
+        assert got == want, capture.__name__
+
+
+def test_large_calls_stay_eager(monkeypatch) -> None:
+    """A call above `max_tokens` runs eagerly (declined, counted); the tokens are the same."""
+    model, tok = tiny_llama()
+    want = [o[2] for o in _episodes(HFEngine.from_model(model, tok, max_slots=4), tok)]
+    eng, graphs = _graphed(model, tok, monkeypatch, max_tokens=8)
+    assert [o[2] for o in _episodes(eng, tok)] == want
+    assert graphs.declined == 3 and graphs.replays == 0 and not graphs.failed
+
+
+def test_the_switch(monkeypatch) -> None:
+    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", "0")
+    assert not PG.prefill_graphs_on()
+    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", "on")
+    with pytest.raises(UserError, match="THINKCRAFT_PREFILL_GRAPHS"):
+        PG.prefill_graphs_on()
+    monkeypatch.delenv("THINKCRAFT_PREFILL_GRAPHS")
+    assert PG.prefill_graphs_on()
+    # the CPU engine never builds them
+    model, tok = tiny_llama()
+    eng = HFEngine.from_model(model, tok, max_slots=4)
+    _episodes(eng, tok, turns=1)
+    assert eng._batcher._prefill_graphs() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the in-place prefill run on CUDA only")
+def test_prefill_graphs_on_gpu_equal_the_eager_prefill(monkeypatch) -> None:
+    """bf16 on a GPU, the rollout's path (decode graphs too): with and without the prefill's graphs the same
+    episodes give the same tokens and log-probs - the graphed replays are checked bit for bit against the eager
+    forward over the same padded inputs, so only the padding's other GEMM shapes can move a near-tie."""
+    model, tok = tiny_llama(dtype=torch.bfloat16)
+    model.cuda()
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", flag)
+        eng = HFEngine.from_model(model, tok, max_slots=4, compile_decode=True)
+        runs[flag] = _episodes(eng, tok, turns=5)
+        m = eng.decode_metrics()
+        assert m["prefill_graph_failed"] == 0.0
+        assert (m["prefill_graph_replays"] == m["prefill_calls"]) if flag == "1" else m["prefill_graph_replays"] == 0
+    same = [a[2] == b[2] for a, b in zip(runs["0"], runs["1"])]
+    assert np.mean(same) >= 2 / 3
+    for a, b in zip(runs["0"], runs["1"]):
+        n = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), len(a[2]))
+        np.testing.assert_allclose(a[3][:n], b[3][:n], atol=5e-2)
