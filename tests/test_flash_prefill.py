@@ -118,6 +118,10 @@ def test_flash_prefill_on_gpu_equals_the_gather() -> None:
                              compat.flash_decode, prefix=(pk, pv, meta, 300, reads))
     want = A.prefill_gather_reference(q, kc, vc, cu_q, slots, used, 0.125, prefix=(pk, pv, 300), prefix_rows=rows)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # max_q / max_k are bounds, not counts (what the prefill's graphs pass: a bucket's longest row, the slot's width)
+    wide = A.prefill_in_place(q, kc, vc, cu_q, starts, torch.tensor(used, **i32), 512, cols, 0.125,
+                              compat.flash_decode, prefix=(pk, pv, meta, 300, reads))
+    assert torch.equal(wide, got)
 
 
 @pytest.mark.gpu

@@ -48,7 +48,7 @@ def test_the_padded_layout(prefix: bool) -> None:
     empty rows after the real ones (no new token, no key, their last token 0); the prefix call over every token."""
     call = _call(prefix)
     shape = PG.shape_of(call, 7)
-    assert shape == PG.Shape(64, 8, 16, 64, 7 if prefix else 0)
+    assert shape == PG.Shape(64, 8, 16, 7 if prefix else 0)
     i64, i32 = PG.padded(call, shape, pad_id=99, scratch_col=40, slot_stride=100, view_rows=650, prefix_cols=12)
     inp = PG.Inputs(shape, torch.device("cpu"))
     inp.load(i64, i32)

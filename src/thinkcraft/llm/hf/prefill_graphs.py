@@ -6,22 +6,23 @@ before each of its phases (H200, 2026-12-02, `--profile-rollout`, BENCHMARKS §7
 it cannot do the work that follows (the new rows' state, the next decode step's launch). A replay launches the
 whole forward at once: the device runs the kernels back to back and the host goes on meanwhile.
 
-How: a call's shape - packed tokens N, rows B, the longest row's new tokens and keys - is rounded up to a bucket
-(`bucket`: at most 1/16 more tokens), so the later turns of a rollout, whose shapes differ by a few tokens, share
-a few graphs. The padding is inert: pad tokens (the pad id at position 0) belong to no row, write their K/V into
-slot 0's scratch column (which no row reads) and get an attention output of 0 (`FlashPrefill.valid`, so every
+How: a call's shape - packed tokens N, rows B, the longest row's new tokens - is rounded up to a bucket
+(`shape_of`: at most 1/16 more tokens), so the later turns of a rollout, whose shapes differ by a few hundred tokens,
+share a few graphs. The padding is inert: pad tokens (the pad id at position 0) belong to no row, write their K/V
+into slot 0's scratch column (which no row reads) and get an attention output of 0 (`FlashPrefill.valid`, so every
 value they carry stays finite); the extra rows are empty (no new token, no key). FlashAttention's `max_q` and
-`max_k` only bound the rows' counts, so the bucket's values serve every call in it. A call's host work is two
-host arrays copied into the graph's input buffers (one int64, one int32), a replay, and its rows' logits out of
-the graph's output buffer.
+`max_k` only bound the rows' counts (each row's own are in `cu_q` and `seqused_k`), so the bucket's longest row and
+the slot's width serve every call in it. A call's host work is two host arrays copied into the graph's input
+buffers (one int64, one int32), a replay, and its rows' logits out of the graph's output buffer.
 
-Trust, but check: the first `VERIFY` replays of each graph are compared bit for bit with the eager forward over the same
-padded inputs (the kernels and shapes are the graph's own, so they must agree exactly); a difference, like any
-capture or replay error, turns the graphs off for good with one warning, and the eager prefill runs
-(`prefill_graph_failed`). Only on CUDA with the in-place FlashAttention prefill (`slots.prefill_inplace_kernel`),
-no SM partition, an eager prefill forward (not THINKCRAFT_PREFILL_COMPILE), and calls of at most `MAX_TOKENS`
-packed tokens (a rollout's first turn of whole prompts stays eager: one call, bound by its kernels, whose
-activations a graph's pool would otherwise keep). THINKCRAFT_PREFILL_GRAPHS=0 turns it off (the A/B switch).
+Trust, but check: the first replay of each graph (and a second one, until one graph of its kind passed: `VERIFY`) is
+compared bit for bit with the eager forward over the same padded inputs (the kernels and shapes are the graph's
+own, so they must agree exactly); a difference, like any capture or replay error, turns the graphs off for good
+with one warning, and the eager prefill runs (`prefill_graph_failed`). Only on CUDA with the in-place
+FlashAttention prefill (`slots.prefill_inplace_kernel`), no SM partition, an eager prefill forward (not
+THINKCRAFT_PREFILL_COMPILE), and calls of at most `MAX_TOKENS` packed tokens (larger ones - a first turn of whole
+prompts at many rows - stay eager: bound by their kernels, with activations the graphs' pool would otherwise keep).
+THINKCRAFT_PREFILL_GRAPHS=0 turns it off (the A/B switch).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ MAX_GRAPHS = 32
 """Graphs kept (least recently replayed dropped first): a rollout's later turns need a handful."""
 
 VERIFY = 2
-"""Replays of each new graph compared bit for bit with the eager forward before it is trusted: the capture's, and the
-next call's (new inputs: what a decision frozen on the host at capture time would get wrong)."""
+"""Replays compared bit for bit with the eager forward before a graph is trusted: every graph's first (the capture's),
+and a later call's until one graph of its kind (reading the shared prefix or not: the forward's two code paths)
+passed that second check (new inputs: what a decision frozen on the host at capture time would get wrong - the same
+in every graph of that path)."""
 
 
 def prefill_graphs_on() -> bool:
@@ -89,15 +92,16 @@ class Shape(NamedTuple):
     tokens: int
     rows: int
     max_q: int
-    max_k: int
     prefix_len: int
 
 
 def shape_of(call: PrefillCall, prefix_len: int) -> Shape:
-    """The bucket `call` runs in."""
-    n_new = np.diff(call.cu_q)
-    return Shape(bucket(len(call.ids), 16, 64), bucket(len(call.slots), 8, 8), bucket(max(int(n_new.max()), 2), 4, 16),
-                 bucket(int(call.used.max()), 8, 64), prefix_len if call.reads_prefix is not None else 0)
+    """The bucket `call` runs in: its tokens to 1/16, its rows to 1/8, its longest row's new tokens to a power of two
+    (FlashAttention's grid: blocks of queries a row); its keys are not part of it (`max_k` is the cache's width: the
+    kernel reads each row's own count, `seqused_k`), so one rollout's later turns share a few graphs."""
+    n_new = int(np.diff(call.cu_q).max())
+    return Shape(bucket(len(call.ids), 16, 64), bucket(len(call.slots), 8, 8), bucket(max(n_new, 2), 1, 16),
+                 prefix_len if call.reads_prefix is not None else 0)
 
 
 def padded(call: PrefillCall, shape: Shape, pad_id: int, scratch_col: int, slot_stride: int, view_rows: int,
@@ -161,13 +165,13 @@ class Inputs:
 
     def ctx(self, kv: Any, shape: Shape, kernel: Callable[..., Any]) -> PrefillCtx:
         """The forward's `PrefillCtx` over these buffers (the bool masks made from their int32 rows, inside the
-        forward: a replay reads them again)."""
+        forward: a replay reads them again); `max_k` the slot's columns, a bound on every row's keys."""
         p = shape.prefix_len
         reads = self.reads > 0 if p else None
-        flash = FlashPrefill(kernel, self.starts, self.used, shape.max_k, self.meta if p else None, reads,
-                             self.valid > 0)
+        max_k = kv.keys[0].shape[2]
+        flash = FlashPrefill(kernel, self.starts, self.used, max_k, self.meta if p else None, reads, self.valid > 0)
         return PrefillCtx(kv.keys, kv.values, kv.prefix_keys if p else None, kv.prefix_values if p else None, p,
-                          self.tok_slot, self.tok_col, None, None, None, self.cu_q, None, shape.max_q, shape.max_k,
+                          self.tok_slot, self.tok_col, None, None, None, self.cu_q, None, shape.max_q, max_k,
                           kernel, flash)
 
 
@@ -196,6 +200,7 @@ class PrefillGraphs:
         self.kv_ref: weakref.ref | None = None
         self.failed = False
         self.captures, self.capture_s, self.replays, self.declined = 0, 0.0, 0, 0
+        self._kinds: set[bool] = set()  # the kinds (reads the prefix or not) one of whose graphs passed `verify` checks
 
     def run(self, call: PrefillCall, kv: Any, prefix_len: int, kernel: Callable[..., Any], key: tuple
             ) -> torch.Tensor | None:
@@ -226,11 +231,14 @@ class PrefillGraphs:
                 self.replays += 1
             inputs, _, checked = entry
             out = self.out[: shape.rows]  # type: ignore[index]
-            if checked[0] < self.verify:
+            kind = shape.prefix_len > 0
+            if checked[0] == 0 or (checked[0] < self.verify and kind not in self._kinds):
                 want = self.forward(inputs.ids, inputs.pos, inputs.ctx(kv, shape, kernel), inputs.last)
                 if not torch.equal(want[: len(call.slots)], out[: len(call.slots)]):
                     raise RuntimeError("a replay differs from the eager forward over the same inputs")
                 checked[0] += 1
+                if checked[0] >= self.verify:
+                    self._kinds.add(kind)
             while len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
             return out[: len(call.slots)]
@@ -244,6 +252,7 @@ class PrefillGraphs:
         """Every graph and buffer goes (a new cache or new weights' storage; a failure)."""
         self.graphs.clear()
         self.out = self.pool = self.key = self.kv_ref = None
+        self._kinds.clear()
 
     def _capture(self, shape: Shape, kv: Any, kernel: Callable[..., Any], host: tuple[np.ndarray, np.ndarray]
                  ) -> tuple[Inputs, Callable[[], Any], list[int]]:
@@ -272,6 +281,6 @@ class PrefillGraphs:
         self.captures += 1
         self.replays += 1
         self.capture_s += time.perf_counter() - t0
-        log.info("prefill graph %d captured on %s (%d tokens, %d rows, keys <= %d): %.2f s", self.captures, self.device,
-                 shape.tokens, shape.rows, shape.max_k, time.perf_counter() - t0)
-        return inputs, replay, [0]
+        log.info("prefill graph %d captured on %s (%d tokens, %d rows, <= %d new a row): %.2f s", self.captures,
+                 self.device, shape.tokens, shape.rows, shape.max_q, time.perf_counter() - t0)
+        return inputs, replay, [0]  # replays checked
