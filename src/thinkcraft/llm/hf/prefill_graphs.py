@@ -20,8 +20,9 @@ compared bit for bit with the eager forward over the same padded inputs (the ker
 own, so they must agree exactly); a difference, like any capture or replay error, turns the graphs off for good
 with one warning, and the eager prefill runs (`prefill_graph_failed`). Only on CUDA with the in-place
 FlashAttention prefill (`slots.prefill_inplace_kernel`), no SM partition, an eager prefill forward (not
-THINKCRAFT_PREFILL_COMPILE), and calls of at most `MAX_TOKENS` packed tokens (larger ones - a first turn of whole
-prompts at many rows - stay eager: bound by their kernels, with activations the graphs' pool would otherwise keep).
+THINKCRAFT_PREFILL_COMPILE), and calls of at most `MAX_TOKENS` packed tokens (larger ones stay eager: bound by
+their kernels - the 256-env Craftax turn's ~23k tokens measured no faster replayed - with activations the graphs'
+pool would otherwise keep).
 THINKCRAFT_PREFILL_GRAPHS=0 turns it off (the A/B switch).
 """
 
@@ -41,9 +42,12 @@ from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 32768
-"""Packed tokens above which a call runs eagerly (module doc): the graphs' shared memory pool then holds at most
-one call's activations of this size (~1.5 GB for the 0.5B shape)."""
+MAX_TOKENS = 16384
+"""Packed tokens above which a call runs eagerly: where the eager call's launches cost less than its kernels, a
+replay saves no time. Measured on one H200 (2026-12-02, Craftax, the Qwen2.5-0.5B shape, steady steps after the
+graphs' captures, BENCHMARKS §7b): 64 envs (~6k tokens a call) rollouts 0.90-0.97 s replayed against 0.97-1.07 s
+eager; 256 envs (~23k a call) 1.67-1.89 s against 1.64-1.76 s - the device, not the host, bounds that prefill. The
+crossover lies between; the graphs' shared pool then holds at most one call's activations of this size."""
 
 MAX_GRAPHS = 32
 """Graphs kept (least recently replayed dropped first): a rollout's later turns need a handful."""
