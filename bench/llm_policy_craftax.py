@@ -132,6 +132,13 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         plot=False, seed=0)
 
 
+def settled_steps(steady: list[Any]) -> list[Any]:
+    """Of the steady steps, those in which no graph was captured (decode or prefill: a new shape's capture, and the
+    prefill graphs' checks against the eager forward, cost a step up to ~0.5 s once, 2026-12-02 s53): the rates a long
+    run settles at. Empty when every steady step captured."""
+    return [r for r in steady if r.get("engine/graph_captures", 0.0) == 0 and r.get("engine/prefill_graph_captures", 0.0) == 0]
+
+
 def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
     """The steps the rates average: after the first (it compiles), without those whose learner update or
     rollout ran under torch.profiler (2026-11-27, H200: 37.1 s against 10.7-11.2 s, and it was in the means) -
@@ -282,6 +289,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
     # the rollout's wall time (a record without it: generate + env, as rows before 2026-12-02 were computed)
     roll_s = [r.get("timing/rollout", g + e) for r, g, e in zip(steady, gen_s, env_s)]
     tokens = [r["completion/mean_tokens"] * n for r, n in zip(steady, turns)]
+    settled = settled_steps(steady)
+    s_turns = sum(r["episode/turns"] * num_envs for r in settled)
     med = statistics.median
     return {
         "model_shape": shape, "num_envs": num_envs, "max_new_tokens": a.max_new_tokens, "thinking_budget": budget,
@@ -291,6 +300,15 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # step (H100, 2026-11-26: 118 s vs 20.7 s), which the averages above include with --steps 3
         "decisions_per_s_last": round(turns[-1] / step_s[-1], 1),
         "rollout_decisions_per_s_last": round(turns[-1] / roll_s[-1], 1),
+        # over the steady steps that captured no graph (`settled_steps`; None: none did) - what a long run settles at
+        "decisions_per_s_settled": round(s_turns / sum(r["timing/step"] for r in settled), 1) if settled else None,
+        "rollout_decisions_per_s_settled": (round(s_turns / sum(r.get("timing/rollout", 0.0) for r in settled), 1)
+                                            if settled and all("timing/rollout" in r for r in settled) else None),
+        "steps_settled": len(settled),
+        # per measured step (the first included): the rollout's wall time and the graphs captured in it
+        "rollout_s_by_step": [round(r.get("timing/rollout", 0.0), 3) for r in recs],
+        "graph_captures_by_step": [int(r.get("engine/graph_captures", 0.0) + r.get("engine/prefill_graph_captures", 0.0))
+                                   for r in recs],
         "generate_tok_per_s": round(sum(tokens) / max(sum(gen_s), 1e-9), 1),
         "generate_share": round(sum(gen_s) / sum(step_s), 3),
         "prefill_tokens_saved_frac": round(med([r.get("kv/prefill_saved_frac", 0.0) for r in steady]), 3),

@@ -174,6 +174,11 @@ def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
     assert bench.steady_steps([0, 1], 1) == [1]  # nothing else after the first: the profiled step
     assert bench.steady_steps([0], None) == [0]
     assert bench.steady_steps([0, 1, 2, 3], 2, 3) == [1]  # the learner-profiled and the rollout-profiled steps
+    # the settled steps: those that captured no decode or prefill graph (a capture's one-time cost left out)
+    steps = [{"engine/graph_captures": 1.0}, {"engine/prefill_graph_captures": 2.0}, {"engine/graph_captures": 0.0},
+             {}]
+    assert bench.settled_steps(steps) == steps[2:]
+    assert bench.settled_steps(steps[:2]) == []
 
 
 def test_craftax_bench_patches_the_rollout_module_and_undoes_it() -> None:

@@ -192,4 +192,7 @@ def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
         assert r["lora_merged_layers"] == 0  # THINKCRAFT_LORA_MERGE is opt-in: rows say which forward served
         assert r["lora_fast_train_layers"] == r["lora_fast_layers"]  # the learner's cast-free path: on by default
         assert r["fused_rmsnorms"] > 0  # swapped in (on the CPU's fp32 learner each call keeps HF's forward)
+        # the per-step record and the rates over the steps that captured no graph (the CPU captures none)
+        assert len(r["rollout_s_by_step"]) == len(r["graph_captures_by_step"]) == r["steps_measured"] + 1
+        assert r["steps_settled"] == r["steps_measured"] and r["rollout_decisions_per_s_settled"] > 0
     assert rows[1]["thinking_tokens_mean"] > 0  # the thinking rows think (and are cut at the budget)
