@@ -96,6 +96,30 @@ def _episodes(eng: HFEngine, tok, turns: int = 3) -> list:  # noqa: ANN001
     return out
 
 
+def _bf16_runs(monkeypatch, switch: str, check, turns: int = 3) -> dict[str, list]:  # noqa: ANN001
+    """`_episodes` of a bf16 tiny model on the GPU, the decode step compiled and captured (the rollout's path), with
+    the environment switch `switch` at "0" and then "1"; `check(engine, flag)` after each run."""
+    model, tok = tiny_llama(dtype=torch.bfloat16)
+    model.cuda()
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(switch, flag)
+        eng = HFEngine.from_model(model, tok, max_slots=4, compile_decode=True)
+        runs[flag] = _episodes(eng, tok, turns=turns)
+        check(eng, flag)
+    return runs
+
+
+def _agree_in_bf16(want: list, got: list) -> None:
+    """Two bf16 runs of `_episodes` agree: the same tokens in >= 2/3 of the turns (near-ties may flip in bf16) and
+    log-probs within 5e-2 up to each turn's first different token."""
+    same = [a[2] == b[2] for a, b in zip(want, got)]
+    assert np.mean(same) >= 2 / 3, same
+    for a, b in zip(want, got):
+        n = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), len(a[2]))
+        np.testing.assert_allclose(a[3][:n], b[3][:n], atol=5e-2)
+
+
 def test_the_batcher_through_the_slot_layout_equals_the_matmul_path(monkeypatch) -> None:
     """CPU: the batcher with the slot attention forced through `slot_decode_attention` (its kernel's plain
     contract) gives the matmul path's greedy tokens and log-probs over growing episodes that share a prefix."""
@@ -150,21 +174,13 @@ def test_the_compiled_graphed_engine_with_flash_decode_equals_the_matmul_path(mo
     """bf16 on a GPU, the decode step compiled and captured (the rollout's path): with and without the flash
     slot attention the same episodes give the same tokens (near-ties may flip in bf16: >= 2/3 of the turns)
     and close log-probs up to the first difference; the flash run really used it and never fell back."""
-    model, tok = tiny_llama(dtype=torch.bfloat16)
-    model.cuda()
-    runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("THINKCRAFT_FLASH_DECODE", flag)
-        eng = HFEngine.from_model(model, tok, max_slots=4, compile_decode=True)
-        runs[flag] = _episodes(eng, tok)
+    def check(eng: HFEngine, flag: str) -> None:
         b = eng._batcher
         assert (b._flash is not None and b._flash.kernel is compat.flash_decode) == (flag == "1")
         assert not b._step_fn.failed and (b._fused_fn is None or not b._fused_fn.failed)
-    same = [a[2] == b[2] for a, b in zip(runs["0"], runs["1"])]
-    assert np.mean(same) >= 2 / 3
-    for a, b in zip(runs["0"], runs["1"]):
-        n = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), len(a[2]))
-        np.testing.assert_allclose(a[3][:n], b[3][:n], atol=5e-2)
+
+    runs = _bf16_runs(monkeypatch, "THINKCRAFT_FLASH_DECODE", check)
+    _agree_in_bf16(runs["0"], runs["1"])
 
 
 @pytest.mark.parametrize("prefix_rows", [[False, False, False], [True, False, True]])

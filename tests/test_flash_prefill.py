@@ -18,7 +18,7 @@ from thinkcraft.llm.hf import slots as slots_mod
 from thinkcraft.llm.testing import tiny_llama
 from thinkcraft.utils.errors import UserError
 
-from test_flash_decode import _episodes
+from test_flash_decode import _agree_in_bf16, _bf16_runs, _episodes
 
 
 def test_slot_rows_is_a_view_of_every_slot_column() -> None:
@@ -130,19 +130,11 @@ def test_the_compiled_graphed_engine_with_flash_prefill_equals_the_gather(monkey
     """bf16 on a GPU, the rollout's path (decode compiled and captured): with and without the in-place prefill the
     same episodes give the same tokens (near-ties may flip in bf16: >= 2/3 of the turns) and close log-probs up to
     the first difference; the in-place run really used it."""
-    model, tok = tiny_llama(dtype=torch.bfloat16)
-    model.cuda()
-    runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("THINKCRAFT_FLASH_PREFILL", flag)
-        eng = HFEngine.from_model(model, tok, max_slots=4, compile_decode=True)
-        runs[flag] = _episodes(eng, tok)
+    def check(eng: HFEngine, flag: str) -> None:
         assert eng.decode_metrics()["flash_prefill"] == float(flag == "1")
-    same = [a[2] == b[2] for a, b in zip(runs["0"], runs["1"])]
-    assert np.mean(same) >= 2 / 3
-    for a, b in zip(runs["0"], runs["1"]):
-        n = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), len(a[2]))
-        np.testing.assert_allclose(a[3][:n], b[3][:n], atol=5e-2)
+
+    runs = _bf16_runs(monkeypatch, "THINKCRAFT_FLASH_PREFILL", check)
+    _agree_in_bf16(runs["0"], runs["1"])
 
 
 def test_keys_read_in_place_do_not_split_a_turn(monkeypatch) -> None:
