@@ -83,7 +83,7 @@ def test_the_batcher_through_prefill_graphs_equals_the_eager_prefill(monkeypatch
     checked against the eager forward), counted in the metrics."""
     model, tok = tiny_llama()
     want = _episodes(HFEngine.from_model(model, tok, max_slots=4), tok, turns=5)
-    eng, graphs = _graphed(model, tok, monkeypatch)
+    eng, graphs = _graphed(model, tok, monkeypatch, capture_after=1)
     got = _episodes(eng, tok, turns=5)
     m = eng.decode_metrics()
     assert not graphs.failed and graphs.captures >= 1 and graphs.replays == m["prefill_calls"] == 5
@@ -111,7 +111,7 @@ def test_prefill_graphs_fall_back_with_one_warning(monkeypatch, caplog) -> None:
 
     for capture in (broken, frozen):
         caplog.clear()
-        eng, graphs = _graphed(model, tok, monkeypatch, capture=capture, max_tokens=10**6)
+        eng, graphs = _graphed(model, tok, monkeypatch, capture=capture, capture_after=1)
         with caplog.at_level(logging.WARNING, logger="thinkcraft.llm.hf.prefill_graphs"):
             got = [o[2] for o in _episodes(eng, tok, turns=4)]
         assert graphs.failed and eng.decode_metrics()["prefill_graph_failed"] == 1.0
@@ -119,13 +119,24 @@ def test_prefill_graphs_fall_back_with_one_warning(monkeypatch, caplog) -> None:
         assert got == want, capture.__name__
 
 
-def test_large_calls_stay_eager(monkeypatch) -> None:
-    """A call above `max_tokens` runs eagerly (declined, counted); the tokens are the same."""
+def test_which_calls_stay_eager(monkeypatch) -> None:
+    """Declined (eager, counted), the tokens the same: every call above `max_tokens`; a shape's calls before its
+    `capture_after`-th (the default: its first), so a shape met once never captures; new shapes past `max_graphs`."""
     model, tok = tiny_llama()
-    want = [o[2] for o in _episodes(HFEngine.from_model(model, tok, max_slots=4), tok)]
-    eng, graphs = _graphed(model, tok, monkeypatch, max_tokens=8)
-    assert [o[2] for o in _episodes(eng, tok)] == want
-    assert graphs.declined == 3 and graphs.replays == 0 and not graphs.failed
+    want = [o[2] for o in _episodes(HFEngine.from_model(model, tok, max_slots=4), tok, turns=5)]
+    shapes: list = []
+    real = PG.shape_of
+    monkeypatch.setattr(PG, "shape_of", lambda call, p: shapes.append(real(call, p)) or shapes[-1])
+    for kw, replays in (({"max_tokens": 8}, lambda s: 0),
+                        ({}, lambda s: len(s) - len(set(s))),  # every call of a shape after its first
+                        ({"capture_after": 1, "max_graphs": 1}, lambda s: s.count(s[0]))):  # the first shape only
+        shapes.clear()
+        eng, graphs = _graphed(model, tok, monkeypatch, **kw)
+        assert [o[2] for o in _episodes(eng, tok, turns=5)] == want, kw
+        assert len(shapes) == 5 and graphs.replays == replays(shapes), (kw, shapes)
+        assert graphs.declined == 5 - graphs.replays and len(graphs.graphs) <= kw.get("max_graphs", 32)
+        assert not graphs.failed
+    assert len(set(shapes)) < 5  # the premise: some shape came back
 
 
 def test_the_switch(monkeypatch) -> None:
@@ -154,5 +165,6 @@ def test_prefill_graphs_on_gpu_equal_the_eager_prefill(monkeypatch) -> None:
         assert m["prefill_graph_failed"] == 0.0
         assert m["prefill_graph_replays"] == (m["prefill_calls"] if flag == "1" else 0)
 
+    monkeypatch.setattr(PG, "CAPTURE_AFTER", 1)  # every call replayed (the default would run each shape's first eagerly)
     runs = _bf16_runs(monkeypatch, "THINKCRAFT_PREFILL_GRAPHS", check, turns=5)
     _agree_in_bf16(runs["0"], runs["1"])

@@ -8,7 +8,8 @@ whole forward at once: the device runs the kernels back to back and the host goe
 
 How: a call's shape - packed tokens N, rows B, the longest row's new tokens - is rounded up to a bucket
 (`shape_of`: at most 1/16 more tokens), so the later turns of a rollout, whose shapes differ by a few hundred tokens,
-share a few graphs. The padding is inert: pad tokens (the pad id at position 0) belong to no row, write their K/V
+share a few graphs; a shape's graph is captured at its second call (`CAPTURE_AFTER`: a shape met once stays eager),
+at most `MAX_GRAPHS` of them. The padding is inert: pad tokens (the pad id at position 0) belong to no row, write their K/V
 into slot 0's scratch column (which no row reads) and get an attention output of 0 (`FlashPrefill.valid`, so every
 value they carry stays finite); the extra rows are empty (no new token, no key). FlashAttention's `max_q` and
 `max_k` only bound the rows' counts (each row's own are in `cu_q` and `seqused_k`), so the bucket's longest row and
@@ -49,8 +50,17 @@ graphs' captures, BENCHMARKS §7b): 64 envs (~6k tokens a call) rollouts 0.90-0.
 eager; 256 envs (~23k a call) 1.67-1.89 s against 1.64-1.76 s - the device, not the host, bounds that prefill. The
 crossover lies between; the graphs' shared pool then holds at most one call's activations of this size."""
 
+CAPTURE_AFTER = 2
+"""Calls of a shape before its graph is captured (at the last of them; the ones before run eagerly): a shape met
+once - the async pools' prefills take whatever requests arrived, in chunks of any size - never pays a capture and its
+check. A rollout's later turns repeat their shapes from one rollout to the next."""
+
 MAX_GRAPHS = 32
-"""Graphs kept (least recently replayed dropped first): a rollout's later turns need a handful."""
+"""Graphs kept; a new shape past them runs eagerly (no eviction: a stream of ever-new shapes must not capture at every
+call). A Craftax rollout's later turns need a handful (64 envs, 2026-12-02: 7)."""
+
+SEEN_MAX = 4096
+"""Shapes whose calls are counted for `CAPTURE_AFTER` (least recently met forgotten first)."""
 
 VERIFY = 2
 """Replays compared bit for bit with the eager forward before a graph is trusted: every graph's first (the capture's),
@@ -181,22 +191,27 @@ class Inputs:
 
 class PrefillGraphs:
     """One batcher's prefill graphs. `run(call, prefix_len)` -> (B, V) float32 logits of the call's rows, or None
-    where it declines (too large, or off after a failure): the caller then runs the eager prefill."""
+    where it declines (too large, a shape not met `capture_after` times yet, `max_graphs` graphs already, or off after
+    a failure): the caller then runs the eager prefill."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], device: torch.device, pad_id: int, vocab: int,
                  capture: Callable[..., tuple[Callable[[], Any], Any]] | None = None, gate: Any = None,
-                 verify: int = VERIFY, max_tokens: int = MAX_TOKENS) -> None:
+                 verify: int = VERIFY, max_tokens: int = MAX_TOKENS, capture_after: int | None = None,
+                 max_graphs: int = MAX_GRAPHS) -> None:
         """`forward(ids, pos, ctx, last)` -> (rows, V) float32: the batcher's eager packed forward
         (`CacheMixin._forward_last`); `capture(run, device, pool)` -> (replay, out) (default: the decode graphs'
-        `_graph_capture`), `gate` the process's `CaptureGate` (tests pass stand-ins for both on the CPU)."""
+        `_graph_capture`), `gate` the process's `CaptureGate` (tests pass stand-ins for both on the CPU);
+        `capture_after` None: `CAPTURE_AFTER` as it is when the graphs are made."""
+        capture_after = CAPTURE_AFTER if capture_after is None else capture_after
         if capture is None or gate is None:
             from thinkcraft.llm.hf.cache import CAPTURE_GATE, _graph_capture
 
             capture, gate = capture or _graph_capture, gate or CAPTURE_GATE
         self.forward, self.device, self.pad_id, self.vocab = forward, device, pad_id, vocab
         self.capture, self.gate = capture, gate
-        self.verify, self.max_tokens = verify, max_tokens
-        self.graphs: OrderedDict[Shape, tuple[Inputs, Callable[[], Any], list[int]]] = OrderedDict()
+        self.verify, self.max_tokens, self.capture_after, self.max_graphs = verify, max_tokens, capture_after, max_graphs
+        self.seen: OrderedDict[Shape, int] = OrderedDict()  # calls of each shape without a graph (`CAPTURE_AFTER`)
+        self.graphs: dict[Shape, tuple[Inputs, Callable[[], Any], list[int]]] = {}
         self.pool: Any = None
         self.out: torch.Tensor | None = None
         """(rows, V) float32: every graph's logits (allocated outside the graphs, so their pool keeps nothing)."""
@@ -221,14 +236,16 @@ class PrefillGraphs:
             if key != self.key or self.kv_ref is None or self.kv_ref() is not kv:
                 self.clear()
                 self.key, self.kv_ref = key, weakref.ref(kv)
+            entry = self.graphs.get(shape)
+            if entry is None and not self._capturing(shape):
+                self.declined += 1
+                return None
             hkv, cols = kv.keys[0].shape[1], kv.keys[0].shape[2]
             host = padded(call, shape, self.pad_id, kv.tokens, hkv * cols, (kv.slots - 1) * hkv * cols + cols,
                           kv.prefix_keys[0].shape[2])
-            entry = self.graphs.get(shape)
             if entry is None:
                 entry = self.graphs[shape] = self._capture(shape, kv, kernel, host)
             else:
-                self.graphs.move_to_end(shape)
                 entry[0].load(*host)
                 with self.gate.shared():  # no replay while another engine captures (CaptureGate)
                     entry[1]()
@@ -243,14 +260,22 @@ class PrefillGraphs:
                 checked[0] += 1
                 if checked[0] >= self.verify:
                     self._kinds.add(kind)
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
             return out[: len(call.slots)]
         except Exception as e:  # noqa: BLE001 - any capture, replay or check failure: the eager prefill, for good
             self.failed = True
             self.clear()
             log.warning("the prefill's CUDA graphs are off (%s: %s); the prefill runs eagerly", type(e).__name__, e)
             return None
+
+    def _capturing(self, shape: Shape) -> bool:
+        """Whether this call of a shape without a graph captures one (`CAPTURE_AFTER`, `MAX_GRAPHS`); counts it."""
+        n = self.seen.pop(shape, 0) + 1
+        if n < self.capture_after or len(self.graphs) >= self.max_graphs:
+            self.seen[shape] = n  # the most recent last
+            while len(self.seen) > SEEN_MAX:
+                self.seen.popitem(last=False)
+            return False
+        return True
 
     def clear(self) -> None:
         """Every graph and buffer goes (a new cache or new weights' storage; a failure)."""
