@@ -82,6 +82,11 @@
 #             [".whl", ".ref/tc-cache"]
 #   craftax13 one GPU (2026-12-02, fourth session): issue 19's 0.5B / 256 envs / 256-token thinking budget row at the
 #             current code, one steady step (craftax9's ran past its 170 s limit); carry [".whl", ".ref/tc-cache"]
+#   craftax14 one GPU (queued 2026-12-02, fourth session, not run): the GPU tests the session could not re-run (the
+#             prefill graphs, the rollout-after-an-update graph count), the 64-env row with a shape captured at its
+#             second call, the async arith loop on one GPU with and without the prefill graphs (its chunks of
+#             whatever arrived), then the 256-env rollout's device timeline at the current code (where the device
+#             time of a device-bound rollout goes); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -142,7 +147,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -400,6 +405,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax64_no_graphs2 200 env THINKCRAFT_PREFILL_GRAPHS=0 $C --out bench/results/logs/s53_craftax64_no_graphs2.json") ;;
     craftax13) jobs=(
       "@0 grid_05b_256_think 300 python bench/llm_policy_craftax.py --steps 2 --learner-compile off --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 256 --out bench/results/logs/s53_grid_05b_256_think.json") ;;
+    craftax14) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --thinking-budgets 0 --learner-compile off"
+      local A="python bench/async_llm_policy.py --gpus 1 --tasks arith --cases base --steps 6"
+      jobs=(
+      "@0 gputest 300 python -m pytest -m gpu tests/test_prefill_graphs.py tests/test_llm_decode_reuse.py -q -p no:cacheprovider"
+      "@0 craftax64 200 $C --num-envs 64 --steps 6 --out bench/results/logs/s54_craftax64.json"
+      "@0 async_arith 400 $A --out bench/results/logs/s54_async_arith.json"
+      "@0 async_arith_no_graphs 400 env THINKCRAFT_PREFILL_GRAPHS=0 $A --out bench/results/logs/s54_async_arith_no_graphs.json"
+      "@0 craftax_rollout_profile 420 $C --num-envs 256 --steps 4 --profile-rollout 2 --out bench/results/logs/s54_craftax_rollout_profile.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
