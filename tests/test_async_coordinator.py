@@ -134,3 +134,23 @@ def test_group_wait_and_latency_come_from_the_clock_not_the_rounded_timeline(mon
     assert tl["times"] == [[0.0, 0, 0.024], [0.0, 0, 0.024]] and tl["batch_sent_s"] == 0.024
     assert abs(tl["rollout/group_wait_s"] - 0.0004) < 1e-12
     assert abs(tl["rollout/group_latency_s"] - 0.0235) < 1e-12 and tl["rollout/group_latency_max_s"] == 0.0235
+
+
+def test_a_group_back_after_the_reward_pool_stopped_is_counted_as_stopped():
+    """The loop's last collect, after the pools stopped: an unscored group the rollout pool returned then cannot be
+    scored (the reward pool refuses it) - counted as stopped (played again on resume), the run does not fail
+    (2026-12-02, CI: `PoolStopped` out of `LP.run` after its last step, a Ray judge test)."""
+    from thinkcraft.pools.contract import PoolStopped
+
+    class Stopped(ScriptedPool):
+        def submit(self, item, timeout_s=None):
+            raise PoolStopped("pool reward is stopped")
+
+    rollout, train = ScriptedPool(), ScriptedPool()
+    c = Coordinator(_cfg(), 0, ResumeState(), lambda g: 1000 + g, rollout, Stopped(), train)
+    c.admit()
+    res = _result(rollout.submitted[0])
+    res.scored = False
+    rollout.out = [res]
+    c.collect(0.0)
+    assert c.counts["rollout/failed/stopped"] == 1 and not train.submitted

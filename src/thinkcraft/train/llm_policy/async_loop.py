@@ -38,7 +38,7 @@ from typing import Any
 
 from thinkcraft.pools import staleness as S
 from thinkcraft.pools.buffer import ReadyBuffer, group_has_signal
-from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult
+from thinkcraft.pools.contract import Failure, GroupRequest, GroupResult, PoolStopped
 from thinkcraft.utils.errors import ConfigError, UserError, check
 from thinkcraft.utils.watchdog import StallWatchdog
 
@@ -162,7 +162,10 @@ class Coordinator:
             if isinstance(r, Failure):
                 self._failed(r)
             elif not r.scored:
-                self.reward.submit(r)
+                try:
+                    self.reward.submit(r)
+                except PoolStopped:  # the run is stopping (`_loop`'s last collect): played again on resume
+                    self._failed(Failure(r, "stopped", "the reward pool stopped before it scored the group"))
             else:
                 self._scored(r)
 
