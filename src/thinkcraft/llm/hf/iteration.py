@@ -106,7 +106,7 @@ class IterationMixin:
         graphs = self._prefill_graphs() if self._flash_prefill is not None and not traced else None
         if graphs is not None:  # a replay (prefill_graphs.py), or None: too large, or the graphs are off
             call = PrefillCall(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, (offs > 0) if p else None)
-            logits = graphs.run(call, kv, p, self._flash_prefill, self._weights_key())
+            logits = graphs.run(call, kv, p, self._flash_prefill, self._weights_key)
             self._graph_counters(graphs)
         if logits is None:
             logits = self._prefill_eager(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, n_new, offs, p, traced)

@@ -221,11 +221,12 @@ class PrefillGraphs:
         self.captures, self.capture_s, self.replays, self.declined = 0, 0.0, 0, 0
         self._kinds: set[bool] = set()  # the kinds (reads the prefix or not) one of whose graphs passed `verify` checks
 
-    def run(self, call: PrefillCall, kv: Any, prefix_len: int, kernel: Callable[..., Any], key: tuple
+    def run(self, call: PrefillCall, kv: Any, prefix_len: int, kernel: Callable[..., Any], key: Callable[[], tuple]
             ) -> torch.Tensor | None:
         """`call`'s logits by a replay (capturing its bucket's graph first where it is new), or None. `kv` the slot
-        cache (by identity: a new cache drops every graph), `kernel` the in-place prefill's, `key` what the graphs
-        read by address or decided by (the batcher's `_weights_key`: parameters' storage, autocast, adapters)."""
+        cache (by identity: a new cache drops every graph), `kernel` the in-place prefill's, `key()` what the graphs
+        read by address or decided by (the batcher's `_weights_key`: parameters' storage, autocast, adapters; called
+        only for a call a graph may serve - it walks every parameter)."""
         if self.failed:
             return None
         shape = shape_of(call, prefix_len)
@@ -233,9 +234,10 @@ class PrefillGraphs:
             self.declined += 1
             return None
         try:
-            if key != self.key or self.kv_ref is None or self.kv_ref() is not kv:
+            now = key()
+            if now != self.key or self.kv_ref is None or self.kv_ref() is not kv:
                 self.clear()
-                self.key, self.kv_ref = key, weakref.ref(kv)
+                self.key, self.kv_ref = now, weakref.ref(kv)
             entry = self.graphs.get(shape)
             if entry is None and not self._capturing(shape):
                 self.declined += 1
