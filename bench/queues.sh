@@ -87,6 +87,9 @@
 #             second call, the async arith loop on one GPU with and without the prefill graphs (its chunks of
 #             whatever arrived), then the 256-env rollout's device timeline at the current code (where the device
 #             time of a device-bound rollout goes); carry [".whl", ".ref/tc-cache"]
+#   craftax15 one GPU (2026-12-02, fifth session): the 256-env rollout's device timeline and host profile (py-spy) at
+#             the current code, the merged LoRA weights' row beside them, the GPU tests craftax14 held, the 64-env
+#             row; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -147,7 +150,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -413,6 +416,16 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 async_arith 400 $A --out bench/results/logs/s54_async_arith.json"
       "@0 async_arith_no_graphs 400 env THINKCRAFT_PREFILL_GRAPHS=0 $A --out bench/results/logs/s54_async_arith_no_graphs.json"
       "@0 craftax_rollout_profile 420 $C --num-envs 256 --steps 4 --profile-rollout 2 --out bench/results/logs/s54_craftax_rollout_profile.json") ;;
+    craftax15) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off"
+      jobs=(  # one GPU (2026-12-02, fifth session): where the 256-env rollout's device and host time go at the
+              # current code (the device timeline of step 2's rollout; the host under py-spy), what the merged LoRA
+              # weights' fewer kernels give it (opt-in: is device time saved rollout time saved?), then the GPU
+              # tests not re-run and the 64-env row
+      "@0 craftax_rollout_profile 300 $C --steps 4 --profile-rollout 2 --out bench/results/logs/s54_craftax_rollout_profile.json"
+      "@0 craftax_merge 240 env THINKCRAFT_LORA_MERGE=1 $C --steps 5 --out bench/results/logs/s54_craftax_merge.json"
+      "@0 craftax_pyspy 300 $C --steps 6 --profile-steady 15 --out bench/results/logs/s54_craftax_pyspy.json"
+      "@0 gputest 300 python -m pytest -m gpu tests/test_prefill_graphs.py tests/test_llm_decode_reuse.py -q -p no:cacheprovider"
+      "@0 craftax64 200 ${C/--num-envs 256/--num-envs 64} --steps 6 --out bench/results/logs/s54_craftax64.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
