@@ -8,6 +8,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the training loops freeze the heap after their first step (utils/gc_clock.py): not a test worker's whole heap,
+# whose later tests' cycles would then never be collected (tests/test_host_overheads.py tests the freeze itself)
+os.environ.setdefault("THINKCRAFT_GC_FREEZE", "0")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # The suite's Craftax programs are compile-bound (tiny shapes, a few steps): XLA's CPU backend without its
     # expensive LLVM passes compiles them ~30-40% faster (a Classic PPO-RNN run 127 -> 77 s on the 2-core CI

@@ -14,6 +14,7 @@ import torch
 
 from thinkcraft.llm.protocol import Completion, GenerationRequest, SamplingParams
 from thinkcraft.pools.contract import TurnRecord
+from thinkcraft.utils.errors import UserError
 
 
 def _engine(device: str = "cpu"):
@@ -115,6 +116,70 @@ def test_the_garbage_collectors_time_is_counted():
     gc.collect()
     m = GC_CLOCK.metrics_since(before)
     assert m["host/gc_full"] >= 1 and m["host/gc_s"] > 0, m
+
+
+def test_the_heap_is_frozen_once_after_the_first_step_and_the_switch_keeps_it(monkeypatch):
+    import gc
+
+    from thinkcraft.utils.gc_clock import GCClock
+
+    clock = GCClock().install()
+    try:
+        monkeypatch.setenv("THINKCRAFT_GC_FREEZE", "0")
+        assert clock.freeze_after_first_step() is False and gc.get_freeze_count() == 0  # the switch: no freeze
+        monkeypatch.setenv("THINKCRAFT_GC_FREEZE", "1")
+        cyc: list = []
+        cyc.append(cyc)  # garbage the first step left: collected before the freeze, not frozen
+        del cyc
+        before = clock.snapshot()
+        assert clock.freeze_after_first_step() is True
+        assert clock.snapshot()[1] == before[1] + 1  # the collection before the freeze is a timed full one
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the process's heap (the test worker's modules), out of the collector's reach
+        assert clock.freeze_after_first_step() is False and gc.get_freeze_count() == frozen  # once a process
+        made = [[] for _ in range(10)]
+        assert all(gc.is_tracked(x) for x in made) and gc.get_freeze_count() == frozen  # new objects: collected
+        monkeypatch.setenv("THINKCRAFT_GC_FREEZE", "bad")
+        with pytest.raises(UserError, match="THINKCRAFT_GC_FREEZE"):
+            GCClock().freeze_after_first_step()
+    finally:
+        gc.unfreeze()
+        gc.callbacks.remove(clock._callback)
+
+
+def test_the_training_step_freezes_the_heap_once_and_says_so(monkeypatch):
+    """The sync loop's step reports the freeze (`host/gc_frozen`: 1 at the process's first step, then 0)."""
+    import gc
+
+    import thinkcraft.train.llm_policy.loop as loop
+    from thinkcraft.utils.gc_clock import GCClock
+
+    clock = GCClock()
+    monkeypatch.setattr(loop, "GC_CLOCK", clock)
+    monkeypatch.setenv("THINKCRAFT_GC_FREEZE", "1")
+    monkeypatch.setattr(loop, "rollout", lambda *a, **k: [])
+    monkeypatch.setattr(loop, "update_on", lambda cfg, learner, tok, eps, carry: ({}, carry))
+    monkeypatch.setattr(loop, "_step_metrics", lambda *a: {})
+    monkeypatch.setattr(loop, "_step_seeds", lambda *a: [])
+
+    class Timer:
+        def phase(self, name):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        def metrics(self):
+            return {}
+
+    p = loop.Policy(None, None, None, type("L", (), {"autocast": None})(), None)
+    try:
+        cfg = type("C", (), {"samples_per_prompt": 1, "history_turns": 0})()
+        rec0, _ = loop.train_step(cfg, p, 0, loop.Carry(), None, Timer())
+        rec1, _ = loop.train_step(cfg, p, 1, loop.Carry(), None, Timer())
+        assert (rec0["host/gc_frozen"], rec1["host/gc_frozen"]) == (1.0, 0.0) and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.callbacks.remove(clock._callback)
 
 
 SYSTEM = "You play Craftax. Each turn you see the observation; answer with one action.\nActions: 0 noop, 1 left"

@@ -8,9 +8,16 @@ seconds the collector ran, per generation (`gc.callbacks`), so a loop reports th
 (`host/gc_s`, `host/gc_full`).
 
 Measured on the Craftax llm-policy row (H200, 2026-12-01, bench/llm_policy_craftax.py): 0.06-0.12 s a step of
-~4 s and no full collection in steady steps; freezing the heap after the first step (`gc.freeze()`, as vLLM does
-after capturing its graphs) changed neither the collector's time nor the rates (480 against 478 decisions/s end to
-end), so the heap is not frozen.
+~4 s and no full collection in steady steps; freezing the heap after the first step then changed neither the
+collector's time nor the rates (480 against 478 decisions/s end to end). Since (2026-12-02, the same row at 256
+envs, `bench/results/logs/s53_*`, `s54_*`): a full collection every 4-5 steady steps, 0.5-0.65 s each, inside the
+rollout (a step of ~3.7 s then takes ~4.3) - ~0.13 s a step on average, ~8% of a rollout. So the heap made before the
+loop's first step ends (torch, transformers, JAX, the compiled graphs, the model) is frozen once after that step
+(`freeze_after_first_step`, what vLLM does after capturing its graphs): one collection first (what the first step
+left is freed, not frozen), then `gc.freeze()` moves the survivors out of the collector's reach - a later full
+collection walks only what the loop made since. Objects frozen are still freed by reference counting; only cycles
+among them that become garbage later are kept (the first step's own are collected before the freeze).
+THINKCRAFT_GC_FREEZE=0: no freeze (the A/B switch).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import gc
 import threading
 import time
+
+from thinkcraft.utils.errors import env_switch
 
 
 class GCClock:
@@ -28,6 +37,7 @@ class GCClock:
         self.full = 0
         self._t0: dict[int, float] = {}  # per thread: a collection runs on the thread that allocated
         self._installed = False
+        self._frozen = False
 
     def install(self) -> GCClock:
         if not self._installed:
@@ -48,6 +58,22 @@ class GCClock:
     def snapshot(self) -> tuple[float, int]:
         """(seconds, full collections) so far."""
         return self.seconds, self.full
+
+    def freeze_after_first_step(self) -> bool:
+        """Collect, then freeze the heap, once per process (the module docstring says why); True where it froze
+        now. Off with THINKCRAFT_GC_FREEZE=0."""
+        if self._frozen or not env_switch("THINKCRAFT_GC_FREEZE", default=True):
+            return False
+        self._frozen = True
+        gc.collect()
+        gc.freeze()
+        return True
+
+    def unfreeze(self) -> None:
+        """The frozen heap back under the collector (a process that builds another model after a run: the first
+        run's cycles are then collectable), and the next loop's first step freezes again."""
+        gc.unfreeze()
+        self._frozen = False
 
     def metrics_since(self, before: tuple[float, int]) -> dict[str, float]:
         """`host/gc_s` (collector seconds) and `host/gc_full` (full collections) since `before` (a snapshot)."""

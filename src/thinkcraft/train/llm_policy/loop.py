@@ -193,6 +193,8 @@ def train_step(cfg: LLMPolicyConfig, p: Policy, step: int, carry: Carry, writer:
     rec = _step_metrics(cfg, p.env, episodes, time.perf_counter() - t_step, timer)
     rec.update({"policy_version": step + 1, **loss_stats, **roll_metrics, **timer.metrics(),
                 **GC_CLOCK.metrics_since(gc_before)})
+    del episodes  # not frozen with the heap below (freed by reference counting after this step either way)
+    rec["host/gc_frozen"] = float(GC_CLOCK.freeze_after_first_step())  # the compiled first step's heap, once
     return rec, carry
 
 
