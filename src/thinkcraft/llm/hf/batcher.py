@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.hf import autocast_shadow, fused_mlp, fused_proj, fused_sampler, lora_fast
+from thinkcraft.llm.hf import autocast_shadow, fused_mlp, fused_proj, fused_rope, fused_sampler, lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
@@ -367,6 +367,8 @@ class Batcher(CacheMixin, IterationMixin):
         c["fused_sampler"] = float(fused_sampler.passed(self.eng.device))
         # the MLPs' fused silu(gate) * up (fused_mlp.py): 1 where it passed its check on this device and MLPs have it
         c["fused_mlp"] = float(bool(getattr(self.eng, "_fused_mlps", 0)) and fused_mlp.passed(self.eng.device))
+        # q's and k's rotary embedding in the prefill as one kernel each (fused_rope.py): 1 where it passed its check
+        c["fused_rope"] = float(bool(getattr(self.eng, "_fused_ropes", 0)) and fused_rope.passed(self.eng.device))
         # the prefill's attention: 1 the keys read in place, 0 gathered per row (slots.py)
         c["flash_prefill"] = float(self.kv is not None and getattr(self, "_flash_prefill", None) is not None)
         return c

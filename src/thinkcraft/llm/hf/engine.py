@@ -13,7 +13,8 @@ import torch
 
 from thinkcraft.llm import compat
 from thinkcraft.llm.batching import encode_text, pad_rows, tokenize_batch
-from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
+from thinkcraft.llm.hf import fused_mlp, fused_proj, fused_rope, lora_fast
+from thinkcraft.llm.hf.triton_device import runs_on
 from thinkcraft.llm.hf.decode import DecodeMixin
 from thinkcraft.llm.hf.prefill import PrefillMixin
 from thinkcraft.llm.protocol import Batch, Capabilities
@@ -184,6 +185,11 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self._fused_mlps = fused_mlp.install(model) if self._fused_proj else 0
         if self._fused_mlps:  # its first-use check now, never inside a CUDA-graph capture (the check synchronises)
             fused_mlp.serves(self.device, self.dtype)
+        # q's and k's rotary embedding as one kernel each in eager no-grad forwards (fused_rope.py: HF's values bit
+        # for bit), where the engine's Triton kernels run; its first-use check now, as the MLP's
+        self._fused_ropes = fused_rope.install(model) if runs_on(self.device) else 0
+        if self._fused_ropes:
+            fused_rope.serves(self.device, self.dtype)
 
     # --- protocol -------------------------------------------------------------------------------------
 
