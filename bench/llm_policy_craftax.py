@@ -254,6 +254,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         from thinkcraft.llm.hf import fused_norm, lora_fast
         from thinkcraft.llm.hf.split_decode import prefix_rows as split_decode_rows
         from thinkcraft.utils.errors import env_switch
+        from thinkcraft.utils.gc_clock import GC_CLOCK
         from thinkcraft.llm.hf.batcher import decode_ahead
 
         # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": THINKCRAFT_LORA_MERGE=1's merged weights
@@ -277,7 +278,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         fused_proj_folded = int(kv.get("fused_proj_folded", 0.0))
         # the MLPs' silu(gate) * up as one kernel in the eager prefill (llm/hf/fused_mlp.py, THINKCRAFT_FUSED_MLP)
         fused_mlp = bool(kv.get("fused_mlp", 0.0))
+        # q's and k's rotary embedding as one kernel each in the prefill (llm/hf/fused_rope.py, THINKCRAFT_FUSED_ROPE)
+        fused_rope = bool(kv.get("fused_rope", 0.0))
         del policy
+    GC_CLOCK.unfreeze()  # the loop froze the heap after step 0: this configuration's model collectable again
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -369,7 +373,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "split_prefix_rows": split_decode_rows() if split_decode else None,
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
-        "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp,
+        "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp, "fused_rope": fused_rope,
+        # the heap frozen after the first step (utils/gc_clock.py, THINKCRAFT_GC_FREEZE)
+        "gc_freeze": env_switch("THINKCRAFT_GC_FREEZE", default=True),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         # the packed prefill from CUDA graphs where it may (llm/hf/prefill_graphs.py): the switch
         "prefill_graphs": env_switch("THINKCRAFT_PREFILL_GRAPHS", default=True),
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
@@ -420,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
-                                                       "fused_mlp", "prefill_graphs"))
+                                                       "fused_mlp", "prefill_graphs", "fused_rope", "gc_freeze",
+                                                       "xla_flags"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
