@@ -436,7 +436,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
               # after the first step (both new defaults) against the code before them (both off), in turns; the
               # fused MLP beside them now that the prefill is bound by the device; the env step's ~1,300 XLA kernels
               # as command buffers (CUDA graphs, also through its while loops and conditionals)
-      "@0 gputest 200 python -m pytest -m gpu tests/test_fused_rope.py -q -p no:cacheprovider"
+      "@0 gputest 200 python -m pytest -m gpu tests/test_fused_rope.py tests/test_host_overheads.py tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 craftax_new 200 $C --out bench/results/logs/s54_craftax16_new.json"
       "@0 craftax_old 200 $OLD $C --out bench/results/logs/s54_craftax16_old.json"
       "@0 craftax_new_fmlp 200 env THINKCRAFT_FUSED_MLP=1 $C --out bench/results/logs/s54_craftax16_new_fmlp.json"
