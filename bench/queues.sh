@@ -93,6 +93,8 @@
 #   craftax16 one GPU (2026-12-02, fifth session): the fused rotary embedding + the frozen heap against the code
 #             before them, in turns; the fused MLP and the env step as XLA command buffers beside them; carry
 #             [".whl", ".ref/tc-cache"]
+#   craftax17 one GPU (2026-12-03): the fused rotary embedding and MLP on decode-sized forwards only, alone, together and
+#             neither, in turns; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -153,7 +155,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -443,6 +445,18 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_new_xla 200 $XLA $C --out bench/results/logs/s54_craftax16_new_xla.json"
       "@0 craftax_new2 200 $C --out bench/results/logs/s54_craftax16_new2.json"
       "@0 craftax_old2 200 $OLD $C --out bench/results/logs/s54_craftax16_old2.json") ;;
+    craftax17) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 6"
+      local OFF="env THINKCRAFT_FUSED_ROPE=0 THINKCRAFT_FUSED_MLP=0"
+      jobs=(  # one GPU (2026-12-03): craftax16 showed both elementwise kernels cutting the decode phase while the
+              # prefill got slower by as much; now they take decode-sized forwards only (triton_device.DECODE_TOKENS_MAX):
+              # the rotary embedding alone (the default), with the fused MLP, and neither, in turns
+      "@0 gputest 200 python -m pytest -m gpu tests/test_fused_rope.py tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 craftax_rope 200 $C --out bench/results/logs/s55_craftax17_rope.json"
+      "@0 craftax_rope_mlp 200 env THINKCRAFT_FUSED_MLP=1 $C --out bench/results/logs/s55_craftax17_rope_mlp.json"
+      "@0 craftax_off 200 $OFF $C --out bench/results/logs/s55_craftax17_off.json"
+      "@0 craftax_rope_mlp2 200 env THINKCRAFT_FUSED_MLP=1 $C --out bench/results/logs/s55_craftax17_rope_mlp2.json"
+      "@0 craftax_off2 200 $OFF $C --out bench/results/logs/s55_craftax17_off2.json"
+      "@0 craftax_rope2 200 $C --out bench/results/logs/s55_craftax17_rope2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
+from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast, triton_device
 from thinkcraft.llm.testing import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_kernel_and_model_under_the_triton_interpreter() -> None:
 
 
 def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
-    """On the CPU without the interpreter, with gradients, without a fused group, or with the switch off, the MLP's
+    """On the CPU without the interpreter, over more tokens than a decode step's (DECODE_TOKENS_MAX), with gradients, without a fused group, or with the switch off, the MLP's
     own forward runs (the kernel is never called) and the logits are HF's."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not fused_mlp.serves(torch.device("cpu"), torch.bfloat16)
@@ -81,10 +81,18 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
     assert fused_mlp.install(model) == model.config.num_hidden_layers
     assert fused_mlp.install(model) == model.config.num_hidden_layers  # idempotent
     called = []
-    monkeypatch.setattr(fused_mlp, "silu_mul", lambda y, n: called.append(1))
+    monkeypatch.setattr(fused_mlp, "silu_mul", lambda y, n: called.append(1) or fused_mlp.reference(y, n).contiguous())
     assert torch.equal(_logits(model, ids), want)  # no interpreter: torch's ops
     real_serves = fused_mlp.serves
     monkeypatch.setattr(fused_mlp, "serves", lambda device, dtype: True)  # as if on a GPU
+    monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
+    assert torch.equal(_logits(model, ids), want)
+    assert not called
+    monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 18)  # at the bound: the (stand-in) kernel, every layer
+    assert torch.equal(_logits(model, ids), want)
+    assert len(called) == model.config.num_hidden_layers
+    called.clear()
+    monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 17)
     with torch.enable_grad():  # the learner's path: untouched
         model(ids).logits.sum().backward()
     plain, _ = tiny_llama()

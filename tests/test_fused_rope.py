@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinkcraft.llm.hf import fused_rope
+from thinkcraft.llm.hf import fused_rope, triton_device
 from thinkcraft.llm.testing import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,8 @@ def test_the_first_use_check_refuses_a_wrong_kernel(monkeypatch, caplog) -> None
 
 
 def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
-    """Without the interpreter on the CPU, with gradients, with another unsqueeze_dim, or with the switch off, HF's
+    """Without the interpreter on the CPU, over more tokens than a decode step's (DECODE_TOKENS_MAX), with gradients,
+    with another unsqueeze_dim, or with the switch off, HF's
     function runs (the kernel is never called) and the logits are HF's; strip puts HF's function back."""
     from transformers.models.llama import modeling_llama
 
@@ -126,6 +127,15 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
         with torch.no_grad():
             assert torch.equal(model(ids).logits, want)  # the stand-in kernel: the same values
         assert len(called) == 2 * model.config.num_hidden_layers  # q and k, every layer
+        called.clear()
+        monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, want)
+        assert not called
+        monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 18)
+        with torch.no_grad():
+            model(ids)
+        assert len(called) == 2 * model.config.num_hidden_layers  # at the bound: decode-sized
         called.clear()
         with torch.enable_grad():  # the learner's path: HF's ops
             model(ids).logits.float().sum().backward()

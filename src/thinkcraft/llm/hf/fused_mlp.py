@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
-from thinkcraft.llm.hf.triton_device import runs_on
+from thinkcraft.llm.hf.triton_device import decode_sized, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     """`act_fn(gate_proj(x)) * up_proj(x)` through the gate/up group and the kernel, or None (torch's path)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
+    if not decode_sized(x.numel() // max(1, x.shape[-1])):
+        return None  # a packed prefill: torch's ops (triton_device.DECODE_TOKENS_MAX says why)
     group = mlp.gate_proj.__dict__.get("_tc_group")
     if group is None or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
             or group.members[1] is not mlp.up_proj or group.splits[0] != group.splits[1]:

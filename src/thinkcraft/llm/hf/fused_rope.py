@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from thinkcraft.llm.hf.triton_device import runs_on
+from thinkcraft.llm.hf.triton_device import decode_sized, runs_on
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ def fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     global calls
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _fits(q, k, cos, sin):
         return None
+    if not decode_sized(q.shape[0] * q.shape[2]):
+        return None  # a packed prefill: HF's ops (triton_device.DECODE_TOKENS_MAX says why)
     if (q.device.type, q.device.index, q.dtype) not in _state and q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # never the first-use check inside a CUDA-graph capture (it synchronises): HF's ops there
     if not serves(q.device, q.dtype):
