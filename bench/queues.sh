@@ -95,6 +95,8 @@
 #             [".whl", ".ref/tc-cache"]
 #   craftax17 one GPU (2026-12-03): the fused rotary embedding and MLP on decode-sized forwards only, alone, together and
 #             neither, in turns; carry [".whl", ".ref/tc-cache"]
+#   craftax18 one GPU (2026-12-03): the env step's XLA kernels as command buffers (CUDA graphs) against the default, in
+#             turns; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -155,7 +157,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -433,7 +435,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax64 200 ${C/--num-envs 256/--num-envs 64} --steps 6 --out bench/results/logs/s54_craftax64.json") ;;
     craftax16) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 6"
       local OLD="env THINKCRAFT_FUSED_ROPE=0 THINKCRAFT_GC_FREEZE=0"
-      local XLA="env 'XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONALS,WHILE --xla_gpu_graph_min_graph_size=1'"
+      local XLA="env 'XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1'"
       jobs=(  # one GPU (2026-12-02, fifth session): the prefill's rotary embedding as one kernel and the heap frozen
               # after the first step (both new defaults) against the code before them (both off), in turns; the
               # fused MLP beside them now that the prefill is bound by the device; the env step's ~1,300 XLA kernels
@@ -457,6 +459,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_rope_mlp2 200 env THINKCRAFT_FUSED_MLP=1 $C --out bench/results/logs/s55_craftax17_rope_mlp2.json"
       "@0 craftax_off2 200 $OFF $C --out bench/results/logs/s55_craftax17_off2.json"
       "@0 craftax_rope2 200 $C --out bench/results/logs/s55_craftax17_rope2.json") ;;
+    craftax18) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 6"
+      local XLA="env 'XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1'"
+      jobs=(  # one GPU (2026-12-03): craftax16's command-buffer run with XLA's flag spelled as this XLA spells it
+              # (CONDITIONAL), against the default, in turns
+      "@0 craftax_xla 200 $XLA $C --out bench/results/logs/s55_craftax18_xla.json"
+      "@0 craftax_default 200 $C --out bench/results/logs/s55_craftax18_default.json"
+      "@0 craftax_xla2 200 $XLA $C --out bench/results/logs/s55_craftax18_xla2.json"
+      "@0 craftax_default2 200 $C --out bench/results/logs/s55_craftax18_default2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
