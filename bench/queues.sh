@@ -91,8 +91,9 @@
 #             the current code, the merged LoRA weights' row beside them, the GPU tests craftax14 held, the 64-env
 #             row; carry [".whl", ".ref/tc-cache"]
 #   craftax16 one GPU (2026-12-02, fifth session): the fused rotary embedding + the frozen heap against the code
-#             before them, in turns; the fused MLP and the env step as XLA command buffers beside them; carry
-#             [".whl", ".ref/tc-cache"]
+#             before them, in turns; the fused MLP and the env step as XLA command buffers beside them (as run on
+#             2026-12-03 the XLA job did not start: this XLA spells the type CONDITIONAL; fixed here, craftax18 ran it);
+#             carry [".whl", ".ref/tc-cache"]
 #   craftax17 one GPU (2026-12-03): the fused rotary embedding and MLP on decode-sized forwards only, alone, together and
 #             neither, in turns; carry [".whl", ".ref/tc-cache"]
 #   craftax18 one GPU (2026-12-03): the env step's XLA kernels as command buffers (CUDA graphs) against the default, in

@@ -17,7 +17,10 @@ loop's first step ends (torch, transformers, JAX, the compiled graphs, the model
 left is freed, not frozen), then `gc.freeze()` moves the survivors out of the collector's reach - a later full
 collection walks only what the loop made since. Objects frozen are still freed by reference counting; only cycles
 among them that become garbage later are kept (the first step's own are collected before the freeze).
-THINKCRAFT_GC_FREEZE=0: no freeze (the A/B switch).
+THINKCRAFT_GC_FREEZE=0: no freeze (the A/B switch). Measured (1 x H200, 2026-12-03, queue sets craftax16-18, 256 envs,
+steps 1-5 of each run): no full collection in any of 12 runs with the freeze (60 steady steps); two in the two runs
+without it (10 steps; those rollouts 2.14 and 2.16 s against 1.64-1.80), so the freeze removes the stalls - the
+settled rates of the steps without a stall are the same either way.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ in the Craftax rollout's prefills (~23k tokens a call, Qwen2.5-0.5B shape, H200,
 `bench/llm_policy_craftax.py --profile-rollout`: `s51_craftax_rollout_profile_*`) the SiLU took 58.5 ms and the
 strided multiplies ~67 ms of a rollout's ~600 ms of prefill kernels - more than the MLP's GEMMs. One Triton program
 per (row, block of columns) reads the two halves where they lie and writes the product contiguous: one pass.
-(The compiled decode step never gets here: inductor fuses the same ops itself, `torch.compiler.is_compiling()`.)
+(A decode step compiled by inductor never gets here: inductor fuses the same ops itself; the hand-captured decode
+graphs, the default, capture the kernel. It serves decode-sized forwards only: `triton_device.DECODE_TOKENS_MAX`.)
 
 Values: the eager ops' roundings, in their order - `silu(gate)` computed in fp32 and rounded to the half dtype, then
 the product with `up` in fp32 rounded again; the exponential is Triton's, so a result may differ from torch's by one
@@ -23,7 +24,10 @@ Opt-in (THINKCRAFT_FUSED_MLP=1): on the Craftax row (1 x H200, 2026-12-02, BENCH
 and check, but the rollout did not follow - 1,115 and 1,075 decisions/s with it against 1,076 and 1,094 without,
 alternating on one machine: that prefill is bound by its host (~60 ms of launches a call for ~75 ms of kernels), so
 kernel time saved there is not yet time saved. Worth trying where the prefill is bound by the device (larger models,
-a graph-captured prefill).
+a graph-captured prefill). Again on 2026-12-03 (1 x H200, 256 envs, queue sets craftax16/17): over forwards of any
+size it cut the decode phase (0.83 -> 0.66 s a rollout) and slowed the prefill by as much (0.39 -> 0.52 s), the
+rollout 1,152 decisions/s against 1,136 / 1,217 without it; on decode-sized forwards only, 1,048 / 1,061 against
+1,074 / 1,061 without it (the rotary kernel on in all). It stays opt-in: not bit-exact, and no gain measured.
 """
 
 from __future__ import annotations

@@ -3,11 +3,16 @@
 HF's `apply_rotary_pos_emb` is `q * cos + rotate_half(q) * sin` (and the same for k): two multiplies, a negation, a
 concatenation and an add per tensor, each its own eager kernel over strided views of the fused q/k/v GEMM's output
 (`fused_proj`). In the Craftax rollout's prefills (~23k tokens a call, Qwen2.5-0.5B shape, 256 envs, H200,
-2026-12-02, `bench/llm_policy_craftax.py --profile-rollout 2`: `bench/results/logs/s54_craftax_rollout_profile_*`)
-those ops are ~8 of a prefill call's ~75 ms of kernels (10 launches a layer, torch's generic strided kernel for the
-multiplies), and that prefill is bound by the device now: it is ~half of the rollout's device time. One Triton
-program per token reads the tensor where it lies, every head of it, and writes the rotated tensor once. (The
-compiled decode step never gets here: inductor fuses the same ops itself, `torch.compiler.is_compiling()`.)
+2026-12-02, `bench/llm_policy_craftax.py --profile-rollout 2`; that session's profile files were lost with it) those
+ops were ~8 of a prefill call's ~75 ms of kernels (10 launches a layer, torch's generic strided kernel for the
+multiplies). One Triton program per token reads the tensor where it lies, every head of it, and writes the rotated
+tensor once. (A decode step compiled by inductor never gets here, `torch.compiler.is_compiling()`: inductor fuses the
+same ops itself; the hand-captured decode graphs, the default, capture the kernel.)
+
+Measured (1 x H200, 2026-12-03, 256 envs, queue sets craftax16/17, BENCHMARKS §7b): the decode phase 0.92-0.94 ->
+0.82-0.83 s a rollout, but the packed prefill slower by ~0.05 s, and no change in the rollout (1,136 / 1,217
+decisions/s against 1,139 / 1,137). Since then it serves decode-sized forwards only (`triton_device.DECODE_TOKENS_MAX`):
+1,074 / 1,061 against 1,031 / 1,066 without it, within the machines' noise. On by default: bit-exact, and no slower.
 
 Values: equal to HF's, bit for bit - each eager op's rounding in its order: `q * cos` and `rotate_half(q) * sin`
 computed in fp32 (exact: a product of two half-precision numbers fits fp32's mantissa) and rounded to the half dtype,
@@ -17,7 +22,7 @@ compile it: one warning, HF's ops). The output has the strides HF's ops give it 
 GEMM's output), so what follows reads the same tensor either way.
 
 Where: the module-level `apply_rotary_pos_emb` of a model module whose attention's forward calls it (`install`
-wraps it once per module; `strip` puts it back), for calls that are no-grad, outside compilation, on CUDA (or
+wraps it once per module; `strip` puts it back), for calls that are no-grad, decode-sized, outside compilation, on CUDA (or
 Triton's interpreter on the CPU: the tests), a half dtype with cos/sin of the same, `unsqueeze_dim` 1, 4-D q/k with
 contiguous last dims, a power-of-two head dim; anything else goes to HF's function unchanged. The learner (grads
 on) and the compiled decode step never take it. THINKCRAFT_FUSED_ROPE=0: HF's ops (the A/B switch).

@@ -25,7 +25,10 @@ DECODE_TOKENS_MAX = 2048
 calls, captured in the decode graphs. On the Craftax row (Qwen2.5-0.5B shape, 256 envs, 1 x H200, 2026-12-03, queue
 set craftax16) both kernels cut the decode phase (0.93 -> 0.83 s a rollout with the rotary embedding, -> 0.66 s
 with the MLP as well) while the packed prefills (~23k tokens a call, eager, bound by launches) got slower by about as
-much (0.35 -> 0.40 and 0.52 s), so the rollout did not move: the prefill keeps torch's ops."""
+much (0.35 -> 0.40 and 0.52 s), so the rollout did not move: the prefill keeps torch's ops. With this bound (queue
+set craftax17, another machine, six runs in turns) the rollout still did not move beyond the machines' noise: 1,074
+and 1,061 decisions/s with the rotary kernel, 1,048 / 1,061 with both kernels, 1,031 / 1,066 with neither - at 256
+envs this rollout is bound by its host between the device's phases, not by these kernels."""
 
 
 def decode_sized(tokens: int) -> bool:
