@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _switch_on(monkeypatch):  # noqa: ANN001, ANN202 - the kernel is opt-in
     monkeypatch.setenv("THINKCRAFT_FUSED_MLP", "1")
 peft = pytest.importorskip("peft")
-from test_lora_fast import _logits, _lora  # noqa: E402 - after the skip: it needs PEFT too
+from test_lora_fast import _logits, _lora, _lora_fused_on_cuda  # noqa: E402 - after the skip: it needs PEFT too
 
 SCRIPT = r"""
 import torch
@@ -131,15 +131,9 @@ def test_bad_input_is_refused() -> None:
 def test_engine_prefill_with_the_kernel_on_a_gpu(monkeypatch) -> None:
     """On CUDA: the check passes, and a bf16 LoRA model's no-grad forward of 300 tokens through the kernel is close to
     the one through torch's ops."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    dev = torch.device("cuda")
+    model, ids = _lora_fused_on_cuda()
+    dev = ids.device
     assert fused_mlp.serves(dev, torch.bfloat16)
-    model, _ = _lora()
-    model = model.to(dev)
-    lora_fast.install(model)
-    fused_proj.install(model)
-    ids = torch.randint(0, 64, (3, 100), generator=torch.Generator().manual_seed(1)).to(dev)
     want = _logits(model, ids)
     fused_mlp.install(model)
     got = _logits(model, ids)

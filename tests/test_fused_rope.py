@@ -93,10 +93,10 @@ def test_the_first_use_check_refuses_a_wrong_kernel(monkeypatch, caplog) -> None
     rotation's sign flipped fails it with one warning (the attention then keeps HF's ops)."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(fused_rope, "rope_one", _torch_rope)
-    assert fused_rope._check(cpu, torch.bfloat16)
+    assert fused_rope._CHECKS.run(cpu, torch.bfloat16)
     monkeypatch.setattr(fused_rope, "rope_one", lambda x, c, s: _torch_rope(x, c, s, flip=True))
     with caplog.at_level(logging.WARNING, logger="thinkcraft.llm.hf.fused_rope"):
-        assert not fused_rope._check(cpu, torch.bfloat16)
+        assert not fused_rope._CHECKS.run(cpu, torch.bfloat16)
     assert "failed its first-use check" in caplog.text and "differs from HF's" in caplog.text
 
 
@@ -157,19 +157,11 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
 def test_a_lora_models_forward_with_the_kernel_on_a_gpu() -> None:
     """On CUDA: the check passes, and a bf16 LoRA model's no-grad forward of 300 tokens through the kernel equals the
     one through HF's ops bit for bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from test_lora_fast import _logits, _lora
+    from test_lora_fast import _logits, _lora_fused_on_cuda
 
-    from thinkcraft.llm.hf import fused_proj, lora_fast
-
-    dev = torch.device("cuda")
+    model, ids = _lora_fused_on_cuda()
+    dev = ids.device
     assert fused_rope.serves(dev, torch.bfloat16)
-    model, _ = _lora()
-    model = model.to(dev)
-    lora_fast.install(model)
-    fused_proj.install(model)
-    ids = torch.randint(0, 64, (3, 100), generator=torch.Generator().manual_seed(1)).to(dev)
     want = _logits(model, ids)
     try:
         fused_rope.install(model)

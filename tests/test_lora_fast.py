@@ -29,6 +29,21 @@ def _lora(seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     return lora, tok
 
 
+def _lora_fused_on_cuda():
+    """A bf16 LoRA model on CUDA with the fast LoRA forward and the fused projections (the engine's setup), and a
+    batch of 3 x 100 tokens: what the elementwise kernels' GPU tests run (skipped without a CUDA device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from thinkcraft.llm.hf import fused_proj
+
+    model, _ = _lora()
+    model = model.to("cuda")
+    lora_fast.install(model)
+    fused_proj.install(model)
+    ids = torch.randint(0, 64, (3, 100), generator=torch.Generator().manual_seed(1)).to("cuda")
+    return model, ids
+
+
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits.float()

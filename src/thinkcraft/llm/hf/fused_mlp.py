@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
-from thinkcraft.llm.hf.triton_device import decode_sized, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, decode_sized, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ BLOCK = 1024
 """Columns a program writes (a multiple of every GPU's vector width; the Qwen2.5-0.5B MLP's 4,864 in 5 blocks)."""
 
 _HALF = (torch.bfloat16, torch.float16)
-_state: dict[tuple[str, int | None, torch.dtype], bool] = {}
 _kernel: Any = None
 
 
@@ -116,36 +115,30 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if not runs_on(device):
         return False
-    key = (device.type, device.index, dtype)
-    if key not in _state:
-        _state[key] = _check(device, dtype)
-    return _state[key]
+    return _CHECKS.ok(device, dtype)
 
 
-def _check(device: torch.device, dtype: torch.dtype) -> bool:
+def _check(device: torch.device, dtype: torch.dtype) -> None:
     """The kernel against torch's ops on strided halves of a (rows, 2n + extra) tensor, n not a multiple of BLOCK:
     at most one step of the dtype apart, and almost every element equal."""
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        n = BLOCK + 37
-        y = (3 * torch.randn(13, 2 * n + 24, generator=gen)).to(device=device, dtype=dtype)
-        got, want = silu_mul(y, n).float(), reference(y, n).float()
-        step = want.abs().clamp_min(1e-3) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
-        if bool(((got - want).abs() > step * 1.01).any()):
-            raise RuntimeError(f"differs from torch by {float((got - want).abs().max()):.3g}")
-        equal = float((got == want).float().mean())
-        if equal < 0.99:
-            raise RuntimeError(f"only {equal:.1%} of the elements equal torch's")
-        return True
-    except Exception as e:  # noqa: BLE001 - the MLP keeps torch's ops, said once
-        log.warning("the fused SiLU-and-multiply kernel failed its first-use check on %s (%s: %s): the MLPs keep "
-                    "torch's elementwise ops", device, type(e).__name__, e)
-        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = BLOCK + 37
+    y = (3 * torch.randn(13, 2 * n + 24, generator=gen)).to(device=device, dtype=dtype)
+    got, want = silu_mul(y, n).float(), reference(y, n).float()
+    step = want.abs().clamp_min(1e-3) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
+    if bool(((got - want).abs() > step * 1.01).any()):
+        raise RuntimeError(f"differs from torch by {float((got - want).abs().max()):.3g}")
+    equal = float((got == want).float().mean())
+    if equal < 0.99:
+        raise RuntimeError(f"only {equal:.1%} of the elements equal torch's")
+
+
+_CHECKS = FirstUseChecks(_check, log, "the fused SiLU-and-multiply kernel", "the MLPs keep torch's elementwise ops")
 
 
 def passed(device: torch.device) -> bool:
     """Whether the kernel passed a check on `device` in this process."""
-    return any(ok for (kind, index, _), ok in _state.items() if (kind, index) == (device.type, device.index))
+    return _CHECKS.passed(device)
 
 
 class _FusedMLPMixin:

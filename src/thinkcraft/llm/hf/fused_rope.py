@@ -37,13 +37,12 @@ from typing import Any
 
 import torch
 
-from thinkcraft.llm.hf.triton_device import decode_sized, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, decode_sized, runs_on
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
 
 _HALF = (torch.bfloat16, torch.float16)
-_state: dict[tuple[str, int | None, torch.dtype], bool] = {}
 _kernel: Any = None
 _MARK = "_thinkcraft_fused_rope_original"
 calls = 0
@@ -145,7 +144,7 @@ def fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         return None
     if not decode_sized(q.shape[0] * q.shape[2]):
         return None  # a packed prefill: HF's ops (triton_device.DECODE_TOKENS_MAX says why)
-    if (q.device.type, q.device.index, q.dtype) not in _state and q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if not _CHECKS.checked(q.device, q.dtype) and q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # never the first-use check inside a CUDA-graph capture (it synchronises): HF's ops there
     if not serves(q.device, q.dtype):
         return None
@@ -157,10 +156,7 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
     """The switch on, CUDA (or the interpreter on the CPU), and the one-time check passed."""
     if not fused_rope_on() or not runs_on(device):
         return False
-    key = (device.type, device.index, dtype)
-    if key not in _state:
-        _state[key] = _check(device, dtype)
-    return _state[key]
+    return _CHECKS.ok(device, dtype)
 
 
 def _reference() -> Any:
@@ -171,35 +167,32 @@ def _reference() -> Any:
     return getattr(fn, _MARK, fn)
 
 
-def _check(device: torch.device, dtype: torch.dtype) -> bool:
+def _check(device: torch.device, dtype: torch.dtype) -> None:
     """The kernel against HF's function over q/k as strided views of one (T, (H + 2 Hk) D + extra) GEMM output, the
     prefill's layout, a head count that is not a power of two: every element equal, and the output's strides."""
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        T, H, Hk, D = 37, 7, 2, 64
-        y = (4 * torch.randn(1, T, (H + 2 * Hk) * D + 24, generator=gen)).to(device=device, dtype=dtype)
-        q = y[..., : H * D].view(1, T, H, D).transpose(1, 2)
-        k = y[..., H * D: (H + Hk) * D].view(1, T, Hk, D).transpose(1, 2)
-        ang = torch.randn(1, T, D // 2, generator=gen).mul(3) + torch.arange(T).view(1, T, 1)
-        emb = torch.cat([ang, ang], dim=-1)
-        cos, sin = emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
-        want = _reference()(q, k, cos, sin)
-        got = rope_one(q, cos, sin), rope_one(k, cos, sin)
-        for g, w in zip(got, want):
-            if not torch.equal(g, w):
-                raise RuntimeError(f"differs from HF's by {float((g.float() - w.float()).abs().max()):.3g}")
-            if g.stride() != w.stride():
-                raise RuntimeError(f"strides {g.stride()} where HF's ops give {w.stride()}")
-        return True
-    except Exception as e:  # noqa: BLE001 - the attention keeps HF's ops, said once
-        log.warning("the fused rotary-embedding kernel failed its first-use check on %s (%s: %s): the attention "
-                    "keeps HF's elementwise ops", device, type(e).__name__, e)
-        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    T, H, Hk, D = 37, 7, 2, 64
+    y = (4 * torch.randn(1, T, (H + 2 * Hk) * D + 24, generator=gen)).to(device=device, dtype=dtype)
+    q = y[..., : H * D].view(1, T, H, D).transpose(1, 2)
+    k = y[..., H * D: (H + Hk) * D].view(1, T, Hk, D).transpose(1, 2)
+    ang = torch.randn(1, T, D // 2, generator=gen).mul(3) + torch.arange(T).view(1, T, 1)
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    want = _reference()(q, k, cos, sin)
+    got = rope_one(q, cos, sin), rope_one(k, cos, sin)
+    for g, w in zip(got, want):
+        if not torch.equal(g, w):
+            raise RuntimeError(f"differs from HF's by {float((g.float() - w.float()).abs().max()):.3g}")
+        if g.stride() != w.stride():
+            raise RuntimeError(f"strides {g.stride()} where HF's ops give {w.stride()}")
+
+
+_CHECKS = FirstUseChecks(_check, log, "the fused rotary-embedding kernel", "the attention keeps HF's elementwise ops")
 
 
 def passed(device: torch.device) -> bool:
     """Whether the kernel passed a check on `device` in this process."""
-    return any(ok for (kind, index, _), ok in _state.items() if (kind, index) == (device.type, device.index))
+    return _CHECKS.passed(device)
 
 
 def _wrap(original: Any) -> Any:

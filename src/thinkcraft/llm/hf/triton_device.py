@@ -4,7 +4,9 @@ process). One definition for them all, each of which still checks its kernel at 
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -34,3 +36,37 @@ envs this rollout is bound by its host between the device's phases, not by these
 def decode_sized(tokens: int) -> bool:
     """Whether a forward over `tokens` tokens is small enough for the elementwise kernels (`DECODE_TOKENS_MAX`)."""
     return tokens <= DECODE_TOKENS_MAX
+
+
+class FirstUseChecks:
+    """A kernel's first-use check, run once per (device, dtype) in a process and remembered. `check(device, dtype)`
+    raises where the kernel's values differ from the reference (or it cannot compile); `run` turns that into False
+    and one warning naming what the model keeps instead. `ok` runs it where it has not run, `checked` says whether it
+    has (a caller inside a CUDA-graph capture must not start one: a check synchronises), `passed` whether it passed
+    on a device for any dtype (what the decode metrics report)."""
+
+    def __init__(self, check: Callable[[torch.device, torch.dtype], None], log: logging.Logger, kernel: str,
+                 fallback: str) -> None:
+        self._check, self._log, self._kernel, self._fallback = check, log, kernel, fallback
+        self.state: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+    def run(self, device: torch.device, dtype: torch.dtype) -> bool:
+        try:
+            self._check(device, dtype)
+            return True
+        except Exception as e:  # noqa: BLE001 - the model keeps torch's ops, said once
+            self._log.warning("%s failed its first-use check on %s (%s: %s): %s", self._kernel, device,
+                              type(e).__name__, e, self._fallback)
+            return False
+
+    def ok(self, device: torch.device, dtype: torch.dtype) -> bool:
+        key = (device.type, device.index, dtype)
+        if key not in self.state:
+            self.state[key] = self.run(device, dtype)
+        return self.state[key]
+
+    def checked(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return (device.type, device.index, dtype) in self.state
+
+    def passed(self, device: torch.device) -> bool:
+        return any(ok for (kind, index, _), ok in self.state.items() if (kind, index) == (device.type, device.index))
