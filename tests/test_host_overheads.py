@@ -262,3 +262,37 @@ def test_replies_decoded_in_one_call_equal_one_decode_each():
     want = [None, (tok.decode(body), tok.decode([end])), (tok.decode(body + [end]), ""), ("", ""),
             (tok.decode(body), "")]
     assert _reply_texts(tok, comps, specials) == want
+
+
+def test_a_run_gives_the_frozen_heap_back_to_the_collector(tmp_path, monkeypatch):
+    """`train llm-policy`'s run freezes the heap after its first step and unfreezes it when it ends (a later run in
+    the process can free this one's cycles; at exit the interpreter's last collection reaches them), with an atexit
+    unfreeze registered once for a process that ends without it."""
+    import gc
+
+    from thinkcraft.train import llm_policy as LP
+    from thinkcraft.utils import gc_clock
+
+    registered = []
+    monkeypatch.setattr(gc_clock.atexit, "register", registered.append)
+    monkeypatch.setattr(gc_clock.GC_CLOCK, "_atexit", False)
+    seen = []
+    real = gc_clock.GCClock.freeze_after_first_step
+
+    def spy(self):
+        froze = real(self)
+        seen.append((froze, gc.get_freeze_count()))
+        return froze
+
+    monkeypatch.setattr(gc_clock.GCClock, "freeze_after_first_step", spy)
+    monkeypatch.setenv("THINKCRAFT_GC_FREEZE", "1")
+    cfg = LP.LLMPolicyConfig(model="random:tiny", run_dir=str(tmp_path / "run"), steps=2, prompts_per_step=2,
+                             group_size=2, max_new_tokens=4, micro_batch_size=4, plot=False, log_every_s=1e9,
+                             store=False, checkpoint_every=0)
+    try:
+        LP.run(cfg)
+        assert [f for f, _ in seen] == [True, False] and seen[0][1] > 1000  # frozen after step 0, once
+        assert gc.get_freeze_count() == 0  # and given back when the run ended
+        assert registered == [gc.unfreeze]
+    finally:
+        gc.unfreeze()

@@ -25,6 +25,7 @@ settled rates of the steps without a stall are the same either way.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 import time
@@ -41,6 +42,7 @@ class GCClock:
         self._t0: dict[int, float] = {}  # per thread: a collection runs on the thread that allocated
         self._installed = False
         self._frozen = False
+        self._atexit = False
 
     def install(self) -> GCClock:
         if not self._installed:
@@ -70,11 +72,16 @@ class GCClock:
         self._frozen = True
         gc.collect()
         gc.freeze()
+        if not self._atexit:  # a process that ends without the loop's own unfreeze (its finally)
+            atexit.register(gc.unfreeze)
+            self._atexit = True
         return True
 
     def unfreeze(self) -> None:
         """The frozen heap back under the collector (a process that builds another model after a run: the first
-        run's cycles are then collectable), and the next loop's first step freezes again."""
+        run's cycles are then collectable; and at exit: the interpreter's last collection skips a frozen heap, so
+        Triton's native objects were reported leaked, `nanobind: leaked ...`), and the next loop's first step freezes
+        again."""
         gc.unfreeze()
         self._frozen = False
 

@@ -84,6 +84,9 @@ def run(cfg: LLMPolicyConfig) -> dict[str, Any]:
         finally:
             if writer is not None:
                 writer.close()
+            # the frozen heap back under the collector: a later run in this process can free this one's cycles, and
+            # the interpreter's last collection reaches them (frozen, native objects were reported leaked at exit)
+            GC_CLOCK.unfreeze()
         s = session.summary
         correct = f"; correct {100 * s['reward/correct_rate']:.0f}%" if "reward/correct_rate" in s else ""
         console.print(f"done: {step:,}/{cfg.steps:,} steps; reward {s.get('reward/mean', float('nan')):.3f}{correct}; "
