@@ -297,6 +297,60 @@ def test_the_layer_by_layer_forward_equals_the_padded_computation(arch, monkeypa
     _assert_same(_grads(model), want)
 
 
+def test_a_compiled_backward_that_fails_falls_back_to_eager(monkeypatch, caplog):
+    """A compiler error out of backward() (inductor compiles the backward lazily, past the forward's fallback; seen
+    with a `.so` left empty in inductor's cache by a killed run): the learner's compiled functions go eager for good
+    with one warning and the update is computed again from zero - the padded loss and gradients, nothing doubled."""
+    import logging
+
+    from torch._inductor.exc import InductorError
+
+    from thinkcraft.utils import fallback
+
+    class _BrokenBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            raise InductorError(ImportError("c.main.so: file too short"), None)
+
+    def broken(fn, what, logger, dynamic=False):  # noqa: ANN001, ANN202 - a "compiled" fn whose backward fails
+        return fallback.OrEager(lambda *a: _BrokenBackward.apply(fn(*a)), fn, f"compiled {what}", logger)
+
+    monkeypatch.setattr(fallback, "compiled_or_eager", broken)
+    model = _model("qwen2", finetune="full")
+    cfg = _cfg(finetune="full", learner_compile=True, micro_batch_tokens=16, kl_coef=0.1)
+    rows = _rows(model)
+    want_loss, want = _reference(cfg, model, rows)
+    learner = _learner(cfg, model)
+    with caplog.at_level(logging.WARNING):
+        stats = learner.update(rows)
+    warned = [r.getMessage() for r in caplog.records if "backward unavailable" in r.getMessage()]
+    assert len(warned) == 1 and "file too short" in warned[0]
+    assert stats["learner/compiled"] == 0.0 and all(f.failed for f in learner._compiled)
+    assert stats["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    _assert_same(_grads(model), want)
+    assert learner.update(rows)["losses/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)  # eager from now
+    assert len([r for r in caplog.records if "backward unavailable" in r.getMessage()]) == 1
+
+
+def test_an_error_out_of_an_eager_backward_is_not_swallowed(monkeypatch):
+    """The fallback is for compiled functions only: with nothing compiled, a dynamo-typed error is raised."""
+    from torch._inductor.exc import InductorError
+
+    model = _model("qwen2", finetune="full")
+    learner = _learner(_cfg(finetune="full", micro_batch_tokens=16), model)  # CPU: eager
+
+    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise InductorError(RuntimeError("not a compiled path"), None)
+
+    monkeypatch.setattr(learner, "_accumulate", boom)
+    with pytest.raises(InductorError):
+        learner.update(_rows(model))
+
+
 def test_the_learner_compiles_by_default_on_cuda_only(monkeypatch):
     """learner_compile None (the default) = auto: a packed CUDA learner with a plain decoder compiles, a CPU one runs
     eager (and says so in `learner/compiled`); True forces it anywhere, False never."""

@@ -482,6 +482,10 @@ class Learner:
                         f"{max(m.tokens for m in mbs)} tokens; budget {self.micro_batch_tokens}): shorten episodes "
                         "(--max-turns, --max-new-tokens), train LoRA instead of every weight, or leave the learner "
                         "more device memory (--kv-cache-gb)") from e
+            except torch._dynamo.exc.TorchDynamoException as e:
+                if not self._compiled_backward_failed(e):
+                    raise
+                continue  # the update again from zero, eager
             # out of the except block: the failed micro-batch's tensors (held by the traceback) are gone
             self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
@@ -491,6 +495,21 @@ class Learner:
             self.oom_retries += 1
             log.warning("learner: out of device memory; micro-batch budget halved to %d tokens for the rest of the "
                         "run (--micro-batch-tokens), the update's gradients computed again", self.micro_batch_tokens)
+
+    def _compiled_backward_failed(self, e: Exception) -> bool:
+        """A compiler failure out of `backward()` - inductor compiles the backward graph at the first backward, past
+        `OrEager`'s reach in the forward (seen: a `.so` left empty in inductor's cache by a process killed while it
+        compiled, "file too short") - sends every compiled learner function to its eager twin for good, with one
+        warning, and the update is computed again (True); False where nothing compiled was running (re-raised)."""
+        live = [f for f in self._compiled if not getattr(f, "failed", True)]
+        if not live:
+            return False
+        for f in live:
+            f.failed = True
+        self.optimizer.zero_grad(set_to_none=True)
+        log.warning("compiled learner backward unavailable (%s: %s); running eager (the update's gradients computed "
+                    "again)", type(e).__name__, e)
+        return True
 
     def _accumulate(self, rows: TrainRows, mbs: list, v_star) -> dict[str, Any]:
         """Forward and backward of every micro-batch, each loss weighted by its share of the batch; returns the
