@@ -1,4 +1,4 @@
-"""Rotary position embedding as one kernel per tensor in the engine's eager forwards (the packed prefill).
+"""Rotary position embedding as one kernel per tensor in the engine's decode-sized no-grad forwards.
 
 HF's `apply_rotary_pos_emb` is `q * cos + rotate_half(q) * sin` (and the same for k): two multiplies, a negation, a
 concatenation and an add per tensor, each its own eager kernel over strided views of the fused q/k/v GEMM's output
@@ -22,8 +22,8 @@ compile it: one warning, HF's ops). The output has the strides HF's ops give it 
 GEMM's output), so what follows reads the same tensor either way.
 
 Where: the module-level `apply_rotary_pos_emb` of a model module whose attention's forward calls it (`install`
-wraps it once per module; `strip` puts it back), for calls that are no-grad, decode-sized, outside compilation, on CUDA (or
-Triton's interpreter on the CPU: the tests), a half dtype with cos/sin of the same, `unsqueeze_dim` 1, 4-D q/k with
+wraps it once per module; `strip` puts it back), for calls that are no-grad, decode-sized, outside compilation, on
+CUDA (or Triton's interpreter on the CPU: the tests), a half dtype with cos/sin of the same, `unsqueeze_dim` 1, 4-D q/k with
 contiguous last dims, a power-of-two head dim; anything else goes to HF's function unchanged. The learner (grads
 on) and the compiled decode step never take it. THINKCRAFT_FUSED_ROPE=0: HF's ops (the A/B switch).
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from thinkcraft.llm.hf.triton_device import FirstUseChecks, decode_sized, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, decode_sized, pow2_at_least, runs_on
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
@@ -94,13 +94,6 @@ def _build() -> Any:
     return rope_kernel
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def _like_eager(x: torch.Tensor) -> torch.Tensor:
     """An empty tensor shaped as `x` whose memory order is `x`'s (its dims by stride, largest first), as an eager
     elementwise op's output over `x` is laid out (a transposed view of the GEMM's token-major output stays one)."""
@@ -121,7 +114,7 @@ def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     out = _like_eager(x)
     if B * T and H:
         _kernel[(B * T,)](x, cos, sin, out, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-                          out.stride(0), out.stride(1), out.stride(2), H=H, HP=_pow2(H), D=D,
+                          out.stride(0), out.stride(1), out.stride(2), H=H, HP=pow2_at_least(H), D=D,
                           BF16=x.dtype == torch.bfloat16)
     return out
 

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from thinkcraft.utils.errors import UserError, env_switch
-from thinkcraft.llm.hf.triton_device import interpreted, runs_on
+from thinkcraft.llm.hf.triton_device import interpreted, pow2_at_least, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +99,6 @@ def prefix_rows() -> int:
         raise UserError(f"THINKCRAFT_SPLIT_PREFIX_ROWS must be 0 or a power of two up to 128, not {raw!r}")
     return n
 
-
-
-def _pow2(n: int, least: int) -> int:
-    p = least
-    while p < n:
-        p *= 2
-    return p
 
 
 def _build() -> tuple[Any, Any]:
@@ -267,7 +260,7 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     s, h, _, d = q.shape
     hkv, cols = kc.shape[1], kc.shape[2]
     g = h // hkv
-    gp, dp = _pow2(g, 16), _pow2(d, 16)
+    gp, dp = pow2_at_least(g, 16), pow2_at_least(d, 16)
     pcap = pk.shape[2] if use_prefix else 0
     nsp = -(-pcap // chunk) if use_prefix else 0
     nst = nsp + -(-cols // chunk)
@@ -280,7 +273,7 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     rows = prefix_rows() if nsp else 0
     stages = {} if NUM_STAGES is None else {"num_stages": NUM_STAGES}
     if rows:  # the prefix's chunks for blocks of rows, then the own columns' from chunk nsp on
-        gq = _pow2(g, 1)
+        gq = pow2_at_least(g)
         # a tile of 16 (tl.dot's least) to 128 query rows: a large GQA group takes fewer rows a program
         rows = max(min(rows, max(128 // gq, 1)), -(-16 // gq))
         prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,

@@ -1,5 +1,5 @@
-"""Where the engine's own Triton kernels (split_decode, fused_sampler, fused_mlp, fused_rope) may run: CUDA, or the CPU under
-Triton's interpreter (TRITON_INTERPRET=1, read when Triton loads: the tests run the kernels there in a fresh
+"""Where the engine's own Triton kernels (split_decode, fused_sampler, fused_mlp, fused_rope) may run: CUDA, or the
+CPU under Triton's interpreter (TRITON_INTERPRET=1, read when Triton loads: the tests run the kernels there in a fresh
 process). One definition for them all, each of which still checks its kernel at first use."""
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ def interpreted() -> bool:
 def runs_on(device: torch.device) -> bool:
     """CUDA, or the CPU with the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+def pow2_at_least(n: int, least: int = 1) -> int:
+    """The smallest power of two times `least` that is >= `n` (a Triton block dimension: tl.arange needs one)."""
+    p = least
+    while p < n:
+        p *= 2
+    return p
 
 
 DECODE_TOKENS_MAX = 2048
