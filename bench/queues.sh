@@ -102,6 +102,10 @@
 #             built and submitted 128 and 64 episodes at a time (the 128- and 64-row calls' prefills replay from CUDA
 #             graphs, so the host builds the next chunk while the device prefills) and the merged LoRA weights (the
 #             row whose log was lost), against the default, in turns; carry [".whl", ".ref/tc-cache"]
+#   craftax20 one GPU (2026-12-03, second session): the 256-env prefills (~23k tokens a call) replayed from CUDA graphs
+#             (THINKCRAFT_PREFILL_GRAPH_TOKENS=32768), alone and with the fused MLP and rotary kernels on every size
+#             (THINKCRAFT_FUSED_TOKENS_MAX): each alone was bound by the other (launches / kernels), against the
+#             default, in turns; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -162,7 +166,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -480,6 +484,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_chunk64 200 $C --submit-chunk 64 --out bench/results/logs/s56_craftax19_chunk64.json"
       "@0 craftax_merge 200 env THINKCRAFT_LORA_MERGE=1 $C --out bench/results/logs/s56_craftax19_merge.json"
       "@0 craftax_default2 200 $C --out bench/results/logs/s56_craftax19_default2.json") ;;
+    craftax20) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 6"
+      local G="env THINKCRAFT_PREFILL_GRAPH_TOKENS=32768" GF="env THINKCRAFT_PREFILL_GRAPH_TOKENS=32768 THINKCRAFT_FUSED_TOKENS_MAX=1048576 THINKCRAFT_FUSED_MLP=1"
+      jobs=(
+      "@0 craftax_default 200 $C --out bench/results/logs/s56_craftax20_default.json"
+      "@0 craftax_graphs 200 $G $C --out bench/results/logs/s56_craftax20_graphs.json"
+      "@0 craftax_graphs_fused 200 $GF $C --out bench/results/logs/s56_craftax20_graphs_fused.json"
+      "@0 craftax_default2 200 $C --out bench/results/logs/s56_craftax20_default2.json"
+      "@0 craftax_graphs_fused2 200 $GF $C --out bench/results/logs/s56_craftax20_graphs_fused2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -26,6 +26,50 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+TIMED = (
+    "thinkcraft.train.llm_policy.rollout:ChatPrompts.next",
+    "thinkcraft.train.llm_policy.rollout:ChatPrompts._encode",
+    "thinkcraft.train.llm_policy.rollout:_reply_texts",
+    "thinkcraft.train.llm_policy.rollout:_Continuous._submit",
+    "thinkcraft.train.llm_policy.rollout:_Continuous._records",
+    "thinkcraft.envs.textenvs.craftax:CraftaxTextEnv.step",
+    "thinkcraft.envs.textenvs.craftax:CraftaxTextEnv._render",
+    "thinkcraft.llm.hf.batcher:Batcher.submit",
+    "thinkcraft.llm.hf.iteration:IterationMixin._finish",
+    "thinkcraft.llm.hf.iteration:IterationMixin._admit",
+    "thinkcraft.llm.hf.iteration:IterationMixin._prefill_eager",
+    "thinkcraft.llm.hf.iteration:IterationMixin._start_rows",
+)
+"""The host functions timed by --timers (module:qualified name); `_admit` includes `_prefill_eager` (the forward)."""
+
+
+def _install_timers() -> dict[str, list[float]]:
+    """Wrap every TIMED function with a wall-clock accumulator: {name: [seconds, calls]}."""
+    import functools
+    import importlib
+
+    spent: dict[str, list[float]] = {}
+    for name in TIMED:
+        mod, qual = name.split(":")
+        owner: object = importlib.import_module(mod)
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, attr)
+
+        def timed(*args, __fn=fn, __name=qual, **kw):
+            t = time.perf_counter()
+            try:
+                return __fn(*args, **kw)
+            finally:
+                acc = spent.setdefault(__name, [0.0, 0])
+                acc[0] += time.perf_counter() - t
+                acc[1] += 1
+
+        setattr(owner, attr, functools.wraps(fn)(timed))
+    return spent
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", default="craftax", choices=["craftax", "craftax-classic"])
@@ -35,6 +79,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--grep", nargs="*", default=["rollout.py", "batcher.py", "textenvs", "render.py", "protocol.py", "iteration.py", "slot_table.py", "chat", "actions.py", "craftax.py", "prompts"],
                     help="also list every function of files whose name holds one of these")
+    ap.add_argument("--timers", action="store_true",
+                    help="no cProfile: wall-clock timers around the gap's host functions (TIMED) instead, per turn")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rollout_host_probe.json"))
     a = ap.parse_args()
     import llm_policy_craftax as bench
@@ -56,6 +102,18 @@ def main() -> int:
             return time.perf_counter() - t
 
         print(f"first rollout (compiles) {one():.1f} s", flush=True)
+        if a.timers:
+            spent = _install_timers()
+            one()
+            spent.clear()
+            wall = one()
+            print(f"timed rollout {wall:.2f} s, {a.turns} turns, {a.num_envs} envs: host ms a turn (calls a turn)")
+            for name, (s_, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+                print(f"{s_ * 1e3 / a.turns:9.2f} ({n / a.turns:6.1f})  {name}")
+            Path(a.out).write_text(json.dumps({"env": a.env, "num_envs": a.num_envs, "turns": a.turns,
+                                               "wall_s": wall, "timers_ms_per_turn": {
+                                                   k: v[0] * 1e3 / a.turns for k, v in spent.items()}}, indent=1))
+            return 0
         prof = cProfile.Profile()
         prof.enable()
         wall = one()

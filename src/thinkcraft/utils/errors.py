@@ -29,3 +29,20 @@ def env_switch(name: str, default: bool = False) -> bool:
     if v not in ("0", "1"):
         raise UserError(f"{name} must be 0 or 1, got {v!r}")
     return v == "1"
+
+
+def env_int(name: str, default: int, least: int = 0) -> int:
+    """A whole number read from the environment: unset (or empty) `default`, else an integer >= `least` (anything
+    else a clear error)."""
+    import os
+
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise UserError(f"{name} must be a whole number, got {v!r}") from None
+    if n < least:
+        raise UserError(f"{name} must be >= {least}, got {n}")
+    return n

@@ -35,7 +35,7 @@ from thinkcraft.llm.hf import autocast_shadow, fused_mlp, fused_proj, fused_rope
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
-from thinkcraft.llm.hf.prefill_graphs import PrefillGraphs, prefill_graphs_on
+from thinkcraft.llm.hf.prefill_graphs import MAX_TOKENS, PrefillGraphs, prefill_graphs_on
 from thinkcraft.llm.hf.prefix_graph import PrefixGraph, prefix_graph_on
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
@@ -43,7 +43,7 @@ from thinkcraft.llm.hf.weights import apply_state
 from thinkcraft.llm.protocol import (
     EngineError, GenerationRequest, GenerationResult, StaleWeightsError, WeightUpdateError,
 )
-from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.errors import UserError, env_int
 
 log = logging.getLogger(__name__)
 
@@ -480,7 +480,9 @@ class Batcher(CacheMixin, IterationMixin):
         if self._fgraphs is None:
             if eng.device.type != "cuda" or not prefill_graphs_on():
                 return None
-            self._fgraphs = PrefillGraphs(self._forward_last, eng.device, eng.pad_id, int(self.logits.shape[1]))
+            # THINKCRAFT_PREFILL_GRAPH_TOKENS: the largest call replayed (prefill_graphs.MAX_TOKENS by default)
+            self._fgraphs = PrefillGraphs(self._forward_last, eng.device, eng.pad_id, int(self.logits.shape[1]),
+                                          max_tokens=env_int("THINKCRAFT_PREFILL_GRAPH_TOKENS", MAX_TOKENS, least=1))
         return None if getattr(eng, "_sm", None) is not None else self._fgraphs
 
     def _weights_key(self) -> tuple:

@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from thinkcraft.utils.errors import env_int
+
 
 def interpreted() -> bool:
     """Triton's CPU interpreter is on (it also multiplies half-precision tiles wrongly and casts to bf16 by
@@ -30,7 +32,7 @@ def pow2_at_least(n: int, least: int = 1) -> int:
     return p
 
 
-DECODE_TOKENS_MAX = 2048
+DECODE_TOKENS_MAX = env_int("THINKCRAFT_FUSED_TOKENS_MAX", 2048, least=1)
 """The most tokens a forward may hold for the elementwise kernels (fused_mlp, fused_rope) to take it: decode-sized
 calls, captured in the decode graphs. On the Craftax row (Qwen2.5-0.5B shape, 256 envs, 1 x H200, 2026-12-03, queue
 set craftax16) both kernels cut the decode phase (0.93 -> 0.83 s a rollout with the rotary embedding, -> 0.66 s
@@ -38,11 +40,15 @@ with the MLP as well) while the packed prefills (~23k tokens a call, eager, boun
 much (0.35 -> 0.40 and 0.52 s), so the rollout did not move: the prefill keeps torch's ops. With this bound (queue
 set craftax17, another machine, six runs in turns) the rollout still did not move beyond the machines' noise: 1,074
 and 1,061 decisions/s with the rotary kernel, 1,048 / 1,061 with both kernels, 1,031 / 1,066 with neither - at 256
-envs this rollout is bound by its host between the device's phases, not by these kernels."""
+envs this rollout is bound by its host between the device's phases, not by these kernels. THINKCRAFT_FUSED_TOKENS_MAX
+(read at import) sets another bound: the A/B of the kernels on prefills replayed from CUDA graphs, whose launches no
+longer bound them (THINKCRAFT_PREFILL_GRAPH_TOKENS)."""
 
 
 def decode_sized(tokens: int) -> bool:
-    """Whether a forward over `tokens` tokens is small enough for the elementwise kernels (`DECODE_TOKENS_MAX`)."""
+    """Whether a forward over `tokens` tokens is small enough for the elementwise kernels (`DECODE_TOKENS_MAX`, or
+    THINKCRAFT_FUSED_TOKENS_MAX where set: the A/B of the kernels on prefills replayed from CUDA graphs, whose
+    launches no longer bound them)."""
     return tokens <= DECODE_TOKENS_MAX
 
 
