@@ -1,0 +1,32 @@
+"""utils.errors.env_int: the whole-number settings read from the environment (THINKCRAFT_PREFILL_GRAPH_TOKENS,
+THINKCRAFT_FUSED_TOKENS_MAX)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from thinkcraft.utils.errors import UserError, env_int
+
+
+def test_env_int_reads_defaults_and_refuses_bad_values(monkeypatch):
+    monkeypatch.delenv("TC_TEST_INT", raising=False)
+    assert env_int("TC_TEST_INT", 7) == 7
+    monkeypatch.setenv("TC_TEST_INT", " ")
+    assert env_int("TC_TEST_INT", 7) == 7
+    monkeypatch.setenv("TC_TEST_INT", "32768")
+    assert env_int("TC_TEST_INT", 7, least=1) == 32768
+    monkeypatch.setenv("TC_TEST_INT", "1.5")
+    with pytest.raises(UserError, match="whole number"):
+        env_int("TC_TEST_INT", 7)
+    monkeypatch.setenv("TC_TEST_INT", "0")
+    with pytest.raises(UserError, match=">= 1"):
+        env_int("TC_TEST_INT", 7, least=1)
+
+
+def test_fused_tokens_max_is_read_at_import():
+    code = ("from thinkcraft.llm.hf import triton_device as t; "
+            "print(t.DECODE_TOKENS_MAX, t.decode_sized(99), t.decode_sized(100))")
+    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "THINKCRAFT_FUSED_TOKENS_MAX": "99"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["99", "True", "False"]
