@@ -1,11 +1,13 @@
 """utils.errors.env_int: the whole-number settings read from the environment (THINKCRAFT_PREFILL_GRAPH_TOKENS,
 THINKCRAFT_FUSED_TOKENS_MAX)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+from thinkcraft.llm.hf.prefill_graphs import MAX_TOKENS, PrefillGraphs
 from thinkcraft.utils.errors import UserError, env_int
 
 
@@ -27,6 +29,21 @@ def test_env_int_reads_defaults_and_refuses_bad_values(monkeypatch):
 def test_fused_tokens_max_is_read_at_import():
     code = ("from thinkcraft.llm.hf import triton_device as t; "
             "print(t.DECODE_TOKENS_MAX, t.decode_sized(99), t.decode_sized(100))")
-    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "THINKCRAFT_FUSED_TOKENS_MAX": "99"},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "THINKCRAFT_FUSED_TOKENS_MAX": "99"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["99", "True", "False"]
+
+
+def test_prefill_graph_tokens_override(monkeypatch):
+    import torch
+
+    def make():  # CPU stand-ins for the capture and its gate: only the bound is read here
+        return PrefillGraphs(lambda *a: None, torch.device("cpu"), 0, 8, capture=lambda *a: None, gate=object())
+
+    monkeypatch.delenv("THINKCRAFT_PREFILL_GRAPH_TOKENS", raising=False)
+    assert make().max_tokens == MAX_TOKENS
+    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPH_TOKENS", "32768")
+    assert make().max_tokens == 32768
+    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPH_TOKENS", "0")
+    with pytest.raises(UserError, match="THINKCRAFT_PREFILL_GRAPH_TOKENS must be a whole number >= 1"):
+        make()

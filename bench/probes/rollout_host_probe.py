@@ -2,12 +2,14 @@
 host-only gaps at 256 envs on an H200 - the env step's host side, the prompts, submit, the prefill's set-up).
 
     python bench/probes/rollout_host_probe.py                      # CPU: tiny random model, Craftax, 256 envs
+    python bench/probes/rollout_host_probe.py --timers             # wall-clock timers (TIMED), no cProfile
     python bench/probes/rollout_host_probe.py --env craftax-classic --num-envs 64 --turns 4
 
 Builds the policy as the Craftax bench does (`bench/llm_policy_craftax.py`'s config, `loop.build_policy`), runs
 one rollout to compile, then one under cProfile, and prints the cumulative time of the rollout's host functions
 per turn (the model's own forwards listed too, to be left out on a GPU, where they are the device's work).
-Writes the top functions to --out (JSON).
+With --timers, one more rollout to warm the wrappers and one timed: each TIMED function's wall time a turn, without
+cProfile's per-call overhead. Writes the top functions (or the timers) to --out (JSON).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--top", type=int, default=45)
-    ap.add_argument("--grep", nargs="*", default=["rollout.py", "batcher.py", "textenvs", "render.py", "protocol.py", "iteration.py", "slot_table.py", "chat", "actions.py", "craftax.py", "prompts"],
+    ap.add_argument("--grep", nargs="*", default=["rollout.py", "batcher.py", "render.py", "protocol.py", "iteration.py", "slot_table.py", "chat", "actions.py", "craftax.py", "prompts"],
                     help="also list every function of files whose name holds one of these")
     ap.add_argument("--timers", action="store_true",
                     help="no cProfile: wall-clock timers around the gap's host functions (TIMED) instead, per turn")
@@ -86,7 +88,6 @@ def main() -> int:
     import llm_policy_craftax as bench
 
     from thinkcraft.train.llm_policy import loop
-    from thinkcraft.train.llm_policy.rollout import rollout
 
     args = bench._args(["--shapes", a.shape, "--num-envs", str(a.num_envs), "--max-turns", str(a.turns),
                         "--env", a.env, "--device", "cpu", "--micro-batch-tokens", "512", "--steps", "1"])
@@ -120,7 +121,7 @@ def main() -> int:
         prof.disable()
     st = pstats.Stats(prof)
     rows = []
-    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+    for (file, line, fn), (_, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
         rows.append({"fn": f"{Path(file).name}:{line}:{fn}", "calls": nc, "self_ms_per_turn": tt * 1e3 / a.turns,
                      "cum_ms_per_turn": ct * 1e3 / a.turns})
     rows.sort(key=lambda r: -r["cum_ms_per_turn"])

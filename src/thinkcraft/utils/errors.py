@@ -31,9 +31,9 @@ def env_switch(name: str, default: bool = False) -> bool:
     return v == "1"
 
 
-def env_int(name: str, default: int, least: int = 0) -> int:
-    """A whole number read from the environment: unset (or empty) `default`, else an integer >= `least` (anything
-    else a clear error)."""
+def env_int(name: str, default: int, least: int = 0, most: int | None = None) -> int:
+    """A whole number read from the environment: unset (or empty) `default`, else an integer from `least` to `most`
+    (None: no upper bound); anything else a clear error."""
     import os
 
     v = os.environ.get(name, "").strip()
@@ -42,7 +42,8 @@ def env_int(name: str, default: int, least: int = 0) -> int:
     try:
         n = int(v)
     except ValueError:
-        raise UserError(f"{name} must be a whole number, got {v!r}") from None
-    if n < least:
-        raise UserError(f"{name} must be >= {least}, got {n}")
+        n = None
+    if n is None or n < least or (most is not None and n > most):
+        wanted = f"an integer from {least} to {most}" if most is not None else f"a whole number >= {least}"
+        raise UserError(f"{name} must be {wanted}, got {v!r}")
     return n

@@ -35,7 +35,7 @@ from thinkcraft.llm.hf import autocast_shadow, fused_mlp, fused_proj, fused_rope
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
-from thinkcraft.llm.hf.prefill_graphs import MAX_TOKENS, PrefillGraphs, prefill_graphs_on
+from thinkcraft.llm.hf.prefill_graphs import PrefillGraphs, prefill_graphs_on
 from thinkcraft.llm.hf.prefix_graph import PrefixGraph, prefix_graph_on
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
@@ -55,12 +55,7 @@ def decode_ahead() -> int:
     """THINKCRAFT_DECODE_AHEAD: decode iterations a step launches before the host reads a record (1, the default:
     one; up to `AHEAD_MAX`). More divides the engine's fixed host work per token - and, in a process whose learner
     runs beside the engine's thread, its share of the interpreter lock - by that much; not measured on a GPU yet."""
-    import os
-
-    v = os.environ.get("THINKCRAFT_DECODE_AHEAD", "").strip() or "1"
-    if not v.isdigit() or not 1 <= int(v) <= AHEAD_MAX:
-        raise UserError(f"THINKCRAFT_DECODE_AHEAD must be an integer from 1 to {AHEAD_MAX}, got {v!r}")
-    return int(v)
+    return env_int("THINKCRAFT_DECODE_AHEAD", 1, least=1, most=AHEAD_MAX)
 
 
 @dataclass
@@ -480,9 +475,7 @@ class Batcher(CacheMixin, IterationMixin):
         if self._fgraphs is None:
             if eng.device.type != "cuda" or not prefill_graphs_on():
                 return None
-            # THINKCRAFT_PREFILL_GRAPH_TOKENS: the largest call replayed (prefill_graphs.MAX_TOKENS by default)
-            self._fgraphs = PrefillGraphs(self._forward_last, eng.device, eng.pad_id, int(self.logits.shape[1]),
-                                          max_tokens=env_int("THINKCRAFT_PREFILL_GRAPH_TOKENS", MAX_TOKENS, least=1))
+            self._fgraphs = PrefillGraphs(self._forward_last, eng.device, eng.pad_id, int(self.logits.shape[1]))
         return None if getattr(eng, "_sm", None) is not None else self._fgraphs
 
     def _weights_key(self) -> tuple:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm.hf.slots import FlashPrefill, PrefillCtx
-from thinkcraft.utils.errors import env_switch
+from thinkcraft.utils.errors import env_int, env_switch
 
 log = logging.getLogger(__name__)
 
@@ -196,13 +196,16 @@ class PrefillGraphs:
 
     def __init__(self, forward: Callable[..., torch.Tensor], device: torch.device, pad_id: int, vocab: int,
                  capture: Callable[..., tuple[Callable[[], Any], Any]] | None = None, gate: Any = None,
-                 verify: int = VERIFY, max_tokens: int = MAX_TOKENS, capture_after: int | None = None,
+                 verify: int = VERIFY, max_tokens: int | None = None, capture_after: int | None = None,
                  max_graphs: int = MAX_GRAPHS) -> None:
         """`forward(ids, pos, ctx, last)` -> (rows, V) float32: the batcher's eager packed forward
         (`CacheMixin._forward_last`); `capture(run, device, pool)` -> (replay, out) (default: the decode graphs'
         `_graph_capture`), `gate` the process's `CaptureGate` (tests pass stand-ins for both on the CPU);
-        `capture_after` None: `CAPTURE_AFTER` as it is when the graphs are made."""
+        `capture_after` None: `CAPTURE_AFTER` as it is when the graphs are made; `max_tokens` None:
+        THINKCRAFT_PREFILL_GRAPH_TOKENS where set (an A/B of larger replayed calls), else `MAX_TOKENS`."""
         capture_after = CAPTURE_AFTER if capture_after is None else capture_after
+        if max_tokens is None:
+            max_tokens = env_int("THINKCRAFT_PREFILL_GRAPH_TOKENS", MAX_TOKENS, least=1)
         if capture is None or gate is None:
             from thinkcraft.llm.hf.cache import CAPTURE_GATE, _graph_capture
 

@@ -46,9 +46,7 @@ longer bound them (THINKCRAFT_PREFILL_GRAPH_TOKENS)."""
 
 
 def decode_sized(tokens: int) -> bool:
-    """Whether a forward over `tokens` tokens is small enough for the elementwise kernels (`DECODE_TOKENS_MAX`, or
-    THINKCRAFT_FUSED_TOKENS_MAX where set: the A/B of the kernels on prefills replayed from CUDA graphs, whose
-    launches no longer bound them)."""
+    """Whether a forward over `tokens` tokens is small enough for the elementwise kernels (`DECODE_TOKENS_MAX`)."""
     return tokens <= DECODE_TOKENS_MAX
 
 
