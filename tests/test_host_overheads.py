@@ -136,9 +136,12 @@ def test_the_heap_is_frozen_once_after_the_first_step_and_the_switch_keeps_it(mo
         assert clock.snapshot()[1] == before[1] + 1  # the collection before the freeze is a timed full one
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # the process's heap (the test worker's modules), out of the collector's reach
-        assert clock.freeze_after_first_step() is False and gc.get_freeze_count() == frozen  # once a process
+        # once a process: no second freeze (it would move every object made since into the permanent generation).
+        # The count may fall, never rise: a frozen object freed by another thread of the worker leaves it (CI,
+        # 2026-12-03: 1,188,669 -> 1,188,667 between two reads)
+        assert clock.freeze_after_first_step() is False and gc.get_freeze_count() <= frozen
         made = [[] for _ in range(10)]
-        assert all(gc.is_tracked(x) for x in made) and gc.get_freeze_count() == frozen  # new objects: collected
+        assert all(gc.is_tracked(x) for x in made) and gc.get_freeze_count() <= frozen  # new objects: collected
         monkeypatch.setenv("THINKCRAFT_GC_FREEZE", "bad")
         with pytest.raises(UserError, match="THINKCRAFT_GC_FREEZE"):
             GCClock().freeze_after_first_step()
