@@ -106,6 +106,9 @@
 #             (THINKCRAFT_PREFILL_GRAPH_TOKENS=32768), alone and with the fused MLP and rotary kernels on every size
 #             (THINKCRAFT_FUSED_TOKENS_MAX): each alone was bound by the other (launches / kernels), against the
 #             default, in turns; carry [".whl", ".ref/tc-cache"]
+#   craftax21 one GPU (2026-12-03, third session): the LoRA groups' low-rank parts as elementwise sums fused into
+#             their readers in the compiled decode step (THINKCRAFT_LORA_ADD_POINTWISE=1) against the addmm_ op: GPU
+#             tests, the decode step alone profiled both ways, then the 256-env row in turns; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -166,7 +169,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -492,6 +495,16 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_graphs_fused 200 $GF $C --out bench/results/logs/s56_craftax20_graphs_fused.json"
       "@0 craftax_default2 200 $C --out bench/results/logs/s56_craftax20_default2.json"
       "@0 craftax_graphs_fused2 200 $GF $C --out bench/results/logs/s56_craftax20_graphs_fused2.json") ;;
+    craftax21) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 6"
+      local P="env THINKCRAFT_LORA_ADD_POINTWISE=1" D="python bench/probes/decode_step_probe.py --variants lora --kv-cache static --rows 248 --prefix 680 --context 540 --profile"
+      jobs=(
+      "@0 gputest 200 $P python -m pytest -m gpu tests/test_fused_proj.py tests/test_lora_fast.py -q -p no:cacheprovider"
+      "@0 decode_pointwise 300 $P $D --out bench/results/logs/s57_craftax21_decode_pointwise.json"
+      "@0 decode_op 300 $D --out bench/results/logs/s57_craftax21_decode_op.json"
+      "@0 craftax_default 200 $C --out bench/results/logs/s57_craftax21_default.json"
+      "@0 craftax_pointwise 200 $P $C --out bench/results/logs/s57_craftax21_pointwise.json"
+      "@0 craftax_default2 200 $C --out bench/results/logs/s57_craftax21_default2.json"
+      "@0 craftax_pointwise2 200 $P $C --out bench/results/logs/s57_craftax21_pointwise2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
