@@ -109,6 +109,11 @@
 #   craftax21 one GPU (2026-12-03, third session): the LoRA groups' low-rank parts as elementwise sums fused into
 #             their readers in the compiled decode step (THINKCRAFT_LORA_ADD_POINTWISE=1) against the addmm_ op: GPU
 #             tests, the decode step alone profiled both ways, then the 256-env row in turns; carry [".whl", ".ref/tc-cache"]
+#             (run at fcbde64, s57-1: the step slower, 2.27 -> 2.55 ms of kernels; the switch was removed after, so
+#             this set now runs the default in every job - check out fcbde64 to run it as it was)
+#   craftax22 one GPU (2026-12-03, third session): a turn's prompts in chunks of 128 and 64 with each chunk prefilled
+#             (`admit`) while the host builds the next, the turn still decoding in lockstep, against the default (one
+#             chunk of 256), in turns; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -169,7 +174,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -505,6 +510,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_pointwise 200 $P $C --out bench/results/logs/s57_craftax21_pointwise.json"
       "@0 craftax_default2 200 $C --out bench/results/logs/s57_craftax21_default2.json"
       "@0 craftax_pointwise2 200 $P $C --out bench/results/logs/s57_craftax21_pointwise2.json") ;;
+    craftax22) local C="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 6"
+      jobs=(
+      "@0 craftax_default 200 $C --out bench/results/logs/s57_craftax22_default.json"
+      "@0 craftax_chunk128 200 $C --submit-chunk 128 --out bench/results/logs/s57_craftax22_chunk128.json"
+      "@0 craftax_chunk64 200 $C --submit-chunk 64 --out bench/results/logs/s57_craftax22_chunk64.json"
+      "@0 craftax_default2 200 $C --out bench/results/logs/s57_craftax22_default2.json"
+      "@0 craftax_chunk128b 200 $C --submit-chunk 128 --out bench/results/logs/s57_craftax22_chunk128b.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -67,6 +67,33 @@ def test_requests_joining_at_different_steps_equal_one_at_a_time(tiny) -> None:
     assert eng.pending() == 0 and not eng.step()
 
 
+def test_admit_prefills_a_chunk_and_the_turn_decodes_in_lockstep(tiny) -> None:
+    """`admit` prefills the queued requests without a decode iteration: a turn submitted in two chunks with `admit`
+    between them decodes in as many steps as the turn submitted at once (lockstep: no row a step ahead), with the
+    same greedy tokens; a `step` between the chunks instead puts the first chunk a step ahead."""
+    model, tok = tiny
+    prompts = [_ids(tok, t) for t in ["Hello there", "The quick brown fox", "a b c", "Numbers: 1 2 3"]]
+
+    def play(between: str | None) -> tuple[list[list[int]], float, float]:
+        eng = HFEngine.from_model(model, tok)
+        hs = [eng.submit(GenerationRequest(p, GREEDY, tag=i)) for i, p in enumerate(prompts[:2])]
+        if between is not None:
+            assert getattr(eng, between)() is True
+            assert eng.poll() == []
+            if between == "admit":  # prefilled, nothing decoded yet
+                assert eng.decode_metrics()["prefill_calls"] == 1 and eng.decode_metrics()["decode_steps"] == 0
+        hs += [eng.submit(GenerationRequest(p, GREEDY, tag=i + 2)) for i, p in enumerate(prompts[2:])]
+        done = _run(eng, hs)
+        m = eng.decode_metrics()
+        return [done[h].completion.token_ids for h in hs], m["decode_steps"], m["prefill_calls"]
+
+    want, steps, calls = play(None)
+    got, steps_admit, calls_admit = play("admit")
+    assert got == want and steps_admit == steps and (calls, calls_admit) == (1, 2)
+    _, steps_step, _ = play("step")
+    assert steps_step == steps + 1
+
+
 def _episode_prompts(tok, turns: int) -> list[list[int]]:  # noqa: ANN001
     return [_ids(tok, f" observation {k}: tree at {k},{k + 1}; health {9 - k}. Act:") for k in range(turns)]
 

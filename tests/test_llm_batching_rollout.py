@@ -58,7 +58,7 @@ def policy():
 @pytest.mark.parametrize("submit_chunk,record_chunk", [(64, 16), (2, 1)])
 def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk: int, record_chunk: int,
                                                            monkeypatch) -> None:
-    """(submit_chunk 2: next prompts are submitted two at a time, the engine stepped in between; record_chunk 1:
+    """(submit_chunk 2: next prompts are submitted two at a time, the engine prefilling each chunk in between; record_chunk 1:
     one turn record built after each engine step, so records are still waiting when the next env step comes.)"""
     import importlib
 
@@ -101,6 +101,28 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk:
     turns = [t for e in eps for t in e.turns]  # the learner trains each episode as one row: its last turn
     rows = LP.build_rows(turns, [1.0] * len(turns), [0.0] * len(turns), tok.pad_token_id, torch.device("cpu"))
     assert rows.turns.starts.tolist() == [0, 3, 6, 9, 12, 15, 18]
+
+
+def test_prompts_in_chunks_keep_the_turn_in_lockstep(policy, monkeypatch) -> None:
+    """A lockstep rollout (every episode's turn back before the env steps) whose prompts go in two at a time: each
+    chunk is prefilled (`admit`) while the next is built, and every decode step holds all six rows - none a step
+    ahead of the others, as a `step` between the chunks would put them (and the turns would come back apart)."""
+    import importlib
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    monkeypatch.setattr(module, "SUBMIT_CHUNK", 2)
+    cfg, model, tok = policy
+    engine = LP.make_engine(model, tok, cfg)
+    engine.eos_ids = set()  # every reply runs to max_new_tokens: the rows end together
+    admits = []
+    real = engine.admit
+    monkeypatch.setattr(engine, "admit", lambda: admits.append(1) or real())
+    metrics: dict = {}
+    eps = LP.rollout(TurnsEnv(), engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
+                     sampling=SamplingParams(max_new_tokens=5), history_turns=-1, metrics=metrics, env_batch_frac=1.0)
+    assert all(len(e.turns) == 3 for e in eps)
+    assert metrics["engine/rows_per_decode_step"] == 6
+    assert len(admits) == 2 * 2  # turns 2 and 3: three chunks of two, prefilled after the first two
 
 
 def test_a_template_that_rewrites_earlier_turns_is_counted(policy) -> None:

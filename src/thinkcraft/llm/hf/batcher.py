@@ -213,6 +213,27 @@ class Batcher(CacheMixin, IterationMixin):
             self._cv.notify_all()
         return self.busy()
 
+    def admit(self) -> bool:
+        """One step boundary without the decode iteration: pending weight updates applied, the queued requests
+        prefilled (launched; the device runs them while the caller goes on) and made active - they decode from the
+        next `step`, together with every row admitted before it. Why: a caller that builds a turn's prompts in
+        chunks (the Craftax rollout) lets the device prefill one chunk while the host builds the next, and the
+        whole turn still decodes in lockstep (a `step` between chunks would start the first chunk's decode a step
+        ahead of the others, and their turns would come back apart). True while work remains."""
+        with self._step_lock, self._contexts():
+            try:
+                self._apply_updates()
+                self._refresh_copies()
+                calls = self.counters["prefill_calls"]
+                t0 = time.perf_counter()
+                self._admit()
+                t1 = self._clock(self.counters["prefill_calls"] != calls)
+            except BaseException as e:
+                self._fail_all(e)
+                raise
+            self.counters["prefill_s"] += t1 - t0
+        return self.busy()
+
     def _refresh_copies(self) -> None:
         """Bring the weights' derived copies up to date (in place): a graphed step - or the prefix graph - reads
         them, and cannot run the eager forward's own checks."""

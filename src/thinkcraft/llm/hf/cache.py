@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from thinkcraft.llm import compat
-from thinkcraft.llm.hf import fused_proj, split_decode
+from thinkcraft.llm.hf import split_decode
 from thinkcraft.llm.hf.guides import SlotGuides
 from thinkcraft.llm.hf.rows import (
     RowState, Step, ThinkTokens, advance_and_place_flat, sample_rows_lse, token_logprobs, unflatten_step,
@@ -421,8 +421,7 @@ class CacheMixin:
         A capture holds `CAPTURE_GATE` alone: one capture at a time in the process (torch allows one; two engines'
         slot threads, one engine per GPU, would otherwise capture at once) and no other engine's decode step
         meanwhile (see `CaptureGate`); each capture runs on a stream of its engine's device."""
-        options = {**(decode_autotune() or {}), **fused_proj.inductor_options()}
-        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic(self.width), options=options or None)
+        compiled = torch.compile(self._forward_last, dynamic=decode_dynamic(self.width), options=decode_autotune())
         # where each parameter lives (module, name), read again at every step: a learner that assigns a new
         # tensor to `module.weight` leaves the old Parameter object behind, so a list of them would not see it
         owners = [(m, n) for m in self.eng._lm.modules() for n, p in m._parameters.items() if p is not None]

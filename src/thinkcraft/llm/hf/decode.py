@@ -125,6 +125,11 @@ class DecodeMixin:
         after `start()`). True while submitted work remains."""
         return self._batcher.step()
 
+    def admit(self) -> bool:
+        """Prefill the queued requests without a decode iteration (`Batcher.admit`): they decode from the next
+        `step`, in lockstep with the rows already admitted. True while submitted work remains."""
+        return self._batcher.admit()
+
     def pending(self) -> int:
         """Submitted requests not finished yet."""
         return self._batcher.pending()

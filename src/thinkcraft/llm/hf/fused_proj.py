@@ -57,29 +57,6 @@ def fold_switch() -> bool:
     return env_switch("THINKCRAFT_FOLD_LORA_A", default=True)
 
 
-UNROLL_RANK_MAX = 64
-"""The largest LoRA rank whose low-rank sum `inductor_options` has inductor unroll into elementwise code (the
-default rank is 16; a larger one keeps the reduction as its own kernel - still correct)."""
-
-
-def lowrank_pointwise_on() -> bool:
-    """THINKCRAFT_LORA_ADD_POINTWISE (off): compiled forwards write the groups' low-rank parts as elementwise sums
-    (`Group.compute_pointwise`) that inductor fuses into their readers, instead of one `addmm_` a group."""
-    return env_switch("THINKCRAFT_LORA_ADD_POINTWISE", default=False)
-
-
-def inductor_options() -> dict[str, Any]:
-    """Inductor settings a compiled forward over fused groups needs (`torch.compile(options=...)`): with
-    `lowrank_pointwise_on`, reductions up to `UNROLL_RANK_MAX` terms unrolled (inductor's own default is 8), so a
-    rank-16 sum is elementwise code, and such code kept inline in its readers - inductor stores (realizes) an
-    elementwise result of more than 8 reads or 30 operations (its defaults), which an unrolled rank-16 sum (33 reads,
-    ~100 operations) is; nothing otherwise."""
-    if not lowrank_pointwise_on():
-        return {}
-    return {"unroll_reductions_threshold": UNROLL_RANK_MAX, "realize_acc_reads_threshold": 2 * UNROLL_RANK_MAX + 8,
-            "realize_opcount_threshold": 8 * UNROLL_RANK_MAX}
-
-
 class Group:
     """One fused group: its members (leader first), the fused copies and the stash of one forward."""
 
@@ -154,9 +131,10 @@ class Group:
         """Member i's output (None: it computes its own). The leader (i = 0) computes the group and stashes the
         siblings' slices under its input; a sibling takes its slice only for that same input tensor."""
         if i == 0:
-            outs = self.parts(x)
-            if outs is None or len(self.members) == 1:
-                return None if outs is None else outs[0]  # a group of one: nothing to keep for a sibling
+            y = self.output(x)
+            if y is None or len(self.members) == 1:
+                return y  # a group of one: nothing to keep for a sibling
+            outs = list(y.split(self.splits, dim=-1))
             self.stash = (x, outs)
             return outs[0]
         st = self.stash
@@ -170,51 +148,14 @@ class Group:
     def output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole group's output for `x` (its members' side by side), or None where the fused path may not serve
         this call (`usable`); an eager forward first brings the copies up to date. `fused_mlp` reads gate/up whole."""
-        return self.compute(x) if self._ready(x) else None
-
-    def parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Each member's output for `x` (the leader's forward), or None as `output`. Traced with
-        THINKCRAFT_LORA_ADD_POINTWISE=1, the low-rank parts are elementwise (`compute_pointwise`), else the slices of
-        `compute`'s one output."""
-        if not self._ready(x):
-            return None
-        if self.a is not None and torch.compiler.is_compiling() and lowrank_pointwise_on():
-            return self.compute_pointwise(x)
-        y = self.compute(x)
-        return list(y.split(self.splits, dim=-1)) if len(self.members) > 1 else [y]
-
-    def _ready(self, x: torch.Tensor) -> bool:
-        """`usable`, and in an eager forward the adapters' copies, then the group's, brought up to date."""
         if not self.usable(x):
-            return False
-        if not torch.compiler.is_compiling():
+            return None
+        if not torch.compiler.is_compiling():  # an eager forward: the adapters' copies, then the group's
             for m, lo in zip(self.members, self.lora):
                 if lo:
                     lora_fast._refresh_layer(m)
             self.refresh()
-        return True
-
-    def compute_pointwise(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The members' outputs with each low-rank part written as an elementwise sum over its rank,
-        `y_i + sum_j h[:, j] * (s B_i)ᵀ[j]` in fp32, rounded once - the value of `addmm_`'s `beta = 1` epilogue
-        up to the order of an fp32 sum - for a traced forward compiled with `inductor_options` (the reduction
-        unrolled): inductor then fuses it into each output's first reader (the rotary embedding, the residual add
-        and RMSNorm, the MLP's SiLU product) instead of launching a GEMM per group. Only the member's own rank
-        block of the stacked `h` is read (the block-diagonal `(s B)ᵀ`'s zeros are skipped)."""
-        x = x.to(self.weight.dtype)
-        y = F.linear(x, self.weight, self.bias)
-        lead = y.shape[:-1]
-        y2 = y.reshape(-1, y.shape[-1])
-        h = y2[:, self.n_out:] if self.fold else F.linear(x, self.a).reshape(-1, sum(self.ranks))
-        outs, o, r = [], 0, 0
-        for n, k in zip(self.splits, self.ranks):
-            part = y2[:, o:o + n]
-            if k:
-                low = (h[:, r:r + k, None].float() * self.bt[None, r:r + k, o:o + n].float()).sum(1)
-                part = (part.float() + low).to(y.dtype)
-            outs.append(part.reshape(*lead, n))
-            o, r = o + n, r + k
-        return outs
+        return self.compute(x)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)

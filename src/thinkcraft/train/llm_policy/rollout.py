@@ -495,14 +495,16 @@ class _Continuous:
         # the next prefill by a few ms a turn of host work the device would have idled through
         for a in range(0, len(turns), RECORD_CHUNK):
             self.deferred.append(functools.partial(self._records, res, a, turns[a : a + RECORD_CHUNK]))
-        # Prompts are built and submitted in chunks, the engine stepped after each: the GPU prefills and decodes
-        # the first chunk while the host renders and tokenizes the next (one thread; the step only queues work)
+        # Prompts are built and submitted in chunks, the engine prefilling each (`admit`, where the engine has it:
+        # no decode step yet, so the whole turn decodes in lockstep; else a `step`) while the host renders and
+        # tokenizes the next (one thread; the engine only queues device work)
+        admit = getattr(self.engine, "admit", None) or self.engine.step
         for a in range(0, len(nxt), SUBMIT_CHUNK):
             with self.phase("generate"):
                 self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
                 if a + SUBMIT_CHUNK < len(nxt):
                     with self.gen_ctx():
-                        self.engine.step()
+                        admit()
                     self.pending += self.engine.poll()
 
     def _records(self, res: Any, first: int, turns: list[tuple[int, str, list[int], bool, Any]]) -> None:
