@@ -543,7 +543,9 @@ SUBMIT_CHUNK = 256
 Larger chunks mean fewer, larger prefills and env steps; smaller ones more overlap of host and GPU. Measured on one
 H200 (Craftax, Qwen2.5-0.5B shape, 256 envs, merged LoRA weights, 2026-11-29, BENCHMARKS §7b): 64 -> 256 took a
 turn's prefills from 42 calls (1.6 s) to 13 (0.8 s) and the rollout from 509 to 706 decisions/s (1.39x); the
-overlap lost cost less than the per-call host time saved."""
+overlap lost cost less than the per-call host time saved. Since the chunks are prefilled with `admit` (the turn in
+lockstep; 2026-12-03, H200, every other default, BENCHMARKS §7b): 128 gave 961-1,048 decisions/s (settled 1,098-1,168)
+against 1,036-1,121 for 256 - no clear gain, the chunks' prefill shapes capturing CUDA graphs in the first steps."""
 
 
 def _reply_texts(tok, comps: Sequence[Any], specials: dict[int, str]) -> list[tuple[str, str] | None]:
