@@ -1,5 +1,5 @@
 """utils.errors.env_int: the whole-number settings read from the environment (THINKCRAFT_PREFILL_GRAPH_TOKENS,
-THINKCRAFT_FUSED_TOKENS_MAX)."""
+THINKCRAFT_FUSED_TOKENS_MAX, THINKCRAFT_SPLIT_PREFIX_ROWS)."""
 
 import os
 import subprocess
@@ -24,6 +24,14 @@ def test_env_int_reads_defaults_and_refuses_bad_values(monkeypatch):
     monkeypatch.setenv("TC_TEST_INT", "0")
     with pytest.raises(UserError, match=">= 1"):
         env_int("TC_TEST_INT", 7, least=1)
+    pow2 = dict(least=0, most=8, check=lambda n: n & (n - 1) == 0, wanted="0 or a power of two up to 8")
+    for good in ("0", "1", "8"):
+        monkeypatch.setenv("TC_TEST_INT", good)
+        assert env_int("TC_TEST_INT", 2, **pow2) == int(good)
+    for bad in ("3", "16", "-2", "x"):  # one message for every bad value: the check's, the range's, a non-number
+        monkeypatch.setenv("TC_TEST_INT", bad)
+        with pytest.raises(UserError, match=f"TC_TEST_INT must be 0 or a power of two up to 8, got '{bad}'"):
+            env_int("TC_TEST_INT", 2, **pow2)
 
 
 def test_fused_tokens_max_is_read_at_import():

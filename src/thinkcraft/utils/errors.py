@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class UserError(Exception):
     """Bad input the user can fix (config, files, missing model/engine). Message says what to change."""
@@ -31,9 +33,11 @@ def env_switch(name: str, default: bool = False) -> bool:
     return v == "1"
 
 
-def env_int(name: str, default: int, least: int = 0, most: int | None = None) -> int:
+def env_int(name: str, default: int, least: int = 0, most: int | None = None,
+            check: Callable[[int], bool] | None = None, wanted: str | None = None) -> int:
     """A whole number read from the environment: unset (or empty) `default`, else an integer from `least` to `most`
-    (None: no upper bound); anything else a clear error."""
+    (None: no upper bound) for which `check` (if given) holds; anything else a clear error, saying `wanted` (default:
+    the range)."""
     import os
 
     v = os.environ.get(name, "").strip()
@@ -43,7 +47,8 @@ def env_int(name: str, default: int, least: int = 0, most: int | None = None) ->
         n = int(v)
     except ValueError:
         n = None
-    if n is None or n < least or (most is not None and n > most):
-        wanted = f"an integer from {least} to {most}" if most is not None else f"a whole number >= {least}"
+    if n is None or n < least or (most is not None and n > most) or (check is not None and not check(n)):
+        if wanted is None:
+            wanted = f"an integer from {least} to {most}" if most is not None else f"a whole number >= {least}"
         raise UserError(f"{name} must be {wanted}, got {v!r}")
     return n

@@ -31,12 +31,11 @@ interpreter (TRITON_INTERPRET=1, the tests). `THINKCRAFT_SPLIT_DECODE=0` turns i
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, NamedTuple
 
 import torch
 
-from thinkcraft.utils.errors import UserError, env_switch
+from thinkcraft.utils.errors import env_int, env_switch
 from thinkcraft.llm.hf.triton_device import interpreted, pow2_at_least, runs_on
 
 log = logging.getLogger(__name__)
@@ -88,17 +87,8 @@ def split_decode_on() -> bool:
 def prefix_rows() -> int:
     """THINKCRAFT_SPLIT_PREFIX_ROWS: rows a shared-prefix program serves (`PREFIX_ROWS`, the default), 0: one row a
     program (the code before, the A/B switch)."""
-    raw = os.environ.get("THINKCRAFT_SPLIT_PREFIX_ROWS", "").strip()
-    if not raw:
-        return PREFIX_ROWS
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 128 or (n and n & (n - 1)):
-        raise UserError(f"THINKCRAFT_SPLIT_PREFIX_ROWS must be 0 or a power of two up to 128, not {raw!r}")
-    return n
-
+    return env_int("THINKCRAFT_SPLIT_PREFIX_ROWS", PREFIX_ROWS, least=0, most=128, check=lambda n: n & (n - 1) == 0,
+                   wanted="0 or a power of two up to 128")
 
 
 def _build() -> tuple[Any, Any]:
