@@ -58,8 +58,9 @@ def policy():
 @pytest.mark.parametrize("submit_chunk,record_chunk", [(64, 16), (2, 1)])
 def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk: int, record_chunk: int,
                                                            monkeypatch) -> None:
-    """(submit_chunk 2: next prompts are submitted two at a time, the engine prefilling each chunk in between; record_chunk 1:
-    one turn record built after each engine step, so records are still waiting when the next env step comes.)"""
+    """(submit_chunk 2: next prompts are submitted two at a time, the engine prefilling each chunk in between -
+    stepping it where other episodes are decoding; record_chunk 1: one turn record built after each engine step, so
+    records are still waiting when the next env step comes.)"""
     import importlib
 
     from thinkcraft.utils.timing import PhaseTimer

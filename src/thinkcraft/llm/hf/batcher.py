@@ -189,15 +189,7 @@ class Batcher(CacheMixin, IterationMixin):
         """One boundary + one decode iteration (see the module docstring); True while work remains."""
         with self._step_lock, self._contexts():
             try:
-                self._apply_updates()
-                self._refresh_copies()
-                # a synchronous `generate` times prefill apart from decode: the device is drained after a step
-                # that prefilled (its prefill time then holds up to one decode step's device time too), never at
-                # a plain decode step - that stopped host and device from overlapping at every step
-                calls = self.counters["prefill_calls"]
-                t0 = time.perf_counter()
-                self._admit()
-                t1 = self._clock(self.counters["prefill_calls"] != calls)
+                t1 = self._boundary()
                 w1 = self._device_wait_s
                 launched = self._launch()
                 if launched and self._ahead > 1:
@@ -207,7 +199,6 @@ class Batcher(CacheMixin, IterationMixin):
             except BaseException as e:
                 self._fail_all(e)
                 raise
-            self.counters["prefill_s"] += t1 - t0
             self.counters["decode_s"] += time.perf_counter() - t1
         with self._cv:
             self._cv.notify_all()
@@ -222,17 +213,26 @@ class Batcher(CacheMixin, IterationMixin):
         ahead of the others, and their turns would come back apart). True while work remains."""
         with self._step_lock, self._contexts():
             try:
-                self._apply_updates()
-                self._refresh_copies()
-                calls = self.counters["prefill_calls"]
-                t0 = time.perf_counter()
-                self._admit()
-                t1 = self._clock(self.counters["prefill_calls"] != calls)
+                self._boundary()
             except BaseException as e:
                 self._fail_all(e)
                 raise
-            self.counters["prefill_s"] += t1 - t0
         return self.busy()
+
+    def _boundary(self) -> float:
+        """A step boundary (under the step lock): weight updates, the derived copies, the queue's admission (timed
+        into `prefill_s`); returns the clock after it."""
+        self._apply_updates()
+        self._refresh_copies()
+        # a synchronous `generate` times prefill apart from decode: the device is drained after a step that
+        # prefilled (its prefill time then holds up to one decode step's device time too), never at a plain decode
+        # step - that stopped host and device from overlapping at every step
+        calls = self.counters["prefill_calls"]
+        t0 = time.perf_counter()
+        self._admit()
+        t1 = self._clock(self.counters["prefill_calls"] != calls)
+        self.counters["prefill_s"] += t1 - t0
+        return t1
 
     def _refresh_copies(self) -> None:
         """Bring the weights' derived copies up to date (in place): a graphed step - or the prefix graph - reads

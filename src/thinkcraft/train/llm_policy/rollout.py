@@ -495,10 +495,13 @@ class _Continuous:
         # the next prefill by a few ms a turn of host work the device would have idled through
         for a in range(0, len(turns), RECORD_CHUNK):
             self.deferred.append(functools.partial(self._records, res, a, turns[a : a + RECORD_CHUNK]))
-        # Prompts are built and submitted in chunks, the engine prefilling each (`admit`, where the engine has it:
-        # no decode step yet, so the whole turn decodes in lockstep; else a `step`) while the host renders and
-        # tokenizes the next (one thread; the engine only queues device work)
-        admit = getattr(self.engine, "admit", None) or self.engine.step
+        # Prompts are built and submitted in chunks, the engine prefilling each while the host renders and tokenizes
+        # the next (one thread; the engine only queues device work) - with `admit` where the engine has it and no
+        # other episode is decoding (no decode step yet: the whole turn decodes in lockstep), else with a `step`
+        # (the other episodes' decode goes on meanwhile)
+        others = bool(self.in_flight.difference(nxt))
+        admit = getattr(self.engine, "admit", None) if not others else None
+        admit = admit or self.engine.step
         for a in range(0, len(nxt), SUBMIT_CHUNK):
             with self.phase("generate"):
                 self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
