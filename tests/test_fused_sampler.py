@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     x = torch.randn(5, 2500) * 3
     x[:, ::5] = float("-inf")
     assert FS.fused_sampler_serves(x), "the interpreter's kernel did not pass its check"
-    assert FS._state[("cpu", None)] == "four"  # the four-numbers-a-call noise passed first
+    assert FS._CHECKS.state[("cpu", None)] == "four"  # the four-numbers-a-call noise passed first
     temp = torch.tensor([0.0, 1.0, 0.7, 0.0, 3.0])
     seed = torch.tensor([11])
     tok, lse = FS.sample_and_lse(x, temp, seed)
@@ -130,7 +130,7 @@ def test_kernel_on_gpu_at_qwen_vocabulary() -> None:
     x = torch.randn(128, 151936, device=dev) * 4
     temp = torch.ones(128, device=dev)
     temp[::4] = 0
-    assert FS.fused_sampler_serves(x) and FS._state[("cuda", x.device.index)] in FS.VARIANTS
+    assert FS.fused_sampler_serves(x) and FS._CHECKS.state[("cuda", x.device.index)] in FS.VARIANTS
     seed = torch.zeros(1, dtype=torch.long, device=dev)
     tok, lse = FS.sample_and_lse(x, temp, seed)
     assert bool((tok[::4] == x[::4].argmax(-1)).all())

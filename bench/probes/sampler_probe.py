@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                      "fused_ms": None if t_fused is None else round(t_fused, 4),
                      "speedup": None if t_fused is None else round(t_torch / t_fused, 2),
                      # the kernel's noise that passed the device's check (fused_sampler.VARIANTS), or None
-                     "variant": FS._state.get((logits.device.type, logits.device.index)) or None,
+                     "variant": FS._CHECKS.known(logits.device) or None,
                      "card": card(), "date": today()})
         print_table(rows[-1:], COLS)
     write_records(a.out, rows, merge_keys=("slots", "vocab", "card"))

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from thinkcraft.utils.errors import env_switch
-from thinkcraft.llm.hf.triton_device import interpreted, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, interpreted, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ BLOCK = 2048
 rows, not the vocabulary, spread over the SMs)."""
 NUM_WARPS = 8
 
-_state: dict[Any, str | bool] = {}  # device -> the variant that passed its check, or False
 _kernel: Any = None
 launches = 0
 """Calls of the kernel in this process (host launches; a graph's replays are not counted): what a test reads."""
@@ -125,7 +124,7 @@ def sample_and_lse(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.
     if _kernel is None:
         _kernel = _build()
     if variant is None:
-        variant = _state.get((logits.device.type, logits.device.index)) or VARIANTS[0]
+        variant = _CHECKS.known(logits.device) or VARIANTS[0]
     s, v = logits.shape
     tok = torch.empty(s, dtype=torch.long, device=logits.device)
     lse = torch.empty(s, dtype=torch.float32, device=logits.device)
@@ -143,19 +142,17 @@ def fused_sampler_serves(logits: torch.Tensor) -> bool:
         return False
     if not runs_on(dev):
         return False
-    key = (dev.type, dev.index)
-    if key not in _state:
-        _state[key] = _check(dev)
-    return bool(_state[key])
+    return _CHECKS.ok(dev)
 
 
 def passed(dev: torch.device) -> bool:
     """Whether the kernel passed its check on `dev` in this process (False before its first use there)."""
-    return bool(_state.get((dev.type, dev.index), False))
+    return _CHECKS.passed(dev)
 
 
-def _check(dev: torch.device) -> str | bool:
-    """The first variant (`VARIANTS`) whose kernel agrees with torch on `dev`, else False: greedy rows' tokens and
+def _check(dev: torch.device) -> str:
+    """The first variant (`VARIANTS`) whose kernel agrees with torch on `dev` (`_CHECKS` keeps it), else a raise
+    naming every variant's failure: greedy rows' tokens and
     every row's logsumexp equal, sampled tokens never a masked (-inf) one, the seed advanced, and the draws of one
     6-token row repeated (4,096 times; 256 under the interpreter) within 5 standard errors of softmax(logits / T)
     - a broken noise source would pass the rest (its draws collapse on the greedy token)."""
@@ -186,5 +183,7 @@ def _check(dev: torch.device) -> str | bool:
             return variant
         except Exception as e:  # noqa: BLE001 - no Triton, a compile error, a mismatch: the next variant
             errors.append(f"{variant}: {type(e).__name__}: {e}")
-    log.warning("the one-pass sampler is off on %s (%s); sampling with torch", dev, "; ".join(errors))
-    return False
+    raise RuntimeError("; ".join(errors))
+
+
+_CHECKS = FirstUseChecks(_check, log, "the one-pass sampler", "sampling with torch")

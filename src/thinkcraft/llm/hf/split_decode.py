@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from thinkcraft.utils.errors import env_int, env_switch
-from thinkcraft.llm.hf.triton_device import interpreted, pow2_at_least, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, interpreted, pow2_at_least, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ NUM_STAGES: int | None = None
 """Software-pipelining stages of the key loops (None: Triton's default). With `BLOCK_N` and `NUM_WARPS` the tiling
 `bench/probes/decode_attention_probe.py --tiles` sweeps (module attributes, read at each launch)."""
 
-_state: dict[Any, bool] = {}  # (device, dtype, head_dim, group) -> passed its check
 _kernels: Any = None
 launches = 0
 """Calls in this process (host launches; a graph's replays are not counted): what a test reads."""
@@ -333,45 +332,40 @@ def serves(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) 
         return False
     if not runs_on(device):
         return False
-    key = (device.type, device.index, dtype, head_dim, group)
-    if key not in _state:
-        _state[key] = _check(device, dtype, head_dim, group)
-    return _state[key]
+    return _CHECKS.ok(device, dtype, head_dim, group)
 
 
 def passed(device: torch.device) -> bool:
     """Whether the kernel passed a check on `device` in this process."""
-    return any(ok for (kind, index, *_), ok in _state.items() if (kind, index) == (device.type, device.index))
+    return _CHECKS.passed(device)
 
 
-def _check(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+def _check(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> None:
     """The kernel against `reference` on a small cache: rows reading 1 key to the full width, with and without
-    the shared prefix (and a launch without a prefix at all)."""
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        hkv, cols, pcap = 2, 2 * CHUNK + 9, CHUNK + 3
-        s = 2 * max(prefix_rows(), 1) + 5  # the prefix's row blocks: two full ones and a part
+    the shared prefix (and a launch without a prefix at all); raises where it differs (`_CHECKS`)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    hkv, cols, pcap = 2, 2 * CHUNK + 9, CHUNK + 3
+    s = 2 * max(prefix_rows(), 1) + 5  # the prefix's row blocks: two full ones and a part
 
-        def rnd(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-        q, kc, vc = rnd(s, hkv * group, 1, head_dim), rnd(s, hkv, cols, head_dim), rnd(s, hkv, cols, head_dim)
-        pk, pv = rnd(1, hkv, pcap, head_dim), rnd(1, hkv, pcap, head_dim)
-        key_len = torch.tensor(([1, cols, CHUNK, CHUNK + 1, 37] * s)[:s], dtype=torch.int32, device=device)
-        prefix_n = torch.tensor(([pcap, 0, 5, pcap, 0, pcap, pcap] * s)[:s], dtype=torch.int32, device=device)
-        scale = head_dim ** -0.5
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        for args in ((pk, pv, prefix_n), (None, None, None)):
-            got = split_decode_attention(q, kc, vc, key_len, *args, scale).double().cpu()
-            want = reference(q, kc, vc, key_len, *args, scale)
-            err = float((got - want).abs().max())
-            if not err <= tol:
-                raise RuntimeError(f"differs from the reference by {err:.3g} (tolerance {tol:g})")
-        return True
-    except Exception as e:  # noqa: BLE001 - no Triton, a compile error, a mismatch: the other attention
-        log.warning("the split decode attention is off on %s for %s, head dim %d, group %d (%s: %s); decoding with "
-                    "the other attention path", device, dtype, head_dim, group, type(e).__name__, e)
-        return False
+    q, kc, vc = rnd(s, hkv * group, 1, head_dim), rnd(s, hkv, cols, head_dim), rnd(s, hkv, cols, head_dim)
+    pk, pv = rnd(1, hkv, pcap, head_dim), rnd(1, hkv, pcap, head_dim)
+    key_len = torch.tensor(([1, cols, CHUNK, CHUNK + 1, 37] * s)[:s], dtype=torch.int32, device=device)
+    prefix_n = torch.tensor(([pcap, 0, 5, pcap, 0, pcap, pcap] * s)[:s], dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for args in ((pk, pv, prefix_n), (None, None, None)):
+        got = split_decode_attention(q, kc, vc, key_len, *args, scale).double().cpu()
+        want = reference(q, kc, vc, key_len, *args, scale)
+        err = float((got - want).abs().max())
+        if not err <= tol:
+            raise RuntimeError(f"differs from the reference by {err:.3g} (tolerance {tol:g})")
+
+
+_CHECKS = FirstUseChecks(_check, log, "the split decode attention", "decoding with the other attention path",
+                         lambda dtype, head_dim, group: f"{dtype}, head dim {head_dim}, group {group}")
 
 
 def meta(device: torch.device, dtype: torch.dtype, head_dim: int, query_heads: int, kv_heads: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -51,34 +51,45 @@ def decode_sized(tokens: int) -> bool:
 
 
 class FirstUseChecks:
-    """A kernel's first-use check, run once per (device, dtype) in a process and remembered. `check(device, dtype)`
-    raises where the kernel's values differ from the reference (or it cannot compile); `run` turns that into False
-    and one warning naming what the model keeps instead. `ok` runs it where it has not run, `checked` says whether it
-    has (a caller inside a CUDA-graph capture must not start one: a check synchronises), `passed` whether it passed
-    on a device for any dtype (what the decode metrics report)."""
+    """A kernel's first-use check, run once per (device, what else it depends on: a dtype, a shape) in a process and
+    remembered. `check(device, *parts)` raises where the kernel's values differ from the reference (or it cannot
+    compile) and may return what it chose (the sampler's noise variant; None counts as True); `run` turns a raise into
+    False and one warning naming what the model keeps instead. `ok` runs it where it has not run, `value` gives what
+    it returned, `known` that without running it (None: not checked yet), `checked` whether it has run (a caller
+    inside a CUDA-graph capture must not start one: a check synchronises), `passed` whether it passed on a device for
+    any parts (what the decode metrics report). `describe(*parts)` words the parts in the warning."""
 
-    def __init__(self, check: Callable[[torch.device, torch.dtype], None], log: logging.Logger, kernel: str,
-                 fallback: str) -> None:
+    def __init__(self, check: Callable[..., Any], log: logging.Logger, kernel: str, fallback: str,
+                 describe: Callable[..., str] | None = None) -> None:
         self._check, self._log, self._kernel, self._fallback = check, log, kernel, fallback
-        self.state: dict[tuple[str, int | None, torch.dtype], bool] = {}
+        self._describe = describe or (lambda *parts: ", ".join(str(p) for p in parts))
+        self.state: dict[tuple, Any] = {}
 
-    def run(self, device: torch.device, dtype: torch.dtype) -> bool:
+    def run(self, device: torch.device, *parts: Any) -> Any:
         try:
-            self._check(device, dtype)
-            return True
+            got = self._check(device, *parts)
+            return True if got is None else got
         except Exception as e:  # noqa: BLE001 - the model keeps torch's ops, said once
-            self._log.warning("%s failed its first-use check on %s (%s: %s): %s", self._kernel, device,
+            where = f"{device} ({self._describe(*parts)})" if parts else str(device)
+            self._log.warning("%s failed its first-use check on %s (%s: %s): %s", self._kernel, where,
                               type(e).__name__, e, self._fallback)
             return False
 
-    def ok(self, device: torch.device, dtype: torch.dtype) -> bool:
-        key = (device.type, device.index, dtype)
+    def value(self, device: torch.device, *parts: Any) -> Any:
+        key = (device.type, device.index, *parts)
         if key not in self.state:
-            self.state[key] = self.run(device, dtype)
+            self.state[key] = self.run(device, *parts)
         return self.state[key]
 
-    def checked(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return (device.type, device.index, dtype) in self.state
+    def ok(self, device: torch.device, *parts: Any) -> bool:
+        return bool(self.value(device, *parts))
+
+    def known(self, device: torch.device, *parts: Any) -> Any:
+        return self.state.get((device.type, device.index, *parts))
+
+    def checked(self, device: torch.device, *parts: Any) -> bool:
+        return (device.type, device.index, *parts) in self.state
 
     def passed(self, device: torch.device) -> bool:
-        return any(ok for (kind, index, _), ok in self.state.items() if (kind, index) == (device.type, device.index))
+        here = (device.type, device.index)
+        return any(bool(v) for (kind, index, *_), v in self.state.items() if (kind, index) == here)
