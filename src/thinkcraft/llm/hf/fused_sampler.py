@@ -152,10 +152,10 @@ def passed(dev: torch.device) -> bool:
 
 def _check(dev: torch.device) -> str:
     """The first variant (`VARIANTS`) whose kernel agrees with torch on `dev` (`_CHECKS` keeps it), else a raise
-    naming every variant's failure: greedy rows' tokens and
-    every row's logsumexp equal, sampled tokens never a masked (-inf) one, the seed advanced, and the draws of one
-    6-token row repeated (4,096 times; 256 under the interpreter) within 5 standard errors of softmax(logits / T)
-    - a broken noise source would pass the rest (its draws collapse on the greedy token)."""
+    naming every variant's failure. Agreeing: greedy rows' tokens and every row's logsumexp equal, sampled tokens never
+    a masked (-inf) one, the seed advanced, and the draws of one 6-token row repeated (4,096 times; 256 under the
+    interpreter) within 5 standard errors of softmax(logits / T) - a broken noise source would pass the rest (its
+    draws collapse on the greedy token)."""
     errors = []
     for variant in VARIANTS:
         try:

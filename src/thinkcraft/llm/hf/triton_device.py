@@ -75,8 +75,12 @@ class FirstUseChecks:
                               type(e).__name__, e, self._fallback)
             return False
 
+    @staticmethod
+    def _key(device: torch.device, parts: tuple) -> tuple:
+        return (device.type, device.index, *parts)
+
     def value(self, device: torch.device, *parts: Any) -> Any:
-        key = (device.type, device.index, *parts)
+        key = self._key(device, parts)
         if key not in self.state:
             self.state[key] = self.run(device, *parts)
         return self.state[key]
@@ -85,11 +89,11 @@ class FirstUseChecks:
         return bool(self.value(device, *parts))
 
     def known(self, device: torch.device, *parts: Any) -> Any:
-        return self.state.get((device.type, device.index, *parts))
+        return self.state.get(self._key(device, parts))
 
     def checked(self, device: torch.device, *parts: Any) -> bool:
-        return (device.type, device.index, *parts) in self.state
+        return self._key(device, parts) in self.state
 
     def passed(self, device: torch.device) -> bool:
-        here = (device.type, device.index)
-        return any(bool(v) for (kind, index, *_), v in self.state.items() if (kind, index) == here)
+        here = self._key(device, ())
+        return any(bool(v) for key, v in self.state.items() if key[:2] == here)

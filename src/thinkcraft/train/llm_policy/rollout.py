@@ -500,8 +500,7 @@ class _Continuous:
         # other episode is decoding (no decode step yet: the whole turn decodes in lockstep), else with a `step`
         # (the other episodes' decode goes on meanwhile)
         others = bool(self.in_flight.difference(nxt))
-        admit = getattr(self.engine, "admit", None) if not others else None
-        admit = admit or self.engine.step
+        admit = self.engine.step if others else getattr(self.engine, "admit", self.engine.step)
         for a in range(0, len(nxt), SUBMIT_CHUNK):
             with self.phase("generate"):
                 self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
