@@ -192,6 +192,9 @@ def _run_steps(a: argparse.Namespace, cfg: Any, policy: Any, recs: list[Any], pr
                   f"{rec.get('engine/graph_capture_s', 0):.1f} s; garbage collector {rec.get('host/gc_s', 0):.3f} s, "
                   f"{rec.get('host/gc_full', 0):.0f} full)",
                   flush=True)
+            if "engine/dev_decode_ms" in rec:  # THINKCRAFT_DEVICE_TIMING=1
+                print("    device: " + ", ".join(f"{k[len('engine/dev_'):]} {v:.3f}" for k, v in sorted(rec.items())
+                                                 if k.startswith("engine/dev_")), flush=True)
 
 
 def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> dict[str, Any]:
@@ -358,6 +361,10 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
             [r["completion/mean_tokens"] for r in steady]), 1),
         "thinking_tokens_mean": round(med([r.get("thinking/tokens_mean", 0.0) for r in steady]), 1),
         "template_fallbacks": sum(r.get("kv/template_fallbacks", 0.0) for r in steady),
+        # THINKCRAFT_DEVICE_TIMING=1 (llm/hf/device_timing.py): the device's time per phase and idle between phases,
+        # ms per phase (`dev_decode_ms`: one decode iteration) or per gap, and seconds a step (`dev_*_s`)
+        **{k[len("engine/"):]: round(med([r.get(k, 0.0) for r in steady]), 3)
+           for k in sorted({k for r in steady for k in r if k.startswith("engine/dev_")})},
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
@@ -377,6 +384,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the heap frozen after the first step (utils/gc_clock.py, THINKCRAFT_GC_FREEZE)
         "gc_freeze": env_switch("THINKCRAFT_GC_FREEZE", default=True),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "device_timing": env_switch("THINKCRAFT_DEVICE_TIMING", default=False),
         # the packed prefill from CUDA graphs where it may (llm/hf/prefill_graphs.py): the switch
         "prefill_graphs": env_switch("THINKCRAFT_PREFILL_GRAPHS", default=True),
         "fused_proj_groups": fused_proj_groups, "fused_proj_folded": fused_proj_folded,
@@ -428,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
                                                        "fused_mlp", "prefill_graphs", "fused_rope", "gc_freeze",
-                                                       "xla_flags"))
+                                                       "xla_flags", "device_timing"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

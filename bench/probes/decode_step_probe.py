@@ -108,7 +108,9 @@ def _round(engine: Any, prompts: list[list[int]], prefix: int, new_tokens: int) 
     d = decode_metrics_delta(before, engine.decode_metrics())  # the rollout's own per-step means
     return {"wall_s": wall, "decode_ms": d["engine/decode_step_ms"], "wait_ms": d["engine/decode_wait_ms"],
             "prefill_s": d["engine/prefill_s"], "rows_per_step": d["engine/rows_per_decode_step"],
-            "captures": d["engine/graph_captures"]}
+            "captures": d["engine/graph_captures"],
+            # THINKCRAFT_DEVICE_TIMING=1 (llm/hf/device_timing.py): the device's time a phase and between phases
+            **{k[len("engine/"):]: v for k, v in d.items() if k.startswith("engine/dev_") and k.endswith("_ms")}}
 
 
 def _profile_decode(engine: Any, prompts: list[list[int]], prefix: int, new_tokens: int, cuda: bool, base: Path,
@@ -174,7 +176,8 @@ def measure(a: argparse.Namespace, model: Any, tok: Any, device: Any, variant: s
             "decode_wait_ms": med("wait_ms"), "host_ms": round(med("decode_ms") - med("wait_ms"), 3),
             "rows_per_step": med("rows_per_step"), "prefill_s": med("prefill_s"),
             "graph_captures": warm["captures"] + sum(r["captures"] for r in runs), "warmup_s": round(warm["wall_s"], 1),
-            "repeats": a.repeats, "card": card(), "date": today(), "quick": a.quick}
+            "repeats": a.repeats, "card": card(), "date": today(), "quick": a.quick,
+            **{k: med(k) for k in sorted(runs[0]) if k.startswith("dev_")}}
 
 
 def _host_profile(run: Any, path: Path) -> None:

@@ -33,6 +33,7 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.hf import autocast_shadow, fused_mlp, fused_proj, fused_rope, fused_sampler, lora_fast
 from thinkcraft.llm.hf.cache import CacheMixin, Seq
+from thinkcraft.llm.hf.device_timing import DeviceTiming, device_timing_on
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
 from thinkcraft.llm.hf.prefill_graphs import PrefillGraphs, prefill_graphs_on
@@ -106,6 +107,8 @@ class Batcher(CacheMixin, IterationMixin):
             0.0)
         self._ahead = decode_ahead()  # iterations launched per step before the host reads a record (opt-in)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
+        # the phases timed on the device (opt-in diagnostic, device_timing.py): None off or off CUDA
+        self._dtiming = DeviceTiming(eng.device) if device_timing_on() and eng.device.type == "cuda" else None
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         self._restore_train = False
@@ -269,6 +272,8 @@ class Batcher(CacheMixin, IterationMixin):
             self.counters["failed"] += len(seqs)
             self.kv, self._step_fn, self._fused_fn, self._prefix = None, None, None, None
             self.table = SlotTable(0, self.evict)  # type: ignore[arg-type]
+            if self._dtiming is not None:
+                self._dtiming.forget()
             self._cv.notify_all()
 
     def run_until(self, handles: list[int]) -> dict[int, GenerationResult]:

@@ -102,6 +102,8 @@ class IterationMixin:
         cu_q = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         t = lambda a: to_device(a, dev)  # noqa: E731
         traced = self._prefill_traced()
+        if self._dtiming is not None:
+            self._dtiming.start("prefill")
         logits = None
         graphs = self._prefill_graphs() if self._flash_prefill is not None and not traced else None
         if graphs is not None:  # a replay (prefill_graphs.py), or None: too large, or the graphs are off
@@ -113,6 +115,8 @@ class IterationMixin:
         idx = t(slots)
         self.logits[idx] = logits
         self._start_rows(chunk, slots, total, offs)
+        if self._dtiming is not None:
+            self._dtiming.end()
         self.counters["prefill_tokens"] += float(n_new.sum())
         self.counters["prefill_calls"] += 1.0
         self.counters["reused_tokens"] += float(sum(q.reused_tokens for q, _, _ in chunk))
@@ -237,6 +241,9 @@ class IterationMixin:
             width = min(kv.tokens, _round_up(int(self.h_len[self.h_run].max()) + 1, _WIDTH_BUCKET))
         use_prefix = kv.prefix_len > 0 and bool(self.table.uses_prefix())
         out = None
+        timing = self._dtiming
+        if timing is not None:
+            timing.start("decode")
         # the whole iteration as one CUDA graph replay (cache.py `_manual_graph_step`) where no host decision is
         # needed inside it: no grammar masks, no per-call seeded generator (a graph replays the default one's)
         if self._fused_fn is not None and not guided and self.gen is None:
@@ -245,6 +252,8 @@ class IterationMixin:
             self._launch_unfused(k, width, use_prefix, any_sampled, any_top_p, want_lp, guided)
         else:
             self._hand_record(k, *out)
+        if timing is not None:
+            timing.end()
         self._iter += 1
         return True
 
@@ -324,6 +333,8 @@ class IterationMixin:
                 self._events[buf].synchronize()
                 # the host waiting for the device: the rest of a step's wall time is host work (or the GIL)
                 self._device_wait_s += time.perf_counter() - t_wait
+            if self._dtiming is not None:
+                self._dtiming.harvest(self.counters)
             rows = np.flatnonzero(self.h_run & (self.h_admit <= k))
             self._collected += 1
             if not len(rows):

@@ -128,6 +128,8 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
     the GIL behind other threads) and the part of it the host spent waiting for the device's previous
     iteration (`decode_wait_ms`: near the step time = device-bound, near 0 = host-bound), rows per step, and
     rows the host ended past max_new_tokens."""
+    from thinkcraft.llm.hf.device_timing import per_call_ms
+
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = max(d.get("decode_steps", 0.0), 1.0)
     return {"kv/evictions": d.get("evictions", 0.0), "kv/invalidated": d.get("invalidated", 0.0),
@@ -167,7 +169,10 @@ def decode_metrics_delta(before: dict[str, float], after: dict[str, float]) -> d
             # a state too: the one-pass sampler served (fused_sampler.py), per engine
             "engine/fused_sampler": after.get("fused_sampler", 0.0),
             # and the split-KV decode attention (split_decode.py) in place of FlashAttention's, per engine
-            "engine/split_decode": after.get("split_decode", 0.0)}
+            "engine/split_decode": after.get("split_decode", 0.0),
+            # opt-in (THINKCRAFT_DEVICE_TIMING=1, device_timing.py): the device's time in each phase and idle between
+            # phases, per phase or gap (`engine/dev_*_ms`) and in all (`engine/dev_*_s`)
+            **per_call_ms(d)}
 
 
 def answer_structure(env, sampling):
