@@ -7,8 +7,12 @@ it is - a slower step on the device or the device waiting between steps: it leng
 (CUPTI records each of a graph's ~400 kernels). Two events per phase cost a few microseconds of host time and
 nothing on the device, so the rollout can be measured as it runs.
 
-What it counts, in seconds, into the batcher's counters (summed; `rollout.decode_metrics_delta` turns them into
-per-step means):
+Measured (H200, 2026-12-03, BENCHMARKS §7b "Where a rollout's time goes"): the rollout's decode loop is bound by the
+device (2.6 ms an iteration, 0.09 ms idle between iterations; the profiler's gaps were its own), and a third of the
+rollout is the device idle at the turns' boundaries (~90 ms a turn: env, prompts, submit).
+
+What it counts, in seconds, into the batcher's counters (summed, with a count each; `rollout.decode_metrics_delta`
+turns them into means per phase or gap):
     dev_decode_s, dev_decode_n    the device time of the decode iterations (from the first kernel's start to the
                                   last one's end; a launch that reached an idle device includes its latency)
     dev_prefill_s, dev_prefill_n  the same for the packed prefills (their tokens' forward, logits, rows' state)
