@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import card, decode_graphs_column, decode_means, print_table, today, torch_profile, write_records  # noqa: E402
+from common import (card, decode_graphs_column, decode_means, host_profile, print_table, today, torch_profile,  # noqa: E402
+                    write_records)
 
 COLS = ["model_shape", "num_envs", "max_new_tokens", "thinking_budget", "decisions_per_s", "rollout_decisions_per_s",
         "decisions_per_s_last", "generate_tok_per_s", "generate_share", "prefill_tokens_saved_frac", "peak_learner_gb", "learner_tokens_per_s",
@@ -104,6 +105,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                         "device timeline (every kernel's start and length, <case>_kernels.tsv.gz, and the idle gaps "
                         "by size in the .json); "
                         "that step is left out of the rates, as --profile-update's")
+    p.add_argument("--profile-host", type=int, default=None, metavar="STEP",
+                   help="cProfile over the rollout of step STEP (-1: the last): the host's functions by their own time "
+                        "and by their time with callees, in <out>_host_profile-<case>.txt (where the ~90 ms a turn that the "
+                        "device idles at the turns' boundaries goes); that step is left out of the rates")
     p.add_argument("--out", default=None, help="default bench/results/llm_policy_craftax[_quick].json")
     a = p.parse_args(argv)
     if a.submit_chunk is not None and a.submit_chunk < 1:
@@ -211,6 +216,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
 
         profile_at = None if a.profile_update is None else a.profile_update % a.steps
         rollout_at = None if a.profile_rollout is None else a.profile_rollout % a.steps
+        host_at = None if a.profile_host is None else a.profile_host % a.steps
 
         def measured_update(*args: Any, **kw: Any) -> Any:  # the peak of the learner phase alone
             if cuda:
@@ -231,9 +237,12 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
 
         def profiled_at_its_step(plain_rollout: Callable[..., Any]) -> Callable[..., Any]:
             def measured_rollout(*args: Any, **kw: Any) -> Any:
+                label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
+                if len(recs) == host_at:
+                    return host_profile(lambda: plain_rollout(*args, **kw),
+                                        Path(a.out).with_name(f"{Path(a.out).stem}_host_profile-{label}.txt"), label)
                 if len(recs) != rollout_at:
                     return plain_rollout(*args, **kw)
-                label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
                 out, _ = torch_profile(lambda: plain_rollout(*args, **kw), cuda,
                                        Path(a.out).with_name(f"{Path(a.out).stem}_rollout_profile-{label}"), label,
                                        timeline=True)
@@ -288,7 +297,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    steady = steady_steps(recs, profile_at, rollout_at)
+    steady = steady_steps(recs, profile_at, rollout_at, host_at)
     turns = [r["episode/turns"] * num_envs for r in steady]
     step_s = [r["timing/step"] for r in steady]
     gen_s = [r.get("timing/generate", 0.0) for r in steady]
@@ -370,7 +379,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
         "decode_graphs": decode_graphs_column(engine_cfg[0]),
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
-        "rollout_profiled_step": rollout_at,
+        "rollout_profiled_step": rollout_at, "host_profiled_step": host_at,
         "submit_chunk": submit_chunk, "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
