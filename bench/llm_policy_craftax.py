@@ -86,6 +86,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pack-episodes", default="on", choices=["on", "off"],
                    help="train an episode whose turns extend each other as one row (off: one row per turn)")
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
+    p.add_argument("--unroll-env-scans", default="auto", choices=["auto", "on", "off"],
+                   help="the Craftax text env's inner loops traced unrolled (LLMPolicyConfig.unroll_env_scans; auto = "
+                        "on a GPU)")
     p.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV budget (default: half the free memory)")
     p.add_argument("--device", default="auto")
@@ -133,7 +136,7 @@ def _config(a: argparse.Namespace, shape: str, num_envs: int, budget: int, run_d
         learner_compile={"auto": None, "on": True, "off": False}[a.learner_compile],
         pack_episodes=a.pack_episodes == "on",
         compile_decode={"auto": None, "on": True, "off": False}[a.compile_decode], kv_cache_gb=a.kv_cache_gb,
-        device=a.device, store=False,
+        device=a.device, store=False, unroll_env_scans=a.unroll_env_scans,
         plot=False, seed=0)
 
 
@@ -261,6 +264,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         with rollout_patches(a.submit_chunk, profiled_at_its_step) as submit_chunk:
             _run_steps(a, cfg, policy, recs, prof, shape, num_envs, budget)
         kv = policy.engine.decode_metrics()
+        env_unrolled = getattr(getattr(policy.env, "env", policy.env), "unrolled", None)
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
         from thinkcraft.llm.hf import fused_norm, lora_fast
@@ -374,6 +378,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # ms per phase (`dev_decode_ms`: one decode iteration) or per gap, and seconds a step (`dev_*_s`)
         **{k[len("engine/"):]: round(med([r.get(k, 0.0) for r in steady]), 3)
            for k in sorted({k for r in steady for k in r if k.startswith("engine/dev_")})},
+        # the env's inner loops traced unrolled (envs/unroll.py): the setting resolved
+        "env_unrolled": env_unrolled,
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},

@@ -22,7 +22,11 @@ def _rolled_loops(env) -> int:
         return env.step(rng, st, a)[1]
 
     _, st = jax.eval_shape(env.reset, jax.random.PRNGKey(0))
-    jaxpr = jax.make_jaxpr(step)(jax.random.PRNGKey(0), st).jaxpr
+    return _loops_in(jax.make_jaxpr(step)(jax.random.PRNGKey(0), st).jaxpr)
+
+
+def _loops_in(jaxpr) -> int:
+    """`_rolled_loops`'s count over a traced program."""
     n = 0
 
     def walk(j) -> None:
@@ -40,6 +44,28 @@ def _rolled_loops(env) -> int:
 
     walk(jaxpr)
     return n
+
+
+@pytest.mark.parametrize("setting,loops", [("on", False), ("off", True)])
+def test_craftax_text_env_steps_unrolled_where_asked(setting, loops):
+    # the llm-policy env (envs/textenvs/craftax.py): its compiled masked step, traced only (no compile)
+    from thinkcraft.envs.textenvs import CraftaxTextConfig, CraftaxTextEnv
+
+    env = CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", unroll_env_scans=setting))
+    assert env.unrolled is (setting == "on")
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(3, dtype=jnp.uint32))
+    _, st = jax.eval_shape(env._reset, keys)
+    jaxpr = jax.make_jaxpr(env._advance)(keys, st, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool)).jaxpr
+    assert (_loops_in(jaxpr) > 10) is loops
+    assert (_loops_in(jax.make_jaxpr(env._reset)(keys).jaxpr) > 0) is loops  # world generation's
+    assert jax.lax.scan.__module__.startswith("jax")  # the swap is undone after the trace
+
+
+def test_craftax_text_env_refuses_a_bad_unroll_setting():
+    from thinkcraft.envs.textenvs import CraftaxTextConfig, CraftaxTextEnv
+
+    with pytest.raises(UserError, match="unroll_env_scans"):
+        CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", unroll_env_scans="yes"))
 
 
 @pytest.mark.parametrize("name", ["Craftax-Classic-Symbolic-v1", pytest.param("Craftax-Symbolic-v1", marks=pytest.mark.slow)])

@@ -820,3 +820,31 @@ def test_the_fused_decode_graph_on_gpu_equals_the_step_by_step_one(monkeypatch) 
     second = eng.generate(Batch(items=[prompts[1]] * 2), sampled)
     assert not b._fused_fn.failed
     assert [c.token_ids for c in first] != [c.token_ids for c in second]
+
+
+def test_shared_weights_version_follows_in_place_steps_and_new_parameters() -> None:
+    """`Batcher._params_now` keeps the parameter list between admissions (no walk of the model each turn) and
+    still sees an optimizer's in-place step, a Parameter registered later (a new adapter) and a step on it; an
+    in-place step drops the parked KV that the old weights computed."""
+    model, tok = tiny_llama(seed=9)
+    eng = HFEngine.from_model(model, tok)
+    b = eng._batcher
+    v0 = b._params_now()
+    assert b._params_now() == v0 and b._param_list is not None
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.0)  # an in-place op bumps the version, whatever it adds
+    v1 = b._params_now()
+    assert v1 != v0
+    model.model.norm.extra = torch.nn.Parameter(torch.zeros(3))  # registered: the list is resolved again
+    assert b._params_now() == v1 and any(p is model.model.norm.extra for p in b._param_list[2])
+    with torch.no_grad():
+        model.model.norm.extra.add_(1.0)
+    assert b._params_now() != v1
+    del model.model.norm.extra
+    prompt = _ids(tok, "in-place steps")
+    _run(eng, [eng.submit(GenerationRequest(prompt, GREEDY, episode="a"))])
+    assert b.table.parked("a") is not None
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.0)
+    _run(eng, [eng.submit(GenerationRequest(prompt + [5], GREEDY, episode="a"))])
+    assert eng.decode_metrics()["invalidated"] == 1

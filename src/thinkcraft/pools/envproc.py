@@ -51,6 +51,8 @@ class EnvSpec:
     """json: answers are one JSON object (the env's `answer_schema`), free: free text."""
     reason_chars: int = 0
     """json answers: the longest reason string (0 = no reason field)."""
+    unroll_env_scans: Literal["auto", "on", "off"] = "auto"
+    """Craftax: the env's inner loops traced unrolled (envs/unroll.py; auto = on a GPU)."""
 
     def build(self) -> Any:
         from thinkcraft.envs.textenvs import RuleReward
@@ -62,7 +64,8 @@ class EnvSpec:
             reward_fn = RuleReward(0.0, 0.0, lenient=self.lenient)
         env = make_text_env(self.name, reward_fn=reward_fn, difficulty=self.difficulty, gsm8k_path=self.gsm8k_path,
                             max_steps=self.max_turns, format_penalty=self.format_penalty,
-                            action_format=self.action_format, reason_chars=self.reason_chars)
+                            action_format=self.action_format, reason_chars=self.reason_chars,
+                            unroll_env_scans=self.unroll_env_scans)
         return LatencyEnv(env, self.latency_ms) if self.latency_ms > 0 else env
 
 

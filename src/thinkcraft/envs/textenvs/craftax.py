@@ -24,6 +24,11 @@ class CraftaxTextConfig:
     """free (`Action: <name>` anywhere in the reply) or json (one JSON object, `jsonformat.action_schema`)."""
     reason_chars: int = 0
     """json: a reason string of at most this many characters before the action (0 = none)."""
+    unroll_env_scans: str = "auto"
+    """auto | on | off: trace Craftax's short inner loops and random.choice's binary searches unrolled in the
+    step and reset (envs/unroll.py; the same states). On a GPU each loop iteration is otherwise driven by the
+    host: the text env's step held the device idle ~25 ms of each ~30 ms turn boundary of the 256-env LLM rollout
+    (H200, 2026-12-03, py-spy). auto = on when JAX runs on a GPU."""
 
 
 class CraftaxTextEnv:
@@ -72,10 +77,22 @@ class CraftaxTextEnv:
             + self._text.action_prompt(config.env_kind, answer)
         )
         env, params = self._env, self._params
-        # strong types: reset leaves 24 leaves weakly typed (Python scalars) and the stepped state has them
-        # strong, so the second step call compiled the step again (a Craftax-Symbolic step: tens of seconds)
-        self._reset = jax.jit(jax.vmap(lambda k: _strong(env.reset(k, params))))
-        self._advance = jax.jit(_masked_step(env, params))
+        from thinkcraft.envs.unroll import UNROLL_SETTINGS, resolve_unroll_env_scans, unroll_env_scans
+
+        if config.unroll_env_scans not in UNROLL_SETTINGS:
+            raise UserError(f"unroll_env_scans must be one of {', '.join(UNROLL_SETTINGS)}, not "
+                            f"{config.unroll_env_scans!r}")
+        self.unrolled = resolve_unroll_env_scans(config.unroll_env_scans)  # type: ignore[arg-type]
+        unrolled = self.unrolled
+
+        def reset_one(k):  # noqa: ANN001, ANN202 - the context is entered while jit traces (once per shape)
+            with unroll_env_scans(unrolled):
+                # strong types: reset leaves 24 leaves weakly typed (Python scalars) and the stepped state has
+                # them strong, so the second step call compiled the step again (a Craftax-Symbolic step: tens of s)
+                return _strong(env.reset(k, params))
+
+        self._reset = jax.jit(jax.vmap(reset_one))
+        self._advance = jax.jit(_masked_step(env, params, unrolled))
         self._jax = jax
         self._state = None
         self._keys = None
@@ -160,18 +177,22 @@ class CraftaxTextEnv:
         return {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_actions)}
 
 
-def _masked_step(env, params):
+def _masked_step(env, params, unrolled: bool = False):
     """(keys, state, actions, keep) -> (keys, state, reward, done) for a batch of episodes: those with `keep`
     set keep their key and state (finished, or not stepped in this call), the others split their key and step
-    with its second half - an episode's randomness does not depend on which others step with it."""
+    with its second half - an episode's randomness does not depend on which others step with it. `unrolled`:
+    Craftax's inner loops traced unrolled (envs/unroll.py)."""
     import jax
     import jax.numpy as jnp
+
+    from thinkcraft.envs.unroll import unroll_env_scans
 
     step = jax.vmap(lambda k, s, a: env.step(k, s, a, params))
 
     def advance(keys, state, actions, keep):
         split = jax.vmap(jax.random.split)(keys)
-        _, new_state, reward, done, _info = step(split[:, 1], state, actions)
+        with unroll_env_scans(unrolled):  # entered while jit traces
+            _, new_state, reward, done, _info = step(split[:, 1], state, actions)
         merged = jax.tree_util.tree_map(
             lambda old, new: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), old, new), state, new_state)
         return jnp.where(keep[:, None], keys, split[:, 0]), merged, reward, done

@@ -79,6 +79,7 @@ def make_text_env(
     format_penalty: float = 0.0,
     action_format: str = "free",
     reason_chars: int = 0,
+    unroll_env_scans: str = "auto",
 ) -> TextEnv:
     """`arith`, `gsm8k` (needs `gsm8k_path`), `craftax`, `craftax-classic`. `action_format` "json": every turn
     answers with one JSON object (`env.answer_schema`; jsonformat.py), with a reason of at most
@@ -99,5 +100,6 @@ def make_text_env(
         from thinkcraft.envs.textenvs.craftax import CraftaxTextConfig, CraftaxTextEnv
 
         return CraftaxTextEnv(CraftaxTextConfig(env_kind=name, max_steps=max_steps, format_penalty=format_penalty,
-                                                action_format=action_format, reason_chars=reason_chars))
+                                                action_format=action_format, reason_chars=reason_chars,
+                                                unroll_env_scans=unroll_env_scans))
     raise UserError(f"unknown text env {name!r}: use arith, gsm8k, craftax or craftax-classic")

@@ -58,7 +58,7 @@ def env_spec(cfg: LLMPolicyConfig) -> EnvSpec:
                    format_penalty=cfg.format_penalty, reward="deferred" if cfg.reward == "judge" else "rule",
                    answer_weight=cfg.answer_weight, format_weight=cfg.format_weight, lenient=cfg.lenient_answer,
                    latency_ms=cfg.env_latency_ms, action_format=cfg.action_format,
-                   reason_chars=cfg.action_reason_chars)
+                   reason_chars=cfg.action_reason_chars, unroll_env_scans=cfg.unroll_env_scans)
 
 
 def make_prompt_fn(tokenizer: Any, history_turns: int, sampling: Any = None) -> Any:

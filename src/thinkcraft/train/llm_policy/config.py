@@ -62,6 +62,10 @@ class LLMPolicyConfig(RunOptions):
     """Craftax: decisions per episode (the episode step cap)."""
     format_penalty: float = 0.0
     """Craftax: reward subtracted when the action cannot be parsed (a no-op is played)."""
+    unroll_env_scans: Literal["auto", "on", "off"] = "auto"
+    """Craftax: trace the env's short inner loops unrolled (as `train ppo`'s flag; envs/unroll.py): the same states,
+    no host-driven GPU loop iterations inside a step, for more compile the first time. auto = on when JAX runs on a
+    GPU."""
     action_format: Literal["free", "json"] = "free"
     """How a turn answers: free text (craftax `Action: <name>`, arith/gsm8k `#### <n>`), or json: decoding is
     constrained to one JSON object (craftax {"action": <an action name>}, arith/gsm8k {"answer": <integer>};
@@ -283,6 +287,7 @@ class LLMPolicyConfig(RunOptions):
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(self.history_turns >= -1, "history_turns", "must be >= 0 (a window of past turns) or -1 (all of them)")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
+        check(self.unroll_env_scans in ("auto", "on", "off"), "unroll_env_scans", "auto, on or off")
         check(1 <= self.difficulty <= 6, "difficulty", "must be in 1..6")
         check(self.stall_dump_s >= 0, "stall_dump_s", "must be >= 0 (0 = off)")
         check(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 1 (or 0: sized to the device)")

@@ -642,7 +642,7 @@ def make_env_and_reward(cfg: LLMPolicyConfig, judge: tuple[Any, Any] | None = No
                                    lenient=cfg.lenient_answer)
     env = make_text_env(cfg.env, reward_fn=reward_fn, difficulty=cfg.difficulty, gsm8k_path=cfg.gsm8k_path,
                         max_steps=cfg.max_turns, format_penalty=cfg.format_penalty, action_format=cfg.action_format,
-                        reason_chars=cfg.action_reason_chars)
+                        reason_chars=cfg.action_reason_chars, unroll_env_scans=cfg.unroll_env_scans)
     if cfg.env_latency_ms > 0:  # a slow env (benchmarks): every batched step waits this long
         from thinkcraft.pools.envproc import LatencyEnv
 
