@@ -125,6 +125,9 @@
 #             the default alone; carry [".whl", ".ref/tc-cache"]
 #   craftax26 one GPU (2026-12-03, fifth session): the Craftax text env's step traced unrolled (the new default on a
 #             GPU) against its rolled loops (--unroll-env-scans off), in turns; carry [".whl", ".ref/tc-cache"]
+#   craftax27 one GPU (2026-12-04): craftax26 again (its results were lost with the session's files), the first run of each
+#             arm on a cold machine (first_step_s: what the unrolled env's compile costs a new user), then both warm,
+#             every run with the device's phases timed (THINKCRAFT_DEVICE_TIMING=1); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -185,7 +188,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -544,6 +547,12 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_unrolled 280 $C --out bench/results/logs/s59_craftax26_unrolled.json"
       "@0 craftax_rolled 200 $C --unroll-env-scans off --out bench/results/logs/s59_craftax26_rolled.json"
       "@0 craftax_unrolled2 200 $C --out bench/results/logs/s59_craftax26_unrolled2.json") ;;
+    craftax27) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
+      jobs=(
+      "@0 craftax_rolled_cold 300 $C --unroll-env-scans off --out bench/results/logs/s60_craftax27_rolled_cold.json"
+      "@0 craftax_unrolled_cold 420 $C --out bench/results/logs/s60_craftax27_unrolled_cold.json"
+      "@0 craftax_rolled 160 $C --unroll-env-scans off --out bench/results/logs/s60_craftax27_rolled.json"
+      "@0 craftax_unrolled 160 $C --out bench/results/logs/s60_craftax27_unrolled.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
