@@ -292,7 +292,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         fused_proj_groups = int(kv.get("fused_proj_groups", 0.0))
         # of them, the LoRA groups whose adapters' A rides in the base GEMM (fused_proj.py, THINKCRAFT_FOLD_LORA_A)
         fused_proj_folded = int(kv.get("fused_proj_folded", 0.0))
-        # the MLPs' silu(gate) * up as one kernel in the eager prefill (llm/hf/fused_mlp.py, THINKCRAFT_FUSED_MLP)
+        # the MLPs' silu(gate) * up as one kernel, decode and prefill (llm/hf/fused_mlp.py, THINKCRAFT_FUSED_MLP)
         fused_mlp = bool(kv.get("fused_mlp", 0.0))
         # q's and k's rotary embedding as one kernel each in the prefill (llm/hf/fused_rope.py, THINKCRAFT_FUSED_ROPE)
         fused_rope = bool(kv.get("fused_rope", 0.0))
@@ -396,6 +396,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
         "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp, "fused_rope": fused_rope,
+        # the forwards the two kernels take: 0 every size (llm/hf/triton_device.py, THINKCRAFT_FUSED_TOKENS_MAX)
+        "fused_tokens_max": _fused_tokens_max(),
         # the heap frozen after the first step (utils/gc_clock.py, THINKCRAFT_GC_FREEZE)
         "gc_freeze": env_switch("THINKCRAFT_GC_FREEZE", default=True),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -419,6 +421,12 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "learner_micro_batches": round(med([r.get("learner/micro_batches", 0.0) for r in steady]), 1),
         "learner_oom_retries": int(steady[-1].get("learner/oom_retries", 0)),
     }
+
+
+def _fused_tokens_max() -> int:
+    from thinkcraft.llm.hf import triton_device
+
+    return int(triton_device.FUSED_TOKENS_MAX)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
-                                                       "fused_mlp", "prefill_graphs", "fused_rope", "gc_freeze",
+                                                       "fused_mlp", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")

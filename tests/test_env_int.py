@@ -36,10 +36,14 @@ def test_env_int_reads_defaults_and_refuses_bad_values(monkeypatch):
 
 def test_fused_tokens_max_is_read_at_import():
     code = ("from thinkcraft.llm.hf import triton_device as t; "
-            "print(t.DECODE_TOKENS_MAX, t.decode_sized(99), t.decode_sized(100))")
+            "print(t.FUSED_TOKENS_MAX, t.fused_size(99), t.fused_size(100))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "THINKCRAFT_FUSED_TOKENS_MAX": "99"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["99", "True", "False"]
+    env = {k: v for k, v in os.environ.items() if k != "THINKCRAFT_FUSED_TOKENS_MAX"}
+    code = "from thinkcraft.llm.hf import triton_device as t; print(t.FUSED_TOKENS_MAX, t.fused_size(10 ** 6))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "True"]  # the default: every size
 
 
 def test_prefill_graph_tokens_override(monkeypatch):

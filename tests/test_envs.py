@@ -53,11 +53,11 @@ def test_craftax_text_env_steps_unrolled_where_asked(setting, loops):
 
     env = CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic", unroll_env_scans=setting))
     assert env.unrolled is (setting == "on")
-    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(3, dtype=jnp.uint32))
-    _, st = jax.eval_shape(env._reset, keys)
+    seeds = jnp.arange(3, dtype=jnp.uint32)
+    keys, st, _ = jax.eval_shape(env._reset, seeds)  # reset also gives the keys and the semantic arrays
     jaxpr = jax.make_jaxpr(env._advance)(keys, st, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool)).jaxpr
     assert (_loops_in(jaxpr) > 10) is loops
-    assert (_loops_in(jax.make_jaxpr(env._reset)(keys).jaxpr) > 0) is loops  # world generation's
+    assert (_loops_in(jax.make_jaxpr(env._reset)(seeds).jaxpr) > 0) is loops  # world generation's
     assert jax.lax.scan.__module__.startswith("jax")  # the swap is undone after the trace
 
 

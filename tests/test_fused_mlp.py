@@ -1,7 +1,7 @@
 """The MLP's silu(gate) * up as one kernel over the fused gate/up output (llm/hf/fused_mlp.py): its Triton kernel runs
 on the CPU under Triton's interpreter in a fresh process (TRITON_INTERPRET is read when Triton loads), equal to
 torch's ops on strided bf16 halves (a step of bf16 at most, almost all equal) and inside a tiny LoRA model's no-grad
-forward, where every MLP takes it (THINKCRAFT_FUSED_MLP=1: opt-in); elsewhere (no interpreter, gradients, the switch off, no fused group) the MLP
+forward, where every MLP takes it (THINKCRAFT_FUSED_MLP, on by default); elsewhere (no interpreter, gradients, the switch off, no fused group) the MLP
 keeps torch's ops, and the swap strips and pickles."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def _switch_on(monkeypatch):  # noqa: ANN001, ANN202 - the kernel is opt-in
+def _switch_on(monkeypatch):  # noqa: ANN001, ANN202 - whatever the caller's environment says
     monkeypatch.setenv("THINKCRAFT_FUSED_MLP", "1")
 peft = pytest.importorskip("peft")
 from test_lora_fast import _logits, _lora, _lora_fused_on_cuda  # noqa: E402 - after the skip: it needs PEFT too
@@ -69,7 +69,7 @@ def test_kernel_and_model_under_the_triton_interpreter() -> None:
 
 
 def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
-    """On the CPU without the interpreter, over more tokens than a decode step's (DECODE_TOKENS_MAX), with gradients, without a fused group, or with the switch off, the MLP's
+    """On the CPU without the interpreter, over more tokens than FUSED_TOKENS_MAX allows, with gradients, without a fused group, or with the switch off, the MLP's
     own forward runs (the kernel is never called) and the logits are HF's."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not fused_mlp.serves(torch.device("cpu"), torch.bfloat16)
@@ -85,14 +85,14 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
     assert torch.equal(_logits(model, ids), want)  # no interpreter: torch's ops
     real_serves = fused_mlp.serves
     monkeypatch.setattr(fused_mlp, "serves", lambda device, dtype: True)  # as if on a GPU
-    monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
+    monkeypatch.setattr(triton_device, "FUSED_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
     assert torch.equal(_logits(model, ids), want)
     assert not called
-    monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 18)  # at the bound: the (stand-in) kernel, every layer
+    monkeypatch.setattr(triton_device, "FUSED_TOKENS_MAX", 18)  # at the bound: the (stand-in) kernel, every layer
     assert torch.equal(_logits(model, ids), want)
     assert len(called) == model.config.num_hidden_layers
     called.clear()
-    monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 17)
+    monkeypatch.setattr(triton_device, "FUSED_TOKENS_MAX", 17)
     with torch.enable_grad():  # the learner's path: untouched
         model(ids).logits.sum().backward()
     plain, _ = tiny_llama()
@@ -102,8 +102,10 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
     assert not called
     fused_mlp.strip(model)
     assert fused_mlp.installed(model) == 0 and torch.equal(_logits(model, ids), want)
-    monkeypatch.delenv("THINKCRAFT_FUSED_MLP")  # the default: off
+    monkeypatch.setenv("THINKCRAFT_FUSED_MLP", "0")  # the A/B switch: torch's ops
     assert fused_mlp.install(model) == 0 and not real_serves(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.delenv("THINKCRAFT_FUSED_MLP")  # the default: on
+    assert fused_mlp.fused_mlp_on() and fused_mlp.install(model) == model.config.num_hidden_layers
 
 
 def test_swapped_mlps_pickle_and_strip_with_the_groups() -> None:

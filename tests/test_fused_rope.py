@@ -101,7 +101,7 @@ def test_the_first_use_check_refuses_a_wrong_kernel(monkeypatch, caplog) -> None
 
 
 def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
-    """Without the interpreter on the CPU, over more tokens than a decode step's (DECODE_TOKENS_MAX), with gradients,
+    """Without the interpreter on the CPU, over more tokens than FUSED_TOKENS_MAX allows, with gradients,
     with another unsqueeze_dim, or with the switch off, HF's
     function runs (the kernel is never called) and the logits are HF's; strip puts HF's function back."""
     from transformers.models.llama import modeling_llama
@@ -128,14 +128,14 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
             assert torch.equal(model(ids).logits, want)  # the stand-in kernel: the same values
         assert len(called) == 2 * model.config.num_hidden_layers  # q and k, every layer
         called.clear()
-        monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
+        monkeypatch.setattr(triton_device, "FUSED_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
         with torch.no_grad():
             assert torch.equal(model(ids).logits, want)
         assert not called
-        monkeypatch.setattr(triton_device, "DECODE_TOKENS_MAX", 18)
+        monkeypatch.setattr(triton_device, "FUSED_TOKENS_MAX", 18)
         with torch.no_grad():
             model(ids)
-        assert len(called) == 2 * model.config.num_hidden_layers  # at the bound: decode-sized
+        assert len(called) == 2 * model.config.num_hidden_layers  # at the bound: the kernel
         called.clear()
         with torch.enable_grad():  # the learner's path: HF's ops
             model(ids).logits.float().sum().backward()

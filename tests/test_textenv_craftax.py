@@ -64,3 +64,22 @@ def test_a_reset_state_and_a_stepped_state_share_one_compiled_step(env):
     env.step(["Action: noop"] * 3)
     env.step(["Action: noop"] * 3)
     assert env._advance._cache_size() == 1
+
+
+def test_step_observations_equal_a_fresh_render_of_the_state(env):
+    """reset and step hand back texts from the semantic arrays their one compiled call extracted alongside
+    (one dispatch and one device->host copy a turn): they equal a separate extract + render of the state
+    they leave, for the stepped rows of a subset step too."""
+    import jax
+
+    def fresh(rows):
+        texts = env._text.render(jax.device_get(env._text.extract(env._state, batched=True)), fmt="compact",
+                                 env_kind=env.config.env_kind)
+        return [texts[i] for i in rows]
+
+    assert env.reset([8, 9, 10]) == fresh([0, 1, 2])
+    res = env.step(["Action: do", "Action: move_left", "Action: move_up"])
+    assert res.observations == fresh([0, 1, 2])
+    res = env.step(["Action: move_right", "Action: noop"], indices=[2, 0])
+    assert res.observations == fresh([2, 0]) and res.observations != fresh([0, 2])
+    assert env._advance._cache_size() == 1

@@ -91,8 +91,27 @@ class CraftaxTextEnv:
                 # them strong, so the second step call compiled the step again (a Craftax-Symbolic step: tens of s)
                 return _strong(env.reset(k, params))
 
-        self._reset = jax.jit(jax.vmap(reset_one))
-        self._advance = jax.jit(_masked_step(env, params, unrolled))
+        extract = textpkg.extract  # itself jitted: inlined into the calls below
+        reset_all = jax.vmap(reset_one)
+
+        def reset_and_extract(seeds):  # noqa: ANN001, ANN202
+            split = jax.vmap(jax.random.split)(jax.vmap(jax.random.PRNGKey)(seeds))
+            _, state = reset_all(split[:, 1])
+            return split[:, 0], state, extract(state, batched=True)
+
+        advance = _masked_step(env, params, unrolled)
+
+        def advance_and_extract(keys, state, actions, keep):  # noqa: ANN001, ANN202
+            keys, state, reward, done = advance(keys, state, actions, keep)
+            return keys, state, reward, done, extract(state, batched=True)
+
+        # A turn is one compiled call (key split, step, keep-merge, the new states' semantic arrays) and one
+        # device->host copy (reward, done, semantics together), a reset likewise: with the text extracted in
+        # a second jitted call and fetched by a second device_get, each turn paid two dispatches and two
+        # blocking syncs - on an H200 ~17 ms of wall a turn for ~2 ms of kernels, on the LLM rollout's
+        # critical path (the GPU idles meanwhile). Still one compile each per batch size.
+        self._reset = jax.jit(reset_and_extract)
+        self._advance = jax.jit(advance_and_extract)
         self._jax = jax
         self._state = None
         self._keys = None
@@ -105,24 +124,22 @@ class CraftaxTextEnv:
         jax = self._jax
         import jax.numpy as jnp
 
-        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(list(seeds), dtype=jnp.uint32))
-        split = jax.vmap(jax.random.split)(keys)
-        self._keys, reset_keys = split[:, 0], split[:, 1]
-        _, self._state = self._reset(reset_keys)
+        # one call: keys from the seeds, split, reset, the semantic arrays (eagerly, the vmapped PRNGKey and split
+        # were dispatches of their own)
+        self._keys, self._state, sem = self._reset(jnp.asarray(list(seeds), dtype=jnp.uint32))
         n = len(seeds)
         self._t = np.zeros(n, dtype=np.int64)
         self._done = np.zeros(n, dtype=bool)
-        return self._render(list(range(n)))
+        return self._render(jax.device_get(sem), list(range(n)))
 
-    def _render(self, idx: list[int]) -> list[str]:
-        """Compact texts of episodes `idx`: the semantic arrays of every episode (one jitted call, small ints)
-        fetched at once, then only the wanted rows rendered (the host renderer's cost is per row; the
-        continuous rollout steps a subset at a time)."""
+    def _render(self, sem, idx: list[int]) -> list[str]:  # noqa: ANN001 - a host-side `Semantic`
+        """Compact texts of episodes `idx` from `sem`, the semantic arrays of every episode (small ints, already
+        fetched to the host with the step's reward and done): only the wanted rows are rendered (the host
+        renderer's cost is per row; the continuous rollout steps a subset at a time)."""
         import jax
 
         if not idx:
             return []
-        sem = jax.device_get(self._text.extract(self._state, batched=True))
         n = len(self._done)
         if len(idx) < n:
             rows = np.asarray(idx, dtype=np.int64)
@@ -155,11 +172,12 @@ class CraftaxTextEnv:
         # stepped episodes advance their keys (an episode's randomness does not depend on the others' steps)
         still = np.ones(n, dtype=bool)
         still[active] = False
-        # one compiled call (key split, step, keep-merge): eagerly, the merge alone was a jnp.where per state
-        # leaf - ~1 ms each on a CPU, a dispatch each on a GPU - and the un-jitted vmapped split retraced per call
-        self._keys, self._state, reward, done = self._advance(self._keys, self._state, jnp.asarray(actions),
-                                                              jnp.asarray(still))
-        reward, done = jax.device_get((reward, done))
+        # one compiled call (key split, step, keep-merge, the new states' semantic arrays): eagerly, the merge
+        # alone was a jnp.where per state leaf - ~1 ms each on a CPU, a dispatch each on a GPU - and the
+        # un-jitted vmapped split retraced per call; then one device->host copy of all that the host needs
+        self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, jnp.asarray(actions),
+                                                                   jnp.asarray(still))
+        reward, done, sem = jax.device_get((reward, done, sem))
         reward = np.asarray(reward, dtype=np.float32)
         done = np.asarray(done, dtype=bool)
         self._t[active] += 1
@@ -168,7 +186,7 @@ class CraftaxTextEnv:
         truncated = (~terminated) & (self._t[idx] >= self.config.max_steps)
         rewards = reward[idx] - self.config.format_penalty * invalid[idx]
         self._done[idx] = terminated | truncated
-        obs_all = self._render(active)
+        obs_all = self._render(sem, active)
         obs = [o if not (te or tr) else "" for o, te, tr in zip(obs_all, terminated, truncated)]
         infos = [{"action": int(actions[i]), "invalid": bool(invalid[i]), "env_reward": float(reward[i])} for i in active]
         return StepResult(obs, rewards.astype(np.float32), terminated, truncated, infos)

@@ -180,12 +180,12 @@ class HFEngine(PrefillMixin, DecodeMixin):
         # q/k/v and gate/up as one GEMM each in no-grad forwards, LoRA's A inside it, the other adapted linears as
         # groups of one (fused_proj says why); after any quantisation
         self._fused_proj = fused_proj.install(model)
-        # and, opt-in (THINKCRAFT_FUSED_MLP=1), each MLP's silu(gate) * up as one kernel over that group's output in
-        # decode-sized no-grad forwards (captured in the decode graphs; fused_mlp says why it is not the default)
-        self._fused_mlps = fused_mlp.install(model) if self._fused_proj else 0
+        # and each MLP's silu(gate) * up as one kernel over that group's output in no-grad forwards of any size (the
+        # decode graphs capture it; THINKCRAFT_FUSED_MLP=0: torch's ops; fused_mlp says why)
+        self._fused_mlps = fused_mlp.install(model) if self._fused_proj and runs_on(self.device) else 0
         if self._fused_mlps:  # its first-use check now, never inside a CUDA-graph capture (the check synchronises)
             fused_mlp.serves(self.device, self.dtype)
-        # q's and k's rotary embedding as one kernel each in decode-sized no-grad forwards (fused_rope.py: HF's values
+        # q's and k's rotary embedding as one kernel each in no-grad forwards (fused_rope.py: HF's values
         # bit for bit), where the engine's Triton kernels run; its first-use check now, as the MLP's
         self._fused_ropes = fused_rope.install(model) if runs_on(self.device) else 0
         if self._fused_ropes:

@@ -8,7 +8,8 @@ in the Craftax rollout's prefills (~23k tokens a call, Qwen2.5-0.5B shape, H200,
 strided multiplies ~67 ms of a rollout's ~600 ms of prefill kernels - more than the MLP's GEMMs. One Triton program
 per (row, block of columns) reads the two halves where they lie and writes the product contiguous: one pass.
 (A decode step compiled by inductor never gets here: inductor fuses the same ops itself; the hand-captured decode
-graphs, the default, capture the kernel. It serves decode-sized forwards only: `triton_device.DECODE_TOKENS_MAX`.)
+graphs, the default, capture the kernel. It serves forwards of every size, the packed prefills' too:
+`triton_device.FUSED_TOKENS_MAX`.)
 
 Values: the eager ops' roundings, in their order - `silu(gate)` computed in fp32 and rounded to the half dtype, then
 the product with `up` in fp32 rounded again; the exponential is Triton's, so a result may differ from torch's by one
@@ -20,14 +21,15 @@ interpreter on the CPU: the tests), for MLPs of a known kind (`KINDS`, whose for
 `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) with a SiLU and a fused gate/up group. The first call on a device
 checks the kernel against torch; a failure (a Triton that cannot compile it) logs a warning and keeps torch's ops.
 
-Opt-in (THINKCRAFT_FUSED_MLP=1): on the Craftax row (1 x H200, 2026-12-02, BENCHMARKS §7b) it passed its GPU test
-and check, but the rollout did not follow - 1,115 and 1,075 decisions/s with it against 1,076 and 1,094 without,
-alternating on one machine: that prefill is bound by its host (~60 ms of launches a call for ~75 ms of kernels), so
-kernel time saved there is not yet time saved. Worth trying where the prefill is bound by the device (larger models,
-a graph-captured prefill). Again on 2026-12-03 (1 x H200, 256 envs, queue sets craftax16/17): over forwards of any
-size it cut the decode phase (0.83 -> 0.66 s a rollout) and slowed the prefill by as much (0.39 -> 0.52 s), the
-rollout 1,152 decisions/s against 1,136 / 1,217 without it; on decode-sized forwards only, 1,048 / 1,061 against
-1,074 / 1,061 without it (the rotary kernel on in all). It stays opt-in: not bit-exact, and no gain measured.
+On by default since 2026-12-04 (THINKCRAFT_FUSED_MLP=0: torch's ops, the A/B switch). On the Craftax row (Qwen2.5-0.5B
+shape, 256 envs, 1 x H200, queue set craftax28, the device's phases timed, runs in turns on one machine) with the
+rotary kernel also at every size, the packed prefill (~23k tokens a call) took 65-69 ms of device time a call against
+81-84 ms with torch's ops, and the rollout 1,276 and 1,251 decisions/s against 1,169 (BENCHMARKS §7b). Before - 2026-12-02
+and -03, with the prefill bound by its host's launches (~60 ms of launches a call for ~75 ms of kernels) - the kernel
+time it saved did not become rollout time (1,115 / 1,075 against 1,076 / 1,094; over every size 1,152 against 1,136 /
+1,217; decode-sized only 1,048 / 1,061 against 1,074 / 1,061), and it was opt-in. Not bit-exact (above: one bf16 step
+apart where the fp32 SiLU lies on a rounding boundary, in the sampler's forwards only); the engine's forwards already
+differ from the learner's in their kernels (graphs, FlashAttention), and the behaviour log-probs are the engine's.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
-from thinkcraft.llm.hf.triton_device import FirstUseChecks, decode_sized, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, fused_size, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,8 @@ _kernel: Any = None
 
 
 def fused_mlp_on() -> bool:
-    """THINKCRAFT_FUSED_MLP (off: the module docstring says why)."""
-    return env_switch("THINKCRAFT_FUSED_MLP", default=False)
+    """THINKCRAFT_FUSED_MLP (on by default: the module docstring says why)."""
+    return env_switch("THINKCRAFT_FUSED_MLP", default=True)
 
 
 
@@ -159,8 +161,8 @@ def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     """`act_fn(gate_proj(x)) * up_proj(x)` through the gate/up group and the kernel, or None (torch's path)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
-    if not decode_sized(x.numel() // max(1, x.shape[-1])):
-        return None  # a packed prefill: torch's ops (triton_device.DECODE_TOKENS_MAX says why)
+    if not fused_size(x.numel() // max(1, x.shape[-1])):
+        return None  # a packed prefill: torch's ops (triton_device.FUSED_TOKENS_MAX says why)
     group = mlp.gate_proj.__dict__.get("_tc_group")
     if group is None or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
             or group.members[1] is not mlp.up_proj or group.splits[0] != group.splits[1]:
@@ -183,7 +185,7 @@ def _is_silu(act: Any) -> bool:
 
 def install(model: torch.nn.Module) -> int:
     """Swap every MLP of a kind in `KINDS` with a SiLU to the fused forward (it serves only where its gate/up are a
-    `fused_proj` group); how many (idempotent; 0 unless THINKCRAFT_FUSED_MLP=1)."""
+    `fused_proj` group); how many (idempotent; 0 where THINKCRAFT_FUSED_MLP=0)."""
     if not fused_mlp_on():
         return 0
     n = 0

@@ -1,4 +1,4 @@
-"""Rotary position embedding as one kernel per tensor in the engine's decode-sized no-grad forwards.
+"""Rotary position embedding as one kernel per tensor in the engine's no-grad forwards.
 
 HF's `apply_rotary_pos_emb` is `q * cos + rotate_half(q) * sin` (and the same for k): two multiplies, a negation, a
 concatenation and an add per tensor, each its own eager kernel over strided views of the fused q/k/v GEMM's output
@@ -11,8 +11,11 @@ same ops itself; the hand-captured decode graphs, the default, capture the kerne
 
 Measured (1 x H200, 2026-12-03, 256 envs, queue sets craftax16/17, BENCHMARKS §7b): the decode phase 0.92-0.94 ->
 0.82-0.83 s a rollout, but the packed prefill slower by ~0.05 s, and no change in the rollout (1,136 / 1,217
-decisions/s against 1,139 / 1,137). Since then it serves decode-sized forwards only (`triton_device.DECODE_TOKENS_MAX`):
+decisions/s against 1,139 / 1,137). Since then it serves decode-sized forwards only (`triton_device.FUSED_TOKENS_MAX`):
 1,074 / 1,061 against 1,031 / 1,066 without it, within the machines' noise. On by default: bit-exact, and no slower.
+Since 2026-12-04 it serves forwards of every size again (the bound's default, 0): with the prefill now bound by the
+device, this kernel and the fused MLP's at every size took a prefill call from 81-84 to 65-69 ms of device time
+(craftax28, BENCHMARKS §7b).
 
 Values: equal to HF's, bit for bit - each eager op's rounding in its order: `q * cos` and `rotate_half(q) * sin`
 computed in fp32 (exact: a product of two half-precision numbers fits fp32's mantissa) and rounded to the half dtype,
@@ -22,7 +25,7 @@ compile it: one warning, HF's ops). The output has the strides HF's ops give it 
 GEMM's output), so what follows reads the same tensor either way.
 
 Where: the module-level `apply_rotary_pos_emb` of a model module whose attention's forward calls it (`install`
-wraps it once per module; `strip` puts it back), for calls that are no-grad, decode-sized, outside compilation, on
+wraps it once per module; `strip` puts it back), for calls that are no-grad, within `FUSED_TOKENS_MAX` (default: any size), outside compilation, on
 CUDA (or Triton's interpreter on the CPU: the tests), a half dtype with cos/sin of the same, `unsqueeze_dim` 1, 4-D q/k with
 contiguous last dims, a power-of-two head dim; anything else goes to HF's function unchanged. The learner (grads
 on) and the compiled decode step never take it. THINKCRAFT_FUSED_ROPE=0: HF's ops (the A/B switch).
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from thinkcraft.llm.hf.triton_device import FirstUseChecks, decode_sized, pow2_at_least, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, fused_size, pow2_at_least, runs_on
 from thinkcraft.utils.errors import env_switch
 
 log = logging.getLogger(__name__)
@@ -135,8 +138,8 @@ def fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     global calls
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _fits(q, k, cos, sin):
         return None
-    if not decode_sized(q.shape[0] * q.shape[2]):
-        return None  # a packed prefill: HF's ops (triton_device.DECODE_TOKENS_MAX says why)
+    if not fused_size(q.shape[0] * q.shape[2]):
+        return None  # a packed prefill: HF's ops (triton_device.FUSED_TOKENS_MAX says why)
     if not _CHECKS.checked(q.device, q.dtype) and q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # never the first-use check inside a CUDA-graph capture (it synchronises): HF's ops there
     if not serves(q.device, q.dtype):

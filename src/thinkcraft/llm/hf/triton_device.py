@@ -32,22 +32,20 @@ def pow2_at_least(n: int, least: int = 1) -> int:
     return p
 
 
-DECODE_TOKENS_MAX = env_int("THINKCRAFT_FUSED_TOKENS_MAX", 2048, least=1)
-"""The most tokens a forward may hold for the elementwise kernels (fused_mlp, fused_rope) to take it: decode-sized
-calls, captured in the decode graphs. On the Craftax row (Qwen2.5-0.5B shape, 256 envs, 1 x H200, 2026-12-03, queue
-set craftax16) both kernels cut the decode phase (0.93 -> 0.83 s a rollout with the rotary embedding, -> 0.66 s
-with the MLP as well) while the packed prefills (~23k tokens a call, eager, bound by launches) got slower by about as
-much (0.35 -> 0.40 and 0.52 s), so the rollout did not move: the prefill keeps torch's ops. With this bound (queue
-set craftax17, another machine, six runs in turns) the rollout still did not move beyond the machines' noise: 1,074
-and 1,061 decisions/s with the rotary kernel, 1,048 / 1,061 with both kernels, 1,031 / 1,066 with neither - at 256
-envs this rollout is bound by its host between the device's phases, not by these kernels. THINKCRAFT_FUSED_TOKENS_MAX
-(read at import) sets another bound: the A/B of the kernels on prefills replayed from CUDA graphs, whose launches no
-longer bound them (THINKCRAFT_PREFILL_GRAPH_TOKENS)."""
+FUSED_TOKENS_MAX = env_int("THINKCRAFT_FUSED_TOKENS_MAX", 0, least=0)
+"""The most tokens a forward may hold for the elementwise kernels (fused_mlp, fused_rope) to take it; 0 (the default):
+every size, the packed prefills' too. History: from 2026-12-03 they served decode-sized forwards only (2,048 tokens):
+with the prefill then bound by its host's launches, the kernels' time saved there had not become rollout time
+(queue sets craftax16/17). Since the prefill is bound by the device, they pay in it: on the Craftax row (Qwen2.5-0.5B
+shape, 256 envs, 1 x H200, 2026-12-04, queue set craftax28, the device's phases timed, runs in turns on one machine)
+the packed prefill (~23k tokens a call) took 65-69 ms of device time a call with both kernels at every size against
+81-84 ms with torch's ops there, the decode iteration unchanged (2.41 vs 2.40-2.43 ms), the rollout 1,276 and 1,251
+decisions/s against 1,169 (BENCHMARKS §7b). THINKCRAFT_FUSED_TOKENS_MAX=2048 (read at import) gives the old bound."""
 
 
-def decode_sized(tokens: int) -> bool:
-    """Whether a forward over `tokens` tokens is small enough for the elementwise kernels (`DECODE_TOKENS_MAX`)."""
-    return tokens <= DECODE_TOKENS_MAX
+def fused_size(tokens: int) -> bool:
+    """Whether a forward over `tokens` tokens is one the elementwise kernels take (`FUSED_TOKENS_MAX`)."""
+    return FUSED_TOKENS_MAX == 0 or tokens <= FUSED_TOKENS_MAX
 
 
 class FirstUseChecks:
