@@ -9,6 +9,13 @@ Times `step(indices=...)` over random subsets of 64 / 128 / all episodes (the co
 episodes whose turn came back) and, for the current implementation, its parts: the compiled masked step, the
 semantic extraction + device_get, the host renderer, the action parser. Writes
 bench/results/textenv_step_probe.json.
+
+    XLA_FLAGS=... python bench/probes/textenv_step_probe.py --env craftax --device-profile   # on a GPU
+
+On a GPU, --device-profile also runs the full-batch step under torch.profiler (CUPTI sees JAX's kernels too):
+kernels and their device time a step, the host's driver/runtime calls a step by name (launches, graph launches,
+synchronisations, copies) - whether the step's wall is its kernels, their launches or the host's waits. The
+row records XLA_FLAGS and the unroll setting, so runs with other flags are rows of their own.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ def main() -> int:
     ap.add_argument("--env", default="craftax-classic", choices=["craftax", "craftax-classic"])
     ap.add_argument("--num-envs", type=int, default=256)
     ap.add_argument("--module-file", default=None, help="time this file's CraftaxTextEnv instead of the package's")
+    ap.add_argument("--unroll-env-scans", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--device-profile", action="store_true",
+                    help="GPU: the full-batch step under torch.profiler (kernels, device time, host API calls a step)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "textenv_step_probe.json"))
     a = ap.parse_args()
     if a.module_file:
@@ -54,9 +64,19 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    env = mod.CraftaxTextEnv(mod.CraftaxTextConfig(env_kind=a.env, max_steps=1 << 30))
+    import os
+
+    cfg = mod.CraftaxTextConfig(env_kind=a.env, max_steps=1 << 30)
+    if hasattr(cfg, "unroll_env_scans"):
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, unroll_env_scans=a.unroll_env_scans)
+    t0 = time.perf_counter()
+    env = mod.CraftaxTextEnv(cfg)
     n = a.num_envs
     env.reset(list(range(n)))
+    env.step(["Action: noop"] * n)  # compiles the step
+    compile_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
 
     def step(k: int) -> None:
@@ -64,7 +84,9 @@ def main() -> int:
         env.step(["Action: noop"] * k, indices=idx)
 
     row = {"env": a.env, "num_envs": n, "implementation": a.module_file or "package",
-           "device": jax.devices()[0].device_kind, "card": card(), "date": today()}
+           "device": jax.devices()[0].device_kind, "card": card(), "date": today(),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "unrolled": bool(getattr(env, "unrolled", False)),
+           "first_reset_and_step_s": round(compile_s, 1)}
     for k in (n // 4, n // 2, n):
         row[f"step_{k}_ms"] = round(_ms(lambda: step(k)), 2)
     if hasattr(env, "_advance"):
@@ -74,10 +96,56 @@ def main() -> int:
         row["extract_get_ms"] = round(_ms(lambda: jax.device_get(env._text.extract(env._state, batched=True))), 2)
         sem = jax.device_get(env._text.extract(env._state, batched=True))
         row["render_all_ms"] = round(_ms(lambda: env._text.render(sem, fmt="compact", env_kind=a.env)), 2)
+        # the call's return (the host's enqueueing) apart from its completion
+        def dispatch() -> float:
+            t = time.perf_counter()
+            out = env._advance(env._keys, env._state, acts, keep)
+            d = time.perf_counter() - t
+            jax.block_until_ready(out)
+            return d
+
+        for _ in range(3):
+            dispatch()
+        row["masked_step_dispatch_ms"] = round(float(np.median([dispatch() for _ in range(10)])) * 1e3, 2)
     row["parse_all_ms"] = round(_ms(lambda: [env._text.parse_action("Action: noop", a.env) for _ in range(n)]), 2)
+    if a.device_profile:
+        row.update(_device_profile(lambda: env.step(["Action: noop"] * n)))
     print(json.dumps(row, indent=1))
-    write_records(a.out, [row], merge_keys=("env", "num_envs", "implementation", "card"))
+    write_records(a.out, [row], merge_keys=("env", "num_envs", "implementation", "card", "xla_flags", "unrolled"))
     return 0
+
+
+def _device_profile(step, steps: int = 5) -> dict:
+    """`step` run `steps` times under torch.profiler (CPU and CUDA activities): per step, the kernels' count and
+    device time, the wall, and the host's CUDA driver/runtime calls by name (count, host ms)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {"device_profile": "torch not installed"}
+    if not torch.cuda.is_available():
+        return {"device_profile": "no CUDA device"}
+    torch.cuda.init()
+    step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - t
+    kernels, kernel_us, api = 0, 0.0, {}
+    for ev in prof.events():
+        dev = str(getattr(ev, "device_type", ""))
+        if "CUDA" in dev and "Memcpy" not in ev.name and "Memset" not in ev.name:
+            kernels += 1
+            kernel_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        elif ev.name.startswith(("cu", "cuda")):
+            c = api.setdefault(ev.name, [0, 0.0])
+            c[0] += 1
+            c[1] += ev.cpu_time_total
+    top = sorted(api.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"profile_steps": steps, "profile_wall_ms_per_step": round(wall / steps * 1e3, 2),
+            "kernels_per_step": round(kernels / steps, 1), "kernel_ms_per_step": round(kernel_us / steps / 1e3, 3),
+            "host_api_per_step": {k: [round(c / steps, 1), round(us / steps / 1e3, 3)] for k, (c, us) in top}}
 
 
 if __name__ == "__main__":
