@@ -136,8 +136,10 @@
 #             step): their GPU tests, then the default row twice and the old kernels' bound once between
 #             (THINKCRAFT_FUSED_MLP=0 THINKCRAFT_FUSED_TOKENS_MAX=2048); carry [".whl", ".ref/tc-cache"]
 #   craftax30 one GPU (2026-12-04, second session): the text env's step alone on the device (what its ~10 ms wall a turn
-#             is: kernels, launches or the host's waits; torch.profiler sees JAX's kernels), unrolled, unrolled with
-#             XLA's command buffers for every op kind, rolled; then the default Craftax row; carry [".whl", ".ref/tc-cache"]
+#             is: kernels, launches or the host's waits; torch.profiler sees JAX's kernels; its own phases), unrolled and
+#             unrolled with XLA's command buffers for every op kind; then the Craftax row, default and with those
+#             command buffers (first call: the rolled env's probe and a default row, with the set as it was at
+#             d90ccaa); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -578,13 +580,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_old 150 env THINKCRAFT_FUSED_MLP=0 THINKCRAFT_FUSED_TOKENS_MAX=2048 $C --out bench/results/logs/s60_craftax29_old.json"
       "@0 craftax_default2 150 $C --out bench/results/logs/s60_craftax29_default2.json") ;;
     craftax30) local P="python bench/probes/textenv_step_probe.py --env craftax --num-envs 256 --device-profile"
-      local X="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION,DYNAMIC_SLICE_COPY_FUSION --xla_gpu_graph_min_graph_size=1"
+      local X="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
       local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
       jobs=(
-      "@0 env_unrolled 150 $P --out bench/results/logs/s61_craftax30_env_unrolled.json"
-      "@0 env_cmdbuf 150 env \"$X\" $P --out bench/results/logs/s61_craftax30_env_cmdbuf.json"
-      "@0 env_rolled 120 $P --unroll-env-scans off --out bench/results/logs/s61_craftax30_env_rolled.json"
-      "@0 craftax_default 240 $C --out bench/results/logs/s61_craftax30_default.json") ;;
+      "@0 env_unrolled 300 $P --out bench/results/logs/s61_craftax30_env_unrolled.json"
+      "@0 env_cmdbuf 240 env \"$X\" $P --out bench/results/logs/s61_craftax30_env_cmdbuf.json"
+      "@0 craftax_default 300 $C --out bench/results/logs/s61_craftax30_default.json"
+      "@0 craftax_cmdbuf 200 env \"$X\" $C --out bench/results/logs/s61_craftax30_cmdbuf.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -88,7 +88,13 @@ def main() -> int:
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "unrolled": bool(getattr(env, "unrolled", False)),
            "first_reset_and_step_s": round(compile_s, 1)}
     for k in (n // 4, n // 2, n):
+        before = env.counters()
         row[f"step_{k}_ms"] = round(_ms(lambda: step(k)), 2)
+        if k == n and "env_time/steps" in before:  # where the full step's wall goes, by the env's own phases
+            after = env.counters()
+            steps = after["env_time/steps"] - before["env_time/steps"]
+            row["step_phases_ms"] = {key.split("/")[1][:-2]: round((after[key] - before[key]) / steps * 1e3, 2)
+                                     for key in after if key.startswith("env_time/") and key.endswith("_s")}
     if hasattr(env, "_advance"):
         acts, keep = jnp.zeros(n, jnp.int32), jnp.zeros(n, bool)
         row["masked_step_ms"] = round(_ms(lambda: jax.block_until_ready(

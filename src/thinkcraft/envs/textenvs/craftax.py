@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -119,6 +120,8 @@ class CraftaxTextEnv:
         self._done = np.zeros(0, dtype=bool)
         self._num_invalid = 0
         self._num_actions = 0
+        self._steps = 0
+        self._phase_s = dict.fromkeys(("parse", "dispatch", "fetch", "render", "rest"), 0.0)
 
     def reset(self, seeds: Sequence[int]) -> list[str]:
         jax = self._jax
@@ -153,6 +156,7 @@ class CraftaxTextEnv:
         jax = self._jax
         import jax.numpy as jnp
 
+        t0 = time.perf_counter()
         active = stepped_indices(self.active_indices(), indices)
         check_len(actions_text, active)
         n = len(self._done)
@@ -175,9 +179,12 @@ class CraftaxTextEnv:
         # one compiled call (key split, step, keep-merge, the new states' semantic arrays): eagerly, the merge
         # alone was a jnp.where per state leaf - ~1 ms each on a CPU, a dispatch each on a GPU - and the
         # un-jitted vmapped split retraced per call; then one device->host copy of all that the host needs
+        t1 = time.perf_counter()
         self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, jnp.asarray(actions),
                                                                    jnp.asarray(still))
+        t2 = time.perf_counter()
         reward, done, sem = jax.device_get((reward, done, sem))
+        t3 = time.perf_counter()
         reward = np.asarray(reward, dtype=np.float32)
         done = np.asarray(done, dtype=bool)
         self._t[active] += 1
@@ -186,13 +193,28 @@ class CraftaxTextEnv:
         truncated = (~terminated) & (self._t[idx] >= self.config.max_steps)
         rewards = reward[idx] - self.config.format_penalty * invalid[idx]
         self._done[idx] = terminated | truncated
+        t4 = time.perf_counter()
         obs_all = self._render(sem, active)
+        t5 = time.perf_counter()
         obs = [o if not (te or tr) else "" for o, te, tr in zip(obs_all, terminated, truncated)]
         infos = [{"action": int(actions[i]), "invalid": bool(invalid[i]), "env_reward": float(reward[i])} for i in active]
+        t = self._phase_s
+        t["parse"] += t1 - t0
+        t["dispatch"] += t2 - t1
+        t["fetch"] += t3 - t2
+        t["render"] += t5 - t4
+        t["rest"] += (t4 - t3) + (time.perf_counter() - t5)
+        self._steps += 1
         return StepResult(obs, rewards.astype(np.float32), terminated, truncated, infos)
 
     def counters(self) -> dict[str, float]:
-        return {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_actions)}
+        """Format counts, and the steps' host time by phase since construction (`env_time/<phase>_s`): parse (the
+        actions' texts), dispatch (the compiled call's enqueueing: on a GPU the host launches its kernels),
+        fetch (waiting for the device and the copy back), render (the observations' texts), rest."""
+        out = {"format/invalid": float(self._num_invalid), "format/answers": float(self._num_actions),
+               "env_time/steps": float(self._steps)}
+        out.update({f"env_time/{k}_s": v for k, v in self._phase_s.items()})
+        return out
 
 
 def _masked_step(env, params, unrolled: bool = False):
