@@ -140,6 +140,9 @@
 #             unrolled with XLA's command buffers for every op kind; then the Craftax row, default and with those
 #             command buffers (first call: the rolled env's probe and a default row, with the set as it was at
 #             d90ccaa); carry [".whl", ".ref/tc-cache"]
+#   craftax31 one GPU (2026-12-07): where the step's 13 ms 'dispatch' goes (the compiled call fed as step() feeds it and
+#             five other ways: device inputs, chained outputs, device_put, numpy, donated state; step()'s own dispatch
+#             one call at a time), then the default Craftax row; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -200,7 +203,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -587,6 +590,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 env_cmdbuf 240 env \"$X\" $P --out bench/results/logs/s61_craftax30_env_cmdbuf.json"
       "@0 craftax_default 300 $C --out bench/results/logs/s61_craftax30_default.json"
       "@0 craftax_cmdbuf 200 env \"$X\" $C --out bench/results/logs/s61_craftax30_cmdbuf.json") ;;
+    craftax31) local P="python bench/probes/textenv_step_probe.py --env craftax --num-envs 256 --dispatch-breakdown"
+      jobs=(
+      "@0 env_dispatch 330 $P --out bench/results/logs/s62_craftax31_env_dispatch.json"
+      "@0 craftax_default 230 env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --out bench/results/logs/s62_craftax31_default.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -52,6 +52,9 @@ def main() -> int:
     ap.add_argument("--unroll-env-scans", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--device-profile", action="store_true",
                     help="GPU: the full-batch step under torch.profiler (kernels, device time, host API calls a step)")
+    ap.add_argument("--dispatch-breakdown", action="store_true",
+                    help="the full-batch compiled call fed the ways step() could feed it (its inputs' transfers, "
+                         "chained outputs, the old state's release, donation): where a step's 'dispatch' goes")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "textenv_step_probe.json"))
     a = ap.parse_args()
     if a.module_file:
@@ -113,12 +116,78 @@ def main() -> int:
         for _ in range(3):
             dispatch()
         row["masked_step_dispatch_ms"] = round(float(np.median([dispatch() for _ in range(10)])) * 1e3, 2)
+    if a.dispatch_breakdown and hasattr(env, "_advance"):
+        row["dispatch_breakdown"] = _dispatch_breakdown(env, n)
     row["parse_all_ms"] = round(_ms(lambda: [env._text.parse_action("Action: noop", a.env) for _ in range(n)]), 2)
     if a.device_profile:
         row.update(_device_profile(lambda: env.step(["Action: noop"] * n)))
     print(json.dumps(row, indent=1))
     write_records(a.out, [row], merge_keys=("env", "num_envs", "implementation", "card", "xla_flags", "unrolled"))
     return 0
+
+
+def _dispatch_breakdown(env, n: int, k: int = 10) -> dict:
+    """Each way of feeding the compiled full-batch call, `k` times after 3 warm-ups: median ms from the call to its
+    return (`call`), for the assignment that drops the previous outputs (`release`), and to the host holding
+    reward, done and semantics (`total`). The variants differ from step() in one thing each."""
+    import jax
+    import jax.numpy as jnp
+
+    acts_np, keep_np = np.zeros(n, np.int32), np.zeros(n, bool)
+    acts_dev, keep_dev = jnp.asarray(acts_np), jnp.asarray(keep_np)
+    jax.block_until_ready((acts_dev, keep_dev))
+    fn = env._advance
+    donating = jax.jit(fn.__wrapped__ if hasattr(fn, "__wrapped__") else fn, donate_argnums=(0, 1))
+    carry = {"keys": env._keys, "state": env._state}
+
+    def run(feed: str, chained: bool, f=fn) -> dict:  # noqa: ANN001
+        times = {"inputs": [], "call": [], "release": [], "fetch": []}
+        for i in range(3 + k):
+            t0 = time.perf_counter()
+            if feed == "asarray":
+                acts, keep = jnp.asarray(acts_np), jnp.asarray(keep_np)
+            elif feed == "device_put":
+                acts, keep = jax.device_put((acts_np, keep_np))
+            elif feed == "numpy":
+                acts, keep = acts_np, keep_np
+            else:
+                acts, keep = acts_dev, keep_dev
+            t1 = time.perf_counter()
+            out = f(carry["keys"], carry["state"], acts, keep)
+            t2 = time.perf_counter()
+            if chained:
+                carry["keys"], carry["state"] = out[0], out[1]  # drops the previous state (its buffers freed)
+                out = out[2:]
+            t3 = time.perf_counter()
+            jax.device_get(out[-3:])
+            t4 = time.perf_counter()
+            if i >= 3:
+                for key, d in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    times[key].append(d)
+        med = {key: round(float(np.median(v)) * 1e3, 3) for key, v in times.items()}
+        med["total"] = round(sum(med.values()), 3)
+        return med
+
+    out = {"same_inputs_device": run("device", chained=False),
+           "chained_device": run("device", chained=True),
+           "chained_asarray": run("asarray", chained=True),  # what step() does
+           "chained_device_put": run("device_put", chained=True),
+           "chained_numpy": run("numpy", chained=True)}
+    try:
+        out["chained_asarray_donated"] = run("asarray", chained=True, f=donating)
+    except Exception as e:  # noqa: BLE001 - a probe: record why
+        out["chained_asarray_donated"] = f"{type(e).__name__}: {e}"[:200]
+    env._keys, env._state = carry["keys"], carry["state"]
+    # step() itself, one call at a time: its dispatch phase's spread (a mean over steps hides a rare long stall)
+    per = []
+    for i in range(3 + k):
+        before = env.counters()["env_time/dispatch_s"]
+        idx = env.active_indices()  # episodes end (max_steps is unbounded, deaths are not)
+        env.step(["Action: noop"] * len(idx), indices=idx)
+        if i >= 3:
+            per.append((env.counters()["env_time/dispatch_s"] - before) * 1e3)
+    out["step_dispatch_ms_sorted"] = [round(v, 3) for v in sorted(per)]
+    return out
 
 
 def _device_profile(step, steps: int = 5) -> dict:
