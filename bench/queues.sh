@@ -141,8 +141,10 @@
 #             command buffers (first call: the rolled env's probe and a default row, with the set as it was at
 #             d90ccaa); carry [".whl", ".ref/tc-cache"]
 #   craftax31 one GPU (2026-12-07): where the step's 13 ms 'dispatch' goes (the compiled call fed as step() feeds it and
-#             five other ways: device inputs, chained outputs, device_put, numpy, donated state; step()'s own dispatch
-#             one call at a time), then the default Craftax row; carry [".whl", ".ref/tc-cache"]
+#             six other ways: device inputs, chained outputs, device_put, numpy, donated state; step()'s own dispatch
+#             one call at a time), at the new step (numpy inputs, the state donated), then the step as before
+#             (THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0); first call (code b58d2b9's parent): the probe
+#             failed, a default Craftax row; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -590,10 +592,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 env_cmdbuf 240 env \"$X\" $P --out bench/results/logs/s61_craftax30_env_cmdbuf.json"
       "@0 craftax_default 300 $C --out bench/results/logs/s61_craftax30_default.json"
       "@0 craftax_cmdbuf 200 env \"$X\" $C --out bench/results/logs/s61_craftax30_cmdbuf.json") ;;
-    craftax31) local P="python bench/probes/textenv_step_probe.py --env craftax --num-envs 256 --dispatch-breakdown"
+    craftax31) local P="python bench/probes/textenv_step_probe.py --env craftax --num-envs 256"
       jobs=(
-      "@0 env_dispatch 330 $P --out bench/results/logs/s62_craftax31_env_dispatch.json"
-      "@0 craftax_default 230 env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --out bench/results/logs/s62_craftax31_default.json") ;;
+      "@0 env_dispatch 300 $P --dispatch-breakdown --out bench/results/logs/s62_craftax31_env_dispatch.json"
+      "@0 env_old 200 env THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0 $P --out bench/results/logs/s62_craftax31_env_dispatch.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -62,8 +62,11 @@ def test_a_reset_state_and_a_stepped_state_share_one_compiled_step(env):
     env.reset([1, 2, 3])
     assert not [p for p, x in jax.tree_util.tree_leaves_with_path(env._state) if getattr(x, "weak_type", False)]
     env.step(["Action: noop"] * 3)
+    old = jax.tree_util.tree_leaves((env._keys, env._state))
     env.step(["Action: noop"] * 3)
     assert env._advance._cache_size() == 1
+    # the step writes the new state into the old one's buffers (donated; THINKCRAFT_ENV_DONATE=0 turns it off)
+    assert env.donates_state and all(x.is_deleted() for x in old)
 
 
 def test_step_observations_equal_a_fresh_render_of_the_state(env):

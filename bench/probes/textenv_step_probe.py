@@ -89,7 +89,8 @@ def main() -> int:
     row = {"env": a.env, "num_envs": n, "implementation": a.module_file or "package",
            "device": jax.devices()[0].device_kind, "card": card(), "date": today(),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "unrolled": bool(getattr(env, "unrolled", False)),
-           "first_reset_and_step_s": round(compile_s, 1)}
+           "first_reset_and_step_s": round(compile_s, 1), "donates_state": getattr(env, "donates_state", None),
+           "numpy_inputs": getattr(env, "_numpy_inputs", None)}
     for k in (n // 4, n // 2, n):
         before = env.counters()
         row[f"step_{k}_ms"] = round(_ms(lambda: step(k)), 2)
@@ -100,15 +101,18 @@ def main() -> int:
                                      for key in after if key.startswith("env_time/") and key.endswith("_s")}
     if hasattr(env, "_advance"):
         acts, keep = jnp.zeros(n, jnp.int32), jnp.zeros(n, bool)
-        row["masked_step_ms"] = round(_ms(lambda: jax.block_until_ready(
-            env._advance(env._keys, env._state, acts, keep))), 2)
+        def advance():  # chained: the env's call may donate its keys and state
+            env._keys, env._state, *rest = env._advance(env._keys, env._state, acts, keep)
+            return rest
+
+        row["masked_step_ms"] = round(_ms(lambda: jax.block_until_ready(advance())), 2)
         row["extract_get_ms"] = round(_ms(lambda: jax.device_get(env._text.extract(env._state, batched=True))), 2)
         sem = jax.device_get(env._text.extract(env._state, batched=True))
         row["render_all_ms"] = round(_ms(lambda: env._text.render(sem, fmt="compact", env_kind=a.env)), 2)
         # the call's return (the host's enqueueing) apart from its completion
         def dispatch() -> float:
             t = time.perf_counter()
-            out = env._advance(env._keys, env._state, acts, keep)
+            out = advance()
             d = time.perf_counter() - t
             jax.block_until_ready(out)
             return d
@@ -122,7 +126,8 @@ def main() -> int:
     if a.device_profile:
         row.update(_device_profile(lambda: env.step(["Action: noop"] * n)))
     print(json.dumps(row, indent=1))
-    write_records(a.out, [row], merge_keys=("env", "num_envs", "implementation", "card", "xla_flags", "unrolled"))
+    write_records(a.out, [row], merge_keys=("env", "num_envs", "implementation", "card", "xla_flags", "unrolled",
+                                                          "donates_state", "numpy_inputs"))
     return 0
 
 
@@ -136,8 +141,11 @@ def _dispatch_breakdown(env, n: int, k: int = 10) -> dict:
     acts_np, keep_np = np.zeros(n, np.int32), np.zeros(n, bool)
     acts_dev, keep_dev = jnp.asarray(acts_np), jnp.asarray(keep_np)
     jax.block_until_ready((acts_dev, keep_dev))
-    fn = env._advance
-    donating = jax.jit(fn.__wrapped__ if hasattr(fn, "__wrapped__") else fn, donate_argnums=(0, 1))
+    # the env's own call where it matches, one more compile for the other kind
+    donates = getattr(env, "donates_state", False)
+    pure = getattr(env, "_advance_fn", None) or env._advance.__wrapped__
+    fn = jax.jit(pure) if donates else env._advance
+    donating = env._advance if donates else jax.jit(pure, donate_argnums=(0, 1))
     carry = {"keys": env._keys, "state": env._state}
 
     def run(feed: str, chained: bool, f=fn) -> dict:  # noqa: ANN001
@@ -170,13 +178,14 @@ def _dispatch_breakdown(env, n: int, k: int = 10) -> dict:
 
     out = {"same_inputs_device": run("device", chained=False),
            "chained_device": run("device", chained=True),
-           "chained_asarray": run("asarray", chained=True),  # what step() does
+           "chained_asarray": run("asarray", chained=True),  # step() before 2026-12-07
            "chained_device_put": run("device_put", chained=True),
            "chained_numpy": run("numpy", chained=True)}
-    try:
-        out["chained_asarray_donated"] = run("asarray", chained=True, f=donating)
-    except Exception as e:  # noqa: BLE001 - a probe: record why
-        out["chained_asarray_donated"] = f"{type(e).__name__}: {e}"[:200]
+    for feed in ("asarray", "numpy"):  # numpy inputs and a donated state: the env's step since 2026-12-07
+        try:
+            out[f"chained_{feed}_donated"] = run(feed, chained=True, f=donating)
+        except Exception as e:  # noqa: BLE001 - a probe: record why
+            out[f"chained_{feed}_donated"] = f"{type(e).__name__}: {e}"[:200]
     env._keys, env._state = carry["keys"], carry["state"]
     # step() itself, one call at a time: its dispatch phase's spread (a mean over steps hides a rare long stall)
     per = []

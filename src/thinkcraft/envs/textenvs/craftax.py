@@ -10,7 +10,7 @@ import numpy as np
 
 from thinkcraft.envs.textenvs import jsonformat
 from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
-from thinkcraft.utils.errors import UserError
+from thinkcraft.utils.errors import UserError, env_switch
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,14 @@ class CraftaxTextEnv:
         # blocking syncs - on an H200 ~17 ms of wall a turn for ~2 ms of kernels, on the LLM rollout's
         # critical path (the GPU idles meanwhile). Still one compile each per batch size.
         self._reset = jax.jit(reset_and_extract)
-        self._advance = jax.jit(advance_and_extract)
+        # The keys and the state are donated: the step writes the new state into the old one's buffers instead of
+        # allocating ~the whole state again each turn (nothing else holds the old state: `step` replaces it).
+        # The actions and the keep mask go in as numpy arrays: the call's own transfer, no jnp.asarray dispatch
+        # each. THINKCRAFT_ENV_DONATE=0 / THINKCRAFT_ENV_NUMPY_INPUTS=0: the step as before 2026-12-07 (A/B).
+        self.donates_state = env_switch("THINKCRAFT_ENV_DONATE", default=True)
+        self._numpy_inputs = env_switch("THINKCRAFT_ENV_NUMPY_INPUTS", default=True)
+        self._advance_fn = advance_and_extract
+        self._advance = jax.jit(advance_and_extract, donate_argnums=(0, 1) if self.donates_state else ())
         self._jax = jax
         self._state = None
         self._keys = None
@@ -180,11 +187,13 @@ class CraftaxTextEnv:
         # alone was a jnp.where per state leaf - ~1 ms each on a CPU, a dispatch each on a GPU - and the
         # un-jitted vmapped split retraced per call; then one device->host copy of all that the host needs
         t1 = time.perf_counter()
-        self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, jnp.asarray(actions),
-                                                                   jnp.asarray(still))
+        if not self._numpy_inputs:
+            actions, still = jnp.asarray(actions), jnp.asarray(still)
+        self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, actions, still)
         t2 = time.perf_counter()
         reward, done, sem = jax.device_get((reward, done, sem))
         t3 = time.perf_counter()
+        actions = np.asarray(actions)  # the infos below read it (a device array only with the A/B switch off)
         reward = np.asarray(reward, dtype=np.float32)
         done = np.asarray(done, dtype=bool)
         self._t[active] += 1
