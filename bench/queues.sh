@@ -594,8 +594,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_cmdbuf 200 env \"$X\" $C --out bench/results/logs/s61_craftax30_cmdbuf.json") ;;
     craftax31) local P="python bench/probes/textenv_step_probe.py --env craftax --num-envs 256"
       jobs=(
-      "@0 env_dispatch 300 $P --dispatch-breakdown --out bench/results/logs/s62_craftax31_env_dispatch.json"
-      "@0 env_old 200 env THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0 $P --out bench/results/logs/s62_craftax31_env_dispatch.json") ;;
+      "@0 env_dispatch 240 $P --dispatch-breakdown --out bench/results/logs/s62_craftax31_env_dispatch.json"
+      "@0 env_old 150 env THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0 $P --out bench/results/logs/s62_craftax31_env_dispatch.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
