@@ -143,7 +143,7 @@ def _dispatch_breakdown(env, n: int, k: int = 10) -> dict:
     jax.block_until_ready((acts_dev, keep_dev))
     # the env's own call where it matches, one more compile for the other kind
     donates = getattr(env, "donates_state", False)
-    pure = getattr(env, "_advance_fn", None) or env._advance.__wrapped__
+    pure = env._advance.__wrapped__  # the function jax.jit wrapped
     fn = jax.jit(pure) if donates else env._advance
     donating = env._advance if donates else jax.jit(pure, donate_argnums=(0, 1))
     carry = {"keys": env._keys, "state": env._state}

@@ -118,7 +118,6 @@ class CraftaxTextEnv:
         # each. THINKCRAFT_ENV_DONATE=0 / THINKCRAFT_ENV_NUMPY_INPUTS=0: the step as before 2026-12-07 (A/B).
         self.donates_state = env_switch("THINKCRAFT_ENV_DONATE", default=True)
         self._numpy_inputs = env_switch("THINKCRAFT_ENV_NUMPY_INPUTS", default=True)
-        self._advance_fn = advance_and_extract
         self._advance = jax.jit(advance_and_extract, donate_argnums=(0, 1) if self.donates_state else ())
         self._jax = jax
         self._state = None
@@ -187,13 +186,11 @@ class CraftaxTextEnv:
         # alone was a jnp.where per state leaf - ~1 ms each on a CPU, a dispatch each on a GPU - and the
         # un-jitted vmapped split retraced per call; then one device->host copy of all that the host needs
         t1 = time.perf_counter()
-        if not self._numpy_inputs:
-            actions, still = jnp.asarray(actions), jnp.asarray(still)
-        self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, actions, still)
+        feed = (actions, still) if self._numpy_inputs else (jnp.asarray(actions), jnp.asarray(still))
+        self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, *feed)
         t2 = time.perf_counter()
         reward, done, sem = jax.device_get((reward, done, sem))
         t3 = time.perf_counter()
-        actions = np.asarray(actions)  # the infos below read it (a device array only with the A/B switch off)
         reward = np.asarray(reward, dtype=np.float32)
         done = np.asarray(done, dtype=bool)
         self._t[active] += 1
