@@ -12,6 +12,13 @@ from thinkcraft.envs.textenvs import jsonformat
 from thinkcraft.envs.textenvs.protocol import StepResult, check_len, stepped_indices
 from thinkcraft.utils.errors import UserError, env_switch
 
+# XLA's command buffers for every op kind, graphs of any size (THINKCRAFT_ENV_CMDBUF=1; the XLA_FLAGS spelling of
+# bench/queues.sh's craftax30 set, per jit).
+_COMMAND_BUFFER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
 
 @dataclass(frozen=True)
 class CraftaxTextConfig:
@@ -111,14 +118,20 @@ class CraftaxTextEnv:
         # a second jitted call and fetched by a second device_get, each turn paid two dispatches and two
         # blocking syncs - on an H200 ~17 ms of wall a turn for ~2 ms of kernels, on the LLM rollout's
         # critical path (the GPU idles meanwhile). Still one compile each per batch size.
-        self._reset = jax.jit(reset_and_extract)
+        # THINKCRAFT_ENV_CMDBUF=1 (GPU only, opt-in until measured in a rollout): the two calls compiled with XLA's
+        # command buffers for every op kind, down to one-op graphs - the step's ~660 kernels replayed as CUDA graphs
+        # instead of launched one by one (set globally through XLA_FLAGS it took a 256-env step 25.3 -> 19.1 ms on an
+        # H200, 2026-12-04); per jit here so the LLM's own JAX work, if any, is untouched.
+        self.command_buffers = env_switch("THINKCRAFT_ENV_CMDBUF") and jax.default_backend() == "gpu"
+        opts = {"compiler_options": _COMMAND_BUFFER_OPTIONS} if self.command_buffers else {}
+        self._reset = jax.jit(reset_and_extract, **opts)
         # The keys and the state are donated: the step writes the new state into the old one's buffers instead of
         # allocating ~the whole state again each turn (nothing else holds the old state: `step` replaces it).
         # The actions and the keep mask go in as numpy arrays: the call's own transfer, no jnp.asarray dispatch
         # each. THINKCRAFT_ENV_DONATE=0 / THINKCRAFT_ENV_NUMPY_INPUTS=0: the step as before 2026-12-07 (A/B).
         self.donates_state = env_switch("THINKCRAFT_ENV_DONATE", default=True)
         self._numpy_inputs = env_switch("THINKCRAFT_ENV_NUMPY_INPUTS", default=True)
-        self._advance = jax.jit(advance_and_extract, donate_argnums=(0, 1) if self.donates_state else ())
+        self._advance = jax.jit(advance_and_extract, donate_argnums=(0, 1) if self.donates_state else (), **opts)
         self._jax = jax
         self._state = None
         self._keys = None
