@@ -145,9 +145,9 @@
 #             one call at a time), at the new step (numpy inputs, the state donated), then the step as before
 #             (THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0); first call (code b58d2b9's parent): the probe
 #             failed, a default Craftax row; carry [".whl", ".ref/tc-cache"]
-#   craftax32 one GPU (2026-12-07, second session): issue 19's Craftax row at the donated, numpy-fed env step (cold,
-#             then warm), the step as before (THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0) between them, then
-#             the env's calls with per-jit XLA command buffers (THINKCRAFT_ENV_CMDBUF=1): the step probe, then the row;
+#   craftax32 one GPU (2026-12-07, second session): issue 19's Craftax row at the donated, numpy-fed env step (cold),
+#             the step as before (THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0), the env's calls with
+#             per-jit XLA command buffers (THINKCRAFT_ENV_CMDBUF=1: the step probe, then the row), the default again;
 #             carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
@@ -605,9 +605,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@0 craftax_default 330 $C --out bench/results/logs/s63_craftax32_default.json"
       "@0 craftax_old 220 env THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0 $C --out bench/results/logs/s63_craftax32_old.json"
-      "@0 craftax_default2 220 $C --out bench/results/logs/s63_craftax32_default2.json"
       "@0 env_cmdbuf 200 env THINKCRAFT_ENV_CMDBUF=1 $P --out bench/results/logs/s63_craftax32_env_cmdbuf.json"
-      "@0 craftax_cmdbuf 220 env THINKCRAFT_ENV_CMDBUF=1 $C --out bench/results/logs/s63_craftax32_cmdbuf.json") ;;
+      "@0 craftax_cmdbuf 220 env THINKCRAFT_ENV_CMDBUF=1 $C --out bench/results/logs/s63_craftax32_cmdbuf.json
+      "@0 craftax_default2 220 $C --out bench/results/logs/s63_craftax32_default2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
