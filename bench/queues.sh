@@ -606,7 +606,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_default 330 $C --out bench/results/logs/s63_craftax32_default.json"
       "@0 craftax_old 220 env THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0 $C --out bench/results/logs/s63_craftax32_old.json"
       "@0 env_cmdbuf 200 env THINKCRAFT_ENV_CMDBUF=1 $P --out bench/results/logs/s63_craftax32_env_cmdbuf.json"
-      "@0 craftax_cmdbuf 220 env THINKCRAFT_ENV_CMDBUF=1 $C --out bench/results/logs/s63_craftax32_cmdbuf.json
+      "@0 craftax_cmdbuf 220 env THINKCRAFT_ENV_CMDBUF=1 $C --out bench/results/logs/s63_craftax32_cmdbuf.json"
       "@0 craftax_default2 220 $C --out bench/results/logs/s63_craftax32_default2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
