@@ -86,3 +86,21 @@ def test_step_observations_equal_a_fresh_render_of_the_state(env):
     res = env.step(["Action: move_right", "Action: noop"], indices=[2, 0])
     assert res.observations == fresh([2, 0]) and res.observations != fresh([0, 2])
     assert env._advance._cache_size() == 1
+
+
+def test_command_buffer_options_compile_and_stay_off_without_a_gpu(monkeypatch):
+    """THINKCRAFT_ENV_CMDBUF=1's per-jit options are XLA debug options this JAX accepts (a function compiled with
+    them gives its result), and the switch leaves a CPU-only env's calls as they are (the options are GPU ones)."""
+    import jax
+    import jax.numpy as jnp
+
+    from thinkcraft.envs.textenvs.craftax import _COMMAND_BUFFER_OPTIONS, CraftaxTextConfig, CraftaxTextEnv
+
+    f = jax.jit(lambda x: x * 2 + 1, compiler_options=_COMMAND_BUFFER_OPTIONS)
+    np.testing.assert_array_equal(np.asarray(f(jnp.arange(3.0))), [1.0, 3.0, 5.0])
+    monkeypatch.setenv("THINKCRAFT_ENV_CMDBUF", "1")
+    env = CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic"))
+    assert env.command_buffers is (jax.default_backend() == "gpu")
+    monkeypatch.setenv("THINKCRAFT_ENV_CMDBUF", "yes")
+    with pytest.raises(Exception, match="THINKCRAFT_ENV_CMDBUF must be 0 or 1"):
+        CraftaxTextEnv(CraftaxTextConfig(env_kind="craftax-classic"))
