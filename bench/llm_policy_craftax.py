@@ -264,7 +264,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         with rollout_patches(a.submit_chunk, profiled_at_its_step) as submit_chunk:
             _run_steps(a, cfg, policy, recs, prof, shape, num_envs, budget)
         kv = policy.engine.decode_metrics()
-        env_unrolled = getattr(getattr(policy.env, "env", policy.env), "unrolled", None)
+        text_env = getattr(policy.env, "env", policy.env)
+        env_unrolled = getattr(text_env, "unrolled", None)
         kv_gb = kv["kv_cache_gb"]
         engine_cfg = (policy.engine.kv_cache, policy.engine.compile_decode)
         from thinkcraft.llm.hf import fused_norm, lora_fast
@@ -380,6 +381,11 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
            for k in sorted({k for r in steady for k in r if k.startswith("engine/dev_")})},
         # the env's inner loops traced unrolled (envs/unroll.py): the setting resolved
         "env_unrolled": env_unrolled,
+        # the env's step: state donated (THINKCRAFT_ENV_DONATE), actions fed as numpy (THINKCRAFT_ENV_NUMPY_INPUTS),
+        # its calls compiled with XLA command buffers (THINKCRAFT_ENV_CMDBUF)
+        "env_donates": getattr(text_env, "donates_state", None),
+        "env_numpy_inputs": getattr(text_env, "_numpy_inputs", None),
+        "env_command_buffers": getattr(text_env, "command_buffers", None),
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
@@ -459,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
                                                        "fused_mlp", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
-                                                       "xla_flags", "device_timing"))
+                                                       "xla_flags", "device_timing", "env_donates",
+                                                       "env_numpy_inputs", "env_command_buffers"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
