@@ -326,19 +326,25 @@ def test_cli_train_llm_policy_arith_bundled_model(tmp_path):
         resolve_model("default")
     except UserError as e:
         pytest.skip(f"bundled model not available: {e}")
-    run_dir = tmp_path / "cli"
-    rc = main(["train", "llm-policy", "--env", "arith", "--algo", "grpo", "--model", "default", "--run-dir",
-               str(run_dir), "--steps", "1", "--prompts-per-step", "1", "--group-size", "8", "--max-new-tokens", "12",
-               "--lenient-answer", "--lr", "1e-3", "--seed", "1", "--micro-batch-size", "8", "--no-plot"])
-    assert rc == 0
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert recs[-1]["step"] == 1
     from thinkcraft.data.reader import read_table
 
-    assert read_table(run_dir / "trajectories").num_rows == 8
+    # A 1-step run whose 8 samples all score the same has no advantage, hence no gradient to check: the seed's
+    # samples are not bit-stable across CPUs (CI once drew such a group with seed 1), so up to three seeds are tried
+    for seed in (1, 2, 3):
+        run_dir = tmp_path / f"cli-{seed}"
+        rc = main(["train", "llm-policy", "--env", "arith", "--algo", "grpo", "--model", "default", "--run-dir",
+                   str(run_dir), "--steps", "1", "--prompts-per-step", "1", "--group-size", "8", "--max-new-tokens",
+                   "12", "--lenient-answer", "--lr", "1e-3", "--seed", str(seed), "--micro-batch-size", "8",
+                   "--no-plot"])
+        assert rc == 0
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert recs[-1]["step"] == 1
+        assert read_table(run_dir / "trajectories").num_rows == 8
+        if recs[-1]["reward/std"] > 0:
+            break
+    else:
+        pytest.skip("every sample scored the same in three 1-step runs (seeds 1-3): no gradient to check")
     _, w = _lora(run_dir)
-    if recs[-1]["reward/std"] == 0:
-        pytest.skip("every sample scored the same in this 1-step run: no gradient to check")
     assert any(v.abs().sum() > 0 for n, v in w.items() if "lora_B" in n)
 
 
