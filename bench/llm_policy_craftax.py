@@ -384,7 +384,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the env's step: state donated (THINKCRAFT_ENV_DONATE), actions fed as numpy (THINKCRAFT_ENV_NUMPY_INPUTS),
         # its calls compiled with XLA command buffers (THINKCRAFT_ENV_CMDBUF)
         "env_donates": getattr(text_env, "donates_state", None),
-        "env_numpy_inputs": getattr(text_env, "_numpy_inputs", None),
+        "env_numpy_inputs": getattr(text_env, "numpy_inputs", None),
         "env_command_buffers": getattr(text_env, "command_buffers", None),
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],

@@ -90,7 +90,7 @@ def main() -> int:
            "device": jax.devices()[0].device_kind, "card": card(), "date": today(),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "unrolled": bool(getattr(env, "unrolled", False)),
            "first_reset_and_step_s": round(compile_s, 1), "donates_state": getattr(env, "donates_state", None),
-           "numpy_inputs": getattr(env, "_numpy_inputs", None)}
+           "numpy_inputs": getattr(env, "numpy_inputs", None)}
     for k in (n // 4, n // 2, n):
         before = env.counters()
         row[f"step_{k}_ms"] = round(_ms(lambda: step(k)), 2)

@@ -118,10 +118,11 @@ class CraftaxTextEnv:
         # a second jitted call and fetched by a second device_get, each turn paid two dispatches and two
         # blocking syncs - on an H200 ~17 ms of wall a turn for ~2 ms of kernels, on the LLM rollout's
         # critical path (the GPU idles meanwhile). Still one compile each per batch size.
-        # THINKCRAFT_ENV_CMDBUF=1 (GPU only, opt-in until measured in a rollout): the two calls compiled with XLA's
-        # command buffers for every op kind, down to one-op graphs - the step's ~660 kernels replayed as CUDA graphs
-        # instead of launched one by one (set globally through XLA_FLAGS it took a 256-env step 25.3 -> 19.1 ms on an
-        # H200, 2026-12-04); per jit here so the LLM's own JAX work, if any, is untouched.
+        # THINKCRAFT_ENV_CMDBUF=1 (GPU only, opt-in): the two calls compiled with XLA's command buffers for every op
+        # kind, down to one-op graphs - the step's ~660 kernels replayed as CUDA graphs instead of launched one by one
+        # (set globally through XLA_FLAGS it took a 256-env step 25.3 -> 19.1 ms on an H200, 2026-12-04); per jit here
+        # so the LLM's own JAX work, if any, is untouched. Opt-in: over the donated step it gained nothing in the
+        # rollout (env 0.098 s against 0.091 s a rollout, H100, 2026-12-07, BENCHMARKS §7b).
         self.command_buffers = env_switch("THINKCRAFT_ENV_CMDBUF") and jax.default_backend() == "gpu"
         opts = {"compiler_options": _COMMAND_BUFFER_OPTIONS} if self.command_buffers else {}
         self._reset = jax.jit(reset_and_extract, **opts)
@@ -130,7 +131,7 @@ class CraftaxTextEnv:
         # The actions and the keep mask go in as numpy arrays: the call's own transfer, no jnp.asarray dispatch
         # each. THINKCRAFT_ENV_DONATE=0 / THINKCRAFT_ENV_NUMPY_INPUTS=0: the step as before 2026-12-07 (A/B).
         self.donates_state = env_switch("THINKCRAFT_ENV_DONATE", default=True)
-        self._numpy_inputs = env_switch("THINKCRAFT_ENV_NUMPY_INPUTS", default=True)
+        self.numpy_inputs = env_switch("THINKCRAFT_ENV_NUMPY_INPUTS", default=True)
         self._advance = jax.jit(advance_and_extract, donate_argnums=(0, 1) if self.donates_state else (), **opts)
         self._jax = jax
         self._state = None
@@ -199,7 +200,7 @@ class CraftaxTextEnv:
         # alone was a jnp.where per state leaf - ~1 ms each on a CPU, a dispatch each on a GPU - and the
         # un-jitted vmapped split retraced per call; then one device->host copy of all that the host needs
         t1 = time.perf_counter()
-        feed = (actions, still) if self._numpy_inputs else (jnp.asarray(actions), jnp.asarray(still))
+        feed = (actions, still) if self.numpy_inputs else (jnp.asarray(actions), jnp.asarray(still))
         self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, *feed)
         t2 = time.perf_counter()
         reward, done, sem = jax.device_get((reward, done, sem))
