@@ -295,6 +295,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         fused_proj_folded = int(kv.get("fused_proj_folded", 0.0))
         # the MLPs' silu(gate) * up as one kernel, decode and prefill (llm/hf/fused_mlp.py, THINKCRAFT_FUSED_MLP)
         fused_mlp = bool(kv.get("fused_mlp", 0.0))
+        # of them, a LoRA gate/up group's low-rank add inside the kernel (fused_mlp.py, THINKCRAFT_FUSED_MLP_LORA)
+        fused_mlp_lora = bool(kv.get("fused_mlp_lora", 0.0))
         # q's and k's rotary embedding as one kernel each in the prefill (llm/hf/fused_rope.py, THINKCRAFT_FUSED_ROPE)
         fused_rope = bool(kv.get("fused_rope", 0.0))
         del policy
@@ -402,6 +404,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
         "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp, "fused_rope": fused_rope,
+        "fused_mlp_lora": fused_mlp_lora,
         # the forwards the two kernels take: 0 every size (llm/hf/triton_device.py, THINKCRAFT_FUSED_TOKENS_MAX)
         "fused_tokens_max": _fused_tokens_max(),
         # the heap frozen after the first step (utils/gc_clock.py, THINKCRAFT_GC_FREEZE)
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
-                                                       "fused_mlp", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
+                                                       "fused_mlp", "fused_mlp_lora", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing", "env_donates",
                                                        "env_numpy_inputs", "env_command_buffers"))
     print_table(rows, COLS)

@@ -149,6 +149,10 @@
 #             the step as before (THINKCRAFT_ENV_DONATE=0 THINKCRAFT_ENV_NUMPY_INPUTS=0), the env's calls with
 #             per-jit XLA command buffers (THINKCRAFT_ENV_CMDBUF=1: the step probe, then the row), the default again;
 #             carry [".whl", ".ref/tc-cache"]
+#   craftax33 one GPU (2026-12-07, third session): the LoRA MLP's low-rank add inside the SiLU kernel
+#             (llm/hf/fused_mlp.py lora_silu_mul): its GPU tests, its probe against addmm_ + the plain kernel, then
+#             issue 19's Craftax row with it (the default; cold), without it (THINKCRAFT_FUSED_MLP_LORA=0), in turns;
+#             carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -209,7 +213,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -608,6 +612,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 env_cmdbuf 200 env THINKCRAFT_ENV_CMDBUF=1 $P --out bench/results/logs/s63_craftax32_env_cmdbuf.json"
       "@0 craftax_cmdbuf 220 env THINKCRAFT_ENV_CMDBUF=1 $C --out bench/results/logs/s63_craftax32_cmdbuf.json"
       "@0 craftax_default2 220 $C --out bench/results/logs/s63_craftax32_default2.json") ;;
+    craftax33) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
+      jobs=(
+      "@0 mlp_gputests 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 mlp_lora_probe 120 python bench/probes/mlp_lora_probe.py --out bench/results/logs/s64_craftax33_mlp_lora_probe.json"
+      "@0 craftax_default 330 $C --out bench/results/logs/s64_craftax33_default.json"
+      "@0 craftax_nolora 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora.json"
+      "@0 craftax_default2 220 $C --out bench/results/logs/s64_craftax33_default2.json"
+      "@0 craftax_nolora2 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

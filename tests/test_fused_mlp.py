@@ -28,12 +28,14 @@ peft = pytest.importorskip("peft")
 from test_lora_fast import _logits, _lora, _lora_fused_on_cuda  # noqa: E402 - after the skip: it needs PEFT too
 
 SCRIPT = r"""
+import os
 import torch
 from thinkcraft.llm.hf import fused_mlp, fused_proj, lora_fast
 from test_lora_fast import _logits, _lora
 
 cpu = torch.device("cpu")
 assert fused_mlp.serves(cpu, torch.bfloat16), "the first-use check failed under the interpreter"
+assert fused_mlp.lora_serves(cpu, torch.bfloat16), "the LoRA kernel's first-use check failed under the interpreter"
 gen = torch.Generator().manual_seed(3)
 for rows, n, extra in ((1, 7, 0), (5, 1024, 8), (9, 1100, 40)):  # one block, exactly one, a part block + A's columns
     y = (3 * torch.randn(rows, 2 * n + extra, generator=gen)).to(torch.bfloat16)
@@ -49,13 +51,34 @@ ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
 groups = fused_proj.install(model)
 want = _logits(model, ids)  # fused projections, torch's MLP ops
 assert fused_mlp.install(model) == model.config.num_hidden_layers
-calls = []
-real = fused_mlp.silu_mul
+calls, lora_calls = [], []
+real, real_lora = fused_mlp.silu_mul, fused_mlp.lora_silu_mul
 fused_mlp.silu_mul = lambda y, n: calls.append(tuple(y.shape)) or real(y, n)
+fused_mlp.lora_silu_mul = lambda y, n, bt: lora_calls.append(tuple(y.shape)) or real_lora(y, n, bt)
 got = _logits(model, ids)
-assert len(calls) == model.config.num_hidden_layers, calls
-assert all(r == 18 for r, _ in calls)  # the batch's 2 x 9 tokens, one call a layer
+assert not calls and len(lora_calls) == model.config.num_hidden_layers, (calls, lora_calls)
+assert all(r == 18 for r, _ in lora_calls)  # the batch's 2 x 9 tokens, one call a layer, the low-rank add inside
 torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+os.environ["THINKCRAFT_FUSED_MLP_LORA"] = "0"  # the A/B switch: addmm_'s pass, then the plain kernel
+lora_calls.clear()
+off = _logits(model, ids)
+assert len(calls) == model.config.num_hidden_layers and not lora_calls, (calls, lora_calls)
+torch.testing.assert_close(got, off, atol=0.01 * off.abs().max().item(), rtol=0)
+del os.environ["THINKCRAFT_FUSED_MLP_LORA"]
+
+for rows, n, r in ((1, 7, 4), (20, 300, 32), (1100, 130, 16)):  # one row, rank 2 x 16, the 64-row tile
+    bt = torch.zeros(r, 2 * n)
+    bt[: r // 2, :n], bt[r // 2:, n:] = 0.3 * torch.randn(r // 2, n, generator=gen), 0.3 * torch.randn(r // 2, n, generator=gen)
+    bt = bt.to(torch.bfloat16)
+    y = (3 * torch.randn(rows, 2 * n + r, generator=gen)).to(torch.bfloat16)
+    before = y.clone()
+    got, want = real_lora(y, n, bt).float(), fused_mlp.lora_reference(y, n, bt).float()
+    assert torch.equal(y, before)  # the GEMM's output is read, not written
+    assert got.shape == (rows, n) and got.is_contiguous()
+    assert ((got - want).abs() <= want.abs().clamp_min(1e-3) * 2 ** -6 * 1.01).all(), (got - want).abs().max()
+    assert (got == want).float().mean() >= 0.98
+    unadded = fused_mlp.reference(y, n).float()  # the kernel does add the low-rank part
+    assert (got - unadded).abs().max() > 0.1
 print("ok")
 """
 
@@ -85,6 +108,7 @@ def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
     assert torch.equal(_logits(model, ids), want)  # no interpreter: torch's ops
     real_serves = fused_mlp.serves
     monkeypatch.setattr(fused_mlp, "serves", lambda device, dtype: True)  # as if on a GPU
+    monkeypatch.setattr(fused_mlp, "lora_serves", lambda device, dtype: False)  # the stand-in below: the plain kernel
     monkeypatch.setattr(triton_device, "FUSED_TOKENS_MAX", 17)  # the batch's 18 tokens: a prefill's size
     assert torch.equal(_logits(model, ids), want)
     assert not called
@@ -127,6 +151,40 @@ def test_bad_input_is_refused() -> None:
         fused_mlp.silu_mul(y, 6)
     with pytest.raises(ValueError, match="contiguous columns"):
         fused_mlp.silu_mul(y.t(), 2)
+    bt = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bt \\(r, 2n\\)"):
+        fused_mlp.lora_silu_mul(y, 4, bt.t().contiguous())  # bt (8, 2): not (r, 2n)
+    with pytest.raises(ValueError, match="float32"):
+        fused_mlp.lora_silu_mul(y, 4, bt.float())
+    with pytest.raises(ValueError, match="2n \\+ r"):
+        fused_mlp.lora_silu_mul(y, 5, bt)  # no A columns left after the 2n
+
+
+def test_lora_switch_and_group_output() -> None:
+    """THINKCRAFT_FUSED_MLP_LORA reads as a switch; a LoRA gate/up group's `folded_output` is its GEMM without the
+    low-rank add (`output`'s base columns = folded base + h (sB)ᵀ), None for a group without folded A."""
+    assert fused_mlp.fused_lora_on()
+    model, _ = _lora()
+    lora_fast.install(model)
+    groups = fused_proj.install(model)
+    g = next(gr for gr in groups if len(gr.members) == 2 and gr.fold)
+    x = torch.randn(5, g.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        folded, out = g.folded_output(x), g.output(x)
+    n = g.n_out
+    assert folded.shape == (5, n + sum(g.ranks))
+    want = folded[:, :n].clone().addmm_(folded[:, n:], g.bt)
+    assert torch.equal(out, want)
+    plain, _ = tiny_llama()
+    plain = plain.to(torch.bfloat16)
+    pg = next(gr for gr in fused_proj.install(plain) if len(gr.members) == 2)
+    with torch.no_grad():
+        assert pg.folded_output(x) is None  # no adapter: nothing folded
+
+
+def test_lora_switch_off(monkeypatch) -> None:
+    monkeypatch.setenv("THINKCRAFT_FUSED_MLP_LORA", "0")
+    assert not fused_mlp.fused_lora_on() and not fused_mlp.lora_serves(torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -140,4 +198,30 @@ def test_engine_prefill_with_the_kernel_on_a_gpu(monkeypatch) -> None:
     fused_mlp.install(model)
     got = _logits(model, ids)
     assert fused_mlp.passed(dev)
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.gpu
+def test_lora_kernel_on_a_gpu() -> None:
+    """On CUDA: the LoRA kernel's check passes; at the Qwen2.5-0.5B MLP's width (n 4,864, rank 2 x 16) over a decode
+    step's and a prefill's rows it is within two bf16 steps of addmm_ + torch's ops, almost every element equal; a
+    LoRA model's forward through it is close to torch's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    assert fused_mlp.lora_serves(dev, torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    n, r = 4864, 32
+    bt = torch.zeros(r, 2 * n)
+    bt[:16, :n], bt[16:, n:] = 0.05 * torch.randn(16, n, generator=gen), 0.05 * torch.randn(16, n, generator=gen)
+    bt = bt.to(dev, torch.bfloat16)
+    for rows in (248, 4099):
+        y = (2 * torch.randn(rows, 2 * n + r, generator=gen)).to(dev, torch.bfloat16)
+        got, want = fused_mlp.lora_silu_mul(y, n, bt).float(), fused_mlp.lora_reference(y, n, bt).float()
+        assert ((got - want).abs() <= want.abs().clamp_min(1e-3) * 2 ** -6 * 1.01).all(), (got - want).abs().max()
+        assert (got == want).float().mean() >= 0.98
+    model, ids = _lora_fused_on_cuda()
+    want = _logits(model, ids)
+    fused_mlp.install(model)
+    got = _logits(model, ids)
     torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)

@@ -391,6 +391,8 @@ class Batcher(CacheMixin, IterationMixin):
         c["fused_sampler"] = float(fused_sampler.passed(self.eng.device))
         # the MLPs' fused silu(gate) * up (fused_mlp.py): 1 where it passed its check on this device and MLPs have it
         c["fused_mlp"] = float(bool(getattr(self.eng, "_fused_mlps", 0)) and fused_mlp.passed(self.eng.device))
+        # of them, with a LoRA group's low-rank add inside the kernel (THINKCRAFT_FUSED_MLP_LORA)
+        c["fused_mlp_lora"] = float(bool(c["fused_mlp"]) and fused_mlp.lora_passed(self.eng.device))
         # q's and k's rotary embedding as one kernel each in decode-sized forwards (fused_rope.py): 1 where it passed
         c["fused_rope"] = float(bool(getattr(self.eng, "_fused_ropes", 0)) and fused_rope.passed(self.eng.device))
         # the prefill's attention: 1 the keys read in place, 0 gathered per row (slots.py)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from thinkcraft.llm.hf.copies import mixin_class, mixin_getattr, unmix
 from thinkcraft.utils.errors import env_switch
-from thinkcraft.llm.hf.triton_device import FirstUseChecks, fused_size, runs_on
+from thinkcraft.llm.hf.triton_device import FirstUseChecks, fused_size, interpreted, pow2_at_least, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,18 @@ BLOCK = 1024
 
 _HALF = (torch.bfloat16, torch.float16)
 _kernel: Any = None
+_lora_kernel: Any = None
 
 
 def fused_mlp_on() -> bool:
     """THINKCRAFT_FUSED_MLP (on by default: the module docstring says why)."""
     return env_switch("THINKCRAFT_FUSED_MLP", default=True)
+
+
+def fused_lora_on() -> bool:
+    """THINKCRAFT_FUSED_MLP_LORA (on by default, under THINKCRAFT_FUSED_MLP): a LoRA gate/up group's low-rank add
+    inside the SiLU kernel (`lora_silu_mul`); "0": `addmm_`'s pass, then `silu_mul` (the A/B switch)."""
+    return env_switch("THINKCRAFT_FUSED_MLP_LORA", default=True)
 
 
 
@@ -91,6 +98,56 @@ def _build() -> Any:
     return silu_mul_kernel
 
 
+def _build_lora() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lora_silu_mul_kernel(y_ptr, bt_ptr, out_ptr, n_rows, stride_y, up_col, h_col, n_cols, stride_bt,
+                             R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BF16: tl.constexpr, UPCAST: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        k = tl.arange(0, RP)
+        rm, cm, km = rows < n_rows, cols < n_cols, k < R
+        base = y_ptr + rows.to(tl.int64)[:, None] * stride_y
+        h = tl.load(base + h_col + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)  # x Aᵀ, (BM, RP)
+        bsrc = bt_ptr + k[:, None] * stride_bt + cols[None, :]
+        bmask = km[:, None] & cm[None, :]
+        bg = tl.load(bsrc, mask=bmask, other=0.0)  # (sB)ᵀ's gate and up columns, (RP, BN) each
+        bu = tl.load(bsrc + up_col, mask=bmask, other=0.0)
+        if UPCAST:  # Triton's CPU interpreter multiplies half-precision tiles wrongly: float32 there
+            h, bg, bu = h.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        ag = tl.dot(h, bg)  # the low-rank parts, exact products summed in fp32 (as cuBLAS's addmm_)
+        au = tl.dot(h, bu)
+        mask = rm[:, None] & cm[None, :]
+        src = base + cols[None, :]
+        g = tl.load(src, mask=mask, other=0.0)
+        u = tl.load(src + up_col, mask=mask, other=0.0)
+        g = g.to(tl.float32) + ag  # addmm_'s beta = 1 epilogue in fp32, then its rounding to the half dtype
+        u = u.to(tl.float32) + au
+        if BF16:  # round-to-nearest-even by hand, kept in fp32 (the interpreter truncates; silu_mul_kernel says)
+            b = g.to(tl.uint32, bitcast=True)
+            g = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            b = u.to(tl.uint32, bitcast=True)
+            u = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            act = g / (1.0 + tl.exp(-g))
+            b = act.to(tl.uint32, bitcast=True)
+            act = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            prod = act * u
+            b = prod.to(tl.uint32, bitcast=True)
+            out = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            g = g.to(tl.float16).to(tl.float32)
+            u = u.to(tl.float16).to(tl.float32)
+            act = g / (1.0 + tl.exp(-g))
+            out = act.to(tl.float16).to(tl.float32) * u
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    return lora_silu_mul_kernel
+
+
 def silu_mul(y: torch.Tensor, n: int) -> torch.Tensor:
     """`silu(y[:, :n]) * y[:, n:2n]` of a 2-D `y` whose columns are contiguous (any row stride), as a contiguous
     (rows, n) tensor, by the kernel (CUDA or the interpreter; no check here: `serves` checks once)."""
@@ -109,6 +166,45 @@ def silu_mul(y: torch.Tensor, n: int) -> torch.Tensor:
 def reference(y: torch.Tensor, n: int) -> torch.Tensor:
     """What the eager MLP computes from the same slices."""
     return F.silu(y[:, :n]) * y[:, n:2 * n]
+
+
+def lora_tiles(rows: int) -> tuple[int, int]:
+    """(rows, columns) of `lora_silu_mul`'s tile: 16 rows at decode sizes (a 256-row step still fills the card:
+    16 x 38 programs for the Qwen2.5-0.5B MLP), 64 above (each program reads its (sB)ᵀ tile once for 64 rows)."""
+    return (16 if rows <= 1024 else 64), 128
+
+
+def lora_silu_mul(y: torch.Tensor, n: int, bt: torch.Tensor) -> torch.Tensor:
+    """`silu(g) * u` with `[g | u] = y[:, :2n] + y[:, 2n:] @ bt` - a LoRA gate/up group's GEMM output with its A
+    folded (`fused_proj.Group.folded_output`: `[gate | up | x Aᵀ]`) and the group's block-diagonal `(sB)ᵀ` (r, 2n) -
+    in one pass, as a contiguous (rows, n) tensor: the low-rank add that `addmm_` made a pass of its own (a read and a
+    write of the whole `[gate | up]`) done on the way (no check here: `lora_serves` checks once)."""
+    global _lora_kernel
+    r = y.shape[1] - 2 * n if y.dim() == 2 else -1
+    if y.dim() != 2 or y.stride(1) != 1 or r < 1 or tuple(bt.shape) != (r, 2 * n) or not bt.is_contiguous() \
+            or bt.dtype != y.dtype or bt.device != y.device:
+        raise ValueError(f"lora_silu_mul needs y (rows, 2n + r) with contiguous columns and a contiguous bt (r, 2n) "
+                         f"of its dtype, n={n}: got y {tuple(y.shape)} strides {y.stride()}, bt {tuple(bt.shape)} "
+                         f"{bt.dtype}")
+    if _lora_kernel is None:
+        _lora_kernel = _build_lora()
+    out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
+    if y.shape[0]:
+        bm, bn = lora_tiles(y.shape[0])
+        grid = (-(-y.shape[0] // bm), -(-n // bn))
+        _lora_kernel[grid](y, bt, out, y.shape[0], y.stride(0), n, 2 * n, n, bt.stride(0), R=r,
+                           RP=pow2_at_least(r, 16), BM=bm, BN=bn, BF16=y.dtype == torch.bfloat16,
+                           UPCAST=interpreted())
+    return out
+
+
+def lora_reference(y: torch.Tensor, n: int, bt: torch.Tensor) -> torch.Tensor:
+    """What the MLP computes without the LoRA kernel: the low-rank add in place (`Group.compute`'s `addmm_`),
+    then torch's SiLU and product (on a copy: `y` is left as it was)."""
+    y = y.clone()
+    g = y[:, :2 * n]
+    g.addmm_(y[:, 2 * n:], bt)
+    return reference(g, n)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -138,9 +234,43 @@ def _check(device: torch.device, dtype: torch.dtype) -> None:
 _CHECKS = FirstUseChecks(_check, log, "the fused SiLU-and-multiply kernel", "the MLPs keep torch's elementwise ops")
 
 
+def lora_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """`serves`, the LoRA switch on, and the LoRA kernel's one-time check passed."""
+    return fused_lora_on() and serves(device, dtype) and _LORA_CHECKS.ok(device, dtype)
+
+
+def _check_lora(device: torch.device, dtype: torch.dtype) -> None:
+    """The LoRA kernel against `lora_reference` at both tile heights (rank 2 x 8, n not a multiple of the tile): at
+    most two steps of the dtype apart (its fp32 sum of the low-rank products is in another order than cuBLAS's: a
+    gate one step off moves the product by up to one more), and almost every element equal."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n, r = 128 + 37, 16
+    bt = torch.zeros(r, 2 * n)
+    bt[:8, :n], bt[8:, n:] = 0.3 * torch.randn(8, n, generator=gen), 0.3 * torch.randn(8, n, generator=gen)
+    bt = bt.to(device=device, dtype=dtype)
+    for rows in (13, 1030):
+        y = (3 * torch.randn(rows, 2 * n + r, generator=gen)).to(device=device, dtype=dtype)
+        got, want = lora_silu_mul(y, n, bt).float(), lora_reference(y, n, bt).float()
+        step = want.abs().clamp_min(1e-3) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
+        if bool(((got - want).abs() > 2 * step * 1.01).any()):
+            raise RuntimeError(f"differs from addmm_ + torch's ops by {float((got - want).abs().max()):.3g}")
+        equal = float((got == want).float().mean())
+        if equal < 0.98:
+            raise RuntimeError(f"only {equal:.1%} of the elements equal addmm_ + torch's ops")
+
+
+_LORA_CHECKS = FirstUseChecks(_check_lora, log, "the fused LoRA-add, SiLU-and-multiply kernel",
+                              "the LoRA MLPs add their low-rank part with addmm_ first")
+
+
 def passed(device: torch.device) -> bool:
     """Whether the kernel passed a check on `device` in this process."""
     return _CHECKS.passed(device)
+
+
+def lora_passed(device: torch.device) -> bool:
+    """Whether the LoRA kernel passed a check on `device` in this process (with the switch on now)."""
+    return fused_lora_on() and _LORA_CHECKS.passed(device)
 
 
 class _FusedMLPMixin:
@@ -169,10 +299,14 @@ def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
         return None
     if not serves(x.device, group.weight.dtype):
         return None
+    n = group.splits[0]
+    if group.fold and lora_serves(x.device, group.weight.dtype):
+        y = group.folded_output(x)  # [gate | up | x Aᵀ], the low-rank part added by the kernel
+        if y is not None:
+            return lora_silu_mul(y.reshape(-1, y.shape[-1]), n, group.bt).view(*y.shape[:-1], n)
     y = group.output(x)  # [gate | up] (…, 2n), a view whose rows may be longer (A's columns after them)
     if y is None:
         return None
-    n = group.splits[0]
     y2 = y.reshape(-1, y.shape[-1])
     if y2.stride(1) != 1:
         return None

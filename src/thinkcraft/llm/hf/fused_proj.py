@@ -151,11 +151,24 @@ class Group:
         if not self.usable(x):
             return None
         if not torch.compiler.is_compiling():  # an eager forward: the adapters' copies, then the group's
-            for m, lo in zip(self.members, self.lora):
-                if lo:
-                    lora_fast._refresh_layer(m)
-            self.refresh()
+            self._refresh_eager()
         return self.compute(x)
+
+    def folded_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`[base | x Aᵀ]` - the group's GEMM alone, the low-rank part NOT added - for a reader that adds
+        `h (sB)ᵀ` itself on its way (`fused_mlp`'s LoRA kernel, `bt` the block-diagonal `(sB)ᵀ`, h the last
+        `sum(ranks)` columns); None where A is not folded, in a compiled forward, or where `output` would be None."""
+        if not self.fold or torch.compiler.is_compiling() or not self.usable(x):
+            return None
+        self._refresh_eager()
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+    def _refresh_eager(self) -> None:
+        """The adapters' copies, then the group's (an eager forward's first step)."""
+        for m, lo in zip(self.members, self.lora):
+            if lo:
+                lora_fast._refresh_layer(m)
+        self.refresh()
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
