@@ -388,7 +388,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "env_donates": getattr(text_env, "donates_state", None),
         "env_numpy_inputs": getattr(text_env, "numpy_inputs", None),
         "env_command_buffers": getattr(text_env, "command_buffers", None),
-        "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"], "slots": kv["slots"],
+        "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"],
+        # decode iterations not launched: every row's last token already in flight (iteration.py `_ends_in_flight`)
+        "launches_skipped": kv.get("launches_skipped", 0.0), "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
         "decode_graphs": decode_graphs_column(engine_cfg[0]),

@@ -726,6 +726,36 @@ def test_a_row_the_device_runs_past_max_new_tokens_ends_on_the_host(tiny) -> Non
     assert _run(eng, [h2])[h2].completion.token_ids == want.token_ids
 
 
+def test_no_iteration_is_launched_after_every_row_ended_by_length(tiny, monkeypatch) -> None:
+    """The host reads an iteration's record one iteration late; where every running row samples its last allowed
+    token in an iteration already launched, the next one is not launched (`_ends_in_flight`): the same tokens and
+    log-probs as with it, one launch fewer for a batch that ends together, counted (`launches_skipped`); rows of
+    different lengths skip only at the end, and a row that may still go on is launched as before."""
+    model, tok = tiny
+    prompts = [_ids(tok, t) for t in ("Hello there", "Numbers: 1 2 3", "Once upon a time")]
+
+    def run(lengths: list[int], skip: bool) -> tuple[list, dict, int]:
+        eng = HFEngine.from_model(model, tok)
+        if not skip:
+            monkeypatch.setattr(eng._batcher, "_ends_in_flight", lambda rows, k: False)
+        hs = [eng.submit(GenerationRequest(p, SamplingParams(max_new_tokens=n, temperature=0.0, logprobs=True)))
+              for p, n in zip(prompts, lengths)]
+        out = _run(eng, hs)
+        assert eng.pending() == 0 and not eng.step()
+        return [out[h].completion for h in hs], eng.decode_metrics(), eng._batcher._iter
+
+    for lengths in ([5, 5, 5], [3, 6, 4]):
+        got, m, launched = run(lengths, skip=True)
+        want, m_off, launched_off = run(lengths, skip=False)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
+        if all(w.finish_reason == "length" for w in want):
+            assert launched == launched_off - 1 == max(lengths)
+            assert m["launches_skipped"] >= 1 and m_off["launches_skipped"] == 0
+        assert m["host_length_ends"] == 0 and m["decode_steps"] == m_off["decode_steps"]
+
+
 def _fused_eagerly(monkeypatch) -> list[int]:
     """Every engine made from here on runs `_fused_iteration` (what the CUDA path captures as one graph) eagerly,
     in place of the step-by-step iteration; the returned list counts the fused iterations."""

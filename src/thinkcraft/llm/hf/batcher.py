@@ -106,7 +106,8 @@ class Batcher(CacheMixin, IterationMixin):
              "host_length_ends", "decode_wait_s", "cache_allocations", "prefill_calls", "graph_captures",
              "graph_capture_s", "weight_drain_s", "weight_copy_s", "weight_switch_s", "prefix_recompute_s",
              "prefix_graph_replays", "prefix_graph_failed", "ahead_launches", "prefill_graph_captures",
-             "prefill_graph_capture_s", "prefill_graph_replays", "prefill_graph_declined", "prefill_graph_failed"),
+             "prefill_graph_capture_s", "prefill_graph_replays", "prefill_graph_declined", "prefill_graph_failed",
+             "launches_skipped"),
             0.0)
         self._ahead = decode_ahead()  # iterations launched per step before the host reads a record (opt-in)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
