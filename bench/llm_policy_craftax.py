@@ -390,7 +390,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "env_command_buffers": getattr(text_env, "command_buffers", None),
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"],
         # decode iterations not launched: every row's last token already in flight (iteration.py `_ends_in_flight`)
-        "launches_skipped": kv.get("launches_skipped", 0.0), "slots": kv["slots"],
+        "launches_skipped": kv.get("launches_skipped", 0.0),
+        "skip_ended_launch": env_switch("THINKCRAFT_SKIP_ENDED_LAUNCH", default=True), "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
         "decode_graphs": decode_graphs_column(engine_cfg[0]),
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
-                                                       "fused_mlp", "fused_mlp_lora", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
+                                                       "fused_mlp", "fused_mlp_lora", "skip_ended_launch", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing", "env_donates",
                                                        "env_numpy_inputs", "env_command_buffers"))
     print_table(rows, COLS)

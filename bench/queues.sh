@@ -152,6 +152,7 @@
 #   craftax33 one GPU (2026-12-07, third session): the LoRA MLP's low-rank add inside the SiLU kernel
 #             (llm/hf/fused_mlp.py lora_silu_mul): its GPU tests, its probe against addmm_ + the plain kernel, then
 #             issue 19's Craftax row with it (the default; cold), without it (THINKCRAFT_FUSED_MLP_LORA=0), in turns;
+#             the launch after every row's last token (THINKCRAFT_SKIP_ENDED_LAUNCH=0) once between them;
 #             last, the rollout's device timeline at the new default (--profile-rollout 2: the prefill's kernels now);
 #             carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
@@ -620,6 +621,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_default 330 $C --out bench/results/logs/s64_craftax33_default.json"
       "@0 craftax_nolora 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora.json"
       "@0 craftax_default2 220 $C --out bench/results/logs/s64_craftax33_default2.json"
+      "@0 craftax_noskip 220 env THINKCRAFT_SKIP_ENDED_LAUNCH=0 $C --out bench/results/logs/s64_craftax33_noskip.json"
       "@0 craftax_nolora2 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora2.json"
       "@0 craftax_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 4 --profile-rollout 2 --out bench/results/logs/s64_craftax33_rollout_profile.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)

@@ -735,9 +735,8 @@ def test_no_iteration_is_launched_after_every_row_ended_by_length(tiny, monkeypa
     prompts = [_ids(tok, t) for t in ("Hello there", "Numbers: 1 2 3", "Once upon a time")]
 
     def run(lengths: list[int], skip: bool) -> tuple[list, dict, int]:
+        monkeypatch.setenv("THINKCRAFT_SKIP_ENDED_LAUNCH", "1" if skip else "0")  # the A/B switch, read per engine
         eng = HFEngine.from_model(model, tok)
-        if not skip:
-            monkeypatch.setattr(eng._batcher, "_ends_in_flight", lambda rows, k: False)
         hs = [eng.submit(GenerationRequest(p, SamplingParams(max_new_tokens=n, temperature=0.0, logprobs=True)))
               for p, n in zip(prompts, lengths)]
         out = _run(eng, hs)

@@ -44,7 +44,7 @@ from thinkcraft.llm.hf.weights import apply_state
 from thinkcraft.llm.protocol import (
     EngineError, GenerationRequest, GenerationResult, StaleWeightsError, WeightUpdateError,
 )
-from thinkcraft.utils.errors import UserError, env_int
+from thinkcraft.utils.errors import UserError, env_int, env_switch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,12 @@ def decode_ahead() -> int:
     one; up to `AHEAD_MAX`). More divides the engine's fixed host work per token - and, in a process whose learner
     runs beside the engine's thread, its share of the interpreter lock - by that much; not measured on a GPU yet."""
     return env_int("THINKCRAFT_DECODE_AHEAD", 1, least=1, most=AHEAD_MAX)
+
+
+def skip_ended_launches() -> bool:
+    """THINKCRAFT_SKIP_ENDED_LAUNCH: "1" (default) launches no decode iteration once every running row's last
+    allowed token is in flight (iteration.py `_ends_in_flight`); "0" launches it as before (the A/B switch)."""
+    return env_switch("THINKCRAFT_SKIP_ENDED_LAUNCH", default=True)
 
 
 @dataclass
@@ -110,6 +116,7 @@ class Batcher(CacheMixin, IterationMixin):
              "launches_skipped"),
             0.0)
         self._ahead = decode_ahead()  # iterations launched per step before the host reads a record (opt-in)
+        self._skip_ended = skip_ended_launches()  # no launch after every row's last token (iteration.py)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         # the phases timed on the device (opt-in diagnostic, device_timing.py): None off or off CUDA
         self._dtiming = DeviceTiming(eng.device) if device_timing_on() and eng.device.type == "cuda" else None

@@ -230,7 +230,7 @@ class IterationMixin:
         rows = self.h_run & (self.h_admit <= k)
         if not rows.any():
             return False
-        if self._ends_in_flight(rows, k):
+        if self._skip_ended and self._ends_in_flight(rows, k):
             self.counters["launches_skipped"] += 1
             return False
         kv = self.kv
@@ -267,7 +267,8 @@ class IterationMixin:
         used to launch one more full decode iteration after every row of a turn had ended by length - one in 33
         of the Craftax rollout's iterations at 32-token actions, ~2.7 ms each on an H100 (its device timing counted
         264 iterations a rollout for 256 steps read). Rows that end by EOS or a stop string are not known ahead;
-        where any row could still go on, the iteration runs as before."""
+        where any row could still go on, the iteration runs as before. THINKCRAFT_SKIP_ENDED_LAUNCH=0: always
+        launched (`batcher.skip_ended_launches`)."""
         idx = np.flatnonzero(rows)
         in_flight = k - np.maximum(self._collected, self.h_admit[idx])  # launched, unread iterations that hold it
         return bool((self.h_n[idx] + np.maximum(in_flight, 0) >= self.h_max[idx]).all())
