@@ -79,6 +79,20 @@ for rows, n, r in ((1, 7, 4), (20, 300, 32), (1100, 130, 16)):  # one row, rank 
     assert (got == want).float().mean() >= 0.98
     unadded = fused_mlp.reference(y, n).float()  # the kernel does add the low-rank part
     assert (got - unadded).abs().max() > 0.1
+
+# a compiled forward (the decode step's) takes the kernel as one opaque op, and the switch keeps inductor's ops
+mlp = next(m for m in model.modules() if isinstance(m, fused_mlp._FusedMLPMixin))
+x = torch.randn(1, 5, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+with torch.no_grad():
+    eager = mlp(x)
+    for on in (True, False):
+        os.environ["THINKCRAFT_FUSED_MLP_LORA_COMPILED"] = "1" if on else "0"
+        torch._dynamo.reset()
+        lora_calls.clear()
+        comp = torch.compile(mlp.forward)(x)
+        assert bool(lora_calls) == on, (on, lora_calls)
+        torch.testing.assert_close(comp.float(), eager.float(), atol=0.02 * eager.abs().max().item(), rtol=0)
+del os.environ["THINKCRAFT_FUSED_MLP_LORA_COMPILED"]
 print("ok")
 """
 
@@ -225,3 +239,10 @@ def test_lora_kernel_on_a_gpu() -> None:
     fused_mlp.install(model)
     got = _logits(model, ids)
     torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+    mlp = next(m for m in model.modules() if isinstance(m, fused_mlp._FusedMLPMixin))  # compiled: the opaque op
+    x = torch.randn(248, 1, model.config.hidden_size, device=dev).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = mlp(x)
+        torch._dynamo.reset()
+        comp = torch.compile(mlp.forward)(x)
+    torch.testing.assert_close(comp.float(), eager.float(), atol=0.02 * eager.abs().max().item(), rtol=0)

@@ -185,6 +185,7 @@ class HFEngine(PrefillMixin, DecodeMixin):
         self._fused_mlps = fused_mlp.install(model) if self._fused_proj and runs_on(self.device) else 0
         if self._fused_mlps:  # its first-use check now, never inside a CUDA-graph capture (the check synchronises)
             fused_mlp.serves(self.device, self.dtype)
+            fused_mlp.lora_serves(self.device, self.dtype)  # the LoRA kernel's too (a compiled step reads it)
         # q's and k's rotary embedding as one kernel each in no-grad forwards (fused_rope.py: HF's values
         # bit for bit), where the engine's Triton kernels run; its first-use check now, as the MLP's
         self._fused_ropes = fused_rope.install(model) if runs_on(self.device) else 0

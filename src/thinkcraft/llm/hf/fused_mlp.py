@@ -7,9 +7,17 @@ in the Craftax rollout's prefills (~23k tokens a call, Qwen2.5-0.5B shape, H200,
 `bench/llm_policy_craftax.py --profile-rollout`: `s51_craftax_rollout_profile_*`) the SiLU took 58.5 ms and the
 strided multiplies ~67 ms of a rollout's ~600 ms of prefill kernels - more than the MLP's GEMMs. One Triton program
 per (row, block of columns) reads the two halves where they lie and writes the product contiguous: one pass.
-(A decode step compiled by inductor never gets here: inductor fuses the same ops itself; the hand-captured decode
-graphs, the default, capture the kernel. It serves forwards of every size, the packed prefills' too:
-`triton_device.FUSED_TOKENS_MAX`.)
+(A decode step compiled by inductor - the default - keeps inductor's own fusion of the plain product; a LoRA group's
+kernel below enters it as an opaque op, `_compiled_hidden`. It serves forwards of every size, the packed prefills'
+too: `triton_device.FUSED_TOKENS_MAX`.)
+
+A LoRA gate/up group with its A folded (`fused_proj`: the GEMM gives `[gate | up | x Aᵀ]`) used to add its low-rank
+part `h (sB)ᵀ` with cuBLAS's `addmm_` (`beta = 1`) - a pass of its own that reads and writes the whole `[gate | up]`:
+in the Craftax rollout's packed prefills (~23k tokens a call, rank 16, H200, 2026-12-03's profile,
+`bench/probes/rollout_kernels.py`) ~9 ms of a ~76 ms call. `lora_silu_mul` adds it inside the SiLU kernel (two
+`tl.dot`s of a (rows, 2r) tile of h with the (2r, columns) tiles of `(sB)ᵀ`, in fp32, then addmm_'s rounding to the
+half dtype): one pass. THINKCRAFT_FUSED_MLP_LORA=0 keeps the `addmm_` (the A/B switch);
+THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 keeps it in compiled forwards only.
 
 Values: the eager ops' roundings, in their order - `silu(gate)` computed in fp32 and rounded to the half dtype, then
 the product with `up` in fp32 rounded again; the exponential is Triton's, so a result may differ from torch's by one
@@ -60,6 +68,12 @@ _lora_kernel: Any = None
 def fused_mlp_on() -> bool:
     """THINKCRAFT_FUSED_MLP (on by default: the module docstring says why)."""
     return env_switch("THINKCRAFT_FUSED_MLP", default=True)
+
+
+def compiled_lora_on() -> bool:
+    """THINKCRAFT_FUSED_MLP_LORA_COMPILED (on by default, under THINKCRAFT_FUSED_MLP_LORA): the LoRA kernel also in
+    compiled forwards (`_compiled_hidden`); "0": inductor's ops there (the A/B switch)."""
+    return env_switch("THINKCRAFT_FUSED_MLP_LORA_COMPILED", default=True)
 
 
 def fused_lora_on() -> bool:
@@ -287,10 +301,43 @@ class _FusedMLPMixin:
         return self.down_proj(h)
 
 
+@torch.library.custom_op("thinkcraft::lora_silu_mul", mutates_args=())
+def _lora_silu_mul_op(y: torch.Tensor, n: int, bt: torch.Tensor) -> torch.Tensor:
+    return lora_silu_mul(y, n, bt)
+
+
+@_lora_silu_mul_op.register_fake
+def _(y, n, bt):  # noqa: ANN001, ANN202
+    return y.new_empty(y.shape[0], n)
+
+
+def _compiled_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """The LoRA kernel inside a compiled forward (the decode step), as one opaque op (`thinkcraft::lora_silu_mul`)
+    over the traced gate/up GEMM: where the group folds A and the kernel already passed its check on this device and
+    dtype in an eager forward (a check is not run while tracing: the engine's eager prefill runs before the decode
+    step is compiled); None: inductor's path (the group's low-rank add op, then its own SiLU-and-multiply fusion).
+    Why: in the compiled step the group's `addmm_` (its own GEMM launch, ~4.7 us at 248 rows on an H200) and the
+    SiLU product (~3.1 us) become one kernel."""
+    group = mlp.gate_proj.__dict__.get("_tc_group")
+    if group is None or not group.fold or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
+            or group.members[1] is not mlp.up_proj or group.splits[0] != group.splits[1]:
+        return None
+    dev, dt = group.weight.device, group.weight.dtype
+    if not (fused_mlp_on() and fused_lora_on() and _LORA_CHECKS.known(dev, dt)):
+        return None
+    if not fused_size(x.numel() // max(1, x.shape[-1])) or not group.usable(x):
+        return None
+    y = F.linear(x.to(dt), group.weight, group.bias)
+    y2 = y.reshape(-1, y.shape[-1])
+    return _lora_silu_mul_op(y2, group.splits[0], group.bt).view(*y.shape[:-1], group.splits[0])
+
+
 def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     """`act_fn(gate_proj(x)) * up_proj(x)` through the gate/up group and the kernel, or None (torch's path)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if torch.is_grad_enabled():
         return None
+    if torch.compiler.is_compiling():
+        return _compiled_hidden(mlp, x) if compiled_lora_on() else None
     if not fused_size(x.numel() // max(1, x.shape[-1])):
         return None  # a packed prefill: torch's ops (triton_device.FUSED_TOKENS_MAX says why)
     group = mlp.gate_proj.__dict__.get("_tc_group")
