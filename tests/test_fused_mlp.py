@@ -73,6 +73,8 @@ for rows, n, r in ((1, 7, 4), (20, 300, 32), (1100, 130, 16)):  # one row, rank 
     y = (3 * torch.randn(rows, 2 * n + r, generator=gen)).to(torch.bfloat16)
     before = y.clone()
     got, want = real_lora(y, n, bt).float(), fused_mlp.lora_reference(y, n, bt).float()
+    exact = fused_mlp.lora_exact(y, n, bt).float()
+    assert (got == exact).float().mean() >= 0.98
     assert torch.equal(y, before)  # the GEMM's output is read, not written
     assert got.shape == (rows, n) and got.is_contiguous()
     assert ((got - want).abs() <= want.abs().clamp_min(1e-3) * 2 ** -6 * 1.01).all(), (got - want).abs().max()
@@ -231,9 +233,14 @@ def test_lora_kernel_on_a_gpu() -> None:
     bt = bt.to(dev, torch.bfloat16)
     for rows in (248, 4099):
         y = (2 * torch.randn(rows, 2 * n + r, generator=gen)).to(dev, torch.bfloat16)
-        got, want = fused_mlp.lora_silu_mul(y, n, bt).float(), fused_mlp.lora_reference(y, n, bt).float()
-        assert ((got - want).abs() <= want.abs().clamp_min(1e-3) * 2 ** -6 * 1.01).all(), (got - want).abs().max()
-        assert (got == want).float().mean() >= 0.98
+        got, exact = fused_mlp.lora_silu_mul(y, n, bt).float(), fused_mlp.lora_exact(y, n, bt).float()
+        old = fused_mlp.lora_reference(y, n, bt).float()  # the addmm_ path the kernel replaced
+        step = exact.abs().clamp_min(1e-3) * 2 ** -7
+        assert ((got - exact).abs() <= 2 * step * 1.01).all(), (got - exact).abs().max()
+        assert (got == exact).float().mean() >= 0.98
+        # and no further from the float64 values than the addmm_ path it replaced (first run on an H100,
+        # 2026-12-07: the kernel within 4 bf16 steps of that path, a bound the first version of this test set at 2)
+        assert (got - exact).abs().mean() <= (old - exact).abs().mean() * 1.05 + 1e-6
     model, ids = _lora_fused_on_cuda()
     want = _logits(model, ids)
     fused_mlp.install(model)
