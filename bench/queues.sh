@@ -155,6 +155,10 @@
 #             the launch after every row's last token (THINKCRAFT_SKIP_ENDED_LAUNCH=0) once between them;
 #             last, the rollout's device timeline at the new default (--profile-rollout 2: the prefill's kernels now);
 #             carry [".whl", ".ref/tc-cache"]
+#   craftax34 one GPU (queued 2026-12-07, third session, for the next lease): the LoRA kernel's rewritten GPU test
+#             (against lora_exact), then issue 19's Craftax row with the kernel inside the compiled decode step (the
+#             default since 22ba73c) and without it there (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns, then the
+#             rollout's profile; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -215,7 +219,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 craftax34 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -624,6 +628,14 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_noskip 220 env THINKCRAFT_SKIP_ENDED_LAUNCH=0 $C --out bench/results/logs/s64_craftax33_noskip.json"
       "@0 craftax_nolora2 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora2.json"
       "@0 craftax_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 4 --profile-rollout 2 --out bench/results/logs/s64_craftax33_rollout_profile.json") ;;
+    craftax34) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
+      jobs=(
+      "@0 mlp_gputests 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 craftax_default 330 $C --out bench/results/logs/s65_craftax34_default.json"
+      "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out bench/results/logs/s65_craftax34_eager_op.json"
+      "@0 craftax_default2 220 $C --out bench/results/logs/s65_craftax34_default2.json"
+      "@0 craftax_eager_op2 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out bench/results/logs/s65_craftax34_eager_op2.json"
+      "@0 craftax_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 4 --profile-rollout 2 --out bench/results/logs/s65_craftax34_rollout_profile.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
