@@ -408,6 +408,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
         "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp, "fused_rope": fused_rope,
         "fused_mlp_lora": fused_mlp_lora,
+        # and inside the compiled decode step as one op (fused_mlp.py `_compiled_hidden`, THINKCRAFT_FUSED_MLP_LORA_COMPILED)
+        "fused_mlp_lora_compiled": fused_mlp_lora and env_switch("THINKCRAFT_FUSED_MLP_LORA_COMPILED", default=True),
         # the forwards the two kernels take: 0 every size (llm/hf/triton_device.py, THINKCRAFT_FUSED_TOKENS_MAX)
         "fused_tokens_max": _fused_tokens_max(),
         # the heap frozen after the first step (utils/gc_clock.py, THINKCRAFT_GC_FREEZE)
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
-                                                       "fused_mlp", "fused_mlp_lora", "skip_ended_launch", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
+                                                       "fused_mlp", "fused_mlp_lora", "fused_mlp_lora_compiled", "skip_ended_launch", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing", "env_donates",
                                                        "env_numpy_inputs", "env_command_buffers"))
     print_table(rows, COLS)
