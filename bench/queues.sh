@@ -156,7 +156,8 @@
 #             last, the rollout's device timeline at the new default (--profile-rollout 2: the prefill's kernels now);
 #             carry [".whl", ".ref/tc-cache"]
 #   craftax34 one GPU (queued 2026-12-07, third session, for the next lease): the LoRA kernel's rewritten GPU test
-#             (against lora_exact), then issue 19's Craftax row with the kernel inside the compiled decode step (the
+#             (against lora_exact), the kernel's tilings swept (mlp_lora_probe.py --tiles: the profile had it at
+#             ~1.9 TB/s), then issue 19's Craftax row with the kernel inside the compiled decode step (the
 #             default since 22ba73c) and without it there (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns, then the
 #             rollout's profile; carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
@@ -631,6 +632,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     craftax34) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
       jobs=(
       "@0 mlp_gputests 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out bench/results/logs/s65_craftax34_mlp_lora_tiles.json"
       "@0 craftax_default 330 $C --out bench/results/logs/s65_craftax34_default.json"
       "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out bench/results/logs/s65_craftax34_eager_op.json"
       "@0 craftax_default2 220 $C --out bench/results/logs/s65_craftax34_default2.json"

@@ -10,6 +10,7 @@ output to the SiLU product, both ways, each replayed from a CUDA graph and timed
 GEMM alone for scale.
 
     python bench/probes/mlp_lora_probe.py                 # 248 and 23,040 rows (a GPU)
+    python bench/probes/mlp_lora_probe.py --tiles         # and the kernel's tilings swept at each row count
 
 Rows: {rows, n, rank, gemm_ms, addmm_silu_ms, fused_ms, saved_ms, speedup, card, date} in
 bench/results/mlp_lora_probe.json (`--out`).
@@ -37,6 +38,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=4864, help="the MLP's width (gate and up: n columns each)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of each of gate and up")
     p.add_argument("--repeats", type=int, default=100)
+    p.add_argument("--tiles", action="store_true",
+                   help="also sweep the kernel's tile (rows 16-128 x columns 64-256) and warps (4, 8): rows tile_*")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "mlp_lora_probe.json"))
     a = p.parse_args(argv)
     if min(a.rows + [a.hidden, a.n, a.rank, a.repeats]) <= 0:
@@ -91,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
                      "saved_ms": round(t_old - t_new, 4), "speedup": round(t_old / t_new, 2),
                      "card": card(), "date": today()})
         print_table(rows[-1:], COLS)
+        if a.tiles:
+            sweep = {}
+            for bm in (16, 32, 64, 128):
+                for bn in (64, 128, 256):
+                    for w in (4, 8):
+                        sweep[f"{bm}x{bn}w{w}"] = round(replay_ms(
+                            lambda: fused_mlp.lora_silu_mul(y, n, bt, tiles=(bm, bn), num_warps=w), a.repeats, True), 4)
+            best = min(sweep, key=sweep.get)
+            rows[-1].update({"tile_default": "x".join(map(str, fused_mlp.lora_tiles(m))), "tile_best": best,
+                             "tile_best_ms": sweep[best], "tile_ms": sweep})
+            print(f"  tiles at {m} rows: best {best} {sweep[best]} ms (default {rows[-1]['tile_default']}: "
+                  f"{t_new} ms); " + ", ".join(f"{k} {v}" for k, v in sorted(sweep.items(), key=lambda kv: kv[1])[:6]))
     write_records(a.out, rows, merge_keys=("rows", "n", "rank", "hidden", "card"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")

@@ -188,11 +188,14 @@ def lora_tiles(rows: int) -> tuple[int, int]:
     return (16 if rows <= 1024 else 64), 128
 
 
-def lora_silu_mul(y: torch.Tensor, n: int, bt: torch.Tensor) -> torch.Tensor:
+def lora_silu_mul(y: torch.Tensor, n: int, bt: torch.Tensor, tiles: tuple[int, int] | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
     """`silu(g) * u` with `[g | u] = y[:, :2n] + y[:, 2n:] @ bt` - a LoRA gate/up group's GEMM output with its A
     folded (`fused_proj.Group.folded_output`: `[gate | up | x Aᵀ]`) and the group's block-diagonal `(sB)ᵀ` (r, 2n) -
     in one pass, as a contiguous (rows, n) tensor: the low-rank add that `addmm_` made a pass of its own (a read and a
-    write of the whole `[gate | up]`) done on the way (no check here: `lora_serves` checks once)."""
+    write of the whole `[gate | up]`) done on the way (no check here: `lora_serves` checks once). `tiles` (rows,
+    columns; powers of two, rows >= 16) and `num_warps` override `lora_tiles` and Triton's default (the probe's
+    sweep: `bench/probes/mlp_lora_probe.py --tiles`)."""
     global _lora_kernel
     r = y.shape[1] - 2 * n if y.dim() == 2 else -1
     if y.dim() != 2 or y.stride(1) != 1 or r < 1 or tuple(bt.shape) != (r, 2 * n) or not bt.is_contiguous() \
@@ -204,11 +207,12 @@ def lora_silu_mul(y: torch.Tensor, n: int, bt: torch.Tensor) -> torch.Tensor:
         _lora_kernel = _build_lora()
     out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
     if y.shape[0]:
-        bm, bn = lora_tiles(y.shape[0])
+        bm, bn = tiles or lora_tiles(y.shape[0])
         grid = (-(-y.shape[0] // bm), -(-n // bn))
+        extra = {} if num_warps is None else {"num_warps": num_warps}
         _lora_kernel[grid](y, bt, out, y.shape[0], y.stride(0), n, 2 * n, n, bt.stride(0), R=r,
                            RP=pow2_at_least(r, 16), BM=bm, BN=bn, BF16=y.dtype == torch.bfloat16,
-                           UPCAST=interpreted())
+                           UPCAST=interpreted(), **extra)
     return out
 
 
