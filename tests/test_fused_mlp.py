@@ -239,7 +239,7 @@ def test_lora_kernel_on_a_gpu() -> None:
         assert ((got - exact).abs() <= 2 * step * 1.01).all(), (got - exact).abs().max()
         assert (got == exact).float().mean() >= 0.98
         # and no further from the float64 values than the addmm_ path it replaced (first run on an H100,
-        # 2026-12-07: the kernel within 4 bf16 steps of that path, a bound the first version of this test set at 2)
+        # 2026-12-07: the kernel more than 2 bf16 steps from that path at some elements, the first bound of this test)
         assert (got - exact).abs().mean() <= (old - exact).abs().mean() * 1.05 + 1e-6
     model, ids = _lora_fused_on_cuda()
     want = _logits(model, ids)
