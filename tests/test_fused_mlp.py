@@ -107,6 +107,52 @@ def test_kernel_and_model_under_the_triton_interpreter() -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-4000:])
 
 
+ENGINE_SCRIPT = r"""
+import os
+import torch
+from thinkcraft.llm.hf import HFEngine, fused_mlp
+from thinkcraft.llm.protocol import Batch, SamplingParams
+from test_lora_fast import _lora
+
+model, tok = _lora()
+prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in ("Hello there", "The quick brown fox", "a b c")]
+sp = SamplingParams(max_new_tokens=5, temperature=0.0, logprobs=True)
+assert fused_mlp.lora_serves(torch.device("cpu"), torch.bfloat16)  # the first-use check, before counting
+calls = []
+real = fused_mlp.lora_silu_mul
+fused_mlp.lora_silu_mul = lambda y, n, bt, **k: calls.append(y.shape[0]) or real(y, n, bt, **k)
+want = HFEngine.from_model(model, tok).generate(Batch(items=prompts), sp)
+eager_calls = len(calls)
+assert eager_calls == 2 * (1 + 5), calls  # 2 layers x (the packed prefill + a forward per sampled token)
+counts = {}
+for on in ("1", "0"):
+    os.environ["THINKCRAFT_FUSED_MLP_LORA_COMPILED"] = on
+    torch._dynamo.reset()
+    calls.clear()
+    got = HFEngine.from_model(model, tok, kv_cache="static", compile_decode=True).generate(Batch(items=prompts), sp)
+    counts[on] = len(calls)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want], on
+    diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs))
+    assert diff < 0.05, (on, diff)  # bf16: the compiled step's own roundings, as without the op
+assert counts["0"] == 2 and counts["1"] == eager_calls, counts  # off: only the eager prefill's 2 calls
+print("ok")
+"""
+
+
+def test_the_engines_compiled_decode_takes_the_lora_op_under_the_triton_interpreter() -> None:
+    """The engine's compiled decode step (compile_decode) calls the LoRA kernel through its op in every step
+    (THINKCRAFT_FUSED_MLP_LORA_COMPILED, on), with the eager engine's tokens; switched off, only the eager prefill
+    does."""
+    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel may come without it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    env["THINKCRAFT_FUSED_MLP"] = "1"
+    env.pop("THINKCRAFT_FUSED_MLP_LORA", None)
+    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    if out.returncode != 0 and "cannot build" in out.stderr:
+        pytest.skip("torch.compile cannot build here")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-4000:])
+
+
 def test_steps_aside_where_it_does_not_serve(monkeypatch) -> None:
     """On the CPU without the interpreter, over more tokens than FUSED_TOKENS_MAX allows, with gradients, without a fused group, or with the switch off, the MLP's
     own forward runs (the kernel is never called) and the logits are HF's."""
