@@ -99,11 +99,19 @@ print("ok")
 """
 
 
-def test_kernel_and_model_under_the_triton_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel may come without it)")
+def _interpreted(script: str) -> subprocess.CompletedProcess:
+    """`script` in a fresh process under Triton's interpreter, the kernels' switches on (the caller's environment
+    aside: THINKCRAFT_FUSED_MLP on, the LoRA switches at their defaults)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
     env["THINKCRAFT_FUSED_MLP"] = "1"
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    for k in ("THINKCRAFT_FUSED_MLP_LORA", "THINKCRAFT_FUSED_MLP_LORA_COMPILED"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_kernel_and_model_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel may come without it)")
+    out = _interpreted(SCRIPT)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-4000:])
 
 
@@ -144,10 +152,7 @@ def test_the_engines_compiled_decode_takes_the_lora_op_under_the_triton_interpre
     (THINKCRAFT_FUSED_MLP_LORA_COMPILED, on), with the eager engine's tokens; switched off, only the eager prefill
     does."""
     pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel may come without it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
-    env["THINKCRAFT_FUSED_MLP"] = "1"
-    env.pop("THINKCRAFT_FUSED_MLP_LORA", None)
-    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    out = _interpreted(ENGINE_SCRIPT)
     if out.returncode != 0 and "cannot build" in out.stderr:
         pytest.skip("torch.compile cannot build here")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-4000:])

@@ -335,18 +335,25 @@ def _compiled_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     step is compiled); None: inductor's path (the group's low-rank add op, then its own SiLU-and-multiply fusion).
     Why: in the compiled step the group's `addmm_` (its own GEMM launch, ~4.7 us at 248 rows on an H200) and the
     SiLU product (~3.1 us) become one kernel."""
+    group = _gate_up_group(mlp)
+    if group is None or not group.fold or not fused_size(x.numel() // max(1, x.shape[-1])):
+        return None
+    if not (fused_mlp_on() and fused_lora_on() and _LORA_CHECKS.known(group.weight.device, group.weight.dtype)):
+        return None
+    y = group.folded_output(x)  # [gate | up | x Aᵀ], traced
+    if y is None:
+        return None
+    n = group.splits[0]
+    return _lora_silu_mul_op(y.reshape(-1, y.shape[-1]), n, group.bt).view(*y.shape[:-1], n)
+
+
+def _gate_up_group(mlp: Any) -> Any:
+    """The `fused_proj` group that computes this MLP's gate and up (in that order, equal widths), or None."""
     group = mlp.gate_proj.__dict__.get("_tc_group")
-    if group is None or not group.fold or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
+    if group is None or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
             or group.members[1] is not mlp.up_proj or group.splits[0] != group.splits[1]:
         return None
-    dev, dt = group.weight.device, group.weight.dtype
-    if not (fused_mlp_on() and fused_lora_on() and _LORA_CHECKS.known(dev, dt)):
-        return None
-    if not fused_size(x.numel() // max(1, x.shape[-1])) or not group.usable(x):
-        return None
-    y = F.linear(x.to(dt), group.weight, group.bias)
-    y2 = y.reshape(-1, y.shape[-1])
-    return _lora_silu_mul_op(y2, group.splits[0], group.bt).view(*y.shape[:-1], group.splits[0])
+    return group
 
 
 def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
@@ -357,9 +364,8 @@ def _fused_hidden(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
         return _compiled_hidden(mlp, x) if compiled_lora_on() else None
     if not fused_size(x.numel() // max(1, x.shape[-1])):
         return None  # a packed prefill: torch's ops (triton_device.FUSED_TOKENS_MAX says why)
-    group = mlp.gate_proj.__dict__.get("_tc_group")
-    if group is None or len(group.members) != 2 or group.members[0] is not mlp.gate_proj \
-            or group.members[1] is not mlp.up_proj or group.splits[0] != group.splits[1]:
+    group = _gate_up_group(mlp)
+    if group is None:
         return None
     if not serves(x.device, group.weight.dtype):
         return None

@@ -157,10 +157,12 @@ class Group:
     def folded_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """`[base | x Aᵀ]` - the group's GEMM alone, the low-rank part NOT added - for a reader that adds
         `h (sB)ᵀ` itself on its way (`fused_mlp`'s LoRA kernel, `bt` the block-diagonal `(sB)ᵀ`, h the last
-        `sum(ranks)` columns); None where A is not folded, in a compiled forward, or where `output` would be None."""
-        if not self.fold or torch.compiler.is_compiling() or not self.usable(x):
+        `sum(ranks)` columns); None where A is not folded or where `output` would be None. Like `output`, an eager
+        forward first brings the copies up to date (a compiled one's caller refreshes them before the step)."""
+        if not self.fold or not self.usable(x):
             return None
-        self._refresh_eager()
+        if not torch.compiler.is_compiling():
+            self._refresh_eager()
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
     def _refresh_eager(self) -> None:
