@@ -155,11 +155,12 @@
 #             the launch after every row's last token (THINKCRAFT_SKIP_ENDED_LAUNCH=0) once between them;
 #             last, the rollout's device timeline at the new default (--profile-rollout 2: the prefill's kernels now);
 #             carry [".whl", ".ref/tc-cache"]
-#   craftax34 one GPU (queued 2026-12-07, third session, for the next lease): the LoRA kernel's rewritten GPU test
-#             (against lora_exact), the kernel's tilings swept (mlp_lora_probe.py --tiles: the profile had it at
-#             ~1.9 TB/s), then issue 19's Craftax row with the kernel inside the compiled decode step (the
-#             default since 22ba73c) and without it there (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns, then the
-#             rollout's profile; carry [".whl", ".ref/tc-cache"]
+#   craftax34 one GPU (queued 2026-12-07, run the next session): the LoRA kernel's rewritten GPU test (against
+#             lora_exact), then issue 19's Craftax row: the default (the kernel inside the compiled decode step since
+#             22ba73c), the turn's boundary in chunks of 128 prompts (--submit-chunk 128, prefilled eagerly:
+#             THINKCRAFT_PREFILL_GRAPHS=0), the same with an env call a chunk (THINKCRAFT_ENV_CHUNKED=1; also at 64),
+#             the op off in the compiled step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns; last, the kernel's
+#             tilings swept (mlp_lora_probe.py --tiles); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -630,14 +631,18 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_nolora2 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora2.json"
       "@0 craftax_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 4 --profile-rollout 2 --out bench/results/logs/s64_craftax33_rollout_profile.json") ;;
     craftax34) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
+      local E="env THINKCRAFT_PREFILL_GRAPHS=0" L=bench/results/logs/s65_craftax34
       jobs=(
       "@0 mlp_gputests 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
-      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out bench/results/logs/s65_craftax34_mlp_lora_tiles.json"
-      "@0 craftax_default 330 $C --out bench/results/logs/s65_craftax34_default.json"
-      "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out bench/results/logs/s65_craftax34_eager_op.json"
-      "@0 craftax_default2 220 $C --out bench/results/logs/s65_craftax34_default2.json"
-      "@0 craftax_eager_op2 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out bench/results/logs/s65_craftax34_eager_op2.json"
-      "@0 craftax_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 4 --profile-rollout 2 --out bench/results/logs/s65_craftax34_rollout_profile.json") ;;
+      "@0 craftax_default 330 $C --out ${L}_default.json"
+      "@0 craftax_chunk128 220 $E $C --submit-chunk 128 --out ${L}_chunk128.json"
+      "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
+      "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out ${L}_eager_op.json"
+      "@0 craftax_default2 220 $C --out ${L}_default2.json"
+      "@0 craftax_envchunk64 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 64 --out ${L}_envchunk64.json"
+      "@0 craftax_chunk128_2 220 $E $C --submit-chunk 128 --out ${L}_chunk128_2.json"
+      "@0 craftax_envchunk128_2 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_2.json"
+      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -126,6 +126,36 @@ def test_prompts_in_chunks_keep_the_turn_in_lockstep(policy, monkeypatch) -> Non
     assert len(admits) == 2 * 2  # turns 2 and 3: three chunks of two, prefilled after the first two
 
 
+def test_env_chunks_step_apart_and_play_the_same_lockstep_turns(policy, monkeypatch) -> None:
+    """THINKCRAFT_ENV_CHUNKED=1 with chunks of two: each chunk of a boundary steps its own env call (indices of its
+    episodes) before its prompts are built and prefilled, the turn still decodes in lockstep (six rows a step), and
+    the greedy episodes are the very ones of the one-env-call boundary."""
+    import importlib
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    monkeypatch.setattr(module, "SUBMIT_CHUNK", 2)
+    cfg, model, tok = policy
+    played = {}
+    for chunked in ("0", "1"):
+        monkeypatch.setenv("THINKCRAFT_ENV_CHUNKED", chunked)
+        engine = LP.make_engine(model, tok, cfg)
+        engine.eos_ids = set()  # every reply runs to max_new_tokens: the rows end together
+        admits = []
+        real = engine.admit
+        monkeypatch.setattr(engine, "admit", lambda: admits.append(1) or real())
+        env, metrics = TurnsEnv(), {}
+        eps = LP.rollout(env, engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
+                         sampling=SamplingParams(max_new_tokens=5, temperature=0.0), history_turns=-1,
+                         metrics=metrics, env_batch_frac=1.0)
+        assert metrics["engine/rows_per_decode_step"] == 6 and len(admits) == 2 * 2
+        played[chunked] = [[(t.obs, t.prompt_ids, t.completion_ids, t.reward) for t in e.turns] for e in eps]
+        # three turns: the unchunked boundary one call of all six; the chunked one a call per pair (the last pair of
+        # the last turn is all that is still active: the plain call)
+        want = [None] * 3 if chunked == "0" else [[0, 1], [2, 3], [4, 5]] * 2 + [[0, 1], [2, 3], None]
+        assert env.calls == want
+    assert played["0"] == played["1"] and all(len(e) == 3 for e in played["1"])
+
+
 def test_a_template_that_rewrites_earlier_turns_is_counted(policy) -> None:
     cfg, model, tok = policy
     import copy

@@ -441,6 +441,8 @@ class _Continuous:
         self.env, self.engine, self.tok, self.episodes, self.obs = env, engine, tokenizer, episodes, list(obs)
         self.sampling, self.history_turns, self.phase, self.gen_ctx = sampling, history_turns, phase, gen_ctx
         self.env_batch_frac = env_batch_frac
+        self.env_chunked = env_switch("THINKCRAFT_ENV_CHUNKED")
+        """Each submit chunk's turns step the env on their own (`_env_step`; off: one env call a boundary)."""
         self.append_only = history_turns < 0
         self.rid = next(_ROLLOUT_IDS)
         self.prompts = ChatPrompts(tokenizer, env.system_prompt, len(episodes), history_turns, sampling=sampling)
@@ -478,6 +480,22 @@ class _Continuous:
 
     def _env_step(self, results: list) -> None:
         self._flush()  # the previous env step's records first: an episode's turns stay in order
+        # episodes still decoding (the ones back are out of `in_flight`): none where the turn runs in lockstep
+        others = bool(self.in_flight)
+        if not self.env_chunked or len(results) <= SUBMIT_CHUNK:
+            self._env_chunk(results, others, last=True)
+            return
+        # THINKCRAFT_ENV_CHUNKED=1: each chunk of SUBMIT_CHUNK turns steps its own env call, then its prompts are
+        # built, submitted and admitted (prefilled: the device runs it) before the next chunk's env call - the
+        # env's host side (dispatch, copy back, render) of every chunk after the first overlaps a prefill too,
+        # for one more env dispatch a chunk (the masked step runs every env each call)
+        for a in range(0, len(results), SUBMIT_CHUNK):
+            self._env_chunk(results[a : a + SUBMIT_CHUNK], others, last=a + SUBMIT_CHUNK >= len(results))
+
+    def _env_chunk(self, results: list, others: bool, last: bool) -> None:
+        """One env call for the turns of `results`, then their episodes' next prompts submitted in chunks
+        (`others`: episodes outside this boundary are decoding; `last`: the boundary's last env call - its final
+        chunk is left for the next `step` to admit)."""
         idx = [r.tag for r in results]
         with self.phase("env"):
             texts = [r.completion.text for r in results]
@@ -504,12 +522,11 @@ class _Continuous:
         # the next (one thread; the engine only queues device work) - with `admit` where the engine has it and no
         # other episode is decoding (no decode step yet: the whole turn decodes in lockstep), else with a `step`
         # (the other episodes' decode goes on meanwhile)
-        others = bool(self.in_flight.difference(nxt))
         admit = self.engine.step if others else getattr(self.engine, "admit", self.engine.step)
         for a in range(0, len(nxt), SUBMIT_CHUNK):
             with self.phase("generate"):
                 self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
-                if a + SUBMIT_CHUNK < len(nxt):
+                if a + SUBMIT_CHUNK < len(nxt) or not last:
                     with self.gen_ctx():
                         admit()
                     self.pending += self.engine.poll()
