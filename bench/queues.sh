@@ -159,8 +159,10 @@
 #             lora_exact), then issue 19's Craftax row: the default (the kernel inside the compiled decode step since
 #             22ba73c), the turn's boundary in chunks of 128 prompts (--submit-chunk 128, prefilled eagerly:
 #             THINKCRAFT_PREFILL_GRAPHS=0), the same with an env call a chunk (THINKCRAFT_ENV_CHUNKED=1; also at 64),
-#             the op off in the compiled step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns; last, the kernel's
-#             tilings swept (mlp_lora_probe.py --tiles); carry [".whl", ".ref/tc-cache"]
+#             the op off in the compiled step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns; then the kernel's
+#             tilings swept (mlp_lora_probe.py --tiles); last, the decode step's GEMMs autotuned
+#             (THINKCRAFT_DECODE_AUTOTUNE=1: cuBLAS's down projection moved 8.9 MB in ~10 us in the s64 profile);
+#             carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -642,7 +644,8 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_envchunk64 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 64 --out ${L}_envchunk64.json"
       "@0 craftax_chunk128_2 220 $E $C --submit-chunk 128 --out ${L}_chunk128_2.json"
       "@0 craftax_envchunk128_2 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_2.json"
-      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json") ;;
+      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
+      "@0 craftax_autotune 420 env THINKCRAFT_DECODE_AUTOTUNE=1 $C --out ${L}_autotune.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
