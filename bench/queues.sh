@@ -156,7 +156,7 @@
 #             last, the rollout's device timeline at the new default (--profile-rollout 2: the prefill's kernels now);
 #             carry [".whl", ".ref/tc-cache"]
 #   craftax34 one GPU (queued 2026-12-07, run the next session): the LoRA kernel's rewritten GPU test (against
-#             lora_exact), then issue 19's Craftax row: the default (the kernel inside the compiled decode step since
+#             lora_exact), the decode step's GEMMs at their shapes (decode_gemm_probe.py), then issue 19's Craftax row: the default (the kernel inside the compiled decode step since
 #             22ba73c), the turn's boundary in chunks of 128 prompts (--submit-chunk 128, prefilled eagerly:
 #             THINKCRAFT_PREFILL_GRAPHS=0), the same with an env call a chunk (THINKCRAFT_ENV_CHUNKED=1; also at 64),
 #             the op off in the compiled step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns; then the kernel's
@@ -636,6 +636,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local E="env THINKCRAFT_PREFILL_GRAPHS=0" L=bench/results/logs/s65_craftax34
       jobs=(
       "@0 mlp_gputests 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 decode_gemms 120 python bench/probes/decode_gemm_probe.py --out ${L}_decode_gemms.json"
       "@0 craftax_default 330 $C --out ${L}_default.json"
       "@0 craftax_chunk128 220 $E $C --submit-chunk 128 --out ${L}_chunk128.json"
       "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
