@@ -55,6 +55,33 @@ def _time_us(fns: list, reps: int) -> float:
     return a.elapsed_time(b) * 1e3 / (reps * len(fns))
 
 
+def _first_shape_cost(dev, dt, calls: int = 6) -> dict:  # noqa: ANN001
+    """The host time of a GEMM whose row count cuBLAS has not met before, against one it has (the prefill's packed
+    token count is new at nearly every call: in the s64 profile each prefill's first layer waited 4-5 ms on the host
+    before each of its GEMMs, the other 23 layers not at all). Rows ~23k (a 256-env turn), each GEMM group's
+    weight; the wall time of one call with the device drained before and after, first against second call."""
+    import time
+
+    import torch
+
+    out: dict[str, float] = {}
+    for name, k, n, adapters in GROUPS:
+        w = torch.randn(n + adapters * 16, k, device=dev, dtype=dt) * 0.02
+        first, again = [], []
+        for j in range(calls):
+            x = torch.randn(23_000 + 37 * j + hash(name) % 29, k, device=dev, dtype=dt)
+            for sink in (first, again):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                torch.mm(x, w.t())
+                t_host = time.perf_counter() - t  # the call's own host time (the kernel runs after it returns)
+                torch.cuda.synchronize()
+                sink.append(t_host * 1e6)
+        out[f"{name}_first_host_us"] = round(sorted(first)[len(first) // 2], 1)
+        out[f"{name}_again_host_us"] = round(sorted(again)[len(again) // 2], 1)
+    return {"group": "first_shape_host_cost", "rows": "~23k, new each call", **out}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
@@ -102,6 +129,8 @@ def main() -> int:
                "card": card(), "date": today()}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    rows.append(_first_shape_cost(dev, dt))
+    print(json.dumps(rows[-1]), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {a.out}")
