@@ -391,6 +391,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "kv_evictions": kv["evictions"], "decode_steps": kv["decode_steps"],
         # decode iterations not launched: every row's last token already in flight (iteration.py `_ends_in_flight`)
         "launches_skipped": kv.get("launches_skipped", 0.0),
+        # eager prefills over a bucket's token count (THINKCRAFT_PREFILL_PAD, prefill_graphs.py `padded_forward`)
+        "prefill_pad": env_switch("THINKCRAFT_PREFILL_PAD"), "prefill_pad_tokens": kv.get("prefill_pad_tokens", 0.0),
         "skip_ended_launch": env_switch("THINKCRAFT_SKIP_ENDED_LAUNCH", default=True), "slots": kv["slots"],
         "slot_tokens": kv["slot_tokens"], "kv_cache": engine_cfg[0], "compiled": engine_cfg[1],
         **{k: round(v, 3) for k, v in decode_means(steady).items()},
@@ -476,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
                                                        "fused_mlp", "fused_mlp_lora", "fused_mlp_lora_compiled", "skip_ended_launch", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing", "env_donates",
-                                                       "env_numpy_inputs", "env_command_buffers", "env_chunked"))
+                                                       "env_numpy_inputs", "env_command_buffers", "env_chunked", "prefill_pad"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -139,6 +139,34 @@ def test_which_calls_stay_eager(monkeypatch) -> None:
     assert len(set(shapes)) < 5  # the premise: some shape came back
 
 
+def test_the_padded_eager_prefill_equals_the_eager_prefill(monkeypatch) -> None:
+    """THINKCRAFT_PREFILL_PAD=1, no graphs: every call runs eagerly over its tokens padded to a bucket (at most 1/64
+    more, at least 64), the same greedy tokens and log-probs as over its own count, the pads counted."""
+    import thinkcraft.llm.hf.cache as cache_mod
+
+    model, tok = tiny_llama()
+    want = _episodes(HFEngine.from_model(model, tok, max_slots=4), tok, turns=4)
+    monkeypatch.setattr(cache_mod, "prefill_inplace_kernel", lambda device, dtype, head_dim: A.varlen_decode_reference)
+    calls: list = []
+    real = PG.padded_forward
+    monkeypatch.setattr("thinkcraft.llm.hf.iteration.padded_forward",
+                        lambda fwd, call, *a: calls.append(len(call.ids)) or real(fwd, call, *a))
+    for pad in ("0", "1"):
+        monkeypatch.setenv("THINKCRAFT_PREFILL_PAD", pad)
+        calls.clear()
+        eng = HFEngine.from_model(model, tok, max_slots=4)
+        assert eng._batcher._prefill_graphs() is None  # the CPU builds no graphs
+        got = _episodes(eng, tok, turns=4)
+        m = eng.decode_metrics()
+        assert eng._batcher._flash_prefill is not None
+        assert len(calls) == (m["prefill_calls"] if pad == "1" else 0) and (pad == "0" or calls)
+        pads = sum(PG.bucket(n, PG.PAD_FINE, 64) - n for n in calls)
+        assert m["prefill_pad_tokens"] == pads and (pad == "0" or pads > 0)
+        for (k, e, tw, lw), (_, _, tg, lg) in zip(want, got):
+            assert tg == tw, (pad, k, e)
+            np.testing.assert_allclose(lg, lw, atol=1e-5)
+
+
 def test_the_switch(monkeypatch) -> None:
     monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", "0")
     assert not PG.prefill_graphs_on()
@@ -147,6 +175,11 @@ def test_the_switch(monkeypatch) -> None:
         PG.prefill_graphs_on()
     monkeypatch.delenv("THINKCRAFT_PREFILL_GRAPHS")
     assert PG.prefill_graphs_on()
+    assert not PG.prefill_pad_on()  # the padded eager prefill: opt-in
+    monkeypatch.setenv("THINKCRAFT_PREFILL_PAD", "yes")
+    with pytest.raises(UserError, match="THINKCRAFT_PREFILL_PAD"):
+        PG.prefill_pad_on()
+    monkeypatch.delenv("THINKCRAFT_PREFILL_PAD")
     # the CPU engine never builds them
     model, tok = tiny_llama()
     eng = HFEngine.from_model(model, tok, max_slots=4)
@@ -167,4 +200,20 @@ def test_prefill_graphs_on_gpu_equal_the_eager_prefill(monkeypatch) -> None:
 
     monkeypatch.setattr(PG, "CAPTURE_AFTER", 1)  # every call replayed (the default would run each shape's first eagerly)
     runs = _bf16_runs(monkeypatch, "THINKCRAFT_PREFILL_GRAPHS", check, turns=5)
+    _agree_in_bf16(runs["0"], runs["1"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the in-place prefill runs on CUDA only")
+def test_padded_eager_prefill_on_gpu_agrees_with_the_eager_prefill(monkeypatch) -> None:
+    """bf16 on a GPU, no prefill graphs: THINKCRAFT_PREFILL_PAD=1 runs every call over a bucket's token count (the
+    pads counted); the same episodes agree with the unpadded calls' (only the GEMMs' other row counts can move a
+    near-tie)."""
+    def check(eng: HFEngine, flag: str) -> None:
+        m = eng.decode_metrics()
+        assert m["flash_prefill"] == 1.0 and m["prefill_graph_replays"] == 0.0
+        assert (m["prefill_pad_tokens"] > 0) == (flag == "1")
+
+    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", "0")
+    runs = _bf16_runs(monkeypatch, "THINKCRAFT_PREFILL_PAD", check, turns=5)
     _agree_in_bf16(runs["0"], runs["1"])

@@ -12,7 +12,7 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
-from thinkcraft.llm.hf.prefill_graphs import PrefillCall, PrefillGraphs
+from thinkcraft.llm.hf.prefill_graphs import PrefillCall, PrefillGraphs, padded_forward
 from thinkcraft.llm.hf.rows import sample_rows_lse, token_logprobs
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, FlashPrefill, PrefillCtx, prefill_kernel
@@ -105,11 +105,16 @@ class IterationMixin:
         if self._dtiming is not None:
             self._dtiming.start("prefill")
         logits = None
-        graphs = self._prefill_graphs() if self._flash_prefill is not None and not traced else None
+        in_place = self._flash_prefill is not None and not traced
+        graphs = self._prefill_graphs() if in_place else None
+        call = PrefillCall(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, (offs > 0) if p else None)
         if graphs is not None:  # a replay (prefill_graphs.py), or None: too large, or the graphs are off
-            call = PrefillCall(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, (offs > 0) if p else None)
             logits = graphs.run(call, kv, p, self._flash_prefill, self._weights_key)
             self._graph_counters(graphs)
+        if logits is None and in_place and self._pad_prefill:  # eager over a bucket's token count (its GEMMs' rows)
+            logits, pads = padded_forward(self._prefill_forward(), call, kv, p, self._flash_prefill, self.eng.pad_id,
+                                          dev)
+            self.counters["prefill_pad_tokens"] += float(pads)
         if logits is None:
             logits = self._prefill_eager(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, n_new, offs, p, traced)
         idx = t(slots)

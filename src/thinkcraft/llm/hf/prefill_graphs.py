@@ -59,6 +59,10 @@ MAX_GRAPHS = 32
 """Graphs kept; a new shape past them runs eagerly (no eviction: a stream of ever-new shapes must not capture at every
 call). A Craftax rollout's later turns need a handful (64 envs, 2026-12-02: 7)."""
 
+PAD_FINE = 64
+"""The eager padded prefill's token buckets (`padded_forward`): a call's packed tokens rounded up to at most 1/64 more
+(256 at a 256-env Craftax turn's ~23k: ~0.5% more tokens on average)."""
+
 SEEN_MAX = 4096
 """Shapes whose calls are counted for `CAPTURE_AFTER` (least recently met forgotten first)."""
 
@@ -73,6 +77,12 @@ def prefill_graphs_on() -> bool:
     """THINKCRAFT_PREFILL_GRAPHS: "1" (default) replays the packed prefill from CUDA graphs where it may (module
     doc), "0" runs it eagerly."""
     return env_switch("THINKCRAFT_PREFILL_GRAPHS", default=True)
+
+
+def prefill_pad_on() -> bool:
+    """THINKCRAFT_PREFILL_PAD: "1" runs a prefill that no graph serves over its tokens padded to a bucket
+    (`padded_forward`), "0" (the default) over its own count."""
+    return env_switch("THINKCRAFT_PREFILL_PAD")
 
 
 def bucket(n: int, fine: int, floor: int) -> int:
@@ -150,6 +160,29 @@ def padded(call: PrefillCall, shape: Shape, pad_id: int, scratch_col: int, slot_
     s += nb
     i32[s:] = [0, nb, 0, prefix_cols, max(shape.prefix_len, 1)]
     return i64, i32
+
+
+def host_arrays(call: PrefillCall, shape: Shape, kv: Any, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """`padded` for the slot cache `kv` (its scratch column, its slots' layout as `attention.slot_rows` views it, the
+    prefix buffer's width)."""
+    hkv, cols = kv.keys[0].shape[1], kv.keys[0].shape[2]
+    return padded(call, shape, pad_id, kv.tokens, hkv * cols, (kv.slots - 1) * hkv * cols + cols,
+                  kv.prefix_keys[0].shape[2])
+
+
+def padded_forward(forward: Callable[..., torch.Tensor], call: PrefillCall, kv: Any, prefix_len: int,
+                   kernel: Callable[..., Any], pad_id: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """`call`'s (B, V) logits from the eager forward over its tokens padded to a bucket (`PAD_FINE`; rows and the
+    longest row as `shape_of`), the padding inert as a graph's (module doc); and the pad tokens computed. Why: the
+    packed token count is every GEMM's row count, and it is new at nearly every call of a rollout - cuBLAS then picks
+    its kernel afresh on the host, and the device waited for that 4-5 ms before each GEMM of the call's first layer
+    (the other layers reuse the pick; H100, 2026-12-07, the s64 rollout profile: ~8 ms a 23k-token call, ~60 ms a
+    256-env rollout). Padded, the calls of a rollout's later turns meet the same few counts again."""
+    shape = shape_of(call, prefix_len)._replace(tokens=bucket(len(call.ids), PAD_FINE, 64))
+    inputs = Inputs(shape, device)
+    inputs.load(*host_arrays(call, shape, kv, pad_id))
+    logits = forward(inputs.ids, inputs.pos, inputs.ctx(kv, shape, kernel), inputs.last)
+    return logits[: len(call.slots)], shape.tokens - len(call.ids)
 
 
 class Inputs:
@@ -245,9 +278,7 @@ class PrefillGraphs:
             if entry is None and not self._capturing(shape):
                 self.declined += 1
                 return None
-            hkv, cols = kv.keys[0].shape[1], kv.keys[0].shape[2]
-            host = padded(call, shape, self.pad_id, kv.tokens, hkv * cols, (kv.slots - 1) * hkv * cols + cols,
-                          kv.prefix_keys[0].shape[2])
+            host = host_arrays(call, shape, kv, self.pad_id)
             if entry is None:
                 entry = self.graphs[shape] = self._capture(shape, kv, kernel, host)
             else:
