@@ -155,14 +155,14 @@
 #             the launch after every row's last token (THINKCRAFT_SKIP_ENDED_LAUNCH=0) once between them;
 #             last, the rollout's device timeline at the new default (--profile-rollout 2: the prefill's kernels now);
 #             carry [".whl", ".ref/tc-cache"]
-#   craftax34 one GPU (queued 2026-12-07, run the next session): the LoRA kernel's rewritten GPU test (against
-#             lora_exact), the decode step's GEMMs at their shapes (decode_gemm_probe.py), then issue 19's Craftax row: the default (the kernel inside the compiled decode step since
-#             22ba73c), the turn's boundary in chunks of 128 prompts (--submit-chunk 128, prefilled eagerly:
-#             THINKCRAFT_PREFILL_GRAPHS=0), the same with an env call a chunk (THINKCRAFT_ENV_CHUNKED=1; also at 64),
-#             the op off in the compiled step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0), in turns; then the kernel's
-#             tilings swept (mlp_lora_probe.py --tiles); last, the decode step's GEMMs autotuned
-#             (THINKCRAFT_DECODE_AUTOTUNE=1: cuBLAS's down projection moved 8.9 MB in ~10 us in the s64 profile);
-#             carry [".whl", ".ref/tc-cache"]
+#   craftax34 one GPU (queued 2026-12-07, run the next session), by value: GPU tests (the LoRA kernel's rewritten
+#             one against lora_exact; the padded eager prefill's), the decode step's GEMMs at their shapes and a new
+#             row count's host cost (decode_gemm_probe.py), then issue 19's Craftax row in turns: the default, the
+#             eager prefill over bucketed token counts (THINKCRAFT_PREFILL_PAD=1), the boundary in chunks of 128 /
+#             64 with an env call a chunk (THINKCRAFT_ENV_CHUNKED=1, prefilled eagerly: THINKCRAFT_PREFILL_GRAPHS=0,
+#             padded or not), the chunks with one env call (--submit-chunk 128), the LoRA op off in the compiled
+#             decode step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0); last, the kernel's tilings (mlp_lora_probe.py
+#             --tiles) and the decode GEMMs autotuned (THINKCRAFT_DECODE_AUTOTUNE=1); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -633,18 +633,20 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_nolora2 220 env THINKCRAFT_FUSED_MLP_LORA=0 $C --out bench/results/logs/s64_craftax33_nolora2.json"
       "@0 craftax_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 4 --profile-rollout 2 --out bench/results/logs/s64_craftax33_rollout_profile.json") ;;
     craftax34) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5"
-      local E="env THINKCRAFT_PREFILL_GRAPHS=0" L=bench/results/logs/s65_craftax34
+      local E="env THINKCRAFT_PREFILL_GRAPHS=0" P="env THINKCRAFT_PREFILL_PAD=1" L=bench/results/logs/s65_craftax34
       jobs=(
-      "@0 mlp_gputests 240 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py tests/test_prefill_graphs.py -q -p no:cacheprovider"
       "@0 decode_gemms 120 python bench/probes/decode_gemm_probe.py --out ${L}_decode_gemms.json"
       "@0 craftax_default 330 $C --out ${L}_default.json"
-      "@0 craftax_chunk128 220 $E $C --submit-chunk 128 --out ${L}_chunk128.json"
-      "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
-      "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out ${L}_eager_op.json"
+      "@0 craftax_pad 220 $P $C --out ${L}_pad.json"
+      "@0 craftax_envchunk128_pad 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 128 --out ${L}_envchunk128_pad.json"
       "@0 craftax_default2 220 $C --out ${L}_default2.json"
-      "@0 craftax_envchunk64 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 64 --out ${L}_envchunk64.json"
-      "@0 craftax_chunk128_2 220 $E $C --submit-chunk 128 --out ${L}_chunk128_2.json"
-      "@0 craftax_envchunk128_2 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_2.json"
+      "@0 craftax_pad2 220 $P $C --out ${L}_pad2.json"
+      "@0 craftax_chunk128 220 $E $C --submit-chunk 128 --out ${L}_chunk128.json"
+      "@0 craftax_envchunk64_pad 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 64 --out ${L}_envchunk64_pad.json"
+      "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out ${L}_eager_op.json"
+      "@0 craftax_envchunk128_pad2 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 128 --out ${L}_envchunk128_pad2.json"
+      "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_autotune 420 env THINKCRAFT_DECODE_AUTOTUNE=1 $C --out ${L}_autotune.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
