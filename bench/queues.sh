@@ -537,7 +537,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@0 gputest 200 python -m pytest -m gpu tests/test_lora_fast.py tests/test_fused_rope.py tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 craftax_default 200 $C --out bench/results/logs/s56_craftax19_default.json"
-      "@0 craftax_envchunk64_pad 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 64 --out ${L}_envchunk64_pad.json"
+      "@0 craftax_chunk128 200 $C --submit-chunk 128 --out bench/results/logs/s56_craftax19_chunk128.json"
       "@0 craftax_chunk64 200 $C --submit-chunk 64 --out bench/results/logs/s56_craftax19_chunk64.json"
       "@0 craftax_merge 200 env THINKCRAFT_LORA_MERGE=1 $C --out bench/results/logs/s56_craftax19_merge.json"
       "@0 craftax_default2 200 $C --out bench/results/logs/s56_craftax19_default2.json") ;;
@@ -642,10 +642,10 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_envchunk128_pad 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 128 --out ${L}_envchunk128_pad.json"
       "@0 craftax_default2 220 $C --out ${L}_default2.json"
       "@0 craftax_pad2 220 $P $C --out ${L}_pad2.json"
-      "@0 craftax_chunk128 220 $E $C --submit-chunk 128 --out ${L}_chunk128.json"
+      "@0 craftax_envchunk64_pad 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 64 --out ${L}_envchunk64_pad.json"
       "@0 craftax_envchunk128_pad2 220 $E THINKCRAFT_ENV_CHUNKED=1 THINKCRAFT_PREFILL_PAD=1 $C --submit-chunk 128 --out ${L}_envchunk128_pad2.json"
       "@0 craftax_eager_op 220 env THINKCRAFT_FUSED_MLP_LORA_COMPILED=0 $C --out ${L}_eager_op.json"
-      "@0 craftax_chunk128 200 $C --submit-chunk 128 --out bench/results/logs/s56_craftax19_chunk128.json"
+      "@0 craftax_chunk128 220 $E $C --submit-chunk 128 --out ${L}_chunk128.json"
       "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_autotune 420 env THINKCRAFT_DECODE_AUTOTUNE=1 $C --out ${L}_autotune.json") ;;
