@@ -98,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             sweep = {}
             for bm in (16, 32, 64, 128):
                 for bn in (64, 128, 256):
-                    for w in (4, 8):
-                        sweep[f"{bm}x{bn}w{w}"] = round(replay_ms(
-                            lambda: fused_mlp.lora_silu_mul(y, n, bt, tiles=(bm, bn), num_warps=w), a.repeats, True), 4)
+                    for warps in (4, 8):  # (not `w`: the weight above, which the next row count's GEMM reads)
+                        sweep[f"{bm}x{bn}w{warps}"] = round(replay_ms(
+                            lambda: fused_mlp.lora_silu_mul(y, n, bt, tiles=(bm, bn), num_warps=warps), a.repeats,
+                            True), 4)
             best = min(sweep, key=sweep.get)
-            rows[-1].update({"tile_default": "x".join(map(str, fused_mlp.lora_tiles(m))), "tile_best": best,
+            rows[-1].update({"tile_default": "{}x{}w{}".format(*[v or 4 for v in fused_mlp.lora_tiles(m)]), "tile_best": best,
                              "tile_best_ms": sweep[best], "tile_ms": sweep})
             print(f"  tiles at {m} rows: best {best} {sweep[best]} ms (default {rows[-1]['tile_default']}: "
                   f"{t_new} ms); " + ", ".join(f"{k} {v}" for k, v in sorted(sweep.items(), key=lambda kv: kv[1])[:6]))
