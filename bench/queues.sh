@@ -163,6 +163,13 @@
 #             padded or not), the chunks with one env call (--submit-chunk 128), the LoRA op off in the compiled
 #             decode step (THINKCRAFT_FUSED_MLP_LORA_COMPILED=0); last, the kernel's tilings (mlp_lora_probe.py
 #             --tiles) and the decode GEMMs autotuned (THINKCRAFT_DECODE_AUTOTUNE=1); carry [".whl", ".ref/tc-cache"]
+#   craftax35 one GPU (queued 2026-12-07, fourth session, for the next lease): the LoRA kernel's GPU test (its
+#             one-flip bound) and tile sweep (the decode tile now 32x128 w8), then issue 19's row over 8 steps (the
+#             prefill graphs' captures settle): the default against the boundary in chunks of 128 prompts with the
+#             chunks replayed from prefill graphs (the default PREFILL_GRAPHS=1; craftax34's eager chunks were bound
+#             by the ~50 ms of host launches a call), with one env call or one a chunk (THINKCRAFT_ENV_CHUNKED=1),
+#             in turns; a cProfile of a rollout on the GPU host (--profile-host 3: where the boundary's ~0.3-0.4 s
+#             of device idle goes); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -223,7 +230,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 craftax34 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 craftax34 craftax35 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -649,6 +656,18 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_autotune 420 env THINKCRAFT_DECODE_AUTOTUNE=1 $C --out ${L}_autotune.json") ;;
+    craftax35) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
+      local L=bench/results/logs/s66_craftax35
+      jobs=(
+      "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
+      "@0 craftax_default 360 $C --out ${L}_default.json"
+      "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
+      "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
+      "@0 craftax_default2 260 $C --out ${L}_default2.json"
+      "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
+      "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
+      "@0 craftax_envchunk128_graphs2 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"
