@@ -168,8 +168,9 @@
 #             prefill graphs' captures settle): the default against the boundary in chunks of 128 prompts with the
 #             chunks replayed from prefill graphs (the default PREFILL_GRAPHS=1; craftax34's eager chunks were bound
 #             by the ~50 ms of host launches a call), with one env call or one a chunk (THINKCRAFT_ENV_CHUNKED=1),
-#             in turns; a cProfile of a rollout on the GPU host (--profile-host 3: where the boundary's ~0.3-0.4 s
-#             of device idle goes); carry [".whl", ".ref/tc-cache"]
+#             in turns, and the episodes in 2 / 4 cohorts started apart, each one's boundary in pieces while the
+#             others decode (THINKCRAFT_ROLLOUT_COHORTS); a cProfile of a rollout on the GPU host (--profile-host 3:
+#             where the boundary's ~0.3-0.4 s of device idle goes); carry [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -662,9 +663,12 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_default 360 $C --out ${L}_default.json"
+      "@0 craftax_cohorts2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2.json"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
       "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
+      "@0 craftax_cohorts2_2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2_2.json"
+      "@0 craftax_cohorts4 260 env THINKCRAFT_ROLLOUT_COHORTS=4 $C --out ${L}_cohorts4.json"
       "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
       "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
       "@0 craftax_envchunk128_graphs2 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs2.json") ;;

@@ -156,6 +156,62 @@ def test_env_chunks_step_apart_and_play_the_same_lockstep_turns(policy, monkeypa
     assert played["0"] == played["1"] and all(len(e) == 3 for e in played["1"])
 
 
+def test_cohorts_start_apart_and_play_the_same_episodes(policy, monkeypatch) -> None:
+    """THINKCRAFT_ROLLOUT_COHORTS=2: the second half of the episodes starts two decode steps after the first (5-token
+    replies), so the halves come back apart and each steps its env on its own (indices of its episodes) while the
+    other decodes, its boundary in pieces between engine steps (COHORT_PIECE 2: the env call, two prompt pieces, the
+    submit); the greedy episodes are the very ones of the one-cohort rollout, and the halves decode together
+    between their boundaries."""
+    import importlib
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    monkeypatch.setattr(module, "COHORT_PIECE", 2)
+    cfg, model, tok = policy
+    played, steps_in_boundary = {}, []
+    real_advance = module._Continuous._advance
+
+    def advance(self):  # noqa: ANN001, ANN202 - count the pieces run while other episodes are in flight
+        steps_in_boundary.append(bool(self.in_flight))
+        return real_advance(self)
+
+    monkeypatch.setattr(module._Continuous, "_advance", advance)
+    for cohorts in ("1", "2"):
+        monkeypatch.setenv("THINKCRAFT_ROLLOUT_COHORTS", cohorts)
+        steps_in_boundary.clear()
+        engine = LP.make_engine(model, tok, cfg)
+        engine.eos_ids = set()  # every reply runs to max_new_tokens
+        env, metrics = TurnsEnv(), {}
+        eps = LP.rollout(env, engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
+                         sampling=SamplingParams(max_new_tokens=5, temperature=0.0), history_turns=-1,
+                         metrics=metrics, env_batch_frac=0.25)
+        played[cohorts] = [[(t.obs, t.prompt_ids, t.completion_ids, t.reward) for t in e.turns] for e in eps]
+        if cohorts == "1":
+            assert env.calls == [None] * 3 and not steps_in_boundary
+            assert metrics["engine/rows_per_decode_step"] == 6
+        else:
+            # each half's three env steps on its own episodes; the last of the second half is all that is active
+            assert sorted(map(str, env.calls)) == sorted(map(str, [[0, 1, 2]] * 3 + [[3, 4, 5]] * 2 + [None]))
+            assert any(steps_in_boundary)  # pieces ran between the other half's decode steps
+            assert 3 < metrics["engine/rows_per_decode_step"] < 6  # together between boundaries, alone at them
+        assert metrics["engine/host_length_ends"] == 0 and engine.pending() == 0
+    assert played["1"] == played["2"] and all(len(e) == 3 for e in played["2"])
+
+
+def test_the_cohorts_switch(monkeypatch) -> None:
+    import importlib
+
+    from thinkcraft.utils.errors import UserError
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    assert module.rollout_cohorts() == 1
+    monkeypatch.setenv("THINKCRAFT_ROLLOUT_COHORTS", "3")
+    assert module.rollout_cohorts() == 3
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("THINKCRAFT_ROLLOUT_COHORTS", bad)
+        with pytest.raises(UserError, match="THINKCRAFT_ROLLOUT_COHORTS"):
+            module.rollout_cohorts()
+
+
 def test_a_template_that_rewrites_earlier_turns_is_counted(policy) -> None:
     cfg, model, tok = policy
     import copy
