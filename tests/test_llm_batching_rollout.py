@@ -197,6 +197,44 @@ def test_cohorts_start_apart_and_play_the_same_episodes(policy, monkeypatch) -> 
     assert played["1"] == played["2"] and all(len(e) == 3 for e in played["2"])
 
 
+class AsyncTurnsEnv(TurnsEnv):
+    """TurnsEnv with `step_async`: records the engine steps seen at each half (`clock` is set by the test)."""
+
+    def step_async(self, actions, indices=None):
+        at = self.clock()
+        res = self.step(actions, indices)
+
+        def finish():
+            self.halves.append((at, self.clock()))
+            return res
+
+        return finish
+
+
+def test_a_cohort_finishes_its_env_step_after_the_others_decode(policy, monkeypatch) -> None:
+    """With cohorts, an env that has `step_async` (Craftax) is dispatched in one piece and finished in a later one,
+    an engine step of the other cohort between them; the episodes are still the one-cohort rollout's."""
+    cfg, model, tok = policy
+    played = {}
+    for cohorts in ("1", "2"):
+        monkeypatch.setenv("THINKCRAFT_ROLLOUT_COHORTS", cohorts)
+        engine = LP.make_engine(model, tok, cfg)
+        engine.eos_ids = set()
+        steps = []
+        real = engine.step
+        monkeypatch.setattr(engine, "step", lambda: steps.append(1) or real())
+        env = AsyncTurnsEnv()
+        env.clock, env.halves = (lambda: len(steps)), []
+        eps = LP.rollout(env, engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
+                         sampling=SamplingParams(max_new_tokens=6, temperature=0.0), history_turns=-1, env_batch_frac=0.25)
+        played[cohorts] = [[(t.obs, t.completion_ids) for t in e.turns] for e in eps]
+        if cohorts == "2":
+            assert env.halves and any(b > a for a, b in env.halves)
+        else:
+            assert not env.halves  # one cohort: the plain step
+    assert played["1"] == played["2"]
+
+
 def test_the_cohorts_switch(monkeypatch) -> None:
     import importlib
 

@@ -513,12 +513,19 @@ class _Continuous:
 
     def _boundary_pieces(self, results: list) -> Iterator[None]:
         """A cohort's boundary while other episodes decode, as pieces of host work each short enough to sit between
-        two engine steps (a decode iteration, ~2.5 ms on the device): the env call, the next prompts `COHORT_PIECE`
-        episodes at a time, then every request submitted at once (the next step prefills them as one call)."""
+        two engine steps (a decode iteration, ~2.5 ms on the device): the env call dispatched, then finished (its copy
+        back and render; an env without `step_async` steps whole there), the next prompts `COHORT_PIECE` episodes at
+        a time, then every request submitted at once (the next step prefills them as one call)."""
         self._flush()
         idx = [r.tag for r in results]
+        texts = [r.completion.text for r in results]
+        with self.phase("env"):  # an env with `step_async` (Craftax) dispatches its step now, finishes it next piece
+            start = getattr(self.env, "step_async", None)
+            finish = start(texts, indices=idx) if start is not None else functools.partial(self.env.step, texts,
+                                                                                           indices=idx)
+        yield
         with self.phase("env"):
-            res = self.env.step([r.completion.text for r in results], indices=idx)
+            res = finish()
         yield
         nxt, comps = self._after_env(idx, results, res)
         built: list[list[int]] = []
