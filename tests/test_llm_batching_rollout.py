@@ -235,6 +235,16 @@ def test_a_cohort_finishes_its_env_step_after_the_others_decode(policy, monkeypa
     assert played["1"] == played["2"]
 
 
+def test_more_cohorts_than_episodes(policy, monkeypatch) -> None:
+    """Eight cohorts for two episodes: one episode a cohort, both played to the end."""
+    monkeypatch.setenv("THINKCRAFT_ROLLOUT_COHORTS", "8")
+    cfg, model, tok = policy
+    engine = LP.make_engine(model, tok, cfg)
+    eps = LP.rollout(TurnsEnv(), engine, tok, seeds=[3], samples_per_seed=2,
+                     sampling=SamplingParams(max_new_tokens=4, temperature=0.0), history_turns=-1)
+    assert [len(e.turns) for e in eps] == [3, 3] and engine.pending() == 0
+
+
 def test_the_cohorts_switch(monkeypatch) -> None:
     import importlib
 

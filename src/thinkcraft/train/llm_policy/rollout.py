@@ -464,8 +464,9 @@ class _Continuous:
         # THINKCRAFT_ROLLOUT_COHORTS=C: the episodes in C cohorts, cohort k's first turn submitted k / C of a turn's
         # decode steps after the first's - their turns then end apart, and each cohort's boundary (env, prompts)
         # runs in pieces between the engine steps that decode the others (`_boundary_pieces`)
-        blocks = [list(range(k * n // self.cohorts, (k + 1) * n // self.cohorts)) for k in range(self.cohorts)]
-        gap = max(self.sampling.max_new_tokens // self.cohorts, 1)
+        c = max(min(self.cohorts, n), 1)  # (fewer episodes than cohorts: one episode a cohort)
+        blocks = [list(range(k * n // c, (k + 1) * n // c)) for k in range(c)]
+        gap = max(self.sampling.max_new_tokens // c, 1)
         later = deque((k * gap, b) for k, b in enumerate(blocks[1:], 1) if b)
         with self.phase("generate"):
             self._submit(blocks[0], [None] * len(blocks[0]))
