@@ -464,9 +464,9 @@ class _Continuous:
         # THINKCRAFT_ROLLOUT_COHORTS=C: the episodes in C cohorts, cohort k's first turn submitted k / C of a turn's
         # decode steps after the first's - their turns then end apart, and each cohort's boundary (env, prompts)
         # runs in pieces between the engine steps that decode the others (`_boundary_pieces`)
-        c = max(min(self.cohorts, n), 1)  # (fewer episodes than cohorts: one episode a cohort)
-        blocks = [list(range(k * n // c, (k + 1) * n // c)) for k in range(c)]
-        gap = max(self.sampling.max_new_tokens // c, 1)
+        cohorts = max(min(self.cohorts, n), 1)  # (fewer episodes than cohorts: one episode a cohort)
+        blocks = [list(range(k * n // cohorts, (k + 1) * n // cohorts)) for k in range(cohorts)]
+        gap = max(self.sampling.max_new_tokens // cohorts, 1)
         later = deque((k * gap, b) for k, b in enumerate(blocks[1:], 1) if b)
         with self.phase("generate"):
             self._submit(blocks[0], [None] * len(blocks[0]))
@@ -476,10 +476,9 @@ class _Continuous:
                 self.engine.reserve(n, per_turn * max(int(self.env.max_turns), 1), len(self.prefix))
         steps = 0
         while self.in_flight or self.pending or self.task is not None or later:
-            if later and (steps >= later[0][0] or not self.in_flight):
-                with self.phase("generate"):
-                    block = later.popleft()[1]
-                    self._submit(block, [None] * len(block))
+            if later and self.task is None and (steps >= later[0][0] or not self.in_flight):
+                self.task = self._first_pieces(later.popleft()[1])  # a later cohort's first prompts, in pieces
+                self._advance()
             if self.in_flight:
                 with self.phase("generate"), self.gen_ctx():
                     self.engine.step()
@@ -511,6 +510,18 @@ class _Continuous:
             next(self.task)  # type: ignore[arg-type]
         except StopIteration:
             self.task = None
+
+    def _first_pieces(self, block: list[int]) -> Iterator[None]:
+        """A later cohort's first prompts (whole ones: a render each) `COHORT_PIECE` episodes a piece, then submitted
+        at once - between the engine steps that decode the cohorts started before it."""
+        built: list[list[int]] = []
+        for a in range(0, len(block), COHORT_PIECE):
+            part = block[a : a + COHORT_PIECE]
+            with self.phase("generate"):
+                built += self.prompts.next(part, [self.obs[i] for i in part], [None] * len(part))
+            yield
+        with self.phase("generate"):
+            self._send(block, built)
 
     def _boundary_pieces(self, results: list) -> Iterator[None]:
         """A cohort's boundary while other episodes decode, as pieces of host work each short enough to sit between
