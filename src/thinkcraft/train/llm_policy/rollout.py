@@ -527,8 +527,9 @@ class _Continuous:
         """A cohort's boundary while other episodes decode, as pieces of host work each short enough to sit between
         two engine steps (a decode iteration, ~2.5 ms on the device): the env call dispatched, then finished (its copy
         back and render; an env without `step_async` steps whole there), the next prompts `COHORT_PIECE` episodes at
-        a time, then every request submitted at once (the next step prefills them as one call)."""
-        self._flush()
+        a time, then every request submitted at once (the next step prefills them as one call). No flush of the
+        deferred records first (as `_env_step` does): they run in order, so an episode's earlier turn is recorded
+        before this one either way, and flushing them here made one long piece."""
         idx = [r.tag for r in results]
         texts = [r.completion.text for r in results]
         with self.phase("env"):  # an env with `step_async` (Craftax) dispatches its step now, finishes it next piece
