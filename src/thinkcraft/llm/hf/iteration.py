@@ -107,7 +107,8 @@ class IterationMixin:
         logits = None
         in_place = self._flash_prefill is not None and not traced
         graphs = self._prefill_graphs() if in_place else None
-        call = PrefillCall(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, (offs > 0) if p else None)
+        call = PrefillCall(ids_h, pos_h, tok_slot, tok_col, cu_q, slots, total, (offs > 0) if p else None) \
+            if in_place else None
         if graphs is not None:  # a replay (prefill_graphs.py), or None: too large, or the graphs are off
             logits = graphs.run(call, kv, p, self._flash_prefill, self._weights_key)
             self._graph_counters(graphs)

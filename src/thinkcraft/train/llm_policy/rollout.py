@@ -443,8 +443,9 @@ class _Continuous:
         self.env_batch_frac = env_batch_frac
         self.env_chunked = env_switch("THINKCRAFT_ENV_CHUNKED")
         """Each submit chunk's turns step the env on their own (`_env_step`; off: one env call a boundary)."""
-        self.cohorts = rollout_cohorts() if history_turns < 0 else 1
-        """Cohorts of episodes started apart (`run`), whose boundaries run in pieces while another decodes."""
+        self.cohorts = max(min(rollout_cohorts(), len(episodes)), 1) if history_turns < 0 else 1
+        """Cohorts of episodes started apart (`run`), whose boundaries run in pieces while another decodes (no more
+        than the episodes: one episode a cohort)."""
         self.task: Iterator[None] | None = None
         """A cohort's boundary in progress (`_boundary_pieces`): one piece after each engine step."""
         self.append_only = history_turns < 0
@@ -464,9 +465,9 @@ class _Continuous:
         # THINKCRAFT_ROLLOUT_COHORTS=C: the episodes in C cohorts, cohort k's first turn submitted k / C of a turn's
         # decode steps after the first's - their turns then end apart, and each cohort's boundary (env, prompts)
         # runs in pieces between the engine steps that decode the others (`_boundary_pieces`)
-        cohorts = max(min(self.cohorts, n), 1)  # (fewer episodes than cohorts: one episode a cohort)
-        blocks = [list(range(k * n // cohorts, (k + 1) * n // cohorts)) for k in range(cohorts)]
-        gap = max(self.sampling.max_new_tokens // cohorts, 1)
+        c = self.cohorts
+        blocks = [list(range(k * n // c, (k + 1) * n // c)) for k in range(c)]
+        gap = max(self.sampling.max_new_tokens // c, 1)
         later = deque((k * gap, b) for k, b in enumerate(blocks[1:], 1) if b)
         with self.phase("generate"):
             self._submit(blocks[0], [None] * len(blocks[0]))
@@ -514,14 +515,19 @@ class _Continuous:
     def _first_pieces(self, block: list[int]) -> Iterator[None]:
         """A later cohort's first prompts (whole ones: a render each) `COHORT_PIECE` episodes a piece, then submitted
         at once - between the engine steps that decode the cohorts started before it."""
+        yield from self._prompt_pieces(block, [None] * len(block))
+
+    def _prompt_pieces(self, idx: list[int], comps: list) -> Iterator[None]:
+        """Episodes `idx`'s next prompts (their last completions `comps`) built `COHORT_PIECE` episodes a piece, then
+        all submitted at once (the next engine step prefills them together)."""
         built: list[list[int]] = []
-        for a in range(0, len(block), COHORT_PIECE):
-            part = block[a : a + COHORT_PIECE]
+        for a in range(0, len(idx), COHORT_PIECE):
+            part = idx[a : a + COHORT_PIECE]
             with self.phase("generate"):
-                built += self.prompts.next(part, [self.obs[i] for i in part], [None] * len(part))
+                built += self.prompts.next(part, [self.obs[i] for i in part], comps[a : a + COHORT_PIECE])
             yield
         with self.phase("generate"):
-            self._send(block, built)
+            self._send(idx, built)
 
     def _boundary_pieces(self, results: list) -> Iterator[None]:
         """A cohort's boundary while other episodes decode, as pieces of host work each short enough to sit between
@@ -540,15 +546,7 @@ class _Continuous:
         with self.phase("env"):
             res = finish()
         yield
-        nxt, comps = self._after_env(idx, results, res)
-        built: list[list[int]] = []
-        for a in range(0, len(nxt), COHORT_PIECE):
-            with self.phase("generate"):
-                built += self.prompts.next(nxt[a : a + COHORT_PIECE], [self.obs[i] for i in nxt[a : a + COHORT_PIECE]],
-                                           comps[a : a + COHORT_PIECE])
-            yield
-        with self.phase("generate"):
-            self._send(nxt, built)
+        yield from self._prompt_pieces(*self._after_env(idx, results, res))
 
     def _env_step(self, results: list) -> None:
         self._flush()  # the previous env step's records first: an episode's turns stay in order
