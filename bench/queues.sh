@@ -660,17 +660,17 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     craftax35) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
       local L=bench/results/logs/s66_craftax35
       jobs=(
-      "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
-      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_default 360 $C --out ${L}_default.json"
       "@0 craftax_cohorts2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2.json"
-      "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
-      "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
+      "@0 craftax_cohorts4 260 env THINKCRAFT_ROLLOUT_COHORTS=4 $C --out ${L}_cohorts4.json"
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
       "@0 craftax_cohorts2_2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2_2.json"
-      "@0 craftax_cohorts4 260 env THINKCRAFT_ROLLOUT_COHORTS=4 $C --out ${L}_cohorts4.json"
-      "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
+      "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
       "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
+      "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
+      "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
+      "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
+      "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
       "@0 craftax_envchunk128_graphs2 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs2.json") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
