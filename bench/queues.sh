@@ -663,6 +663,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_default 360 $C --out ${L}_default.json"
       "@0 craftax_cohorts2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2.json"
       "@0 craftax_cohorts4 260 env THINKCRAFT_ROLLOUT_COHORTS=4 $C --out ${L}_cohorts4.json"
+      "@0 craftax_cohorts2_merge 260 env THINKCRAFT_ROLLOUT_COHORTS=2 THINKCRAFT_LORA_MERGE=1 $C --out ${L}_cohorts2_merge.json"
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
       "@0 craftax_cohorts2_2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2_2.json"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
