@@ -478,7 +478,8 @@ class _Continuous:
         steps = 0
         while self.in_flight or self.pending or self.task is not None or later:
             if later and self.task is None and (steps >= later[0][0] or not self.in_flight):
-                self.task = self._first_pieces(later.popleft()[1])  # a later cohort's first prompts, in pieces
+                block = later.popleft()[1]  # a later cohort's first prompts (no completion yet), in pieces
+                self.task = self._prompt_pieces(block, [None] * len(block))
                 self._advance()
             if self.in_flight:
                 with self.phase("generate"), self.gen_ctx():
@@ -511,11 +512,6 @@ class _Continuous:
             next(self.task)  # type: ignore[arg-type]
         except StopIteration:
             self.task = None
-
-    def _first_pieces(self, block: list[int]) -> Iterator[None]:
-        """A later cohort's first prompts (whole ones: a render each) `COHORT_PIECE` episodes a piece, then submitted
-        at once - between the engine steps that decode the cohorts started before it."""
-        yield from self._prompt_pieces(block, [None] * len(block))
 
     def _prompt_pieces(self, idx: list[int], comps: list) -> Iterator[None]:
         """Episodes `idx`'s next prompts (their last completions `comps`) built `COHORT_PIECE` episodes a piece, then
