@@ -270,8 +270,9 @@ def torch_profile(fn: Any, cuda: bool, base: Path, label: str, top: int = 25, sh
 def host_profile(fn: Any, path: Path, label: str, top: int = 45) -> Any:
     """fn() once under cProfile (the host's Python, not the device: CUDA launches return at once, a wait shows as
     the synchronising call's own time). Writes `path`: the wall time, then the top functions by their own time and
-    by their time with callees. cProfile slows Python-heavy code (~1.5-2x), so the shares matter, not the seconds;
-    prints the top few by own time."""
+    by their time with callees, and the raw stats beside it (`path` with `.prof`: `python -m pstats` reads every
+    function's callers and callees there, where the text keeps the top few). cProfile slows Python-heavy code
+    (~1.5-2x), so the shares matter, not the seconds; prints the top few by own time."""
     import cProfile
     import io
     import pstats
@@ -290,6 +291,7 @@ def host_profile(fn: Any, path: Path, label: str, top: int = 45) -> Any:
     stats.sort_stats("cumulative").print_stats(top)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{label}: wall {wall:.3f} s under cProfile\n{out.getvalue()}")
+    prof.dump_stats(str(path.with_suffix(".prof")))
     own = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:6]  # (file, line, name) -> (cc, nc, tt, ct, callers)
     print(f"  host profile ({label}): wall {wall:.2f} s; own time: "
           + ", ".join(f"{k[2]} {v[2]:.3f} s" for k, v in own) + f" -> {path}", flush=True)

@@ -401,11 +401,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "rollout_profiled_step": rollout_at, "host_profiled_step": host_at,
         "submit_chunk": submit_chunk,
         # each submit chunk of a boundary its own env call (THINKCRAFT_ENV_CHUNKED, rollout.py `_env_step`)
-        "env_chunked": env_switch("THINKCRAFT_ENV_CHUNKED"), "env": a.env,
-        # the episodes in cohorts started apart, each one's boundary in pieces while the others decode
-        # (THINKCRAFT_ROLLOUT_COHORTS, rollout.py `_Continuous.run`)
-        "rollout_cohorts": importlib.import_module("thinkcraft.train.llm_policy.rollout").rollout_cohorts(),
-        "lora_fast_layers": lora_counts["fast"],
+        "env_chunked": env_switch("THINKCRAFT_ENV_CHUNKED"), "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
         "fused_sampler": fused_sampler, "split_decode": split_decode,
@@ -482,8 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "split_prefix_rows", "lora_add_op", "decode_autotune",
                                                        "fused_mlp", "fused_mlp_lora", "fused_mlp_lora_compiled", "skip_ended_launch", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing", "env_donates",
-                                                       "env_numpy_inputs", "env_command_buffers", "env_chunked", "prefill_pad",
-                                                       "rollout_cohorts"))
+                                                       "env_numpy_inputs", "env_command_buffers", "env_chunked", "prefill_pad"))
     print_table(rows, COLS)
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1

@@ -54,27 +54,6 @@ def test_stepping_a_subset_equals_stepping_all(env):
     assert env.active_indices() == [0, 1, 2]
 
 
-def test_step_async_is_step_in_two_halves(env):
-    """`step_async` dispatches now and finishes when its function is called: the same result as `step`; a second
-    step before the first finished, or finishing twice, is a clear error; a reset drops an unfinished step."""
-    actions = ["Action: do", "Action: move_left", "Action: noop"]
-    env.reset([5, 6, 7])
-    want = env.step(actions)
-    env.reset([5, 6, 7])
-    finish = env.step_async(actions[:2], indices=[0, 1])
-    with pytest.raises(RuntimeError, match="still unfinished"):
-        env.step(actions[2:], indices=[2])
-    got = finish()
-    with pytest.raises(RuntimeError, match="already finished"):
-        finish()
-    rest = env.step(actions[2:], indices=[2])
-    assert got.observations + rest.observations == want.observations
-    np.testing.assert_allclose([*got.rewards, *rest.rewards], want.rewards)
-    env.step_async(actions)
-    # (three episodes again: another count would compile another step, which the tests below count)
-    assert len(env.reset([1, 2, 3])) == 3 and len(env.step(["Action: noop"] * 3).observations) == 3
-
-
 def test_a_reset_state_and_a_stepped_state_share_one_compiled_step(env):
     """reset's state is strongly typed like a stepped one: the second step call does not compile the step again
     (it did: 24 weakly typed leaves after a reset; a Craftax-Symbolic step compile is tens of seconds)."""

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -143,13 +142,10 @@ class CraftaxTextEnv:
         self._num_actions = 0
         self._steps = 0
         self._phase_s = dict.fromkeys(("parse", "dispatch", "fetch", "render", "rest"), 0.0)
-        self._unfinished = False  # a step_async whose second half has not run yet
 
     def reset(self, seeds: Sequence[int]) -> list[str]:
         jax = self._jax
         import jax.numpy as jnp
-
-        self._unfinished = False  # a step left unfinished belonged to the episodes this reset replaces
 
         # one call: keys from the seeds, split, reset, the semantic arrays (eagerly, the vmapped PRNGKey and split
         # were dispatches of their own)
@@ -177,17 +173,6 @@ class CraftaxTextEnv:
         return [int(i) for i in np.flatnonzero(~self._done)]
 
     def step(self, actions_text: Sequence[str], indices: Sequence[int] | None = None) -> StepResult:
-        return self.step_async(actions_text, indices)()
-
-    def step_async(self, actions_text: Sequence[str], indices: Sequence[int] | None = None
-                   ) -> Callable[[], StepResult]:
-        """`step` in two halves: the actions parsed and the compiled call dispatched now (the device runs it), the
-        rest - the copy back, the bookkeeping, the render - when the returned function is called (once, before
-        any other step or reset). Why: a continuous rollout's cohort (`THINKCRAFT_ROLLOUT_COHORTS`) lets the engine
-        decode the other episodes between the two."""
-        if self._unfinished:
-            raise RuntimeError("a step of this env is still unfinished: call the function its step_async returned "
-                               "before stepping again")
         jax = self._jax
         import jax.numpy as jnp
 
@@ -218,19 +203,6 @@ class CraftaxTextEnv:
         feed = (actions, still) if self.numpy_inputs else (jnp.asarray(actions), jnp.asarray(still))
         self._keys, self._state, reward, done, sem = self._advance(self._keys, self._state, *feed)
         t2 = time.perf_counter()
-        self._unfinished = True
-        self._phase_s["parse"] += t1 - t0
-        self._phase_s["dispatch"] += t2 - t1
-        return functools.partial(self._finish_step, active, actions, invalid, reward, done, sem)
-
-    def _finish_step(self, active: list[int], actions: np.ndarray, invalid: np.ndarray, reward: Any, done: Any,
-                     sem: Any) -> StepResult:
-        """`step_async`'s second half: the results to the host, the episodes' counters, their observations."""
-        if not self._unfinished:
-            raise RuntimeError("this step is already finished (each function step_async returns runs once)")
-        jax = self._jax
-        self._unfinished = False
-        t2 = time.perf_counter()
         reward, done, sem = jax.device_get((reward, done, sem))
         t3 = time.perf_counter()
         reward = np.asarray(reward, dtype=np.float32)
@@ -247,6 +219,8 @@ class CraftaxTextEnv:
         obs = [o if not (te or tr) else "" for o, te, tr in zip(obs_all, terminated, truncated)]
         infos = [{"action": int(actions[i]), "invalid": bool(invalid[i]), "env_reward": float(reward[i])} for i in active]
         t = self._phase_s
+        t["parse"] += t1 - t0
+        t["dispatch"] += t2 - t1
         t["fetch"] += t3 - t2
         t["render"] += t5 - t4
         t["rest"] += (t4 - t3) + (time.perf_counter() - t5)

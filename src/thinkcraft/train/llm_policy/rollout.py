@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -443,11 +443,6 @@ class _Continuous:
         self.env_batch_frac = env_batch_frac
         self.env_chunked = env_switch("THINKCRAFT_ENV_CHUNKED")
         """Each submit chunk's turns step the env on their own (`_env_step`; off: one env call a boundary)."""
-        self.cohorts = max(min(rollout_cohorts(), len(episodes)), 1) if history_turns < 0 else 1
-        """Cohorts of episodes started apart (`run`), whose boundaries run in pieces while another decodes (no more
-        than the episodes: one episode a cohort)."""
-        self.task: Iterator[None] | None = None
-        """A cohort's boundary in progress (`_boundary_pieces`): one piece after each engine step."""
         self.append_only = history_turns < 0
         self.rid = next(_ROLLOUT_IDS)
         self.prompts = ChatPrompts(tokenizer, env.system_prompt, len(episodes), history_turns, sampling=sampling)
@@ -462,87 +457,26 @@ class _Continuous:
 
     def run(self) -> None:
         n = len(self.episodes)
-        # THINKCRAFT_ROLLOUT_COHORTS=C: the episodes in C cohorts, cohort k's first turn submitted k / C of a turn's
-        # decode steps after the first's - their turns then end apart, and each cohort's boundary (env, prompts)
-        # runs in pieces between the engine steps that decode the others (`_boundary_pieces`)
-        c = self.cohorts
-        blocks = [list(range(k * n // c, (k + 1) * n // c)) for k in range(c)]
-        gap = max(self.sampling.max_new_tokens // c, 1)
-        later = deque((k * gap, b) for k, b in enumerate(blocks[1:], 1) if b)
         with self.phase("generate"):
-            self._submit(blocks[0], [None] * len(blocks[0]))
+            self._submit(list(range(n)), [None] * n)
             if self.append_only:  # size the cache for whole episodes once (no reallocation as they grow)
-                first = max(len(c.ids) for c in self.chats[: len(blocks[0])]) - len(self.prefix)
+                first = max(len(c.ids) for c in self.chats) - len(self.prefix)
                 per_turn = first + self.sampling.max_new_tokens + 16
                 self.engine.reserve(n, per_turn * max(int(self.env.max_turns), 1), len(self.prefix))
-        steps = 0
-        while self.in_flight or self.pending or self.task is not None or later:
-            if later and self.task is None and (steps >= later[0][0] or not self.in_flight):
-                block = later.popleft()[1]  # a later cohort's first prompts (no completion yet), in pieces
-                self.task = self._prompt_pieces(block, [None] * len(block))
-                self._advance()
+        while self.in_flight or self.pending:
             if self.in_flight:
                 with self.phase("generate"), self.gen_ctx():
                     self.engine.step()
                     self.pending += self.engine.poll()
-                steps += 1
-                if self.task is not None:  # the step just launched the next iteration: one piece of a boundary
-                    self._advance()
-                elif self.deferred:  # ... or of the records
+                if self.deferred:  # the step just launched the next iteration: the device is busy for a while
                     with self.phase("records"):
                         self.deferred.popleft()()
-            elif self.task is not None:  # nothing decodes: the boundary in progress at once
-                while self.task is not None:
-                    self._advance()
             self.in_flight.difference_update(r.tag for r in self.pending)
             waiting = len(self.pending)
-            if self.task is None and waiting and (not self.in_flight or waiting >= self.env_batch_frac * (
-                    waiting + len(self.in_flight))):
+            if waiting and (not self.in_flight or waiting >= self.env_batch_frac * (waiting + len(self.in_flight))):
                 results, self.pending = self.pending, []
-                if self.cohorts > 1 and self.in_flight:
-                    self.task = self._boundary_pieces(results)
-                    self._advance()
-                else:
-                    self._env_step(results)
+                self._env_step(results)
         self._flush()
-
-    def _advance(self) -> None:
-        """One piece of the boundary in progress (`task`); None once it is done."""
-        try:
-            next(self.task)  # type: ignore[arg-type]
-        except StopIteration:
-            self.task = None
-
-    def _prompt_pieces(self, idx: list[int], comps: list) -> Iterator[None]:
-        """Episodes `idx`'s next prompts (their last completions `comps`) built `COHORT_PIECE` episodes a piece, then
-        all submitted at once (the next engine step prefills them together)."""
-        built: list[list[int]] = []
-        for a in range(0, len(idx), COHORT_PIECE):
-            part = idx[a : a + COHORT_PIECE]
-            with self.phase("generate"):
-                built += self.prompts.next(part, [self.obs[i] for i in part], comps[a : a + COHORT_PIECE])
-            yield
-        with self.phase("generate"):
-            self._send(idx, built)
-
-    def _boundary_pieces(self, results: list) -> Iterator[None]:
-        """A cohort's boundary while other episodes decode, as pieces of host work each short enough to sit between
-        two engine steps (a decode iteration, ~2.5 ms on the device): the env call dispatched, then finished (its copy
-        back and render; an env without `step_async` steps whole there), the next prompts `COHORT_PIECE` episodes at
-        a time, then every request submitted at once (the next step prefills them as one call). No flush of the
-        deferred records first (as `_env_step` does): they run in order, so an episode's earlier turn is recorded
-        before this one either way, and flushing them here made one long piece."""
-        idx = [r.tag for r in results]
-        texts = [r.completion.text for r in results]
-        with self.phase("env"):  # an env with `step_async` (Craftax) dispatches its step now, finishes it next piece
-            start = getattr(self.env, "step_async", None)
-            finish = start(texts, indices=idx) if start is not None else functools.partial(self.env.step, texts,
-                                                                                           indices=idx)
-        yield
-        with self.phase("env"):
-            res = finish()
-        yield
-        yield from self._prompt_pieces(*self._after_env(idx, results, res))
 
     def _env_step(self, results: list) -> None:
         self._flush()  # the previous env step's records first: an episode's turns stay in order
@@ -567,24 +501,6 @@ class _Continuous:
             texts = [r.completion.text for r in results]
             # all active episodes in their own order: the plain protocol call; a subset: `indices`
             res = self.env.step(texts) if idx == self.env.active_indices() else self.env.step(texts, indices=idx)
-        nxt, comps = self._after_env(idx, results, res)
-        # Prompts are built and submitted in chunks, the engine prefilling each while the host renders and tokenizes
-        # the next (one thread; the engine only queues device work) - with `admit` where the engine has it and no
-        # other episode is decoding (no decode step yet: the whole turn decodes in lockstep), else with a `step`
-        # (the other episodes' decode goes on meanwhile)
-        admit = self.engine.step if others else getattr(self.engine, "admit", self.engine.step)
-        for a in range(0, len(nxt), SUBMIT_CHUNK):
-            with self.phase("generate"):
-                self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
-                if a + SUBMIT_CHUNK < len(nxt) or not last:
-                    with self.gen_ctx():
-                        admit()
-                    self.pending += self.engine.poll()
-
-    def _after_env(self, idx: list[int], results: list, res: Any) -> tuple[list[int], list]:
-        """After env result `res` for the turns `results` of episodes `idx`: the new observations kept, the ended
-        episodes closed (their KV released), the turn records deferred; the episodes that go on and their last
-        completions."""
         nxt, comps = [], []
         # what each turn's record needs, taken before the next prompts are built (`ChatPrompts.next` gives a chat
         # a new ids list and fallback flag; the list taken here is never changed)
@@ -602,7 +518,18 @@ class _Continuous:
         # the next prefill by a few ms a turn of host work the device would have idled through
         for a in range(0, len(turns), RECORD_CHUNK):
             self.deferred.append(functools.partial(self._records, res, a, turns[a : a + RECORD_CHUNK]))
-        return nxt, comps
+        # Prompts are built and submitted in chunks, the engine prefilling each while the host renders and tokenizes
+        # the next (one thread; the engine only queues device work) - with `admit` where the engine has it and no
+        # other episode is decoding (no decode step yet: the whole turn decodes in lockstep), else with a `step`
+        # (the other episodes' decode goes on meanwhile)
+        admit = self.engine.step if others else getattr(self.engine, "admit", self.engine.step)
+        for a in range(0, len(nxt), SUBMIT_CHUNK):
+            with self.phase("generate"):
+                self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
+                if a + SUBMIT_CHUNK < len(nxt) or not last:
+                    with self.gen_ctx():
+                        admit()
+                    self.pending += self.engine.poll()
 
     def _records(self, res: Any, first: int, turns: list[tuple[int, str, list[int], bool, Any]]) -> None:
         """The turn records of `turns` (rows `first`, `first + 1`, ... of env result `res`)."""
@@ -623,29 +550,13 @@ class _Continuous:
     def _submit(self, idx: list[int], comps: list) -> None:
         """Next prompts of episodes `idx` (their last completions `comps`, None on the first turn), tokenized
         in one batched call, and submitted."""
-        self._send(idx, self.prompts.next(idx, [self.obs[i] for i in idx], comps))
-
-    def _send(self, idx: list[int], prompts: list[list[int]]) -> None:
-        """Episodes `idx`'s next prompts (ids) submitted; they are in flight from now on."""
         from thinkcraft.llm.protocol import GenerationRequest
 
-        for i, ids in zip(idx, prompts):
+        for i, ids in zip(idx, self.prompts.next(idx, [self.obs[i] for i in idx], comps)):
             self.engine.submit(GenerationRequest(ids, self.sampling, prefix_len=self.prompts.prefix_len(ids), tag=i,
                                                  episode=(self.rid, i) if self.append_only else None))
             self.in_flight.add(i)
 
-
-def rollout_cohorts() -> int:
-    """THINKCRAFT_ROLLOUT_COHORTS (1, the default, to 8): the continuous rollout's cohorts (`_Continuous.run`)."""
-    from thinkcraft.utils.errors import env_int
-
-    return env_int("THINKCRAFT_ROLLOUT_COHORTS", 1, least=1, most=8)
-
-
-COHORT_PIECE = 64
-"""Episodes whose next prompts one piece of a cohort's boundary builds (`_Continuous._boundary_pieces`): on a 2-core
-CPU ~0.07 ms an episode (render, tokenize), so a piece stays near one decode iteration's device time on a GPU host
-(~2.5 ms); each `ChatPrompts.next` call also renders one prompt whole to check the fast path."""
 
 RECORD_CHUNK = 16
 """Turn records built after one engine step (`_Continuous.deferred`): ~20 us each on a 2-core CPU, so a chunk
