@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import gc
 import importlib
-import json
 import os
 import statistics
 import sys

@@ -673,7 +673,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
       "@0 craftax_cohorts2_2 260 env THINKCRAFT_ROLLOUT_COHORTS=2 $C --out ${L}_cohorts2_2.json"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
-      "@0 craftax_host_profile 380 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
+      "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
       "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
