@@ -177,6 +177,11 @@
 #             first (--profile-host 3: cProfile, the raw stats kept beside the text as .prof), then the default
 #             against merged LoRA (THINKCRAFT_LORA_MERGE=1) in turns, the LoRA kernel's GPU test, the prefill's
 #             chunks of 128 replayed from graphs, the tile sweep; carry [".whl", ".ref/tc-cache"]
+#   craftax37 one GPU (queued 2026-12-08): the turn's prompts in chunks of 128 / 64 with the prefill replayed from
+#             CUDA graphs (each chunk's prefill launched in ~1 ms, so the host renders the next chunk while the device
+#             prefills this one; s65's chunk rows ran with the graphs off), against the default in turns, the env
+#             call a chunk with it, then the GPU host's cProfile, merged LoRA, the LoRA kernel's GPU test; carry
+#             [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -237,7 +242,7 @@
 # read as is: every device call carries the whole tracked tree within its 64 MiB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 craftax34 craftax35 craftax36 scale2 scale lorafast pair fused fusedab grid19"
+SETS="parity features llm llm1 x2 x4mb x4next x2next x2split x2ray craftax1 craftax2 craftax3 craftax4 craftax5 craftax6 craftax7 craftax8 craftax9 craftax10 craftax11 craftax12 craftax13 craftax14 craftax15 craftax16 craftax17 craftax18 craftax19 craftax20 craftax21 craftax22 craftax23 craftax24 craftax25 craftax26 craftax27 craftax28 craftax29 craftax30 craftax31 craftax32 craftax33 craftax34 craftax35 craftax36 craftax37 scale2 scale lorafast pair fused fusedab grid19"
 PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_runs"
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
@@ -690,6 +695,18 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json") ;;
+    craftax37) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
+      local L=bench/results/logs/s67_craftax37
+      jobs=(
+      "@0 craftax_default 360 $C --out ${L}_default.json"
+      "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
+      "@0 craftax_chunk64_graphs 260 $C --submit-chunk 64 --out ${L}_chunk64_graphs.json"
+      "@0 craftax_default2 260 $C --out ${L}_default2.json"
+      "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
+      "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
+      "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
+      "@0 craftax_merge 260 env THINKCRAFT_LORA_MERGE=1 $C --out ${L}_merge.json"
+      "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

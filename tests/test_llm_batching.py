@@ -339,6 +339,12 @@ def test_prefix_graph_replays_each_version_and_checks_itself() -> None:
     with torch.no_grad():  # new storage under a parameter: a new key, a new capture
         model.model.norm.weight.data = model.model.norm.weight.data.clone()
         assert graph.write(kv, pre, b._weights_key()) and graph.captures == 2
+        # a new Parameter object (not only new storage) registered on a module: the cached parameter list is
+        # listed again (`_params`), so the key moves and the graph is captured anew
+        key = b._weights_key()
+        model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.data.clone())
+        assert b._weights_key() != key and any(p is model.model.norm.weight for p in b._params())
+        assert graph.write(kv, pre, b._weights_key()) and graph.captures == 3
 
     def frozen_capture(run, device, pool=None):  # noqa: ANN001, ANN202
         """A graph that replays what its capture computed (as one reading a host-side cached tensor would)."""

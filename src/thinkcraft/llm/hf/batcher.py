@@ -521,19 +521,25 @@ class Batcher(CacheMixin, IterationMixin):
     def _weights_key(self) -> tuple:
         """What a captured forward reads by address or decides by: every parameter's storage (a learner that
         reassigns a tensor moves it), the autocast dtype, adapters on or off."""
-        return (tuple(p.data_ptr() for p in self.eng._lm.parameters()),) + self._graph_mode()
+        return (tuple(p.data_ptr() for p in self._params()),) + self._graph_mode()
 
-    def _params_now(self) -> int | None:
-        """The shared weights' version (`compat.weights_version`), None for an engine with its own weights. The
-        parameter list is kept between calls: walking the model's ~5,000 parameters for it was ~5-15 ms of host
-        work at every turn's admission of the Craftax rollout (0.5B shape with LoRA; H200 host, 2026-12-03,
-        cProfile), between the env step and the prefill, with the device idle."""
-        if not self.eng._weight_update:
-            return None
+    def _params(self) -> list:
+        """The model's parameters, listed again only when a module registers a new one (`compat.parameter_epoch`):
+        walking the model's modules for them was ~5-15 ms of host work a call (0.5B shape with LoRA; H200 host,
+        2026-12-03, cProfile) - at every turn's admission (`_params_now`) and every prefill a graph may serve
+        (`_weights_key`), between the env step and the prefill, with the device idle. A storage swapped under the
+        same Parameter (`p.data = t`) is seen by the callers, which read `data_ptr` / versions themselves."""
         lm, epoch = self.eng._lm, compat.parameter_epoch()
         if self._param_list is None or self._param_list[0] is not lm or self._param_list[1] != epoch:
             self._param_list = (lm, epoch, list(lm.parameters()))
-        return compat.weights_version(self._param_list[2])
+        return self._param_list[2]
+
+    def _params_now(self) -> int | None:
+        """The shared weights' version (`compat.weights_version`), None for an engine with its own weights (the
+        parameter list kept between calls: `_params`)."""
+        if not self.eng._weight_update:
+            return None
+        return compat.weights_version(self._params())
 
     def _check_shared_weights(self) -> None:
         """An engine sharing the learner's parameters sees optimizer steps as in-place changes: drop KV that
