@@ -153,6 +153,20 @@ def steady_steps(recs: list[Any], *profiled: int | None) -> list[Any]:
     return [r for i, r in enumerate(recs) if i >= 1 and i not in profiled] or recs[1:] or recs
 
 
+def env_phases(recs: list[Any], steady: list[Any]) -> dict[str, float]:
+    """`env_<phase>_s`: the median over `steady` of each step's own share of the env's cumulative `env_time/<phase>_s`
+    counters (the difference with the record before it in `recs`; the first record's are its own)."""
+    keys = sorted({k for r in steady for k in r if k.startswith("env_time/") and k.endswith("_s")})
+    out = {}
+    for k in keys:
+        own = []
+        for r in steady:
+            i = next(j for j, x in enumerate(recs) if x is r)
+            own.append(r.get(k, 0.0) - (recs[i - 1].get(k, 0.0) if i else 0.0))
+        out["env_" + k[len("env_time/"):]] = round(statistics.median(own), 4)
+    return out
+
+
 @contextlib.contextmanager
 def rollout_patches(submit_chunk: int | None, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
                     ) -> Iterator[int]:
@@ -342,6 +356,11 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the rollout's host work outside generate and env (the records' chunks are timed as `timing/records`)
         "rollout_host_s": round(med([r - g - e for r, g, e in zip(roll_s, gen_s, env_s)]), 3),
         "records_s": round(med([r.get("timing/records", 0.0) for r in steady]), 3),
+        # of generate, the next prompts' host work (render the chat pieces, tokenize: `ChatPrompts.next`)
+        "prompts_s": round(med([r.get("timing/prompts", 0.0) for r in steady]), 3),
+        # the text env's host time a rollout by phase (the env's `env_time/*_s`, each step's own: parse the actions'
+        # texts, dispatch the compiled step, fetch - the wait for the device and the copy back -, render the texts)
+        **env_phases(recs, steady),
         "train_s": round(med([r.get("timing/train", 0.0) for r in steady]), 3),
         "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)
                                       / max(sum(r.get("timing/train", 0.0) for r in steady), 1e-9), 1),

@@ -179,6 +179,12 @@ def test_craftax_bench_leaves_the_profiled_step_out_of_its_rates() -> None:
              {}]
     assert bench.settled_steps(steps) == steps[2:]
     assert bench.settled_steps(steps[:2]) == []
+    # the env's cumulative host-time counters: each steady step's own share, the median over the steady steps
+    recs = [{"env_time/render_s": 5.0, "env_time/fetch_s": 1.0}, {"env_time/render_s": 5.5, "env_time/fetch_s": 1.25},
+            {"env_time/render_s": 6.5, "env_time/fetch_s": 1.5}, {"env_time/render_s": 7.0, "env_time/fetch_s": 1.75}]
+    assert bench.env_phases(recs, recs[1:]) == {"env_fetch_s": 0.25, "env_render_s": 0.5}
+    assert bench.env_phases(recs, recs[2:3]) == {"env_fetch_s": 0.25, "env_render_s": 1.0}
+    assert bench.env_phases([{}, {}], [{}]) == {}
 
 
 def test_craftax_bench_patches_the_rollout_module_and_undoes_it() -> None:

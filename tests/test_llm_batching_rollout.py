@@ -85,6 +85,7 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk:
     t = timer.metrics()  # the rollout's wall time holds its phases; the records were built between engine steps
     assert t["timing/records"] > 0
     assert t["timing/rollout"] >= t["timing/generate"] + t["timing/env"] + t["timing/records"]
+    assert 0 < t["timing/prompts"] < t["timing/generate"]  # the next prompts' host work, timed inside generate
     assert any(c is not None for c in env.calls), "no episode stepped on its own"
     for e in eps:
         for a, b in zip(e.turns, e.turns[1:]):  # append-only: the next prompt extends prompt + reply tokens

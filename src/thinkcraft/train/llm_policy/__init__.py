@@ -12,7 +12,8 @@ One synchronous step (each phase timed, `timing/<phase>`):
     5. log/ckpt  metrics, progress, PNG curve; checkpoint (adapter/weights, optimizer, step, RNG)
 
 `timing/rollout` is phases 1-2's wall time with the host's work between them; of it, `timing/records` the turn
-records, which the continuous rollout builds between decode steps (while the device computes the next one).
+records, which the continuous rollout builds between decode steps (while the device computes the next one);
+`timing/prompts` (inside `timing/generate`) the next prompts' host work (chat pieces rendered, tokenized).
 
 The learner owns the torch model; the sampler reads the same parameters (no copy), so after step 4 the
 next rollout is on-policy with `policy_version = step`.

@@ -247,7 +247,9 @@ def _step_metrics(cfg: LLMPolicyConfig, env: Any, episodes: list[Trajectory], st
     }
     if cfg.env in ("arith", "gsm8k"):
         rec["reward/correct_rate"] = float(np.mean([t.info.get("correct", False) for t in turns]))
-    rec.update({k: v for k, v in env.counters().items() if k.startswith("judge/")})
+    # the judge's counts, and the text env's host time by phase since its construction (`env_time/*_s`, cumulative:
+    # a step's own is the difference with the step before)
+    rec.update({k: v for k, v in env.counters().items() if k.startswith(("judge/", "env_time/"))})
     return rec
 
 

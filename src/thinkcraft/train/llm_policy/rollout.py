@@ -552,7 +552,9 @@ class _Continuous:
         in one batched call, and submitted."""
         from thinkcraft.llm.protocol import GenerationRequest
 
-        for i, ids in zip(idx, self.prompts.next(idx, [self.obs[i] for i in idx], comps)):
+        with self.phase("prompts"):  # inside `generate`: the next prompts' host work alone (`timing/prompts`)
+            prompts = self.prompts.next(idx, [self.obs[i] for i in idx], comps)
+        for i, ids in zip(idx, prompts):
             self.engine.submit(GenerationRequest(ids, self.sampling, prefix_len=self.prompts.prefix_len(ids), tag=i,
                                                  episode=(self.rid, i) if self.append_only else None))
             self.in_flight.add(i)
