@@ -700,9 +700,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@0 craftax_default 360 $C --out ${L}_default.json"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
-      "@0 craftax_chunk64_graphs 260 $C --submit-chunk 64 --out ${L}_chunk64_graphs.json"
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
       "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
+      "@0 craftax_chunk64_graphs 260 $C --submit-chunk 64 --out ${L}_chunk64_graphs.json"
       "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
       "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
       "@0 craftax_merge 260 env THINKCRAFT_LORA_MERGE=1 $C --out ${L}_merge.json"
