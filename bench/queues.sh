@@ -180,7 +180,9 @@
 #   craftax37 one GPU (queued 2026-12-08): the turn's prompts in chunks of 128 / 64 with the prefill replayed from
 #             CUDA graphs (each chunk's prefill launched in ~1 ms, so the host renders the next chunk while the device
 #             prefills this one; s65's chunk rows ran with the graphs off), against the default in turns, the env
-#             call a chunk with it, then the GPU host's cProfile, merged LoRA, the LoRA kernel's GPU test; carry
+#             call a chunk with it, then the GPU host's cProfile, merged LoRA, the LoRA kernel's GPU test; the split
+#             decode's partials for the group's heads only against the whole padded tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0),
+#             its probe after the first run, the Craftax row later; carry
 #             [".whl", ".ref/tc-cache"]
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
@@ -699,10 +701,13 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local L=bench/results/logs/s67_craftax37
       jobs=(
       "@0 craftax_default 360 $C --out ${L}_default.json"
+      "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
+      "@0 attn_probe_full_tile 150 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_full_tile.json"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
       "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
       "@0 craftax_chunk64_graphs 260 $C --submit-chunk 64 --out ${L}_chunk64_graphs.json"
+      "@0 craftax_full_tile 260 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 $C --out ${L}_full_tile.json"
       "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
       "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
       "@0 craftax_merge 260 env THINKCRAFT_LORA_MERGE=1 $C --out ${L}_merge.json"

@@ -1,7 +1,7 @@
 """The split-KV decode attention (llm/hf/split_decode.py): its Triton kernels run on the CPU by Triton's interpreter,
 in a fresh process (TRITON_INTERPRET must be set before the kernels are defined): equal to a float64 reference over
 rows of 1 key to the full width, with the shared prefix read by some rows and not others, without a prefix, with
-chunks smaller than a row, through torch.compile (the custom op's fake); in the engine, greedy tokens and log-probs
+chunks smaller than a row, the partials written for the group's heads only or as the whole padded tile, through torch.compile (the custom op's fake); in the engine, greedy tokens and log-probs
 equal to the matmul path's with a shared prefix. Where it does not serve (the CPU without the interpreter, the
 switch off) the engine keeps its other decode attention."""
 
@@ -46,6 +46,23 @@ SCRIPT = textwrap.dedent("""
                         want = SD.reference(q, kc, vc, key_len, *args, d ** -0.5)
                         err = float((got.double() - want).abs().max())
                         assert err < tol, (rows, dtype, hkv, g, d, chunk, args[0] is None, err)
+    os.environ.pop("THINKCRAFT_SPLIT_PREFIX_ROWS")
+
+    # the partials' whole padded tile written and read (THINKCRAFT_SPLIT_PARTIAL_ROWS=0, the A/B switch; the default
+    # writes the group's heads and dims only): the same attention, by rows of 8 and one row a program
+    os.environ["THINKCRAFT_SPLIT_PARTIAL_ROWS"] = "0"
+    for rows in ("", "0"):
+        os.environ["THINKCRAFT_SPLIT_PREFIX_ROWS"] = rows
+        for hkv, g, d in ((2, 7, 64), (1, 4, 80)):
+            q, kc, vc = rnd(5, hkv * g, 1, d), rnd(5, hkv, 90, d), rnd(5, hkv, 90, d)
+            pk, pv = rnd(1, hkv, 20, d), rnd(1, hkv, 20, d)
+            kl = torch.tensor([1, 90, 32, 33, 50], dtype=torch.int32)
+            pn = torch.tensor([20, 0, 7, 20, 1], dtype=torch.int32)
+            for args in ((pk, pv, pn), (None, None, None)):
+                got = SD.split_decode_attention(q, kc, vc, kl, *args, d ** -0.5, 32)
+                err = float((got.double() - SD.reference(q, kc, vc, kl, *args, d ** -0.5)).abs().max())
+                assert err < 1e-4, (rows, hkv, g, d, args[0] is None, err)
+    os.environ.pop("THINKCRAFT_SPLIT_PARTIAL_ROWS")
     os.environ.pop("THINKCRAFT_SPLIT_PREFIX_ROWS")
 
     # a float32 query over half-precision keys (no autocast): computed in the keys' dtype, returned in the query's

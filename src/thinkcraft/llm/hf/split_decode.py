@@ -90,6 +90,14 @@ def prefix_rows() -> int:
                    wanted="0 or a power of two up to 128")
 
 
+def partial_rows_only() -> bool:
+    """THINKCRAFT_SPLIT_PARTIAL_ROWS: "1" (default) the chunks' partial outputs are written and read for the GQA group's
+    G heads and D dims only; "0" the whole padded tile (GP x DP rows of fp32: Qwen2.5's group of 7 heads padded to
+    16, the code before 2026-12-08, the A/B switch). Why: at 256 rows of Qwen2.5-0.5B's shape a layer's partials were
+    ~16 MB written and ~16 MB read again by the combine, beside ~70 MB of keys - 9/16 of it padding never read."""
+    return env_switch("THINKCRAFT_SPLIT_PARTIAL_ROWS", default=True)
+
+
 def _build() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
@@ -98,7 +106,7 @@ def _build() -> tuple[Any, Any]:
     def partial_kernel(q_ptr, sq_s, sq_h, k_ptr, v_ptr, pk_ptr, pv_ptr, klen_ptr, pn_ptr, o_ptr, lse_ptr, scale,
                        C, PCAP, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, NSP: tl.constexpr, NST: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FIRST: tl.constexpr):
+                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FIRST: tl.constexpr, FULL: tl.constexpr):
         sj = tl.program_id(0)
         i = tl.program_id(1) + FIRST  # FIRST = NSP: the prefix's chunks are `prefix_kernel`'s
         s = sj // HKV
@@ -149,13 +157,17 @@ def _build() -> tuple[Any, Any]:
         tl.store(lse_ptr + part + g, lse)
         if hi > lo:  # an empty chunk writes its log-sum-exp only (the combine never reads its output)
             out = acc / tl.where(has, l_i, 1.0)[:, None]
-            tl.store(o_ptr + (part + g[:, None]) * DP + d[None, :], out)
+            # the group's G heads and D dims only (`partial_rows_only`): the tile's padding rows are never read
+            if FULL:
+                tl.store(o_ptr + (part + g[:, None]) * DP + d[None, :], out)
+            else:
+                tl.store(o_ptr + (part + g[:, None]) * DP + d[None, :], out, mask=gm[:, None] & dm[None, :])
 
     @triton.jit
     def prefix_kernel(q_ptr, sq_s, sq_h, pk_ptr, pv_ptr, pn_ptr, o_ptr, lse_ptr, scale, S, PCAP,
                       HKV: tl.constexpr, G: tl.constexpr, GQ: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, NST: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                      R: tl.constexpr, UPCAST: tl.constexpr):
+                      R: tl.constexpr, UPCAST: tl.constexpr, FULL: tl.constexpr):
         # program (block of R rows, KV head j, prefix chunk i): the R rows' G query heads as the rows of one tile
         # (m = row-in-block * GQ + head), each masked to its own row's prefix length; the same partial output and
         # log-sum-exp per (row, head, chunk) as `partial_kernel` writes, so the combine is the same. Its key loop is
@@ -207,11 +219,14 @@ def _build() -> tuple[Any, Any]:
         part = ((r.to(tl.int64) * HKV + j) * NST + i) * GP + g
         tl.store(lse_ptr + part, lse, mask=live_r)
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(o_ptr + part[:, None] * DP + d[None, :], out, mask=(live_r & has)[:, None])
+        if FULL:
+            tl.store(o_ptr + part[:, None] * DP + d[None, :], out, mask=(live_r & has)[:, None])
+        else:  # the group's heads and dims only (`partial_rows_only`)
+            tl.store(o_ptr + part[:, None] * DP + d[None, :], out, mask=(qm & has)[:, None] & dm[None, :])
 
     @triton.jit
     def combine_kernel(o_ptr, lse_ptr, out_ptr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                       D: tl.constexpr, DP: tl.constexpr, NST: tl.constexpr):
+                       D: tl.constexpr, DP: tl.constexpr, NST: tl.constexpr, FULL: tl.constexpr):
         sj = tl.program_id(0)
         s = sj // HKV
         j = sj % HKV
@@ -228,7 +243,11 @@ def _build() -> tuple[Any, Any]:
             lse = tl.load(lse_ptr + base + i * GP + g)
             live = lse > float("-inf")
             w = tl.where(live, tl.exp(lse - mx), 0.0)
-            o = tl.load(o_ptr + (base + i * GP + g[:, None]) * DP + d[None, :], mask=live[:, None], other=0.0)
+            if FULL:
+                o = tl.load(o_ptr + (base + i * GP + g[:, None]) * DP + d[None, :], mask=live[:, None], other=0.0)
+            else:  # what the partial kernels wrote (`partial_rows_only`)
+                o = tl.load(o_ptr + (base + i * GP + g[:, None]) * DP + d[None, :],
+                            mask=live[:, None] & (g < G)[:, None] & (d < D)[None, :], other=0.0)
             den += w
             acc += w[:, None] * o
         out = acc / tl.where(den > 0, den, 1.0)[:, None]
@@ -260,6 +279,7 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     lse_part = torch.empty((s * hkv, nst, gp), dtype=torch.float32, device=q.device)
     out = torch.empty((s, h, 1, d), dtype=q.dtype, device=q.device)
     rows = prefix_rows() if nsp else 0
+    full = not partial_rows_only()
     stages = {} if NUM_STAGES is None else {"num_stages": NUM_STAGES}
     if rows:  # the prefix's chunks for blocks of rows, then the own columns' from chunk nsp on
         gq = pow2_at_least(g)
@@ -267,14 +287,15 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
         rows = max(min(rows, max(128 // gq, 1)), -(-16 // gq))
         prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,
                                           s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst, CHUNK=chunk,
-                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=interpreted(), num_warps=NUM_WARPS,
-                                          **stages)
+                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=interpreted(), FULL=full,
+                                          num_warps=NUM_WARPS, **stages)
     first = nsp if rows else 0
     partial[(s * hkv, nst - first)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part,
                                     lse_part, scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp,
                                     NST=nst, CHUNK=chunk, BLOCK_N=BLOCK_N, UPCAST=interpreted(), FIRST=first,
-                                    num_warps=NUM_WARPS, **stages)
-    combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, num_warps=NUM_WARPS)
+                                    FULL=full, num_warps=NUM_WARPS, **stages)
+    combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, FULL=full,
+                        num_warps=NUM_WARPS)
     return out
 
 
