@@ -702,6 +702,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       jobs=(
       "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
       "@0 attn_probe_full_tile 150 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_full_tile.json"
+      "@0 split_gputest 200 python -m pytest -m gpu tests/test_split_decode.py -q -p no:cacheprovider"
       "@0 craftax_default 360 $C --out ${L}_default.json"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
       "@0 craftax_default2 260 $C --out ${L}_default2.json"
