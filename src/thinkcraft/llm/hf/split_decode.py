@@ -13,9 +13,9 @@ loop's rows and not the synchronous loop's.
 What: program (row s, KV head j, chunk i) reads `CHUNK` keys of row s - chunk i of its own slot columns (< key_len)
 or, for the first `NSP` chunks, of the shared prefix (< the row's prefix length, 0 for rows without it) - for the
 G query heads of KV head j at once (the GQA group as the rows of one `tl.dot`, padded to 16), and writes its
-normalised partial output and log-sum-exp; a chunk past the row's keys writes only an empty log-sum-exp. The
-combine (one program per (row, KV head)) weights the chunks by their log-sum-exps. Both kernels' grids depend on
-the cache's shape only (slots, width, prefix capacity): one CUDA graph serves every step. Called through a torch
+normalised partial output (the group's G heads and D dims of the padded tile: `partial_rows_only`) and log-sum-exp;
+a chunk past the row's keys writes only an empty log-sum-exp. The combine (one program per (row, KV head)) weights
+the chunks by their log-sum-exps. Both kernels' grids depend on the cache's shape only (slots, width, prefix capacity): one CUDA graph serves every step. Called through a torch
 custom op (`thinkcraft::split_decode`), so the compiled decode forward treats it as one opaque call.
 
 Measured (H200, 2026-11-30, BENCHMARKS §10): a step's attention over 24 layers 1.9-4.1x faster than FlashAttention's
