@@ -358,8 +358,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "records_s": round(med([r.get("timing/records", 0.0) for r in steady]), 3),
         # of generate, the next prompts' host work (render the chat pieces, tokenize: `ChatPrompts.next`)
         "prompts_s": round(med([r.get("timing/prompts", 0.0) for r in steady]), 3),
-        # the text env's host time a rollout by phase (the env's `env_time/*_s`, each step's own: parse the actions'
-        # texts, dispatch the compiled step, fetch - the wait for the device and the copy back -, render the texts)
+        # the text env's host time a rollout by phase of its steps (the env's `env_time/*_s`, each step's own: parse
+        # the actions' texts, dispatch the compiled step, fetch - the wait for the device and the copy back -, render
+        # the texts; `env_s` holds these and the rollout's reset)
         **env_phases(recs, steady),
         "train_s": round(med([r.get("timing/train", 0.0) for r in steady]), 3),
         "learner_tokens_per_s": round(sum(r.get("learner/tokens", 0.0) for r in steady)

@@ -15,8 +15,9 @@ or, for the first `NSP` chunks, of the shared prefix (< the row's prefix length,
 G query heads of KV head j at once (the GQA group as the rows of one `tl.dot`, padded to 16), and writes its
 normalised partial output (the group's G heads and D dims of the padded tile: `partial_rows_only`) and log-sum-exp;
 a chunk past the row's keys writes only an empty log-sum-exp. The combine (one program per (row, KV head)) weights
-the chunks by their log-sum-exps. Both kernels' grids depend on the cache's shape only (slots, width, prefix capacity): one CUDA graph serves every step. Called through a torch
-custom op (`thinkcraft::split_decode`), so the compiled decode forward treats it as one opaque call.
+the chunks by their log-sum-exps. Both kernels' grids depend on the cache's shape only (slots, width, prefix
+capacity): one CUDA graph serves every step. Called through a torch custom op (`thinkcraft::split_decode`), so the
+compiled decode forward treats it as one opaque call.
 
 Measured (H200, 2026-11-30, BENCHMARKS §10): a step's attention over 24 layers 1.9-4.1x faster than FlashAttention's
 calls (43-256 rows; `bench/probes/decode_attention_probe.py`); the 2-GPU arith loops +13% (async) and +18% (sync)
