@@ -149,6 +149,12 @@ def test_does_not_serve_without_a_gpu_or_with_the_switch_off(monkeypatch) -> Non
     assert SD.prefix_rows() == 0
     monkeypatch.delenv("THINKCRAFT_SPLIT_PREFIX_ROWS")
     assert SD.prefix_rows() == SD.PREFIX_ROWS
+    assert SD.partial_rows_only()  # the default: the partials of the group's heads only
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "0")
+    assert not SD.partial_rows_only()
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "padded")
+    with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PARTIAL_ROWS must be 0 or 1"):
+        SD.partial_rows_only()
 
 
 @pytest.mark.gpu
