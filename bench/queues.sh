@@ -177,13 +177,14 @@
 #             first (--profile-host 3: cProfile, the raw stats kept beside the text as .prof), then the default
 #             against merged LoRA (THINKCRAFT_LORA_MERGE=1) in turns, the LoRA kernel's GPU test, the prefill's
 #             chunks of 128 replayed from graphs, the tile sweep; carry [".whl", ".ref/tc-cache"]
-#   craftax37 one GPU (queued 2026-12-08): the turn's prompts in chunks of 128 / 64 with the prefill replayed from
-#             CUDA graphs (each chunk's prefill launched in ~1 ms, so the host renders the next chunk while the device
-#             prefills this one; s65's chunk rows ran with the graphs off), against the default in turns, the env
-#             call a chunk with it, then the GPU host's cProfile, merged LoRA, the LoRA kernel's GPU test; the split
-#             decode's partials for the group's heads only against the whole padded tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0),
-#             its probe after the first run, the Craftax row later; carry
-#             [".whl", ".ref/tc-cache"]
+#   craftax37 one GPU (queued 2026-12-08, not run: no machine lent that session): first the split decode's
+#             attention probe with its partials for the group's heads only (the default since) and with the whole
+#             padded tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0), its GPU test; then the default, the turn's prompts in
+#             chunks of 128 with the prefill replayed from CUDA graphs (each chunk's prefill launched in ~1 ms, so the
+#             host builds the next chunk while the device prefills this one; s65's chunk rows ran with the graphs off)
+#             against the default in turns, chunks of 64, the whole tile's Craftax row, an env call a chunk, the GPU
+#             host's cProfile, merged LoRA, the LoRA kernel's GPU test; carry [".whl", ".ref/tc-cache"], then
+#             collect calls back to back
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
