@@ -250,6 +250,9 @@ PARITY="python bench/ppo_parity.py --policy rnn --runs-dir bench/results/parity_
 FEAT="python bench/llm_features.py run --runs-dir bench/results/llm_features_runs"
 # issue 19's goal row and the decode step alone, profiled (the llm1 and x2 sets)
 CRAFTAX="python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --steps 3"
+# issue 19's goal row as BENCHMARKS §7b's "Current" table runs it: each phase's device time, the learner eager, 8 steps
+# (the craftax35 .. craftax37 sets)
+CRAFTAX_TIMED="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
 # issue 20's arith bench, its dedicated run over 16 steps, and issue 21's Ray weak scaling with one learner pass an
 # update (the x4mb and x4next sets)
 ARITH="python bench/async_llm_policy.py --tasks arith --cases base"
@@ -671,7 +674,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_envchunk128 220 $E THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_autotune 420 env THINKCRAFT_DECODE_AUTOTUNE=1 $C --out ${L}_autotune.json") ;;
-    craftax35) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
+    craftax35) local C=$CRAFTAX_TIMED
       local L=bench/results/logs/s66_craftax35
       jobs=(
       "@0 craftax_default 360 $C --out ${L}_default.json"
@@ -687,7 +690,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json"
       "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
       "@0 craftax_envchunk128_graphs2 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs2.json") ;;
-    craftax36) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
+    craftax36) local C=$CRAFTAX_TIMED
       local L=bench/results/logs/s67_craftax36
       jobs=(
       "@0 craftax_host_profile 380 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
@@ -698,7 +701,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider"
       "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
       "@0 mlp_lora_tiles 200 python bench/probes/mlp_lora_probe.py --tiles --out ${L}_mlp_lora_tiles.json") ;;
-    craftax37) local C="env THINKCRAFT_DEVICE_TIMING=1 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 8"
+    craftax37) local C=$CRAFTAX_TIMED
       local L=bench/results/logs/s67_craftax37
       jobs=(
       "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
