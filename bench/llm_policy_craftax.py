@@ -422,6 +422,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # each submit chunk of a boundary its own env call (THINKCRAFT_ENV_CHUNKED, rollout.py `_env_step`)
         "env_chunked": env_switch("THINKCRAFT_ENV_CHUNKED"), "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
+        # how the merged weights were rounded (lora_fast.merge_rounding; None where nothing is merged)
+        "lora_merge_rounding": lora_fast.merge_rounding() if lora_counts["merged"] else None,
         "fused_rmsnorms": fused_norms, "flash_decode": flash_decode, "flash_prefill": flash_prefill,
         "fused_sampler": fused_sampler, "split_decode": split_decode,
         # the split decode's shared prefix read for blocks of this many rows (THINKCRAFT_SPLIT_PREFIX_ROWS; 0: a row a

@@ -190,9 +190,11 @@ def test_engine_over_a_bf16_lora_model_generates_peft_tokens() -> None:
     assert second.token_ids != first.token_ids  # the update changed what is sampled: the copies followed it
 
 
-def test_merged_weights_are_w_plus_sba_rounded_once_and_follow_updates() -> None:
-    """THINKCRAFT_LORA_MERGE's layers: one linear over W + s·B·A (merged in fp32, one bf16 rounding), re-merged in
-    place when an adapter or the scale changes; within bf16 rounding of PEFT; off again, and stripped."""
+def test_merged_weights_are_w_plus_sba_rounded_once_and_follow_updates(monkeypatch) -> None:
+    """THINKCRAFT_LORA_MERGE's layers: one linear over W + s·B·A (merged in fp32, one bf16 rounding - to nearest
+    here, THINKCRAFT_LORA_MERGE_ROUNDING=nearest, for exact values), re-merged in place when an adapter or the scale
+    changes; within bf16 rounding of PEFT; off again, and stripped."""
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE_ROUNDING", "nearest")
     lora, _ = _lora(seed=5)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
     ref = _logits(lora, ids)
@@ -234,6 +236,73 @@ def test_merged_weights_are_w_plus_sba_rounded_once_and_follow_updates() -> None
     assert not any(type(m).__name__.startswith("Fast") or "_tc_merged" in m.__dict__ for m in twin.modules())
     want = _peft_logits(lora, ids)  # PEFT's own forward (a CPU bf16 GEMM's blocking may differ by an ulp)
     torch.testing.assert_close(_logits(twin, ids), want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
+def test_stochastic_bf16_is_unbiased_where_nearest_loses_a_small_change() -> None:
+    """`stochastic_bf16`: every value lands on one of its two bf16 neighbours (exactly representable values stay), and
+    the mean over many roundings is the fp32 value, where rounding to nearest returns the base weight itself for a
+    change below half a bf16 step - so a layer's output keeps the change's effect in expectation. Negative values,
+    a binade's edge and zero included."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    w[0, :4] = torch.tensor([1.0, -1.0, 0.0, 2.0 - 2.0 ** -7])  # exact, and the last bf16 value below 2
+    _, e = torch.frexp(w.float().abs().clamp_min(2.0 ** -14))  # |w| = m 2^e, m in [0.5, 1)
+    step = torch.ldexp(torch.ones_like(w, dtype=torch.float32), e - 8)  # a bf16 step at each entry (8 bits)
+    # well below half a step, away from zero (toward zero, a power of two's step below is half as large): nearest
+    # drops it
+    delta = torch.sign(w.float()) * step * (0.05 + 0.3 * torch.rand(w.shape, generator=gen))
+    delta[0, :3] = 0.0
+    exact = w.float() + delta
+    assert torch.equal(exact.to(torch.bfloat16), w)  # rounded to nearest, the merge is the base weight
+    n = 400
+    acc = torch.zeros_like(exact, dtype=torch.float64)
+    for _ in range(n):
+        r = lora_fast.stochastic_bf16(exact)
+        assert torch.equal(r.to(torch.bfloat16).float(), r)  # a bf16 value already
+        below, above = r <= exact, r >= exact
+        assert bool((below | above).all())
+        # the neighbours: the bf16 value at or below the exact one in magnitude, or the next one up
+        up = torch.nextafter(exact.to(torch.bfloat16), torch.where(exact >= 0, 1.0, -1.0).to(torch.bfloat16) * 4e38)
+        assert bool(((r == exact.to(torch.bfloat16).float()) | (r == up.float())).all())
+        acc += r.double()
+    assert torch.equal(lora_fast.stochastic_bf16(exact)[0, :3], exact[0, :3])  # exact values never move
+    mean = acc / n
+    err = (mean - exact.double()).abs()
+    # each rounding's error is at most a step (variance <= step^2 / 4): the mean's, a few step / (2 sqrt(n))
+    assert bool((err <= 5 * step.double() / (2 * n ** 0.5)).all())
+    x = torch.randn(8, 48, generator=gen)
+    want = x.double() @ delta.double().t()  # the small change's effect on a layer's output
+    got = x.double() @ (mean - w.double()).t()
+    assert float((got - want).norm() / want.norm()) < 0.15
+    assert float((x.double() @ (exact.to(torch.bfloat16).double() - w.double()).t()).norm()) == 0.0  # nearest: lost
+
+
+def test_merge_rounding_switch(monkeypatch) -> None:
+    """THINKCRAFT_LORA_MERGE_ROUNDING: stochastic by default (each re-merge draws new noise; the layer's weight is
+    W + s·B·A within one bf16 step an entry, not the nearest rounding everywhere), "nearest" exact, a bad value one
+    clear error; switching it re-merges an installed layer."""
+    lora, _ = _lora(seed=9)
+    monkeypatch.delenv("THINKCRAFT_LORA_MERGE_ROUNDING", raising=False)
+    assert lora_fast.merge_rounding() == "stochastic"
+    layers = lora_fast.install(lora, merge=True)
+
+    def exact(layer) -> torch.Tensor:
+        a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+        return layer.base_layer.weight.float() + layer.scaling["default"] * (b @ a)
+
+    for layer in layers:
+        e, m = exact(layer), layer._tc_merged.float()
+        step = torch.finfo(torch.bfloat16).eps * e.abs().clamp_min(2.0 ** -14) * 2
+        assert bool(((m - e).abs() <= step).all())
+    assert any(not torch.equal(layer._tc_merged, exact(layer).to(torch.bfloat16)) for layer in layers)
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE_ROUNDING", "nearest")
+    assert lora_fast.install(lora, merge=True) == layers
+    for layer in layers:
+        assert torch.equal(layer._tc_merged, exact(layer).to(torch.bfloat16))
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE_ROUNDING", "up")
+    with pytest.raises(Exception, match="THINKCRAFT_LORA_MERGE_ROUNDING must be one of stochastic, nearest"):
+        lora_fast.install(lora, merge=True)
+    assert len(lora_fast.install(lora)) == len(layers)  # not merging: the switch is not read
 
 
 def test_engine_with_merged_adapters_generates_peft_tokens(monkeypatch) -> None:

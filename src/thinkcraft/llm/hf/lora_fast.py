@@ -35,10 +35,17 @@ Qwen2.5-0.5B shape, 336 fewer kernels in each decode step of 168 adapted linears
 by its small kernels, 3.27 ms on an H200, 2026-11-28, bench/results/logs/s38_decode_probe_rows.json). Its cost:
 2 bytes per adapted weight (made only within `copies.COPY_FREE_FRACTION` of the device's free memory, else the layers
 keep the three-operator forward), a re-merge of every layer when the adapters change (once a learner update),
-and precision: the merged weight is rounded to bf16, so an adapter's change smaller than half a bf16 step of the
-base weight is lost in the engine's policy (the learner trains the exact one; the behaviour log-probs that the
-off-policy corrections use are the engine's). Measured (H200, 2026-11-29, BENCHMARKS §7b): the decode step at 64
-rows 3.24 -> 1.69 ms, the Craftax rollout 13-20% faster; opt-in for the precision.
+and precision: the merged weight is rounded to bf16. Rounded to nearest, an adapter's change smaller than half a
+bf16 step of the base weight is lost in the engine's policy - a bias, not noise: early in training, where every
+`s·B·A` entry is below half a step, the merged weights ARE the base model's, while the change's effect on an output
+(a coherent sum over the layer's inputs) can be many times the rounding's own noise. So the merge rounds
+stochastically by default (THINKCRAFT_LORA_MERGE_ROUNDING, `stochastic_bf16`): each entry goes to the bf16 neighbour
+above or below with the probabilities that make its expectation `W + s·B·A` exactly, the noise of each re-merge at
+most one bf16 step an entry and unbiased - the size of the bf16 rounding that every output of the unmerged forward
+already has. "nearest" keeps the older rounding. The learner trains the exact adapter either way; the behaviour
+log-probs that the off-policy corrections use are the engine's. Measured (H200, 2026-11-29, BENCHMARKS §7b): the
+decode step at 64 rows 3.24 -> 1.69 ms, the Craftax rollout 13-20% faster; opt-in (the stochastic rounding, added
+2026-12-08, is not measured on a GPU yet: it costs one random integer per adapted weight at each re-merge).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class _FastLoraMixin:
     _tc_a: torch.Tensor  # (r, in), the base weight's dtype
     _tc_bt: torch.Tensor  # (r, out) = (scaling · B)ᵀ
     _tc_merged: torch.Tensor | None  # (out, in) = W + scaling · B A in the base dtype (merged mode), else None
+    _tc_rounding: str  # how the merged weight is rounded to the base dtype (`merge_rounding`)
     _tc_seen: tuple  # (A, B, W) storage pointers and version counters, and the scale, at the last copy
     _tc_train: bool  # the gradient path is `_train_forward` (THINKCRAFT_LORA_FAST_TRAIN, on), else PEFT's
 
@@ -125,10 +133,52 @@ def _refresh_layer(layer: Any) -> bool:
         layer._tc_a.copy_(a)
         layer._tc_bt.copy_((b * scale).t())
         merged = layer.__dict__.get("_tc_merged")
-        if merged is not None:  # W + s·B·A in fp32, one rounding to the base dtype
-            merged.copy_(torch.addmm(w.float(), b.float(), a.float(), alpha=scale))
+        if merged is not None:  # W + s·B·A in fp32, one rounding to the base dtype (`merge_rounding`)
+            exact = torch.addmm(w.float(), b.float(), a.float(), alpha=scale)
+            if layer.__dict__.get("_tc_rounding", "nearest") == "stochastic" and merged.dtype == torch.bfloat16:
+                exact = stochastic_bf16(exact)
+            merged.copy_(exact)
     layer._tc_seen = seen
     return True
+
+
+MERGE_ROUNDINGS = ("stochastic", "nearest")
+
+
+def merge_rounding() -> str:
+    """THINKCRAFT_LORA_MERGE_ROUNDING: how a merged weight `W + s·B·A` (fp32) becomes the base dtype - "stochastic"
+    (the default: unbiased, the module docstring says why) or "nearest" (round to nearest even, as before
+    2026-12-08). A bf16 base only; an fp16 base (10 mantissa bits, the loss 8x smaller) always rounds to nearest."""
+    import os
+
+    from thinkcraft.utils.errors import UserError
+
+    v = os.environ.get("THINKCRAFT_LORA_MERGE_ROUNDING", "").strip() or MERGE_ROUNDINGS[0]
+    if v not in MERGE_ROUNDINGS:
+        raise UserError(f"THINKCRAFT_LORA_MERGE_ROUNDING must be one of {', '.join(MERGE_ROUNDINGS)}, got {v!r}")
+    return v
+
+
+_ROUNDING_NOISE: dict[tuple[str, int | None], torch.Generator] = {}
+"""One generator per device for the stochastic rounding's noise, seeded alike in every process: the same merges in
+the same order give the same weights (a rerun samples what the run sampled)."""
+
+
+def stochastic_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to bf16 values stochastically (returned as fp32 that converts to bf16 exactly): up to the
+    bf16 neighbour above in magnitude with probability (the part of a bf16 step below x's 16 low mantissa bits) /
+    step, else down - so E[result] = x, where rounding to nearest returns the same weight for every x within half a
+    step. On the bit pattern: 16 random low bits added to the magnitude (a carry moves it one bf16 step, or into the
+    next binade), then truncated. Finite inputs (weights); the sign bit is never touched (the low 16 bits' carry
+    stops at the exponent of a finite value below bf16's largest binade)."""
+    key = (x.device.type, x.device.index)
+    gen = _ROUNDING_NOISE.get(key)
+    if gen is None:
+        gen = _ROUNDING_NOISE[key] = torch.Generator(device=x.device)
+        gen.manual_seed(0x10AA)
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=gen)
+    return ((bits + noise) & -65536).view(torch.float32)  # -65536 = 0xFFFF0000: the high 16 bits, bf16's
 
 
 def lora_layers(model: torch.nn.Module) -> list[Any]:
@@ -161,6 +211,7 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
     if merge is None:
         merge = env_switch("THINKCRAFT_LORA_MERGE", default=False)
     train = env_switch("THINKCRAFT_LORA_FAST_TRAIN", default=True)
+    rounding = merge_rounding() if merge else "nearest"
     fast = StampedLayers([], _sources, _numbers, _refresh_layer)
     todo = []
     for layer in lora_layers(model):
@@ -193,6 +244,9 @@ def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: 
         if merged is not layer.__dict__.get("_tc_merged"):
             layer._tc_seen = ()  # a new (or no) merged copy: refreshed below
         layer._tc_merged = merged
+        if merged is not None and layer.__dict__.get("_tc_rounding") != rounding:
+            layer._tc_seen = ()  # merged the other way before: re-merged below
+        layer._tc_rounding = rounding
         layer._tc_name = name
         layer._tc_train = train
         cls = type(layer)
@@ -220,7 +274,7 @@ def counts(layers: list[Any]) -> dict[str, int]:
 def strip(model: torch.nn.Module) -> None:
     """Take the copies and the fast forward out of `model` (a copy that another engine or process will install
     its own into: the copies are derived, and a merged one is as large as the adapted weights)."""
-    unmix(model, _FastLoraMixin, ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name", "_tc_train"))
+    unmix(model, _FastLoraMixin, ("_tc_a", "_tc_bt", "_tc_merged", "_tc_seen", "_tc_name", "_tc_train", "_tc_rounding"))
 
 
 def _fast_class(cls: type) -> type:
