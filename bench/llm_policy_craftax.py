@@ -101,6 +101,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--submit-chunk", type=int, default=None, metavar="N",
                    help="episodes whose next prompts are built and submitted before the engine steps again "
                         "(the rollout's SUBMIT_CHUNK; default: the library's)")
+    p.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
+                   help="settings taken in turns by the steps of one run (one compile, the same machine state, "
+                        "interleaved): step 0 takes the first, step k >= 1 the ((k - 1) mod n)-th; each SPEC is "
+                        "KEY=VALUE[,KEY=VALUE] with KEY chunk (the rollout's SUBMIT_CHUNK) or env_chunked (0/1: "
+                        "THINKCRAFT_ENV_CHUNKED), e.g. `--variants chunk=256 chunk=128 chunk=128,env_chunked=1`. The "
+                        "row gets `variant_rows`: each setting's rates over its steps after its first (that one may "
+                        "capture graphs); --steps must give every setting two steps after step 0")
     p.add_argument("--profile-rollout", type=int, default=None, metavar="STEP",
                    help="torch.profiler over the rollout (generation + env) of step STEP (-1: the last): where the "
                         "decode steps' and prefills' device time goes, in <out>_rollout_profile-<case>.{txt,json}, with the "
@@ -118,7 +125,19 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.shapes, a.num_envs, a.thinking_budgets = ["tiny"], [4], [0, 6]
         a.max_new_tokens, a.max_turns, a.group_size, a.steps, a.env = 6, 2, 2, 2, "craftax-classic"
+        if a.variants:  # step 0, then two steps of each setting
+            a.steps = 1 + 2 * len(a.variants)
         a.micro_batch_tokens, a.device = 256, "cpu"
+    if a.variants:
+        try:
+            a.variant_settings = [parse_variant(v) for v in a.variants]
+        except ValueError as e:
+            p.error(str(e))
+        if a.steps < 1 + 2 * len(a.variants):
+            p.error(f"--variants: {len(a.variants)} settings need --steps >= {1 + 2 * len(a.variants)} (step 0, then "
+                    f"two steps of each: the first of a setting may capture graphs and is left out), got {a.steps}")
+    else:
+        a.variant_settings = []
     a.out = a.out or str(ROOT / "bench" / "results" / f"llm_policy_craftax{'_quick' if a.quick else ''}.json")
     return a
 
@@ -164,6 +183,82 @@ def env_phases(recs: list[Any], steady: list[Any]) -> dict[str, float]:
             i = next(j for j, x in enumerate(recs) if x is r)
             own.append(r.get(k, 0.0) - (recs[i - 1].get(k, 0.0) if i else 0.0))
         out["env_" + k[len("env_time/"):]] = round(statistics.median(own), 4)
+    return out
+
+
+VARIANT_KEYS = ("chunk", "env_chunked")
+"""What `--variants` may set per step: the rollout's SUBMIT_CHUNK, and THINKCRAFT_ENV_CHUNKED (read by each rollout)."""
+
+
+def parse_variant(spec: str) -> dict[str, int]:
+    """`--variants`' SPEC, `chunk=128,env_chunked=1`, as {key: value}; ValueError naming what is wrong."""
+    out: dict[str, int] = {}
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in VARIANT_KEYS:
+            raise ValueError(f"--variants: {part!r} in {spec!r} is not KEY=VALUE with KEY one of {', '.join(VARIANT_KEYS)}")
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if (key == "chunk" and n < 1) or (key == "env_chunked" and n not in (0, 1)):
+            raise ValueError(f"--variants: {key} must be {'>= 1' if key == 'chunk' else '0 or 1'}, got {value!r}")
+        if key in out:
+            raise ValueError(f"--variants: {key} given twice in {spec!r}")
+        out[key] = n
+    return out
+
+
+def variant_of_step(n_variants: int, step: int) -> int:
+    """The setting step `step` takes (`--variants`): the first for step 0 (it compiles), then each in turn."""
+    return 0 if step == 0 or n_variants == 0 else (step - 1) % n_variants
+
+
+@contextlib.contextmanager
+def variant_applied(setting: dict[str, int], module: Any) -> Iterator[None]:
+    """`setting` in effect for the block (a rollout): SUBMIT_CHUNK and THINKCRAFT_ENV_CHUNKED, each put back after."""
+    chunk, env_before = module.SUBMIT_CHUNK, os.environ.get("THINKCRAFT_ENV_CHUNKED")
+    try:
+        if "chunk" in setting:
+            module.SUBMIT_CHUNK = setting["chunk"]
+        if "env_chunked" in setting:
+            os.environ["THINKCRAFT_ENV_CHUNKED"] = str(setting["env_chunked"])
+        yield
+    finally:
+        module.SUBMIT_CHUNK = chunk
+        if env_before is None:
+            os.environ.pop("THINKCRAFT_ENV_CHUNKED", None)
+        else:
+            os.environ["THINKCRAFT_ENV_CHUNKED"] = env_before
+
+
+def variant_rows(recs: list[Any], specs: list[str], num_envs: int, left_out: set[int]) -> list[dict[str, Any]]:
+    """Per `--variants` setting: its rates over its steps after step 0 and after its own first step (a setting's
+    first rollout may capture graphs of new shapes), leaving out the profiled steps (`left_out`)."""
+    med = statistics.median
+    out = []
+    for j, spec in enumerate(specs):
+        mine = [i for i in range(1, len(recs)) if variant_of_step(len(specs), i) == j and i not in left_out][1:]
+        rs = [recs[i] for i in mine]
+        if not rs:
+            out.append({"variant": spec, "steps": []})
+            continue
+        turns = [r["episode/turns"] * num_envs for r in rs]
+        roll = [r.get("timing/rollout", r.get("timing/generate", 0.0) + r.get("timing/env", 0.0)) for r in rs]
+        row = {"variant": spec, "steps": mine,
+               "rollout_decisions_per_s": round(sum(turns) / sum(roll), 1),
+               "decisions_per_s": round(sum(turns) / sum(r["timing/step"] for r in rs), 1),
+               "rollout_s": round(med(roll), 3), "rollout_s_by_step": [round(x, 3) for x in roll]}
+        for name, key in (("generate_s", "timing/generate"), ("env_s", "timing/env"), ("prompts_s", "timing/prompts"),
+                          ("prefill_s", "engine/prefill_s"), ("prefill_calls", "engine/prefill_calls"),
+                          ("prefill_graph_replays", "engine/prefill_graph_replays"), ("decode_s", "engine/decode_s"),
+                          ("graph_captures", "engine/prefill_graph_captures")):
+            row[name] = round(med([r.get(key, 0.0) for r in rs]), 3)
+        row["engine_idle_s"] = round(med([r.get("timing/generate", 0.0) - r.get("engine/prefill_s", 0.0)
+                                          - r.get("engine/decode_s", 0.0) for r in rs]), 3)
+        row.update({k[len("engine/"):]: round(med([r.get(k, 0.0) for r in rs]), 3)
+                    for k in sorted({k for r in rs for k in r if k.startswith("engine/dev_")})})
+        out.append(row)
     return out
 
 
@@ -251,8 +346,17 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
 
         policy.learner.update = measured_update
 
+        settings = a.variant_settings
+        rollout_module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+
         def profiled_at_its_step(plain_rollout: Callable[..., Any]) -> Callable[..., Any]:
             def measured_rollout(*args: Any, **kw: Any) -> Any:
+                if not settings:
+                    return profiled_rollout(*args, **kw)
+                with variant_applied(settings[variant_of_step(len(settings), len(recs))], rollout_module):
+                    return profiled_rollout(*args, **kw)
+
+            def profiled_rollout(*args: Any, **kw: Any) -> Any:
                 label = f"{shape}-{num_envs}envs-budget{budget}-step{len(recs)}"
                 if len(recs) == host_at:
                     return host_profile(lambda: plain_rollout(*args, **kw),
@@ -419,6 +523,11 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
         "rollout_profiled_step": rollout_at, "host_profiled_step": host_at,
         "submit_chunk": submit_chunk,
+        # --variants: the settings the steps took in turns, and each one's rates (`variant_rows`)
+        "variants": " ".join(a.variants) if a.variants else None,
+        "variant_by_step": [variant_of_step(len(a.variants), i) for i in range(len(recs))] if a.variants else None,
+        "variant_rows": variant_rows(recs, a.variants, num_envs, {x for x in (profile_at, rollout_at, host_at)
+                                                                  if x is not None}) if a.variants else None,
         # each submit chunk of a boundary its own env call (THINKCRAFT_ENV_CHUNKED, rollout.py `_env_step`)
         "env_chunked": env_switch("THINKCRAFT_ENV_CHUNKED"), "env": a.env, "lora_fast_layers": lora_counts["fast"],
         "lora_merged_layers": lora_counts["merged"], "lora_fast_train_layers": lora_counts["train"],
@@ -495,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
+                                                       "variants", "lora_merge_rounding",
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
@@ -504,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
                                                        "xla_flags", "device_timing", "env_donates",
                                                        "env_numpy_inputs", "env_command_buffers", "env_chunked", "prefill_pad"))
     print_table(rows, COLS)
+    for r in rows:
+        for v in r.get("variant_rows") or []:
+            print(f"  variant {v['variant']}: steps {v['steps']}: rollout {v.get('rollout_decisions_per_s', '-')} "
+                  f"decisions/s ({v.get('rollout_s', '-')} s median; prefill {v.get('prefill_s', '-')} s in "
+                  f"{v.get('prefill_calls', '-')} calls, {v.get('prefill_graph_replays', '-')} replayed; engine idle "
+                  f"{v.get('engine_idle_s', '-')} s)")
     print(f"wrote {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
 

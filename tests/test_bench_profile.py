@@ -211,6 +211,45 @@ def test_craftax_bench_patches_the_rollout_module_and_undoes_it() -> None:
     assert (loop.rollout, module.SUBMIT_CHUNK) == (plain, chunk)
 
 
+def test_craftax_bench_variants_take_turns_and_are_summed_apart(monkeypatch) -> None:
+    """--variants: step 0 takes the first setting, then each in turn; a setting is in effect for its rollout only
+    (SUBMIT_CHUNK, THINKCRAFT_ENV_CHUNKED put back, also after an error); each setting's rates leave out its first
+    step and the profiled ones; bad specs are one clear error each."""
+    import importlib
+    import os
+
+    spec = importlib.util.spec_from_file_location("llm_policy_craftax", ROOT / "bench" / "llm_policy_craftax.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_variant("chunk=128,env_chunked=1") == {"chunk": 128, "env_chunked": 1}
+    for bad, says in (("chunk=0", "chunk must be >= 1"), ("env_chunked=2", "env_chunked must be 0 or 1"),
+                      ("chunk", "not KEY=VALUE"), ("chunks=1", "not KEY=VALUE"), ("chunk=1,chunk=2", "given twice")):
+        with pytest.raises(ValueError, match=says):
+            bench.parse_variant(bad)
+    assert [bench.variant_of_step(3, i) for i in range(8)] == [0, 0, 1, 2, 0, 1, 2, 0]
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    chunk = module.SUBMIT_CHUNK
+    monkeypatch.delenv("THINKCRAFT_ENV_CHUNKED", raising=False)
+    with bench.variant_applied({"chunk": 64, "env_chunked": 1}, module):
+        assert module.SUBMIT_CHUNK == 64 and module._Continuous.__init__.__globals__["SUBMIT_CHUNK"] == 64
+        assert os.environ["THINKCRAFT_ENV_CHUNKED"] == "1"
+    assert module.SUBMIT_CHUNK == chunk and "THINKCRAFT_ENV_CHUNKED" not in os.environ
+    monkeypatch.setenv("THINKCRAFT_ENV_CHUNKED", "0")
+    with pytest.raises(RuntimeError), bench.variant_applied({"env_chunked": 1}, module):
+        raise RuntimeError
+    assert os.environ["THINKCRAFT_ENV_CHUNKED"] == "0" and module.SUBMIT_CHUNK == chunk
+    # steps 0..6 with 2 settings: 0 -> A (compiles), then A B A B A B; step 5 profiled
+    recs = [{"episode/turns": 2.0, "timing/step": 2.0, "timing/rollout": 1.0 + i, "engine/prefill_calls": float(i)}
+            for i in range(7)]
+    rows = bench.variant_rows(recs, ["chunk=256", "chunk=128"], 4, {5})
+    assert [r["steps"] for r in rows] == [[3], [4, 6]]  # A: 1 (its first), 3, 5 (profiled); B: 2 (first), 4, 6
+    assert rows[0]["rollout_decisions_per_s"] == round(8 / 4.0, 1) and rows[1]["rollout_s"] == 6.0
+    assert rows[1]["prefill_calls"] == 5.0
+    with pytest.raises(SystemExit):
+        bench._args(["--variants", "chunk=64", "chunk=128", "--steps", "4"])  # needs 5 steps
+    assert bench._args(["--quick", "--variants", "chunk=1", "chunk=2"]).steps == 5
+
+
 def test_async_bench_weak_scaling_gives_each_rollout_engine_the_same_prompts(tmp_path) -> None:
     """--prompts-per-engine N: sync N prompts, async N per rollout engine (dedicated: the learner's GPU has
     none), its workers (η + 1) x its prompts; the rollout scaling reads each row against the fewest rollout
