@@ -177,14 +177,16 @@
 #             first (--profile-host 3: cProfile, the raw stats kept beside the text as .prof), then the default
 #             against merged LoRA (THINKCRAFT_LORA_MERGE=1) in turns, the LoRA kernel's GPU test, the prefill's
 #             chunks of 128 replayed from graphs, the tile sweep; carry [".whl", ".ref/tc-cache"]
-#   craftax37 one GPU (queued 2026-12-08, not run: no machine lent that session): first the split decode's
-#             attention probe with its partials for the group's heads only (the default since) and with the whole
-#             padded tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0), its GPU test; then the default, the turn's prompts in
-#             chunks of 128 with the prefill replayed from CUDA graphs (each chunk's prefill launched in ~1 ms, so the
-#             host builds the next chunk while the device prefills this one; s65's chunk rows ran with the graphs off)
-#             against the default in turns, chunks of 64, the whole tile's Craftax row, an env call a chunk, the GPU
-#             host's cProfile, merged LoRA, the LoRA kernel's GPU test; carry [".whl", ".ref/tc-cache"], then
-#             collect calls back to back
+#   craftax37 one GPU (queued 2026-12-08, not run: no machine lent that session nor the next): the split decode's GPU
+#             test (its partials for the group's heads only, the default since); the turn's prompts in chunks of 256
+#             (the default), 128, 64 and 128 with an env call a chunk, taken in turns by ONE run's steps (--variants:
+#             one compile; each chunked prefill replayed from CUDA graphs, ~1 ms of host a call, so the host builds
+#             the next chunk while the device prefills this one - s65's chunk rows ran with the graphs off); the
+#             unmerged LoRA forward (THINKCRAFT_LORA_MERGE=0: merged weights, rounded stochastically, are the CUDA
+#             default since the same day); the attention probe with the group's partials and with the whole padded
+#             tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0); the default row, the whole tile's row, unmerged again (the A/B
+#             in turns); the GPU host's cProfile; the fused MLP's and lora_fast's GPU tests; carry [".whl",
+#             ".ref/tc-cache"], then collect calls back to back
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -704,19 +706,16 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
     craftax37) local C=$CRAFTAX_TIMED
       local L=bench/results/logs/s67_craftax37
       jobs=(
+      "@0 split_gputest 200 python -m pytest -m gpu tests/test_split_decode.py -q -p no:cacheprovider"
+      "@0 craftax_variants 480 $C --steps 13 --variants chunk=256 chunk=128 chunk=64 chunk=128,env_chunked=1 --out ${L}_variants.json"
+      "@0 craftax_unmerged 300 env THINKCRAFT_LORA_MERGE=0 $C --out ${L}_unmerged.json"
       "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
       "@0 attn_probe_full_tile 150 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_full_tile.json"
-      "@0 split_gputest 200 python -m pytest -m gpu tests/test_split_decode.py -q -p no:cacheprovider"
-      "@0 craftax_default 360 $C --out ${L}_default.json"
-      "@0 craftax_chunk128_graphs 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs.json"
-      "@0 craftax_default2 260 $C --out ${L}_default2.json"
-      "@0 craftax_chunk128_graphs2 260 $C --submit-chunk 128 --out ${L}_chunk128_graphs2.json"
-      "@0 craftax_chunk64_graphs 260 $C --submit-chunk 64 --out ${L}_chunk64_graphs.json"
-      "@0 craftax_full_tile 260 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 $C --out ${L}_full_tile.json"
-      "@0 craftax_envchunk128_graphs 260 env THINKCRAFT_ENV_CHUNKED=1 $C --submit-chunk 128 --out ${L}_envchunk128_graphs.json"
+      "@0 craftax_default 300 $C --out ${L}_default.json"
+      "@0 craftax_full_tile 300 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 $C --out ${L}_full_tile.json"
+      "@0 craftax_unmerged2 300 env THINKCRAFT_LORA_MERGE=0 $C --out ${L}_unmerged2.json"
       "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"
-      "@0 craftax_merge 260 env THINKCRAFT_LORA_MERGE=1 $C --out ${L}_merge.json"
-      "@0 gputests 300 python -m pytest -m gpu tests/test_fused_mlp.py -q -p no:cacheprovider") ;;
+      "@0 gputests 400 python -m pytest -m gpu tests/test_fused_mlp.py tests/test_lora_fast.py -q -p no:cacheprovider") ;;
     scale2) jobs=(  # issue 21's rows that a machine of 2 GPUs can give (the x4 kinds were not lent on 2026-11-27)
       "@0,1 scale_ppo 560 python bench/scale.py --jobs ppo --gpus 1 2"
       "@0,1 scale_hidden 560 python bench/scale.py --jobs ppo-hidden --gpus 1 2 --skip-n 25 5"

@@ -243,7 +243,7 @@ def test_bench_quick_writes_the_documented_rows(tmp_path) -> None:
         # each 2-turn episode is one learner row: its first turn's tokens are not trained on twice
         assert r["learner_episode_rows"] == 4 and r["learner_turn_rows"] == 0
         assert 0.25 < r["learner_tokens_saved_frac"] < 0.5 and r["learner_tokens"] > 0
-        assert r["lora_merged_layers"] == 0  # THINKCRAFT_LORA_MERGE is opt-in: rows say which forward served
+        assert r["lora_merged_layers"] == 0  # a CPU engine does not merge (lora_fast.merge_default): rows say which served
         assert r["lora_fast_train_layers"] == r["lora_fast_layers"]  # the learner's cast-free path: on by default
         assert r["fused_rmsnorms"] > 0  # swapped in (on the CPU's fp32 learner each call keeps HF's forward)
         # the per-step record and the rates over the steps that captured no graph (the CPU captures none)

@@ -38,7 +38,7 @@ def _lora_fused_on_cuda():
 
     model, _ = _lora()
     model = model.to("cuda")
-    lora_fast.install(model)
+    lora_fast.install(model, merge=False)  # the adapters unmerged (a CUDA engine merges them by default): A folded
     fused_proj.install(model)
     ids = torch.randint(0, 64, (3, 100), generator=torch.Generator().manual_seed(1)).to("cuda")
     return model, ids
@@ -227,7 +227,7 @@ def test_merged_weights_are_w_plus_sba_rounded_once_and_follow_updates(monkeypat
     assert [layer._tc_merged.data_ptr() for layer in layers] == ptrs
     # over its memory allowance, or switched off: the three-operator forward, the merged copies dropped
     assert all(layer._tc_merged is None for layer in lora_fast.install(lora, merge=True, max_merge_bytes=1000))
-    assert all(layer._tc_merged is None for layer in lora_fast.install(lora))  # THINKCRAFT_LORA_MERGE unset: off
+    assert all(layer._tc_merged is None for layer in lora_fast.install(lora))  # THINKCRAFT_LORA_MERGE unset: off (CPU)
     lora_fast.install(lora, merge=True)
     from thinkcraft.llm.hf.weights import strip_copies
 
@@ -303,6 +303,24 @@ def test_merge_rounding_switch(monkeypatch) -> None:
     with pytest.raises(Exception, match="THINKCRAFT_LORA_MERGE_ROUNDING must be one of stochastic, nearest"):
         lora_fast.install(lora, merge=True)
     assert len(lora_fast.install(lora)) == len(layers)  # not merging: the switch is not read
+
+
+def test_merge_is_the_default_for_cuda_engines_only(monkeypatch) -> None:
+    """THINKCRAFT_LORA_MERGE unset: merged weights for a model on CUDA, the three-operator forward elsewhere; "1" and
+    "0" force either; anything else one clear error."""
+    monkeypatch.delenv("THINKCRAFT_LORA_MERGE", raising=False)
+    assert lora_fast.merge_default(torch.device("cuda", 0)) is True
+    assert lora_fast.merge_default(torch.device("cpu")) is False and lora_fast.merge_default(None) is False
+    lora, _ = _lora(seed=4)
+    assert all(layer._tc_merged is None for layer in lora_fast.install(lora))  # a CPU model: not merged
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "1")
+    assert lora_fast.merge_default(torch.device("cpu")) is True
+    assert all(layer._tc_merged is not None for layer in lora_fast.install(lora))
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "0")
+    assert lora_fast.merge_default(torch.device("cuda", 0)) is False
+    monkeypatch.setenv("THINKCRAFT_LORA_MERGE", "auto")
+    with pytest.raises(Exception, match="THINKCRAFT_LORA_MERGE must be 0 or 1"):
+        lora_fast.merge_default(torch.device("cpu"))
 
 
 def test_engine_with_merged_adapters_generates_peft_tokens(monkeypatch) -> None:

@@ -29,8 +29,8 @@ the tensors' version counters. An eager forward checks its layer's counters firs
 forward cannot run Python, so the engine calls `refresh(model)` before each step (`Batcher.step`); the copies are
 updated in place, so a captured graph keeps reading them. THINKCRAFT_LORA_FAST=0 leaves PEFT's forward alone.
 
-Merged (opt-in, THINKCRAFT_LORA_MERGE=1): each layer also keeps `W + s·B·A` in the base dtype, merged in fp32 and
-rounded once, and the no-grad forward is that one linear - one GEMM where the above is three (for the
+Merged (THINKCRAFT_LORA_MERGE; the default for a CUDA engine, `merge_default`): each layer also keeps `W + s·B·A` in
+the base dtype, merged in fp32 and rounded once, and the no-grad forward is that one linear - one GEMM where the above is three (for the
 Qwen2.5-0.5B shape, 336 fewer kernels in each decode step of 168 adapted linears; the step at 64 rows was bound
 by its small kernels, 3.27 ms on an H200, 2026-11-28, bench/results/logs/s38_decode_probe_rows.json). Its cost:
 2 bytes per adapted weight (made only within `copies.COPY_FREE_FRACTION` of the device's free memory, else the layers
@@ -43,9 +43,15 @@ stochastically by default (THINKCRAFT_LORA_MERGE_ROUNDING, `stochastic_bf16`): e
 above or below with the probabilities that make its expectation `W + s·B·A` exactly, the noise of each re-merge at
 most one bf16 step an entry and unbiased - the size of the bf16 rounding that every output of the unmerged forward
 already has. "nearest" keeps the older rounding. The learner trains the exact adapter either way; the behaviour
-log-probs that the off-policy corrections use are the engine's. Measured (H200, 2026-11-29, BENCHMARKS §7b): the
-decode step at 64 rows 3.24 -> 1.69 ms, the Craftax rollout 13-20% faster; opt-in (the stochastic rounding, added
-2026-12-08, is not measured on a GPU yet: it costs one random integer per adapted weight at each re-merge).
+log-probs that the off-policy corrections use are the engine's. How close each way samples to the exact adapter's
+policy (`bench/probes/merge_rounding_probe.py`, the bundled SmolLM2-135M on the CPU, rank 16, 2026-12-08): the bf16
+forward's own rounding puts every bf16 path ~0.002 nats of KL from the fp32 policy, above any adapter whose update is
+<= 1e-3 of the weights, and at 1e-2 (the adapter's own effect 0.0089 nats) unmerged, merged-stochastic and
+merged-nearest sat at 0.00202, 0.00215 and 0.00226: no sampling fidelity lost to the merge that the forward does not
+already lose. Measured (H200, 2026-11-29 and 2026-12-04, BENCHMARKS §7b): the decode step at 64 rows 3.24 -> 1.69 ms,
+at 256 rows 2.41 -> 2.10 ms, the Craftax rollout 1,323 decisions/s against 1,169-1,276. The default for CUDA engines
+since 2026-12-08 (`merge_default`; THINKCRAFT_LORA_MERGE=0 the three-operator forward: the A/B switch; the current
+code's A/B is queued, bench/queues.sh craftax37); a CPU engine keeps the three operators.
 """
 
 from __future__ import annotations
@@ -142,6 +148,22 @@ def _refresh_layer(layer: Any) -> bool:
     return True
 
 
+def merge_default(device: torch.device | None) -> bool:
+    """THINKCRAFT_LORA_MERGE: "1" merged weights, "0" the three-operator forward, unset: merged on a CUDA engine (the
+    module docstring says why), not elsewhere (a CPU engine's decode step is bound by its compute, and a re-merge of
+    every weight at each learner update costs a CPU seconds)."""
+    import os
+
+    if os.environ.get("THINKCRAFT_LORA_MERGE", "").strip():
+        return env_switch("THINKCRAFT_LORA_MERGE")
+    return device is not None and device.type == "cuda"
+
+
+def _device_of(model: torch.nn.Module) -> torch.device | None:
+    p = next(iter(model.parameters()), None)
+    return None if p is None else p.device
+
+
 MERGE_ROUNDINGS = ("stochastic", "nearest")
 
 
@@ -201,15 +223,15 @@ def _numbers(src: tuple[torch.Tensor, torch.Tensor, dict, str, torch.Tensor]) ->
 
 def install(model: torch.nn.Module, merge: bool | None = None, max_merge_bytes: float | None = None) -> list[Any]:
     """Give `model`'s LoRA linears the fast no-grad forward where it applies (a half-precision base, one adapter
-    without bias) and return those layers (empty: nothing changed). `merge` (default: THINKCRAFT_LORA_MERGE,
-    off) also keeps merged weights (the module docstring says what they cost), if they take at most
+    without bias) and return those layers (empty: nothing changed). `merge` (default: `merge_default`, on for a
+    model on CUDA) also keeps merged weights (the module docstring says what they cost), if they take at most
     `max_merge_bytes` (default: `copies.COPY_FREE_FRACTION` of a GPU's free memory; no limit on the CPU).
     Idempotent; a layer whose copies are on another device or dtype than its base (a deep copy moved to another
     GPU) gets new ones."""
     if not env_switch("THINKCRAFT_LORA_FAST", default=True):
         return []
     if merge is None:
-        merge = env_switch("THINKCRAFT_LORA_MERGE", default=False)
+        merge = merge_default(_device_of(model))
     train = env_switch("THINKCRAFT_LORA_FAST_TRAIN", default=True)
     rounding = merge_rounding() if merge else "nearest"
     fast = StampedLayers([], _sources, _numbers, _refresh_layer)
