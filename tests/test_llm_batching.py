@@ -67,6 +67,24 @@ def test_requests_joining_at_different_steps_equal_one_at_a_time(tiny) -> None:
     assert eng.pending() == 0 and not eng.step()
 
 
+def test_submit_many_queues_all_in_order_or_none(tiny) -> None:
+    """`submit_many`: the requests' handles in order, the same results as one `submit` each; a bad request among
+    them (an empty prompt) is one UserError and queues none of them."""
+    model, tok = tiny
+    prompts = [_ids(tok, t) for t in ("Hello there", "a b c", "Numbers: 1 2 3")]
+    one = HFEngine.from_model(model, tok)
+    want = _run(one, [one.submit(GenerationRequest(p, GREEDY, tag=i)) for i, p in enumerate(prompts)])
+    eng = HFEngine.from_model(model, tok)
+    with pytest.raises(UserError, match="at least one prompt token"):
+        eng.submit_many([GenerationRequest(prompts[0], GREEDY), GenerationRequest([], GREEDY)])
+    assert eng.pending() == 0 and not eng.step()
+    handles = eng.submit_many([GenerationRequest(p, GREEDY, tag=i) for i, p in enumerate(prompts)])
+    assert handles == sorted(handles) and len(set(handles)) == 3 and eng.pending() == 3
+    got = _run(eng, handles)
+    by_tag = {r.tag: r.completion.token_ids for r in want.values()}
+    assert {r.tag: r.completion.token_ids for r in got.values()} == by_tag
+
+
 def test_admit_prefills_a_chunk_and_the_turn_decodes_in_lockstep(tiny) -> None:
     """`admit` prefills the queued requests without a decode iteration: a turn submitted in two chunks with `admit`
     between them decodes in as many steps as the turn submitted at once (lockstep: no row a step ahead), with the

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -129,6 +129,23 @@ class Batcher(CacheMixin, IterationMixin):
     # ------------------------------------------------------------------------------------------ public
 
     def submit(self, req: GenerationRequest) -> int:
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: Sequence[GenerationRequest]) -> list[int]:
+        """`submit` of each request, in order, queued together (one lock and one wake-up for all: the rollout's
+        boundary submits 256 at once). Every request is checked before any is queued: a bad one queues none."""
+        seqs = [self._checked(req) for req in reqs]
+        with self._cv:
+            for seq in seqs:
+                seq.handle = self._next_handle
+                self._next_handle += 1
+                self._queue.append(seq)
+            self.counters["requests"] += len(seqs)
+            self._cv.notify_all()
+        return [seq.handle for seq in seqs]
+
+    def _checked(self, req: GenerationRequest) -> Seq:
+        """The request's `Seq` (its handle still unset), or a UserError saying what is wrong with it."""
         sp = self.eng._check_sampling(req.sampling)
         prompt = self._prompt_array(req)
         if prompt.ndim != 1 or len(prompt) == 0:
@@ -143,13 +160,7 @@ class Batcher(CacheMixin, IterationMixin):
                 f"one sequence needs {seq.need} tokens of KV ({len(prompt)} prompt tokens, {req.prefix_len} of them a "
                 f"shared prefix, + {sp.max_new_tokens} new) but a slot holds at most {self.max_seq_len} "
                 "(max_seq_len): raise max_seq_len or shorten the episode (fewer turns, less history)")
-        with self._cv:
-            seq.handle = self._next_handle
-            self._next_handle += 1
-            self._queue.append(seq)
-            self.counters["requests"] += 1
-            self._cv.notify_all()
-        return seq.handle
+        return seq
 
     def _prompt_array(self, req: GenerationRequest) -> np.ndarray:
         """The request's prompt as an int64 array. A list that extends what its episode's parked slot holds

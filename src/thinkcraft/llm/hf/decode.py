@@ -18,7 +18,7 @@ compiles the one-token step (torch.compile "reduce-overhead": CUDA graphs); with
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -115,6 +115,10 @@ class DecodeMixin:
     def submit(self, request: GenerationRequest) -> int:
         """Queue a request (any thread); it joins the decode batch at the next step. Returns its handle."""
         return self._batcher.submit(request)
+
+    def submit_many(self, requests: Sequence[GenerationRequest]) -> list[int]:
+        """`submit` of each request, queued together (one lock, one wake-up); all checked before any is queued."""
+        return self._batcher.submit_many(requests)
 
     def poll(self) -> list[GenerationResult]:
         """Results of the requests that finished since the last poll (any thread; never blocks)."""

@@ -440,6 +440,7 @@ class IterationMixin:
         # ~2 ms per `_finish`; py-spy: 0.12 s a Craftax rollout step on this line)
         self.state.active.index_fill_(0, idx, False)
         results = []
+        slots_out: list[tuple] = []  # (slot, its Seq, tokens, prompt list) to park, or (slot, None, ...) to free
         # the rows with a forced token (a thinking budget's close), found for all at once: most rows have none
         any_forced = self.h_forced[slots].any(axis=1).tolist()
         for (s, how), tokens, text, has_forced in zip(ended, toks, texts, any_forced):
@@ -470,13 +471,16 @@ class IterationMixin:
             self.guides.close(s)  # structured outputs: the slot may serve an unconstrained request next
             keep = (seq.req.episode is not None and not seq.released and len(seq.versions) == 1
                     and seq.versions[0][1] == self.version)
-            with self._cv:
-                if keep:
+            slots_out.append((s, seq, tokens, comp.prompt_token_ids) if keep else (s, None, None, None))
+        # the slots parked or freed and the results posted under one hold of the lock (not one a row: a Craftax
+        # turn's 256 rows end at once)
+        with self._cv:
+            for s, seq, tokens, prompt_list in slots_out:
+                if seq is not None:
                     self.table.park(s, np.concatenate([seq.prompt, np.asarray(tokens[:-1], dtype=np.int64)]),
-                                    seq.offset, self.version, comp.prompt_token_ids + tokens[:-1])
+                                    seq.offset, self.version, prompt_list + tokens[:-1])
                 else:
                     self.table.free(s)
-        with self._cv:
             for r in results:
                 self._done[r.handle] = r
             self._cv.notify_all()

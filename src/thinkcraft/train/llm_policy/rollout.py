@@ -554,10 +554,15 @@ class _Continuous:
 
         with self.phase("prompts"):  # inside `generate`: the next prompts' host work alone (`timing/prompts`)
             prompts = self.prompts.next(idx, [self.obs[i] for i in idx], comps)
-        for i, ids in zip(idx, prompts):
-            self.engine.submit(GenerationRequest(ids, self.sampling, prefix_len=self.prompts.prefix_len(ids), tag=i,
-                                                 episode=(self.rid, i) if self.append_only else None))
-            self.in_flight.add(i)
+        reqs = [GenerationRequest(ids, self.sampling, prefix_len=self.prompts.prefix_len(ids), tag=i,
+                                  episode=(self.rid, i) if self.append_only else None) for i, ids in zip(idx, prompts)]
+        many = getattr(self.engine, "submit_many", None)  # one lock and wake-up for the chunk, where the engine has it
+        if many is not None:
+            many(reqs)
+        else:
+            for req in reqs:
+                self.engine.submit(req)
+        self.in_flight.update(idx)
 
 
 RECORD_CHUNK = 16
