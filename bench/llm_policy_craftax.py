@@ -104,8 +104,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
                    help="settings taken in turns by the steps of one run (one compile, the same machine state, "
                         "interleaved): step 0 takes the first, step k >= 1 the ((k - 1) mod n)-th; each SPEC is "
-                        "KEY=VALUE[,KEY=VALUE] with KEY chunk (the rollout's SUBMIT_CHUNK) or env_chunked (0/1: "
-                        "THINKCRAFT_ENV_CHUNKED), e.g. `--variants chunk=256 chunk=128 chunk=128,env_chunked=1`. The "
+                        "KEY=VALUE[,KEY=VALUE] with KEY chunk (the rollout's SUBMIT_CHUNK), env_chunked (0/1: "
+                        "THINKCRAFT_ENV_CHUNKED) or prefill_pad (0/1: THINKCRAFT_PREFILL_PAD), e.g. `--variants chunk=256 chunk=128 chunk=128,env_chunked=1`. The "
                         "row gets `variant_rows`: each setting's rates over its steps after its first (that one may "
                         "capture graphs); --steps must give every setting two steps after step 0")
     p.add_argument("--profile-rollout", type=int, default=None, metavar="STEP",
@@ -186,8 +186,10 @@ def env_phases(recs: list[Any], steady: list[Any]) -> dict[str, float]:
     return out
 
 
-VARIANT_KEYS = ("chunk", "env_chunked")
-"""What `--variants` may set per step: the rollout's SUBMIT_CHUNK, and THINKCRAFT_ENV_CHUNKED (read by each rollout)."""
+VARIANT_KEYS = ("chunk", "env_chunked", "prefill_pad")
+"""What `--variants` may set per step: the rollout's SUBMIT_CHUNK, THINKCRAFT_ENV_CHUNKED (read by each rollout) and
+THINKCRAFT_PREFILL_PAD (read by each eager prefill)."""
+_VARIANT_ENV = {"env_chunked": "THINKCRAFT_ENV_CHUNKED", "prefill_pad": "THINKCRAFT_PREFILL_PAD"}
 
 
 def parse_variant(spec: str) -> dict[str, int]:
@@ -201,7 +203,7 @@ def parse_variant(spec: str) -> dict[str, int]:
             n = int(value)
         except ValueError:
             n = -1
-        if (key == "chunk" and n < 1) or (key == "env_chunked" and n not in (0, 1)):
+        if (key == "chunk" and n < 1) or (key in _VARIANT_ENV and n not in (0, 1)):
             raise ValueError(f"--variants: {key} must be {'>= 1' if key == 'chunk' else '0 or 1'}, got {value!r}")
         if key in out:
             raise ValueError(f"--variants: {key} given twice in {spec!r}")
@@ -216,20 +218,24 @@ def variant_of_step(n_variants: int, step: int) -> int:
 
 @contextlib.contextmanager
 def variant_applied(setting: dict[str, int], module: Any) -> Iterator[None]:
-    """`setting` in effect for the block (a rollout): SUBMIT_CHUNK and THINKCRAFT_ENV_CHUNKED, each put back after."""
-    chunk, env_before = module.SUBMIT_CHUNK, os.environ.get("THINKCRAFT_ENV_CHUNKED")
+    """`setting` in effect for the block (a rollout): SUBMIT_CHUNK and the switches of `_VARIANT_ENV`, each put back
+    after."""
+    chunk = module.SUBMIT_CHUNK
+    before = {var: os.environ.get(var) for var in _VARIANT_ENV.values()}
     try:
         if "chunk" in setting:
             module.SUBMIT_CHUNK = setting["chunk"]
-        if "env_chunked" in setting:
-            os.environ["THINKCRAFT_ENV_CHUNKED"] = str(setting["env_chunked"])
+        for key, var in _VARIANT_ENV.items():
+            if key in setting:
+                os.environ[var] = str(setting[key])
         yield
     finally:
         module.SUBMIT_CHUNK = chunk
-        if env_before is None:
-            os.environ.pop("THINKCRAFT_ENV_CHUNKED", None)
-        else:
-            os.environ["THINKCRAFT_ENV_CHUNKED"] = env_before
+        for var, v in before.items():
+            if v is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = v
 
 
 def variant_rows(recs: list[Any], specs: list[str], num_envs: int, left_out: set[int]) -> list[dict[str, Any]]:

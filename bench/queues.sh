@@ -181,7 +181,8 @@
 #             test (its partials for the group's heads only, the default since); the turn's prompts in chunks of 256
 #             (the default), 128, 64 and 128 with an env call a chunk, taken in turns by ONE run's steps (--variants:
 #             one compile; each chunked prefill replayed from CUDA graphs, ~1 ms of host a call, so the host builds
-#             the next chunk while the device prefills this one - s65's chunk rows ran with the graphs off); the
+#             the next chunk while the device prefills this one - s65's chunk rows ran with the graphs off) and the
+#             eager prefill padded to a bucket (its GEMMs' shapes repeat: no first-shape host stall); the
 #             unmerged LoRA forward (THINKCRAFT_LORA_MERGE=0: merged weights, rounded stochastically, are the CUDA
 #             default since the same day); the attention probe with the group's partials and with the whole padded
 #             tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0); the default row, the whole tile's row, unmerged again (the A/B
@@ -707,7 +708,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local L=bench/results/logs/s67_craftax37
       jobs=(
       "@0 split_gputest 200 python -m pytest -m gpu tests/test_split_decode.py -q -p no:cacheprovider"
-      "@0 craftax_variants 480 $C --steps 13 --variants chunk=256 chunk=128 chunk=64 chunk=128,env_chunked=1 --out ${L}_variants.json"
+      "@0 craftax_variants 480 $C --steps 16 --variants chunk=256 chunk=128 chunk=64 chunk=128,env_chunked=1 chunk=256,prefill_pad=1 --out ${L}_variants.json"
       "@0 craftax_unmerged 300 env THINKCRAFT_LORA_MERGE=0 $C --out ${L}_unmerged.json"
       "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
       "@0 attn_probe_full_tile 150 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_full_tile.json"

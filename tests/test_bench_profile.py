@@ -222,7 +222,9 @@ def test_craftax_bench_variants_take_turns_and_are_summed_apart(monkeypatch) -> 
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.parse_variant("chunk=128,env_chunked=1") == {"chunk": 128, "env_chunked": 1}
+    assert bench.parse_variant("prefill_pad=1") == {"prefill_pad": 1}
     for bad, says in (("chunk=0", "chunk must be >= 1"), ("env_chunked=2", "env_chunked must be 0 or 1"),
+                      ("prefill_pad=3", "prefill_pad must be 0 or 1"),
                       ("chunk", "not KEY=VALUE"), ("chunks=1", "not KEY=VALUE"), ("chunk=1,chunk=2", "given twice")):
         with pytest.raises(ValueError, match=says):
             bench.parse_variant(bad)
@@ -235,8 +237,13 @@ def test_craftax_bench_variants_take_turns_and_are_summed_apart(monkeypatch) -> 
         assert os.environ["THINKCRAFT_ENV_CHUNKED"] == "1"
     assert module.SUBMIT_CHUNK == chunk and "THINKCRAFT_ENV_CHUNKED" not in os.environ
     monkeypatch.setenv("THINKCRAFT_ENV_CHUNKED", "0")
-    with pytest.raises(RuntimeError), bench.variant_applied({"env_chunked": 1}, module):
+    monkeypatch.delenv("THINKCRAFT_PREFILL_PAD", raising=False)
+    with pytest.raises(RuntimeError), bench.variant_applied({"env_chunked": 1, "prefill_pad": 1}, module):
+        from thinkcraft.llm.hf.prefill_graphs import prefill_pad_on
+
+        assert prefill_pad_on()  # what each eager prefill reads
         raise RuntimeError
+    assert "THINKCRAFT_PREFILL_PAD" not in os.environ
     assert os.environ["THINKCRAFT_ENV_CHUNKED"] == "0" and module.SUBMIT_CHUNK == chunk
     # steps 0..6 with 2 settings: 0 -> A (compiles), then A B A B A B; step 5 profiled
     recs = [{"episode/turns": 2.0, "timing/step": 2.0, "timing/rollout": 1.0 + i, "engine/prefill_calls": float(i)}

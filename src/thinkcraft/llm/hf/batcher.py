@@ -36,7 +36,7 @@ from thinkcraft.llm.hf.cache import CacheMixin, Seq
 from thinkcraft.llm.hf.device_timing import DeviceTiming, device_timing_on
 from thinkcraft.llm.hf.guides import compile_for
 from thinkcraft.llm.hf.iteration import IterationMixin
-from thinkcraft.llm.hf.prefill_graphs import PrefillGraphs, prefill_graphs_on, prefill_pad_on
+from thinkcraft.llm.hf.prefill_graphs import PrefillGraphs, prefill_graphs_on
 from thinkcraft.llm.hf.prefix_graph import PrefixGraph, prefix_graph_on
 from thinkcraft.llm.hf.slot_table import SlotTable
 from thinkcraft.llm.hf.slots import SlotKV, register_slot_attention
@@ -117,7 +117,6 @@ class Batcher(CacheMixin, IterationMixin):
             0.0)
         self._ahead = decode_ahead()  # iterations launched per step before the host reads a record (opt-in)
         self._skip_ended = skip_ended_launches()  # no launch after every row's last token (iteration.py)
-        self._pad_prefill = prefill_pad_on()  # an eager prefill over a bucket's token count (prefill_graphs.py)
         self._device_wait_s = 0.0  # every wait for a record (collect); decode_wait_s: those inside decode_s
         # the phases timed on the device (opt-in diagnostic, device_timing.py): None off or off CUDA
         self._dtiming = DeviceTiming(eng.device) if device_timing_on() and eng.device.type == "cuda" else None

@@ -12,7 +12,7 @@ import torch
 from thinkcraft.llm import compat
 from thinkcraft.llm.constrained import prompt_in_thought
 from thinkcraft.llm.hf.cache import _WIDTH_BUCKET, Seq, _round_up
-from thinkcraft.llm.hf.prefill_graphs import PrefillCall, PrefillGraphs, padded_forward
+from thinkcraft.llm.hf.prefill_graphs import PrefillCall, PrefillGraphs, padded_forward, prefill_pad_on
 from thinkcraft.llm.hf.rows import sample_rows_lse, token_logprobs
 from thinkcraft.llm.hf.slot_table import PARKED, reuse_len
 from thinkcraft.llm.hf.slots import DecodeCtx, FlashPrefill, PrefillCtx, prefill_kernel
@@ -112,7 +112,8 @@ class IterationMixin:
         if graphs is not None:  # a replay (prefill_graphs.py), or None: too large, or the graphs are off
             logits = graphs.run(call, kv, p, self._flash_prefill, self._weights_key)
             self._graph_counters(graphs)
-        if logits is None and in_place and self._pad_prefill:  # eager over a bucket's token count (its GEMMs' rows)
+        # eager over a bucket's token count (its GEMMs' rows); the switch read at each call (the bench's --variants)
+        if logits is None and in_place and prefill_pad_on():
             logits, pads = padded_forward(self._prefill_forward(), call, kv, p, self._flash_prefill, self.eng.pad_id,
                                           dev)
             self.counters["prefill_pad_tokens"] += float(pads)
