@@ -264,7 +264,31 @@ def test_replies_decoded_in_one_call_equal_one_decode_each():
              SimpleNamespace(token_ids=tuple(body), finish_reason="budget")]  # no special token at its end
     want = [None, (tok.decode(body), tok.decode([end])), (tok.decode(body + [end]), ""), ("", ""),
             (tok.decode(body), "")]
-    assert _reply_texts(tok, comps, specials) == want
+    assert _reply_texts(tok, comps, specials) == (want, True)
+    # reuse: a reply with no special token in its body takes its completion's text (the engine's decode with special
+    # tokens skipped); one with a special token inside is decoded again; a checked reuse that differs stops it
+    plain = list(tok(" Action: noop, then left", add_special_tokens=False)["input_ids"])
+    skipped = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731 - what the engine's text is
+    inner = plain[:3] + [tok.convert_tokens_to_ids("<|im_start|>")] + plain[3:]  # a special token sampled mid-reply
+    comps = [SimpleNamespace(token_ids=plain + [end], finish_reason="stop", text=skipped(plain + [end])),
+             SimpleNamespace(token_ids=inner + [end], finish_reason="stop", text=skipped(inner + [end])),
+             SimpleNamespace(token_ids=plain, finish_reason="length", text=skipped(plain))]
+    want = [(tok.decode(plain), tok.decode([end])), (tok.decode(inner), tok.decode([end])), (tok.decode(plain), "")]
+    assert want[1][0] != comps[1].text  # its text as the engine skipped it is not the reply's
+    assert _reply_texts(tok, comps, specials, reuse=True) == (want, True)
+    calls = []
+    from thinkcraft.llm import compat
+
+    real = compat.decode_batch
+    try:
+        compat.decode_batch = lambda t, seqs, **k: calls.append(len(seqs)) or real(t, seqs, **k)
+        _reply_texts(tok, comps, specials, reuse=True)
+        assert calls == [2]  # the one with a special token, and one reused reply checked
+        comps[0].text = "not what the ids say"
+        comps[2].text = "not what the ids say"
+        assert _reply_texts(tok, comps, specials, reuse=True) == (want, False)  # caught: decoded, reuse off
+    finally:
+        compat.decode_batch = real
 
 
 def test_a_run_gives_the_frozen_heap_back_to_the_collector(tmp_path, monkeypatch):

@@ -284,6 +284,9 @@ class ChatPrompts:
         self._wrap: tuple[str, str] | None | bool = False  # (after a reply, after an observation); False: not yet
         self.fast_pieces = 0
         """Pieces built without rendering."""
+        self.reuse_reply_text = not (sampling is not None and getattr(sampling, "stop", None))
+        """A reply without special tokens takes its completion's text (`_reply_texts`): no stop strings (they cut the
+        text), and off for good after a check differed."""
         self.rendered_whole_after_check = False
         """The per-`next` check found a whole render that the pieces did not match: rendering whole since."""
 
@@ -316,7 +319,10 @@ class ChatPrompts:
             check = next((k for k, c in enumerate(comps) if c is not None), None) if self._fast_ready() else None
             order = ([check] if check is not None else []) + [k for k in range(len(idx)) if k != check]
             pieces: list[str] = [""] * len(idx)
-            replies = _reply_texts(self.tok, comps, self.specials) if self.append_only else [None] * len(idx)
+            if self.append_only:
+                replies, self.reuse_reply_text = _reply_texts(self.tok, comps, self.specials, self.reuse_reply_text)
+            else:
+                replies = [None] * len(idx)
             for k in order:
                 pieces[k] = self._piece(idx[k], obs[k], comps[k], replies[k], verify=k == check)
             for i, ids in zip(idx, self._encode(pieces, [not self.chats[i].ids for i in idx])):
@@ -579,25 +585,43 @@ lockstep; 2026-12-03, H200, every other default, BENCHMARKS §7b): 128 gave 961-
 against 1,036-1,121 for 256 - no clear gain, the chunks' prefill shapes capturing CUDA graphs in the first steps."""
 
 
-def _reply_texts(tok, comps: Sequence[Any], specials: dict[int, str]) -> list[tuple[str, str] | None]:
+def _reply_texts(tok, comps: Sequence[Any], specials: dict[int, str], reuse: bool = False
+                 ) -> tuple[list[tuple[str, str] | None], bool]:
     """Per completion (None: a first turn, None back): (the reply's text as sampled, special tokens included,
     without the special token that ended it; that token's text): the template writes its own end of turn after the
-    content. All the replies decoded in one batched call (`compat.decode_batch`)."""
+    content. The replies decoded in one batched call (`compat.decode_batch`), and with `reuse` (sampling without stop
+    strings, which cut a completion's text) a reply with no special token in its body takes the completion's own
+    text instead - the engine decoded the same ids with special tokens skipped, and there are none to skip: for the
+    Craftax rollout's 256 replies a turn, the second decode of every one gone. One reused reply is decoded anyway
+    and compared; the second value is False where it differed (the caller then stops reusing: a tokenizer whose
+    decode differs with the flag even without special tokens)."""
     from thinkcraft.llm import compat
 
-    at, bodies, ends = [], [], []
+    at, bodies, ends, reused = [], [], [], []
+    out: list[tuple[str, str] | None] = [None] * len(comps)
     for k, c in enumerate(comps):
         if c is None:
             continue
         ids = c.token_ids
         ended = bool(ids) and c.finish_reason in ("stop", "budget") and ids[-1] in specials
+        body = ids[:-1] if ended else ids
+        end = specials[ids[-1]] if ended else ""
+        if reuse and not any(t in specials for t in body):
+            out[k] = (c.text, end)
+            reused.append((k, body))
+            continue
         at.append(k)
-        bodies.append(list(ids[:-1] if ended else ids))
-        ends.append(specials[ids[-1]] if ended else "")
-    out: list[tuple[str, str] | None] = [None] * len(comps)
-    for k, text, end in zip(at, compat.decode_batch(tok, bodies, skip_special_tokens=False), ends):
+        bodies.append(list(body))
+        ends.append(end)
+    check = reused[0] if reused else None
+    texts = compat.decode_batch(tok, bodies + ([list(check[1])] if check else []), skip_special_tokens=False)
+    if check is not None and texts.pop() != out[check[0]][0]:  # type: ignore[index]
+        log.warning("a reply's text with special tokens kept differs from the engine's (skipped) although it has none: "
+                    "every reply is decoded again from now on")
+        return _reply_texts(tok, comps, specials, reuse=False)[0], False
+    for k, text, end in zip(at, texts, ends):
         out[k] = (text, end)
-    return out
+    return out, True
 
 
 def rollout_metrics(episodes: Sequence[Trajectory]) -> dict[str, float]:
