@@ -397,8 +397,9 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         from thinkcraft.utils.gc_clock import GC_CLOCK
         from thinkcraft.llm.hf.batcher import decode_ahead
 
-        # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": THINKCRAFT_LORA_MERGE=1's merged weights
-        # (0 also when they did not fit); "train": the learner's cast-free gradient path (THINKCRAFT_LORA_FAST_TRAIN)
+        # llm/hf/lora_fast.py's layers (0: PEFT's forward); "merged": with merged weights (THINKCRAFT_LORA_MERGE, the
+        # CUDA default since 2026-12-08; 0 also when they did not fit); "train": the learner's cast-free gradient path
+        # (THINKCRAFT_LORA_FAST_TRAIN)
         lora_counts = lora_fast.counts(getattr(policy.engine, "_lora_fast", None) or [])
         fused_norms = fused_norm.installed(policy.learner.model)  # llm/hf/fused_norm.py (THINKCRAFT_FUSED_RMSNORM)
         # the decode step's slot attention: FlashAttention in place (llm/hf/slots.py `decode_kernel`,
