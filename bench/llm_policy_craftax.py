@@ -105,8 +105,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="settings taken in turns by the steps of one run (one compile, the same machine state, "
                         "interleaved): step 0 takes the first, step k >= 1 the ((k - 1) mod n)-th; each SPEC is "
                         "KEY=VALUE[,KEY=VALUE] with KEY chunk (the rollout's SUBMIT_CHUNK), env_chunked (0/1: "
-                        "THINKCRAFT_ENV_CHUNKED) or prefill_pad (0/1: THINKCRAFT_PREFILL_PAD), e.g. `--variants chunk=256 chunk=128 chunk=128,env_chunked=1`. The "
-                        "row gets `variant_rows`: each setting's rates over its steps after its first (that one may "
+                        "THINKCRAFT_ENV_CHUNKED) or prefill_pad (0/1: THINKCRAFT_PREFILL_PAD), e.g. `--variants "
+                        "chunk=256 chunk=128 chunk=128,env_chunked=1`. The row gets `variant_rows`: each setting's rates over its steps after its first (that one may "
                         "capture graphs); --steps must give every setting two steps after step 0")
     p.add_argument("--profile-rollout", type=int, default=None, metavar="STEP",
                    help="torch.profiler over the rollout (generation + env) of step STEP (-1: the last): where the "
@@ -198,7 +198,8 @@ def parse_variant(spec: str) -> dict[str, int]:
     for part in spec.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or key not in VARIANT_KEYS:
-            raise ValueError(f"--variants: {part!r} in {spec!r} is not KEY=VALUE with KEY one of {', '.join(VARIANT_KEYS)}")
+            raise ValueError(f"--variants: {part!r} in {spec!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(VARIANT_KEYS)}")
         try:
             n = int(value)
         except ValueError:

@@ -30,9 +30,10 @@ forward cannot run Python, so the engine calls `refresh(model)` before each step
 updated in place, so a captured graph keeps reading them. THINKCRAFT_LORA_FAST=0 leaves PEFT's forward alone.
 
 Merged (THINKCRAFT_LORA_MERGE; the default for a CUDA engine, `merge_default`): each layer also keeps `W + s·B·A` in
-the base dtype, merged in fp32 and rounded once, and the no-grad forward is that one linear - one GEMM where the above is three (for the
-Qwen2.5-0.5B shape, 336 fewer kernels in each decode step of 168 adapted linears; the step at 64 rows was bound
-by its small kernels, 3.27 ms on an H200, 2026-11-28, bench/results/logs/s38_decode_probe_rows.json). Its cost:
+the base dtype, merged in fp32 and rounded once, and the no-grad forward is that one linear - one GEMM where the
+above is three (for the Qwen2.5-0.5B shape, 336 fewer kernels in each decode step of 168 adapted linears; the step at
+64 rows was bound by its small kernels, 3.27 ms on an H200, 2026-11-28, bench/results/logs/s38_decode_probe_rows.json).
+Its cost:
 2 bytes per adapted weight (made only within `copies.COPY_FREE_FRACTION` of the device's free memory, else the layers
 keep the three-operator forward), a re-merge of every layer when the adapters change (once a learner update),
 and precision: the merged weight is rounded to bf16. Rounded to nearest, an adapter's change smaller than half a
@@ -150,8 +151,8 @@ def _refresh_layer(layer: Any) -> bool:
 
 def merge_default(device: torch.device | None) -> bool:
     """THINKCRAFT_LORA_MERGE: "1" merged weights, "0" the three-operator forward, unset: merged on a CUDA engine (the
-    module docstring says why), not elsewhere (a CPU engine's decode step is bound by its compute, and a re-merge of
-    every weight at each learner update costs a CPU seconds)."""
+    module docstring says why), not elsewhere (a CPU engine's decode step is bound by its compute, not by its kernel
+    count, and re-merging every weight at each learner update costs a CPU seconds a step)."""
     import os
 
     if os.environ.get("THINKCRAFT_LORA_MERGE", "").strip():
