@@ -549,6 +549,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # the split decode's partials written for the GQA group's heads only (split_decode.py,
         # THINKCRAFT_SPLIT_PARTIAL_ROWS), or its whole padded tile
         "split_partial_rows": env_switch("THINKCRAFT_SPLIT_PARTIAL_ROWS", default=True) if split_decode else None,
+        # and its shared prefix's programs on a side stream beside the own chunks (THINKCRAFT_SPLIT_PREFIX_STREAM)
+        "split_prefix_stream": env_switch("THINKCRAFT_SPLIT_PREFIX_STREAM") if split_decode else None,
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
         "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp, "fused_rope": fused_rope,
@@ -617,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",
                                                        "fast_prompts", "fused_sampler", "split_decode", "decode_ahead",
-                                                       "split_prefix_rows", "split_partial_rows", "lora_add_op", "decode_autotune",
+                                                       "split_prefix_rows", "split_partial_rows", "split_prefix_stream", "lora_add_op", "decode_autotune",
                                                        "fused_mlp", "fused_mlp_lora", "fused_mlp_lora_compiled", "skip_ended_launch", "prefill_graphs", "fused_rope", "fused_tokens_max", "gc_freeze",
                                                        "xla_flags", "device_timing", "env_donates",
                                                        "env_numpy_inputs", "env_command_buffers", "env_chunked", "prefill_pad"))

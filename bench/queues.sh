@@ -185,9 +185,10 @@
 #             eager prefill padded to a bucket (its GEMMs' shapes repeat: no first-shape host stall); the
 #             unmerged LoRA forward (THINKCRAFT_LORA_MERGE=0: merged weights, rounded stochastically, are the CUDA
 #             default since the same day); the attention probe with the group's partials and with the whole padded
-#             tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0); the default row, the whole tile's row, unmerged again (the A/B
-#             in turns); the GPU host's cProfile; the fused MLP's and lora_fast's GPU tests; carry [".whl",
-#             ".ref/tc-cache"], then collect calls back to back
+#             tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0) and with the shared prefix's programs on a side stream
+#             (THINKCRAFT_SPLIT_PREFIX_STREAM=1, opt-in); the default row, the side stream's row, the whole tile's
+#             row, unmerged again (the A/Bs in turns); the GPU host's cProfile; the fused MLP's and lora_fast's GPU
+#             tests; carry [".whl", ".ref/tc-cache"], then collect calls back to back
 #   scale2    issue 21 on a machine of 2 GPUs: PPO and ppo-hidden on 1 and 2 GPUs, llm-policy with 1 rollout GPU + 1
 #             learner GPU (the rows an x2 machine can give; needs the tokenizer)
 #   scale     issue 21 on a machine of 4 GPUs, every GPU in one lane (no other set beside it), by value (a
@@ -712,7 +713,9 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       "@0 craftax_unmerged 300 env THINKCRAFT_LORA_MERGE=0 $C --out ${L}_unmerged.json"
       "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
       "@0 attn_probe_full_tile 150 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_full_tile.json"
+      "@0 attn_probe_prefix_stream 150 env THINKCRAFT_SPLIT_PREFIX_STREAM=1 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_prefix_stream.json"
       "@0 craftax_default 300 $C --out ${L}_default.json"
+      "@0 craftax_prefix_stream 300 env THINKCRAFT_SPLIT_PREFIX_STREAM=1 $C --out ${L}_prefix_stream.json"
       "@0 craftax_full_tile 300 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 $C --out ${L}_full_tile.json"
       "@0 craftax_unmerged2 300 env THINKCRAFT_LORA_MERGE=0 $C --out ${L}_unmerged2.json"
       "@0 craftax_host_profile 300 python bench/llm_policy_craftax.py --shapes qwen2.5-0.5b --num-envs 256 --thinking-budgets 0 --learner-compile off --steps 5 --profile-host 3 --out ${L}_host_profile.json"

@@ -152,6 +152,11 @@ def test_does_not_serve_without_a_gpu_or_with_the_switch_off(monkeypatch) -> Non
     assert SD.partial_rows_only()  # the default: the partials of the group's heads only
     monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "0")
     assert not SD.partial_rows_only()
+    assert not SD.prefix_stream_on()  # the prefix on a side stream: opt-in
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "maybe")
+    with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PREFIX_STREAM must be 0 or 1"):
+        SD.prefix_stream_on()
+    monkeypatch.delenv("THINKCRAFT_SPLIT_PREFIX_STREAM")
     monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "padded")
     with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PARTIAL_ROWS must be 0 or 1"):
         SD.partial_rows_only()
@@ -194,6 +199,43 @@ def test_split_decode_on_gpu_equals_flash_attention_and_replays() -> None:
     key_len.copy_(torch.randint(1, cols, (s,), device=dev, dtype=torch.int32))
     graph.replay()
     torch.testing.assert_close(got, SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA GPU (none here)")
+def test_prefix_on_a_side_stream_equals_one_stream_and_replays(monkeypatch) -> None:
+    """THINKCRAFT_SPLIT_PREFIX_STREAM=1: the shared prefix's programs on a side stream beside the own chunks give the
+    one-stream result, eagerly and replayed from a CUDA graph captured with the two branches (after the key lengths
+    change), on a stream other than the default."""
+    from thinkcraft.llm.hf import split_decode as SD
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    s, hkv, g, d, cols, pcap = 96, 2, 7, 64, 700, 680
+    assert SD.serves(dev, dt, d, g)
+    q = torch.randn(s, hkv * g, 1, d, device=dev, dtype=dt)
+    kc, vc = (torch.randn(s, hkv, cols, d, device=dev, dtype=dt) for _ in range(2))
+    pk, pv = (torch.randn(1, hkv, pcap, d, device=dev, dtype=dt) for _ in range(2))
+    key_len = torch.randint(1, cols, (s,), device=dev, dtype=torch.int32)
+    prefix_n = torch.where(torch.rand(s, device=dev) < 0.9, pcap, 0).to(torch.int32)
+    scale = d ** -0.5
+    one = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "1")
+    two = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
+    assert SD._SIDE_STREAMS and torch.equal(two, one)  # the same programs, the same values
+    work = torch.cuda.Stream()
+    work.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(work):
+        SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)  # warm on the capture's stream
+    torch.cuda.current_stream().wait_stream(work)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
+    key_len.copy_(torch.randint(1, cols, (s,), device=dev, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "0")
+    torch.testing.assert_close(got, SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale),
+                               atol=0, rtol=0)
 
 
 def test_decode_attention_probe_quick_writes_its_rows(tmp_path, monkeypatch) -> None:

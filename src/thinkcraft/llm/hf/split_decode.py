@@ -31,6 +31,7 @@ interpreter (TRITON_INTERPRET=1, the tests). `THINKCRAFT_SPLIT_DECODE=0` turns i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, NamedTuple
 
@@ -89,6 +90,29 @@ def prefix_rows() -> int:
     program (the code before, the A/B switch)."""
     return env_int("THINKCRAFT_SPLIT_PREFIX_ROWS", PREFIX_ROWS, least=0, most=128, check=lambda n: n & (n - 1) == 0,
                    wanted="0 or a power of two up to 128")
+
+
+def prefix_stream_on() -> bool:
+    """THINKCRAFT_SPLIT_PREFIX_STREAM: "1" launches the shared prefix's programs (`prefix_kernel`) on a side stream,
+    beside the rows' own chunks (`partial_kernel`) on the caller's, joined before the combine - in a CUDA graph, two
+    branches that may run at once; "0" (the default) one after the other on the caller's stream. Why: at 256 rows of
+    Qwen2.5-0.5B's shape the prefix kernel (~7 us a layer, 192 programs, H100 s64-1) runs alone between the layer's
+    GEMM and the ~32 us of own chunks, which leave bandwidth to spare (~66% of it); opt-in until measured."""
+    return env_switch("THINKCRAFT_SPLIT_PREFIX_STREAM")
+
+
+_SIDE_STREAMS: dict[int, Any] = {}
+"""The side stream of each CUDA device for `prefix_stream_on`, made outside any graph capture (`_side_stream`)."""
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The device's side stream, made on first use outside a capture; None while capturing before it exists (the
+    prefix then runs on the caller's stream, as with the switch off)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    st = _SIDE_STREAMS.get(idx)
+    if st is None and not torch.cuda.is_current_stream_capturing():
+        st = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=torch.device("cuda", idx))
+    return st
 
 
 def partial_rows_only() -> bool:
@@ -282,19 +306,28 @@ def _run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_len: torch.Ten
     rows = prefix_rows() if nsp else 0
     full = not partial_rows_only()
     stages = {} if NUM_STAGES is None else {"num_stages": NUM_STAGES}
+    side = main = None
     if rows:  # the prefix's chunks for blocks of rows, then the own columns' from chunk nsp on
         gq = pow2_at_least(g)
         # a tile of 16 (tl.dot's least) to 128 query rows: a large GQA group takes fewer rows a program
         rows = max(min(rows, max(128 // gq, 1)), -(-16 // gq))
-        prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part, scale,
-                                          s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst, CHUNK=chunk,
-                                          BLOCK_N=BLOCK_N, R=rows, UPCAST=interpreted(), FULL=full,
-                                          num_warps=NUM_WARPS, **stages)
+        if q.is_cuda and prefix_stream_on():  # the prefix beside the own chunks (`prefix_stream_on`)
+            side = _side_stream(q.device)
+        if side is not None:
+            main = torch.cuda.current_stream(q.device)
+            side.wait_stream(main)  # q, the caches and the partials' buffers are ready on the caller's stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            prefix[(-(-s // rows) * hkv, nsp)](q3, q3.stride(0), q3.stride(1), pk, pv, prefix_n, o_part, lse_part,
+                                              scale, s, pcap, HKV=hkv, G=g, GQ=gq, GP=gp, D=d, DP=dp, NST=nst,
+                                              CHUNK=chunk, BLOCK_N=BLOCK_N, R=rows, UPCAST=interpreted(), FULL=full,
+                                              num_warps=NUM_WARPS, **stages)
     first = nsp if rows else 0
     partial[(s * hkv, nst - first)](q3, q3.stride(0), q3.stride(1), kc, vc, pk, pv, key_len, prefix_n, o_part,
                                     lse_part, scale, cols, max(pcap, 1), HKV=hkv, G=g, GP=gp, D=d, DP=dp, NSP=nsp,
                                     NST=nst, CHUNK=chunk, BLOCK_N=BLOCK_N, UPCAST=interpreted(), FIRST=first,
                                     FULL=full, num_warps=NUM_WARPS, **stages)
+    if side is not None:  # the two write disjoint chunks of the partials; the combine reads both
+        main.wait_stream(side)
     combine[(s * hkv,)](o_part, lse_part, out, HKV=hkv, G=g, GP=gp, D=d, DP=dp, NST=nst, FULL=full,
                         num_warps=NUM_WARPS)
     return out
