@@ -104,7 +104,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
                    help="settings taken in turns by the steps of one run (one compile, the same machine state, "
                         "interleaved): step 0 takes the first, step k >= 1 the ((k - 1) mod n)-th; each SPEC is "
-                        "KEY=VALUE[,KEY=VALUE] with KEY chunk (the rollout's SUBMIT_CHUNK), env_chunked (0/1: "
+                        "KEY=VALUE[,KEY=VALUE] with KEY chunk (the rollout's SUBMIT_CHUNK), first (its first chunk's "
+                        "length: SUBMIT_FIRST, 0 none), env_chunked (0/1: "
                         "THINKCRAFT_ENV_CHUNKED) or prefill_pad (0/1: THINKCRAFT_PREFILL_PAD), e.g. `--variants "
                         "chunk=256 chunk=128 chunk=128,env_chunked=1`. The row gets `variant_rows`: each setting's rates over its steps after its first (that one may "
                         "capture graphs); --steps must give every setting two steps after step 0")
@@ -186,9 +187,9 @@ def env_phases(recs: list[Any], steady: list[Any]) -> dict[str, float]:
     return out
 
 
-VARIANT_KEYS = ("chunk", "env_chunked", "prefill_pad")
-"""What `--variants` may set per step: the rollout's SUBMIT_CHUNK, THINKCRAFT_ENV_CHUNKED (read by each rollout) and
-THINKCRAFT_PREFILL_PAD (read by each eager prefill)."""
+VARIANT_KEYS = ("chunk", "first", "env_chunked", "prefill_pad")
+"""What `--variants` may set per step: the rollout's SUBMIT_CHUNK and SUBMIT_FIRST (the first chunk's length, 0 none),
+THINKCRAFT_ENV_CHUNKED (read by each rollout) and THINKCRAFT_PREFILL_PAD (read by each eager prefill)."""
 _VARIANT_ENV = {"env_chunked": "THINKCRAFT_ENV_CHUNKED", "prefill_pad": "THINKCRAFT_PREFILL_PAD"}
 
 
@@ -204,8 +205,9 @@ def parse_variant(spec: str) -> dict[str, int]:
             n = int(value)
         except ValueError:
             n = -1
-        if (key == "chunk" and n < 1) or (key in _VARIANT_ENV and n not in (0, 1)):
-            raise ValueError(f"--variants: {key} must be {'>= 1' if key == 'chunk' else '0 or 1'}, got {value!r}")
+        if (key == "chunk" and n < 1) or (key == "first" and n < 0) or (key in _VARIANT_ENV and n not in (0, 1)):
+            want = {"chunk": ">= 1", "first": ">= 0"}.get(key, "0 or 1")
+            raise ValueError(f"--variants: {key} must be {want}, got {value!r}")
         if key in out:
             raise ValueError(f"--variants: {key} given twice in {spec!r}")
         out[key] = n
@@ -221,17 +223,19 @@ def variant_of_step(n_variants: int, step: int) -> int:
 def variant_applied(setting: dict[str, int], module: Any) -> Iterator[None]:
     """`setting` in effect for the block (a rollout): SUBMIT_CHUNK and the switches of `_VARIANT_ENV`, each put back
     after."""
-    chunk = module.SUBMIT_CHUNK
+    chunk, first = module.SUBMIT_CHUNK, module.SUBMIT_FIRST
     before = {var: os.environ.get(var) for var in _VARIANT_ENV.values()}
     try:
         if "chunk" in setting:
             module.SUBMIT_CHUNK = setting["chunk"]
+        if "first" in setting:
+            module.SUBMIT_FIRST = setting["first"]
         for key, var in _VARIANT_ENV.items():
             if key in setting:
                 os.environ[var] = str(setting[key])
         yield
     finally:
-        module.SUBMIT_CHUNK = chunk
+        module.SUBMIT_CHUNK, module.SUBMIT_FIRST = chunk, first
         for var, v in before.items():
             if v is None:
                 os.environ.pop(var, None)
@@ -531,6 +535,8 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         "first_step_s": round(recs[0]["timing/step"], 2), "steps_measured": len(steady), "profiled_step": profile_at,
         "rollout_profiled_step": rollout_at, "host_profiled_step": host_at,
         "submit_chunk": submit_chunk,
+        # a boundary's first submit chunk where it is shorter (the rollout's SUBMIT_FIRST; 0: none)
+        "submit_first": importlib.import_module("thinkcraft.train.llm_policy.rollout").SUBMIT_FIRST,
         # --variants: the settings the steps took in turns, and each one's rates (`variant_rows`)
         "variants": " ".join(a.variants) if a.variants else None,
         "variant_by_step": [variant_of_step(len(a.variants), i) for i in range(len(recs))] if a.variants else None,
@@ -614,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_records(a.out, rows, merge_keys=("model_shape", "num_envs", "max_new_tokens", "thinking_budget",
                                                        "pack_episodes", "card", "decode_graphs", "micro_batch_tokens",
                                                        "learner_compile", "prefill_compile", "kv_cache", "submit_chunk",
-                                                       "variants", "lora_merge_rounding",
+                                                       "submit_first", "variants", "lora_merge_rounding",
                                                        "lora_fast_layers", "lora_merged_layers",
                                                        "lora_fast_train_layers", "fused_rmsnorms", "flash_decode",
                                                        "flash_prefill", "fused_proj_groups", "fused_proj_folded",

@@ -182,7 +182,9 @@
 #             (the default), 128, 64 and 128 with an env call a chunk, taken in turns by ONE run's steps (--variants:
 #             one compile; each chunked prefill replayed from CUDA graphs, ~1 ms of host a call, so the host builds
 #             the next chunk while the device prefills this one - s65's chunk rows ran with the graphs off) and the
-#             eager prefill padded to a bucket (its GEMMs' shapes repeat: no first-shape host stall); the
+#             eager prefill padded to a bucket (its GEMMs' shapes repeat: no first-shape host stall), and a short
+#             first chunk (16 prompts, then chunks of 128 or 64: SUBMIT_FIRST, the device idles through the first
+#             chunk's host work only); the
 #             unmerged LoRA forward (THINKCRAFT_LORA_MERGE=0: merged weights, rounded stochastically, are the CUDA
 #             default since the same day); the attention probe with the group's partials and with the whole padded
 #             tile (THINKCRAFT_SPLIT_PARTIAL_ROWS=0) and with the shared prefix's programs on a side stream
@@ -709,7 +711,7 @@ set_jobs() {  # the job specs of set $1, in the array `jobs`
       local L=bench/results/logs/s67_craftax37
       jobs=(
       "@0 split_gputest 200 python -m pytest -m gpu tests/test_split_decode.py -q -p no:cacheprovider"
-      "@0 craftax_variants 480 $C --steps 16 --variants chunk=256 chunk=128 chunk=64 chunk=128,env_chunked=1 chunk=256,prefill_pad=1 --out ${L}_variants.json"
+      "@0 craftax_variants 560 $C --steps 22 --variants chunk=256 chunk=128 chunk=64 chunk=128,env_chunked=1 chunk=256,prefill_pad=1 first=16,chunk=128 first=16,chunk=64 --out ${L}_variants.json"
       "@0 craftax_unmerged 300 env THINKCRAFT_LORA_MERGE=0 $C --out ${L}_unmerged.json"
       "@0 attn_probe 150 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn.json"
       "@0 attn_probe_full_tile 150 env THINKCRAFT_SPLIT_PARTIAL_ROWS=0 python bench/probes/decode_attention_probe.py --rows 248 --width 1200 --mean-keys 540 --prefix 680 --out ${L}_attn_full_tile.json"

@@ -223,8 +223,9 @@ def test_craftax_bench_variants_take_turns_and_are_summed_apart(monkeypatch) -> 
     spec.loader.exec_module(bench)
     assert bench.parse_variant("chunk=128,env_chunked=1") == {"chunk": 128, "env_chunked": 1}
     assert bench.parse_variant("prefill_pad=1") == {"prefill_pad": 1}
+    assert bench.parse_variant("first=16,chunk=128") == {"first": 16, "chunk": 128}
     for bad, says in (("chunk=0", "chunk must be >= 1"), ("env_chunked=2", "env_chunked must be 0 or 1"),
-                      ("prefill_pad=3", "prefill_pad must be 0 or 1"),
+                      ("prefill_pad=3", "prefill_pad must be 0 or 1"), ("first=-1", "first must be >= 0"),
                       ("chunk", "not KEY=VALUE"), ("chunks=1", "not KEY=VALUE"), ("chunk=1,chunk=2", "given twice")):
         with pytest.raises(ValueError, match=says):
             bench.parse_variant(bad)
@@ -232,10 +233,11 @@ def test_craftax_bench_variants_take_turns_and_are_summed_apart(monkeypatch) -> 
     module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
     chunk = module.SUBMIT_CHUNK
     monkeypatch.delenv("THINKCRAFT_ENV_CHUNKED", raising=False)
-    with bench.variant_applied({"chunk": 64, "env_chunked": 1}, module):
+    with bench.variant_applied({"chunk": 64, "env_chunked": 1, "first": 8}, module):
         assert module.SUBMIT_CHUNK == 64 and module._Continuous.__init__.__globals__["SUBMIT_CHUNK"] == 64
+        assert module.submit_bounds(100) == [(0, 8), (8, 72), (72, 100)]  # what the rollout's boundary reads
         assert os.environ["THINKCRAFT_ENV_CHUNKED"] == "1"
-    assert module.SUBMIT_CHUNK == chunk and "THINKCRAFT_ENV_CHUNKED" not in os.environ
+    assert module.SUBMIT_CHUNK == chunk and module.SUBMIT_FIRST == 0 and "THINKCRAFT_ENV_CHUNKED" not in os.environ
     monkeypatch.setenv("THINKCRAFT_ENV_CHUNKED", "0")
     monkeypatch.delenv("THINKCRAFT_PREFILL_PAD", raising=False)
     with pytest.raises(RuntimeError), bench.variant_applied({"env_chunked": 1, "prefill_pad": 1}, module):

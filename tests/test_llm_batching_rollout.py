@@ -127,6 +127,51 @@ def test_prompts_in_chunks_keep_the_turn_in_lockstep(policy, monkeypatch) -> Non
     assert len(admits) == 2 * 2  # turns 2 and 3: three chunks of two, prefilled after the first two
 
 
+def test_submit_bounds_a_short_first_chunk_then_full_ones(monkeypatch) -> None:
+    """`submit_bounds`: chunks of SUBMIT_CHUNK covering every prompt once, the first SUBMIT_FIRST long where that is
+    set and shorter than a chunk (and than the prompts)."""
+    import importlib
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    monkeypatch.setattr(module, "SUBMIT_CHUNK", 128)
+    monkeypatch.setattr(module, "SUBMIT_FIRST", 0)
+    assert module.submit_bounds(256) == [(0, 128), (128, 256)] and module.submit_bounds(0) == []
+    monkeypatch.setattr(module, "SUBMIT_FIRST", 16)
+    assert module.submit_bounds(256) == [(0, 16), (16, 144), (144, 256)]
+    assert module.submit_bounds(100) == [(0, 16), (16, 100)]
+    assert module.submit_bounds(10) == [(0, 10)]  # fewer prompts than the first chunk: one
+    monkeypatch.setattr(module, "SUBMIT_FIRST", 200)  # not shorter than a chunk: no first chunk of its own
+    assert module.submit_bounds(256) == [(0, 128), (128, 256)]
+
+
+def test_a_short_first_chunk_keeps_the_turn_in_lockstep(policy, monkeypatch) -> None:
+    """SUBMIT_FIRST=1 with chunks of 4: each boundary's six prompts go as 1 + 4 + 1, the first two prefilled (`admit`)
+    while the next is built, every decode step holding all six rows, and the same turns played as with one chunk."""
+    import importlib
+
+    module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
+    cfg, model, tok = policy
+
+    def played(first: int, chunk: int) -> tuple[list, int, float]:
+        monkeypatch.setattr(module, "SUBMIT_FIRST", first)
+        monkeypatch.setattr(module, "SUBMIT_CHUNK", chunk)
+        engine = LP.make_engine(model, tok, cfg)
+        engine.eos_ids = set()  # every reply runs to max_new_tokens: the rows end together
+        admits = []
+        real = engine.admit
+        monkeypatch.setattr(engine, "admit", lambda: admits.append(1) or real())
+        metrics: dict = {}
+        torch.manual_seed(0)
+        eps = LP.rollout(TurnsEnv(), engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
+                         sampling=SamplingParams(max_new_tokens=5, temperature=0.0), history_turns=-1,
+                         metrics=metrics, env_batch_frac=1.0)
+        return [[t.completion_ids for t in e.turns] for e in eps], len(admits), metrics["engine/rows_per_decode_step"]
+
+    turns, admits, rows = played(1, 4)
+    assert rows == 6 and admits == 2 * 2  # turns 2 and 3: chunks 1, 4 and 1, the first two prefilled apart
+    assert played(0, 256)[0] == turns  # greedy: the same replies as the whole boundary in one chunk
+
+
 def test_env_chunks_step_apart_and_play_the_same_lockstep_turns(policy, monkeypatch) -> None:
     """THINKCRAFT_ENV_CHUNKED=1 with chunks of two: each chunk of a boundary steps its own env call (indices of its
     episodes) before its prompts are built and prefilled, the turn still decodes in lockstep (six rows a step), and

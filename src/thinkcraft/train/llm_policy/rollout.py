@@ -529,10 +529,10 @@ class _Continuous:
         # other episode is decoding (no decode step yet: the whole turn decodes in lockstep), else with a `step`
         # (the other episodes' decode goes on meanwhile)
         admit = self.engine.step if others else getattr(self.engine, "admit", self.engine.step)
-        for a in range(0, len(nxt), SUBMIT_CHUNK):
+        for a, b in submit_bounds(len(nxt)):
             with self.phase("generate"):
-                self._submit(nxt[a : a + SUBMIT_CHUNK], comps[a : a + SUBMIT_CHUNK])
-                if a + SUBMIT_CHUNK < len(nxt) or not last:
+                self._submit(nxt[a:b], comps[a:b])
+                if b < len(nxt) or not last:
                     with self.gen_ctx():
                         admit()
                     self.pending += self.engine.poll()
@@ -574,6 +574,24 @@ class _Continuous:
 RECORD_CHUNK = 16
 """Turn records built after one engine step (`_Continuous.deferred`): ~20 us each on a 2-core CPU, so a chunk
 stays well inside one decode step's device time (~3 ms for the 0.5B shape at 256 rows, H200)."""
+
+def submit_bounds(n: int) -> list[tuple[int, int]]:
+    """The (start, end) of each chunk of `n` next prompts built and submitted before the engine steps again: chunks of
+    `SUBMIT_CHUNK`, the first of them `SUBMIT_FIRST` long where that is set (and shorter than a chunk)."""
+    first = SUBMIT_FIRST if 0 < SUBMIT_FIRST < min(SUBMIT_CHUNK, n) else 0
+    starts = ([0] if first else []) + list(range(first, n, SUBMIT_CHUNK))
+    return [(a, min(b, n)) for a, b in zip(starts, starts[1:] + [n])]
+
+
+SUBMIT_FIRST = 0
+"""The length of a boundary's first submit chunk where it is shorter than the others (0: every chunk
+`SUBMIT_CHUNK`). Why: the device idles through the first chunk's host work (its prompts, submit, admission) and
+then prefills it while the host builds the next; a prefill costs the device several times what its prompts cost the
+host (a Craftax turn at 256 envs, H100 s64-1: ~64 ms of prefill, ~35 ms of host work between the env and the
+prefill), so a short first chunk (16 prompts) exposes little of the host's work and each later chunk is built while
+the one before is prefilled - where the chunks' prefills replay from CUDA graphs (~1 ms of host a call; an eager
+prefill launches for about as long as it runs). Opt-in until measured (the Craftax bench's `--variants
+first=16,chunk=128`)."""
 
 SUBMIT_CHUNK = 256
 """Episodes whose next prompt is built and submitted before the engine is stepped again (see `_env_step`).
