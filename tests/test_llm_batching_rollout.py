@@ -105,6 +105,21 @@ def test_episodes_move_on_independently_with_turn_kv_reuse(policy, submit_chunk:
     assert rows.turns.starts.tolist() == [0, 3, 6, 9, 12, 15, 18]
 
 
+def _lockstep_rollout(policy, monkeypatch, sampling) -> tuple[list, list, dict]:  # noqa: ANN001
+    """A lockstep rollout of six episodes (every reply runs to max_new_tokens: the rows end together) with the
+    engine's `admit` calls counted: (episodes, one entry an admit, the rollout's metrics)."""
+    cfg, model, tok = policy
+    engine = LP.make_engine(model, tok, cfg)
+    engine.eos_ids = set()
+    admits: list = []
+    real = engine.admit
+    monkeypatch.setattr(engine, "admit", lambda: admits.append(1) or real())
+    metrics: dict = {}
+    eps = LP.rollout(TurnsEnv(), engine, tok, seeds=[3, 4, 5], samples_per_seed=2, sampling=sampling, history_turns=-1,
+                     metrics=metrics, env_batch_frac=1.0)
+    return eps, admits, metrics
+
+
 def test_prompts_in_chunks_keep_the_turn_in_lockstep(policy, monkeypatch) -> None:
     """A lockstep rollout (every episode's turn back before the env steps) whose prompts go in two at a time: each
     chunk is prefilled (`admit`) while the next is built, and every decode step holds all six rows - none a step
@@ -113,15 +128,7 @@ def test_prompts_in_chunks_keep_the_turn_in_lockstep(policy, monkeypatch) -> Non
 
     module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
     monkeypatch.setattr(module, "SUBMIT_CHUNK", 2)
-    cfg, model, tok = policy
-    engine = LP.make_engine(model, tok, cfg)
-    engine.eos_ids = set()  # every reply runs to max_new_tokens: the rows end together
-    admits = []
-    real = engine.admit
-    monkeypatch.setattr(engine, "admit", lambda: admits.append(1) or real())
-    metrics: dict = {}
-    eps = LP.rollout(TurnsEnv(), engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
-                     sampling=SamplingParams(max_new_tokens=5), history_turns=-1, metrics=metrics, env_batch_frac=1.0)
+    eps, admits, metrics = _lockstep_rollout(policy, monkeypatch, SamplingParams(max_new_tokens=5))
     assert all(len(e.turns) == 3 for e in eps)
     assert metrics["engine/rows_per_decode_step"] == 6
     assert len(admits) == 2 * 2  # turns 2 and 3: three chunks of two, prefilled after the first two
@@ -150,21 +157,12 @@ def test_a_short_first_chunk_keeps_the_turn_in_lockstep(policy, monkeypatch) -> 
     import importlib
 
     module = importlib.import_module("thinkcraft.train.llm_policy.rollout")
-    cfg, model, tok = policy
 
     def played(first: int, chunk: int) -> tuple[list, int, float]:
         monkeypatch.setattr(module, "SUBMIT_FIRST", first)
         monkeypatch.setattr(module, "SUBMIT_CHUNK", chunk)
-        engine = LP.make_engine(model, tok, cfg)
-        engine.eos_ids = set()  # every reply runs to max_new_tokens: the rows end together
-        admits = []
-        real = engine.admit
-        monkeypatch.setattr(engine, "admit", lambda: admits.append(1) or real())
-        metrics: dict = {}
         torch.manual_seed(0)
-        eps = LP.rollout(TurnsEnv(), engine, tok, seeds=[3, 4, 5], samples_per_seed=2,
-                         sampling=SamplingParams(max_new_tokens=5, temperature=0.0), history_turns=-1,
-                         metrics=metrics, env_batch_frac=1.0)
+        eps, admits, metrics = _lockstep_rollout(policy, monkeypatch, SamplingParams(max_new_tokens=5, temperature=0.0))
         return [[t.completion_ids for t in e.turns] for e in eps], len(admits), metrics["engine/rows_per_decode_step"]
 
     turns, admits, rows = played(1, 4)

@@ -162,6 +162,38 @@ def test_does_not_serve_without_a_gpu_or_with_the_switch_off(monkeypatch) -> Non
         SD.partial_rows_only()
 
 
+def _cuda_case(s: int, cols: int, pcap: int, prefix: int, reads: float) -> tuple:
+    """A bf16 decode case on CUDA at Qwen2.5-0.5B's attention shape (2 KV heads x 7, 64-dim), the split decode's check
+    passed: q, the slot caches (`cols` columns), the prefix copy (`pcap`), random key lengths, and `prefix` prefix
+    columns for a `reads` share of the rows."""
+    from thinkcraft.llm.hf import split_decode as SD
+
+    dev, dt, hkv, g, d = torch.device("cuda"), torch.bfloat16, 2, 7, 64
+    assert SD.serves(dev, dt, d, g)
+    q = torch.randn(s, hkv * g, 1, d, device=dev, dtype=dt)
+    kc, vc = (torch.randn(s, hkv, cols, d, device=dev, dtype=dt) for _ in range(2))
+    pk, pv = (torch.randn(1, hkv, pcap, d, device=dev, dtype=dt) for _ in range(2))
+    key_len = torch.randint(1, cols, (s,), device=dev, dtype=torch.int32)
+    prefix_n = torch.where(torch.rand(s, device=dev) < reads, prefix, 0).to(torch.int32)
+    return q, kc, vc, pk, pv, key_len, prefix_n
+
+
+def _replayed_after_new_lengths(call, key_len: torch.Tensor, cols: int) -> torch.Tensor:  # noqa: ANN001
+    """`call()` warmed on a side stream, captured into a CUDA graph, the key lengths redrawn in place, the graph
+    replayed: its output (the grid is the cache's, the counts are read on the device)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = call()
+    key_len.copy_(torch.randint(1, cols, key_len.shape, device=key_len.device, dtype=torch.int32))
+    graph.replay()
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU (none here)")
 def test_split_decode_on_gpu_equals_flash_attention_and_replays() -> None:
@@ -171,15 +203,9 @@ def test_split_decode_on_gpu_equals_flash_attention_and_replays() -> None:
     from thinkcraft.llm import attention as A
     from thinkcraft.llm.hf import split_decode as SD
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    s, hkv, g, d, cols, pcap = 80, 2, 7, 64, 1281, 128
-    assert SD.serves(dev, dt, d, g)
-    q = torch.randn(s, hkv * g, 1, d, device=dev, dtype=dt)
-    kc, vc = (torch.randn(s, hkv, cols, d, device=dev, dtype=dt) for _ in range(2))
-    pk, pv = (torch.randn(1, hkv, pcap, d, device=dev, dtype=dt) for _ in range(2))
-    key_len = torch.randint(1, cols, (s,), device=dev, dtype=torch.int32)
-    reads = torch.rand(s, device=dev) < 0.8
-    prefix_n = torch.where(reads, 120, 0).to(torch.int32)
+    s, d, cols, pcap = 80, 64, 1281, 128
+    q, kc, vc, pk, pv, key_len, prefix_n = _cuda_case(s, cols, pcap, 120, 0.8)
+    reads = prefix_n > 0
     scale = d ** -0.5
     out = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
     o, lse = A.slot_decode_attention(q, kc, vc, key_len, cols, scale)
@@ -188,16 +214,8 @@ def test_split_decode_on_gpu_equals_flash_attention_and_replays() -> None:
     assert float((out.float() - flash.float()).abs().max()) < 2e-2
     want = SD.reference(q[:8], kc[:8], vc[:8], key_len[:8], pk, pv, prefix_n[:8], scale)
     assert float((out[:8].double().cpu() - want).abs().max()) < 2e-2
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
-    key_len.copy_(torch.randint(1, cols, (s,), device=dev, dtype=torch.int32))
-    graph.replay()
+    got = _replayed_after_new_lengths(lambda: SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale),
+                                      key_len, cols)
     torch.testing.assert_close(got, SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale))
 
 
@@ -209,29 +227,15 @@ def test_prefix_on_a_side_stream_equals_one_stream_and_replays(monkeypatch) -> N
     change), on a stream other than the default."""
     from thinkcraft.llm.hf import split_decode as SD
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    s, hkv, g, d, cols, pcap = 96, 2, 7, 64, 700, 680
-    assert SD.serves(dev, dt, d, g)
-    q = torch.randn(s, hkv * g, 1, d, device=dev, dtype=dt)
-    kc, vc = (torch.randn(s, hkv, cols, d, device=dev, dtype=dt) for _ in range(2))
-    pk, pv = (torch.randn(1, hkv, pcap, d, device=dev, dtype=dt) for _ in range(2))
-    key_len = torch.randint(1, cols, (s,), device=dev, dtype=torch.int32)
-    prefix_n = torch.where(torch.rand(s, device=dev) < 0.9, pcap, 0).to(torch.int32)
-    scale = d ** -0.5
+    s, cols, pcap = 96, 700, 680
+    q, kc, vc, pk, pv, key_len, prefix_n = _cuda_case(s, cols, pcap, pcap, 0.9)
+    scale = q.shape[-1] ** -0.5
     one = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
     monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "1")
     two = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
     assert SD._SIDE_STREAMS and torch.equal(two, one)  # the same programs, the same values
-    work = torch.cuda.Stream()
-    work.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(work):
-        SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)  # warm on the capture's stream
-    torch.cuda.current_stream().wait_stream(work)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
-    key_len.copy_(torch.randint(1, cols, (s,), device=dev, dtype=torch.int32))
-    graph.replay()
+    got = _replayed_after_new_lengths(lambda: SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale),
+                                      key_len, cols)
     torch.cuda.synchronize()
     monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "0")
     torch.testing.assert_close(got, SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale),
