@@ -556,7 +556,7 @@ def measure(a: argparse.Namespace, shape: str, num_envs: int, budget: int) -> di
         # THINKCRAFT_SPLIT_PARTIAL_ROWS), or its whole padded tile
         "split_partial_rows": env_switch("THINKCRAFT_SPLIT_PARTIAL_ROWS", default=True) if split_decode else None,
         # and its shared prefix's programs on a side stream beside the own chunks (THINKCRAFT_SPLIT_PREFIX_STREAM)
-        "split_prefix_stream": env_switch("THINKCRAFT_SPLIT_PREFIX_STREAM") if split_decode else None,
+        "split_prefix_stream": env_switch("THINKCRAFT_SPLIT_PREFIX_STREAM", default=True) if split_decode else None,
         "lora_add_op": env_switch("THINKCRAFT_LORA_ADD_OP", default=True) and fused_proj_groups > 0,
         # the decode step's GEMMs autotuned by inductor (THINKCRAFT_DECODE_AUTOTUNE, opt-in)
         "decode_autotune": env_switch("THINKCRAFT_DECODE_AUTOTUNE"), "fused_mlp": fused_mlp, "fused_rope": fused_rope,

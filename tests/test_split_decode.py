@@ -152,7 +152,9 @@ def test_does_not_serve_without_a_gpu_or_with_the_switch_off(monkeypatch) -> Non
     assert SD.partial_rows_only()  # the default: the partials of the group's heads only
     monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "0")
     assert not SD.partial_rows_only()
-    assert not SD.prefix_stream_on()  # the prefix on a side stream: opt-in
+    assert SD.prefix_stream_on()  # the prefix on a side stream: the default (on CUDA only: `_run`)
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "0")
+    assert not SD.prefix_stream_on()
     monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "maybe")
     with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PREFIX_STREAM must be 0 or 1"):
         SD.prefix_stream_on()
@@ -222,7 +224,7 @@ def test_split_decode_on_gpu_equals_flash_attention_and_replays() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA GPU (none here)")
 def test_prefix_on_a_side_stream_equals_one_stream_and_replays(monkeypatch) -> None:
-    """THINKCRAFT_SPLIT_PREFIX_STREAM=1: the shared prefix's programs on a side stream beside the own chunks give the
+    """THINKCRAFT_SPLIT_PREFIX_STREAM (on): the shared prefix's programs on a side stream beside the own chunks give the
     one-stream result, eagerly and replayed from a CUDA graph captured with the two branches (after the key lengths
     change), on a stream other than the default."""
     from thinkcraft.llm.hf import split_decode as SD
@@ -230,6 +232,7 @@ def test_prefix_on_a_side_stream_equals_one_stream_and_replays(monkeypatch) -> N
     s, cols, pcap = 96, 700, 680
     q, kc, vc, pk, pv, key_len, prefix_n = _cuda_case(s, cols, pcap, pcap, 0.9)
     scale = q.shape[-1] ** -0.5
+    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "0")
     one = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)
     monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "1")
     two = SD.split_decode_attention(q, kc, vc, key_len, pk, pv, prefix_n, scale)

@@ -93,12 +93,14 @@ def prefix_rows() -> int:
 
 
 def prefix_stream_on() -> bool:
-    """THINKCRAFT_SPLIT_PREFIX_STREAM: "1" launches the shared prefix's programs (`prefix_kernel`) on a side stream,
-    beside the rows' own chunks (`partial_kernel`) on the caller's, joined before the combine - in a CUDA graph, two
-    branches that may run at once; "0" (the default) one after the other on the caller's stream. Why: at 256 rows of
-    Qwen2.5-0.5B's shape the prefix kernel (~7 us a layer, 192 programs, H100 s64-1) runs alone between the layer's
-    GEMM and the ~32 us of own chunks, which leave bandwidth to spare (~66% of it); opt-in until measured."""
-    return env_switch("THINKCRAFT_SPLIT_PREFIX_STREAM")
+    """THINKCRAFT_SPLIT_PREFIX_STREAM: "1" (the default) launches the shared prefix's programs (`prefix_kernel`) on a
+    side stream, beside the rows' own chunks (`partial_kernel`) on the caller's, joined before the combine - in a CUDA
+    graph, two branches that may run at once; "0" one after the other on the caller's stream (the A/B switch). Why:
+    at 256 rows of Qwen2.5-0.5B's shape the prefix kernel (~7 us a layer, 192 programs, H100 s64-1) ran alone between
+    the layer's GEMM and the ~32 us of own chunks, which leave bandwidth to spare. Measured (1 x H100, 2026-12-08,
+    s67-1, BENCHMARKS §7b): `decode_attention_probe` at 248 rows 1.04 -> 0.886 ms a step's attention, the Craftax
+    row's decode iteration 2.236 -> 2.161 ms (the rollout 1,423 / 1,427 decisions/s, within its spread)."""
+    return env_switch("THINKCRAFT_SPLIT_PREFIX_STREAM", default=True)
 
 
 _SIDE_STREAMS: dict[int, Any] = {}
