@@ -49,3 +49,21 @@ def replay_capture(run, device, pool=None):  # noqa: ANN001, ANN202
     tensor, reading the same input buffers - what a CUDA graph's replay does."""
     out = run()
     return (lambda: out.copy_(run())), out
+
+
+def check_env_switch(monkeypatch, var: str, read, default: bool, bad: str = "maybe") -> None:  # noqa: ANN001
+    """`read()` follows the environment switch `var` (`utils.errors.env_switch`): unset `default`, "0" off, "1" on,
+    `bad` one UserError naming the switch; unset again after."""
+    import pytest
+
+    from thinkcraft.utils.errors import UserError
+
+    monkeypatch.delenv(var, raising=False)
+    assert read() is default
+    for value, want in (("0", False), ("1", True)):
+        monkeypatch.setenv(var, value)
+        assert read() is want
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(UserError, match=f"{var} must be 0 or 1"):
+        read()
+    monkeypatch.delenv(var)

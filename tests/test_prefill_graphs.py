@@ -16,7 +16,6 @@ from thinkcraft.llm import attention as A
 from thinkcraft.llm.hf import HFEngine
 from thinkcraft.llm.hf import prefill_graphs as PG
 from thinkcraft.llm.testing import tiny_llama
-from thinkcraft.utils.errors import UserError
 
 from llm_helpers import NoGate, replay_capture
 from test_flash_decode import _agree_in_bf16, _bf16_runs, _episodes
@@ -168,18 +167,10 @@ def test_the_padded_eager_prefill_equals_the_eager_prefill(monkeypatch) -> None:
 
 
 def test_the_switch(monkeypatch) -> None:
-    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", "0")
-    assert not PG.prefill_graphs_on()
-    monkeypatch.setenv("THINKCRAFT_PREFILL_GRAPHS", "on")
-    with pytest.raises(UserError, match="THINKCRAFT_PREFILL_GRAPHS"):
-        PG.prefill_graphs_on()
-    monkeypatch.delenv("THINKCRAFT_PREFILL_GRAPHS")
-    assert PG.prefill_graphs_on()
-    assert not PG.prefill_pad_on()  # the padded eager prefill: opt-in
-    monkeypatch.setenv("THINKCRAFT_PREFILL_PAD", "yes")
-    with pytest.raises(UserError, match="THINKCRAFT_PREFILL_PAD"):
-        PG.prefill_pad_on()
-    monkeypatch.delenv("THINKCRAFT_PREFILL_PAD")
+    from llm_helpers import check_env_switch
+
+    check_env_switch(monkeypatch, "THINKCRAFT_PREFILL_GRAPHS", PG.prefill_graphs_on, True, bad="on")
+    check_env_switch(monkeypatch, "THINKCRAFT_PREFILL_PAD", PG.prefill_pad_on, False, bad="yes")  # opt-in
     # the CPU engine never builds them
     model, tok = tiny_llama()
     eng = HFEngine.from_model(model, tok, max_slots=4)

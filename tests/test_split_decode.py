@@ -149,19 +149,11 @@ def test_does_not_serve_without_a_gpu_or_with_the_switch_off(monkeypatch) -> Non
     assert SD.prefix_rows() == 0
     monkeypatch.delenv("THINKCRAFT_SPLIT_PREFIX_ROWS")
     assert SD.prefix_rows() == SD.PREFIX_ROWS
-    assert SD.partial_rows_only()  # the default: the partials of the group's heads only
-    monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "0")
-    assert not SD.partial_rows_only()
-    assert SD.prefix_stream_on()  # the prefix on a side stream: the default (on CUDA only: `_run`)
-    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "0")
-    assert not SD.prefix_stream_on()
-    monkeypatch.setenv("THINKCRAFT_SPLIT_PREFIX_STREAM", "maybe")
-    with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PREFIX_STREAM must be 0 or 1"):
-        SD.prefix_stream_on()
-    monkeypatch.delenv("THINKCRAFT_SPLIT_PREFIX_STREAM")
-    monkeypatch.setenv("THINKCRAFT_SPLIT_PARTIAL_ROWS", "padded")
-    with pytest.raises(UserError, match="THINKCRAFT_SPLIT_PARTIAL_ROWS must be 0 or 1"):
-        SD.partial_rows_only()
+    from llm_helpers import check_env_switch
+
+    # the defaults: the partials of the group's heads only; the prefix on a side stream (on CUDA only: `_run`)
+    check_env_switch(monkeypatch, "THINKCRAFT_SPLIT_PARTIAL_ROWS", SD.partial_rows_only, True, bad="padded")
+    check_env_switch(monkeypatch, "THINKCRAFT_SPLIT_PREFIX_STREAM", SD.prefix_stream_on, True)
 
 
 def _cuda_case(s: int, cols: int, pcap: int, prefix: int, reads: float) -> tuple:

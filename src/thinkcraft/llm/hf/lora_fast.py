@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from thinkcraft.llm.hf.copies import StampedLayers, copies_fit, mixin_class, mixin_getattr, unmix
-from thinkcraft.utils.errors import env_switch
+from thinkcraft.utils.errors import UserError, env_switch
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -173,8 +173,6 @@ def merge_rounding() -> str:
     (the default: unbiased, the module docstring says why) or "nearest" (round to nearest even, as before
     2026-12-08). A bf16 base only; an fp16 base (10 mantissa bits, the loss 8x smaller) always rounds to nearest."""
     import os
-
-    from thinkcraft.utils.errors import UserError
 
     v = os.environ.get("THINKCRAFT_LORA_MERGE_ROUNDING", "").strip() or MERGE_ROUNDINGS[0]
     if v not in MERGE_ROUNDINGS:

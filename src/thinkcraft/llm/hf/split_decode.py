@@ -1,5 +1,6 @@
 """The decode step's attention as split-KV ("flash decoding"): each row's keys cut into chunks read in parallel,
-the shared prefix in the same launch, then one small combine.
+the shared prefix's chunks beside them (read once for a block of rows, on a side stream: `prefix_stream_on`), then
+one small combine.
 
 Why: FlashAttention's varlen forward (`attention.slot_decode_attention`) gives each (slot, KV head) sequence ONE
 thread block that walks all of that row's keys in turn, and the shared prefix is a second call whose result is
